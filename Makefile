@@ -1,0 +1,43 @@
+# Two commands set up a fresh machine: `make demo` and `make test`.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint format unit dist e2e clean
+
+$(STAMP): pyproject.toml requirements-dev.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first and pinned: pip then takes the CPU wheel, not a multi-GB CUDA build.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -r requirements-dev.txt
+	$(BIN)/pip install -q --no-deps -e .
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/meshrun demo
+
+test: $(STAMP) lint
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests examples benchmarks
+	$(BIN)/ruff format --check src tests examples benchmarks
+	$(BIN)/mypy
+
+format: $(STAMP)
+	$(BIN)/ruff format src tests examples benchmarks
+	$(BIN)/ruff check --fix src tests examples benchmarks
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q tests/unit
+
+dist: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/dist
+
+e2e: $(STAMP)
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/e2e
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

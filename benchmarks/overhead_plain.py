@@ -1,0 +1,137 @@
+"""Variant A of the overhead benchmark: a hand-written DDP loop for the demo GPT, torch only.
+
+What anyone would write without meshrun: ``init_process_group("gloo")``, DDP, AdamW, a
+warmup + cosine LambdaLR, gradient accumulation with ``no_sync()`` on the non-boundary
+micro-steps and the loss scaled by 1/accum. It reads the same global batches as meshrun's
+``run.dataloader`` (same seeded permutation, rank r taking every world-th sample of each
+global batch), so both variants train on the same data from the same initial weights and
+their losses can be compared. Started by ``benchmarks/overhead.py`` through torchrun.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import DataLoader
+
+from overhead_common import Clock, parse_worker_args, write_result
+
+CLOCK = Clock()
+DEMO_DIR = Path(__file__).resolve().parents[1] / "src" / "meshrun" / "demo"
+
+
+def load_demo_module(name: str) -> ModuleType:
+    """Load ``meshrun/demo/<name>.py`` by path. ``import meshrun.demo.model`` would run
+    ``meshrun/__init__.py`` (process-group code, rich, numpy) and charge meshrun's import time
+    to the plain variant's startup; the demo model and corpus themselves need only torch."""
+    spec = importlib.util.spec_from_file_location(f"_plain_{name}", DEMO_DIR / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while building
+    spec.loader.exec_module(module)
+    return module
+
+
+MASK64 = (1 << 64) - 1
+
+
+def mix_seed(*parts: int) -> int:
+    """splitmix64 over the parts: the seed of meshrun's per-epoch permutation."""
+    h = 0
+    for part in parts:
+        x = ((h ^ (part & MASK64)) + 0x9E3779B97F4A7C15) & MASK64
+        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+        h = x ^ (x >> 31)
+    return h
+
+
+def rank_indices(n: int, steps: int, global_batch: int, rank: int, world: int, seed: int) -> list[int]:
+    """This rank's dataset indices for ``steps`` global batches, in meshrun's order: stream
+    position p is ``perm(p // n)[p % n]`` and rank r takes positions r, r + world, ... of
+    each global batch."""
+    perms: dict[int, torch.Tensor] = {}
+    out: list[int] = []
+    for step in range(steps):
+        for pos in range(step * global_batch + rank, (step + 1) * global_batch, world):
+            epoch = pos // n
+            if epoch not in perms:
+                gen = torch.Generator().manual_seed(mix_seed(seed, epoch))
+                perms[epoch] = torch.randperm(n, generator=gen)
+            out.append(int(perms[epoch][pos % n]))
+    return out
+
+
+def main() -> None:
+    args = parse_worker_args()
+    model_mod, corpus_mod = load_demo_module("model"), load_demo_module("corpus")
+    CLOCK.mark("imported")
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    accum = args.global_batch // (args.micro_batch * world)
+    CLOCK.mark("initialized")
+
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    cfg = model_mod.demo_config(args.size)
+    model = DDP(model_mod.GPT(cfg))
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay
+    )
+
+    def lr_factor(step: int) -> float:  # linear warmup, then cosine down to min_lr_ratio
+        if step < args.warmup_steps:
+            return (step + 1) / (args.warmup_steps + 1)
+        progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
+        return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
+    CLOCK.mark("model")
+
+    train, _ = corpus_mod.build_demo_datasets(cfg.seq_len, limit_bytes=args.corpus_bytes)
+    indices = rank_indices(len(train), args.steps, args.global_batch, rank, world, args.seed)
+    batches = iter(DataLoader(train, batch_size=args.micro_batch, sampler=indices))
+    CLOCK.mark("data")
+
+    CLOCK.start_steps()
+    loss_sum = torch.zeros(())
+    for _ in range(args.steps):
+        loss_sum = torch.zeros(())
+        for micro in range(accum):
+            batch = next(batches)
+            # Gradients are all-reduced only on the last micro-step of the window.
+            sync = nullcontext() if micro == accum - 1 else model.no_sync()
+            with sync:
+                loss = model(batch["input"], batch["target"])
+                (loss / accum).backward()
+            loss_sum += loss.detach()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        CLOCK.end_step()
+
+    # The last step's loss over the whole global batch, once, after the timed steps.
+    mean = loss_sum / accum
+    dist.all_reduce(mean)
+    if rank == 0:
+        write_result(
+            args.result,
+            "plain",
+            CLOCK,
+            args.skip,
+            final_loss=float(mean) / world,
+            world_size=world,
+            accum=accum,
+        )
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,7 @@
+"""``python -m meshrun``: the command line."""
+
+import sys
+
+from meshrun.cli import main
+
+sys.exit(main())

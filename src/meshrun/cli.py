@@ -1,0 +1,232 @@
+"""The ``meshrun`` command line: argparse subcommands, each a few lines calling the library.
+
+Everything that can be checked before a process is spawned is checked here: the config (keys,
+types, ranges), the mesh against the world size, the batch arithmetic, the script's path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from meshrun import __version__
+from meshrun.config import (
+    Config,
+    ConfigError,
+    load_config,
+    split_overrides,
+    to_toml,
+    validate_for_world,
+    write_config,
+)
+
+DEMO_MODULE = "meshrun.demo"
+DEMO_CONFIG = Path(__file__).parent / "demo" / "demo.toml"
+
+
+def _world_nodes(nnodes: str) -> int:
+    """Nodes to validate against: N, or MAX of an elastic MIN:MAX range."""
+    try:
+        return int(nnodes.split(":")[-1])
+    except ValueError:
+        raise ConfigError(f"--nnodes {nnodes!r} is not allowed: expected N or MIN:MAX") from None
+
+
+def _prepare(cfg: Config, nproc: int, nnodes: str) -> Path:
+    """Validate for the world size and write the resolved config the workers will read."""
+    world = nproc * _world_nodes(nnodes)
+    validate_for_world(cfg, world)
+    return write_config(cfg, cfg.resolved_run_dir() / "config.toml")
+
+
+def _launch(
+    cfg: Config, nproc: int, script: str | None, module: str | None, script_args: list[str]
+) -> int:
+    from meshrun.launch.local import LaunchSpec, launch_local
+
+    config_path = _prepare(cfg, nproc, cfg.launch.nnodes)
+    spec = LaunchSpec(
+        nproc_per_node=nproc,
+        script=script,
+        module=module,
+        script_args=script_args,
+        nnodes=cfg.launch.nnodes,
+        max_restarts=cfg.launch.max_restarts,
+        omp_num_threads=cfg.launch.omp_num_threads,
+        config_path=str(config_path),
+        run_dir=str(cfg.resolved_run_dir()),
+    )
+    return launch_local(spec)
+
+
+def _nproc(flag: int | None, cfg: Config) -> int:
+    from meshrun.launch.local import default_nproc_per_node
+
+    n = flag or cfg.launch.nproc_per_node or default_nproc_per_node()
+    if n < 1:
+        raise ConfigError(f"--nproc-per-node {n} is not allowed: must be >= 1")
+    return n
+
+
+# --- subcommands ---------------------------------------------------------------------------
+
+
+def cmd_launch(a: argparse.Namespace) -> int:
+    target = a.target
+    if not target:
+        raise ConfigError("meshrun launch needs a script (train.py) or -m MODULE")
+    module = target if a.module else None
+    if module is None and not Path(target).is_file():
+        raise ConfigError(f"script {target!r} does not exist")
+    args = list(a.args)
+    overrides, _ = split_overrides(args)
+    default = DEMO_CONFIG if module == DEMO_MODULE else None
+    cfg = load_config(a.config or default, [*a.set, *overrides])
+    if a.nnodes:
+        cfg.launch.nnodes = a.nnodes
+    if a.max_restarts is not None:
+        cfg.launch.max_restarts = a.max_restarts
+    script = None if module else target
+    return _launch(cfg, _nproc(a.nproc_per_node, cfg), script, module, args)
+
+
+def cmd_demo(a: argparse.Namespace) -> int:
+    overrides, _ = split_overrides(a.overrides)
+    extra = [("job.run_dir", a.run_dir)]
+    if a.steps is not None:
+        extra.append(("optim.steps", str(a.steps)))
+    cfg = load_config(DEMO_CONFIG, [*extra, *overrides])
+    nproc = _nproc(a.nproc, cfg)
+    if not any(key == "data.micro_batch" for key, _ in overrides):
+        _fit_micro_batch(cfg, nproc)
+    script_args = ["--size", a.size]
+    return _launch(cfg, nproc, None, DEMO_MODULE, script_args)
+
+
+def _fit_micro_batch(cfg: Config, nproc: int) -> None:
+    """Keep the demo's global batch on any process count: lower the micro-batch if needed
+    (said aloud, never silently)."""
+    g, m = cfg.data.global_batch, cfg.data.micro_batch
+    fits = [k for k in range(m, 0, -1) if g % (k * nproc) == 0]
+    if fits and fits[0] != m:
+        print(
+            f"meshrun demo: data.micro_batch {m} -> {fits[0]} so that the global batch {g} "
+            f"divides over {nproc} processes",
+            file=sys.stderr,
+        )
+        cfg.data.micro_batch = fits[0]
+
+
+def cmd_config_show(a: argparse.Namespace) -> int:
+    overrides, _ = split_overrides(a.overrides)
+    cfg = load_config(a.file, overrides)
+    if a.world_size:
+        validate_for_world(cfg, a.world_size)
+    sys.stdout.write(to_toml(cfg))
+    return 0
+
+
+def cmd_config_init(a: argparse.Namespace) -> int:
+    path = Path(a.path)
+    if path.exists() and not a.force:
+        raise ConfigError(f"{path} already exists; pass --force to overwrite it")
+    path.write_text(
+        "# meshrun configuration. Every key can be overridden: --section.key=value\n\n"
+        + to_toml(Config(), comments=True)
+    )
+    print(f"wrote {path}")
+    return 0
+
+
+# --- parser --------------------------------------------------------------------------------
+
+
+def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "launch",
+        help="run a training script on this node through the torchrun elastic agent",
+        description="Run SCRIPT (or -m MODULE) in N processes with torch.distributed.run. "
+        "Arguments after the script go to it; --section.key=value among them override the "
+        "config, which is validated before any process starts.",
+    )
+    p.add_argument("--nproc-per-node", type=int, help="processes (default: GPUs, else 2)")
+    p.add_argument("--nnodes", help="nodes: N or MIN:MAX (default 1)")
+    p.add_argument("--max-restarts", type=int, help="restarts after a failure (default 0)")
+    p.add_argument("--config", help="TOML config file")
+    p.add_argument("--set", action="append", default=[], type=_kv, help="SECTION.KEY=VALUE")
+    p.add_argument("-m", "--module", action="store_true", help="TARGET is a module (python -m)")
+    p.add_argument("target", nargs="?", help="script path, or module name with -m")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(fn=cmd_launch)
+
+
+def _kv(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: expected SECTION.KEY=VALUE")
+    key, value = text.split("=", 1)
+    return key, value
+
+
+def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="train a small byte-level GPT on the Python stdlib in several processes",
+        description="A real multi-process training job with nothing to download.",
+    )
+    p.add_argument("--nproc", type=int, help="processes (default: GPUs, else 2)")
+    p.add_argument("--steps", type=int, help="optimizer steps (default 150, about 2 min on 2 CPU cores)")
+    p.add_argument("--run-dir", default="runs/demo", help="output directory (default runs/demo)")
+    p.add_argument("--size", default="small", choices=["tiny", "small"], help="model size")
+    p.set_defaults(fn=cmd_demo)
+    p.epilog = "Any --section.key=value argument overrides the demo's config."
+
+
+def _add_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("config", help="show the effective config or write a template")
+    csub = p.add_subparsers(dest="config_cmd", required=True)
+    show = csub.add_parser("show", help="print the effective config (file + overrides)")
+    show.add_argument("file", nargs="?", help="TOML config file")
+    show.add_argument("--world-size", type=int, help="also validate for this many processes")
+    show.epilog = "Any --section.key=value argument overrides the file."
+    show.set_defaults(fn=cmd_config_show)
+    init = csub.add_parser("init", help="write a commented config template")
+    init.add_argument("path", nargs="?", default="meshrun.toml")
+    init.add_argument("--force", action="store_true", help="overwrite an existing file")
+    init.set_defaults(fn=cmd_config_init)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="meshrun", description="PyTorch from one GPU to many.")
+    p.add_argument("--version", action="version", version=f"meshrun {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    _add_demo(sub)
+    _add_launch(sub)
+    _add_config(sub)
+    return p
+
+
+def _take_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
+    # argparse would read `--optim.lr=1` as an unknown option: `demo` and `config show` take
+    # their overrides out first (launch leaves them to its script's arguments).
+    if argv[:1] == ["demo"] or argv[:2] == ["config", "show"]:
+        return [x for x in argv if not _is_override(x)], [x for x in argv if _is_override(x)]
+    return argv, []
+
+
+def _is_override(arg: str) -> bool:
+    return arg.startswith("--") and "." in arg.split("=", 1)[0]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    rest, overrides = _take_overrides(args_list)
+    a = parser.parse_args(rest)
+    a.overrides = overrides
+    try:
+        return int(a.fn(a))
+    except ConfigError as e:
+        print(f"meshrun {a.command}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,464 @@
+"""Configuration: a tree of small dataclasses, read from TOML, overridden by ``--section.key=value``.
+
+The launcher resolves the config once (file + overrides), validates it before any process is
+spawned, and writes it to one file whose path reaches the workers as ``MESHRUN_CONFIG``: one
+channel, not a spray of environment variables.
+
+Every error names the key, the value, what is allowed and how to fix it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import sys
+import types
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, Union, get_args, get_origin, get_type_hints
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+CONFIG_ENV = "MESHRUN_CONFIG"
+
+
+class ConfigError(ValueError):
+    """A bad config key or value; the message names the key, the value and what is allowed."""
+
+
+def _f(default: Any, doc: str, **checks: Any) -> Any:
+    """A dataclass field carrying its documentation and range checks (``min``, ``max``)."""
+    return field(default=default, metadata={"doc": doc, **checks})
+
+
+@dataclass
+class JobConfig:
+    """What this run is and where it writes."""
+
+    name: str = _f("meshrun", "Run name, used in the default run directory.")
+    run_dir: str = _f("", "Run directory (metrics, logs, checkpoints). Empty = runs/<name>.")
+    seed: int = _f(1234, "Seed: model init uses it on every rank; data augmentation adds the rank.")
+    device: Literal["auto", "cpu", "cuda"] = _f("auto", "auto = cuda if available, else cpu.")
+    backend: Literal["auto", "gloo", "nccl"] = _f("auto", "auto = nccl on cuda, gloo on cpu.")
+    timeout_s: float = _f(
+        600.0, "Process-group timeout in seconds (Gloo's default is 30 min).", min=1
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = _f("info", "Console log level.")
+
+
+@dataclass
+class ParallelConfig:
+    """The parallel layout: one named DeviceMesh (pp, dp_replicate, dp_shard, tp)."""
+
+    dp_replicate: int = _f(1, "Replicated data-parallel degree (HSDP outer dim).", min=1)
+    dp_shard: int = _f(-1, "Sharded data-parallel degree; -1 = what is left of the world.", min=-1)
+    tp: int = _f(1, "Tensor-parallel degree.", min=1)
+    pp: int = _f(1, "Pipeline-parallel degree.", min=1)
+    zero: int = _f(0, "ZeRO stage: 0 = DDP (stages 1-3 arrive with FSDP2).", min=0, max=3)
+    bucket_cap_mb: float = _f(25.0, "DDP gradient bucket size in MiB.", min=0.001)
+    gradient_as_bucket_view: bool = _f(
+        True, "DDP: gradients are views into the buckets (saves memory)."
+    )
+    static_graph: bool = _f(False, "DDP: the graph is the same every step (enables optimisations).")
+    find_unused_parameters: bool = _f(
+        False, "DDP: search for parameters without gradients (slower)."
+    )
+
+
+@dataclass
+class DataConfig:
+    """Batch sizes and the loader. global_batch = micro_batch x accumulation x data-parallel size."""
+
+    global_batch: int = _f(
+        32, "Samples per optimizer step over all ranks; kept when the world changes.", min=1
+    )
+    micro_batch: int = _f(8, "Samples per forward/backward on one rank.", min=1)
+    num_workers: int = _f(0, "DataLoader worker processes per rank.", min=0)
+    shuffle: bool = _f(True, "Shuffle the order (a function of seed and epoch only).")
+
+
+@dataclass
+class OptimConfig:
+    """Learning rate, its scaling rule and its schedule."""
+
+    lr: float = _f(3e-4, "Base learning rate (at ref_batch when a scaling rule is set).", min=0)
+    lr_scaling: Literal["none", "linear", "sqrt"] = _f(
+        "none", "Scale lr by global_batch/ref_batch."
+    )
+    ref_batch: int = _f(0, "Reference global batch of `lr`; 0 = global_batch (no scaling).", min=0)
+    warmup_steps: int = _f(0, "Linear warmup steps from 0 to the peak lr.", min=0)
+    decay: Literal["cosine", "linear", "constant"] = _f("cosine", "Decay after warmup.")
+    min_lr_ratio: float = _f(0.1, "Final lr as a fraction of the peak lr.", min=0, max=1)
+    steps: int = _f(100, "Total optimizer steps of the run (the schedule's length).", min=1)
+    weight_decay: float = _f(0.0, "Weight decay (for helpers that build the optimizer).", min=0)
+    grad_clip: float = _f(0.0, "Clip the global gradient norm to this value; 0 = off.", min=0)
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and when checkpoints are written (full resume arrives with the checkpoint issue)."""
+
+    dir: str = _f("", "Checkpoint directory. Empty = <run_dir>/checkpoints.")
+    interval: int = _f(0, "Save every N optimizer steps; 0 = only at the end when asked.", min=0)
+    async_: bool = _f(False, "Write in the background while training goes on.")
+    keep_last: int = _f(3, "Keep the newest N checkpoints.", min=1)
+    keep_every: int = _f(0, "Also keep every M-th step's checkpoint; 0 = none.", min=0)
+    resume: str = _f("auto", "auto = newest valid checkpoint, never, or a path.")
+
+
+@dataclass
+class MetricsConfig:
+    """What is measured and where it goes."""
+
+    log_every: int = _f(1, "Write metrics every N optimizer steps.", min=1)
+    progress: bool = _f(True, "Progress bar on a terminal (plain lines otherwise).")
+    jsonl: bool = _f(True, "Write <run_dir>/metrics.jsonl.")
+
+
+@dataclass
+class LaunchConfig:
+    """How `meshrun launch` starts the workers (through the torchrun elastic agent)."""
+
+    nproc_per_node: int = _f(0, "Processes per node; 0 = number of GPUs, else 2 on CPU.", min=0)
+    nnodes: str = _f("1", "Number of nodes, or MIN:MAX for elastic jobs.")
+    max_restarts: int = _f(0, "Restarts of the worker group after a failure.", min=0)
+    omp_num_threads: int = _f(0, "OMP_NUM_THREADS per worker; 0 = cores / processes.", min=0)
+
+
+@dataclass
+class Config:
+    """The whole configuration tree."""
+
+    job: JobConfig = field(default_factory=JobConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def resolved_run_dir(self) -> Path:
+        return Path(self.job.run_dir or f"runs/{self.job.name}")
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {
+            sec.name: {_key(f): getattr(getattr(self, sec.name), f.name) for f in _fields(sec.type)}
+            for sec in dataclasses.fields(self)
+        }
+
+    def digest(self) -> str:
+        """A short hash of the effective config (nodes compare it; manifests record it)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+# --- field introspection -------------------------------------------------------------------
+
+
+def _key(f: dataclasses.Field[Any]) -> str:
+    # `async` is a Python keyword: the field is `async_`, the TOML/CLI key is `async`.
+    return f.name.rstrip("_")
+
+
+def _fields(section_type: Any) -> list[dataclasses.Field[Any]]:
+    return list(dataclasses.fields(section_type))
+
+
+def _section_types() -> dict[str, type]:
+    hints = get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def _field_map(section_type: type) -> dict[str, tuple[dataclasses.Field[Any], Any]]:
+    hints = get_type_hints(section_type)
+    return {_key(f): (f, hints[f.name]) for f in dataclasses.fields(section_type)}
+
+
+def _describe(tp: Any) -> str:
+    if get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    return {bool: "true or false", int: "an integer", float: "a number", str: "a string"}.get(
+        tp, str(tp)
+    )
+
+
+# --- value coercion ------------------------------------------------------------------------
+
+
+def _coerce(key: str, value: Any, tp: Any, from_text: bool) -> Any:
+    """Convert ``value`` to ``tp`` or raise a ConfigError naming the key and what is allowed."""
+    origin = get_origin(tp)
+    if origin is Literal:
+        allowed = get_args(tp)
+        if value in allowed:
+            return value
+        raise ConfigError(f"{key} = {value!r} is not allowed: expected {_describe(tp)}")
+    if origin in (Union, types.UnionType):  # Optional[X]
+        inner = next(a for a in get_args(tp) if a is not type(None))
+        if value is None or (from_text and str(value).lower() in ("none", "null", "")):
+            return None
+        return _coerce(key, value, inner, from_text)
+    converted = _convert_text(value, tp) if from_text else _convert_native(value, tp)
+    if converted is _BAD:
+        raise ConfigError(
+            f"{key} = {value!r} has the wrong type: expected {_describe(tp)} "
+            f"(e.g. --{key}={_example(tp)})"
+        )
+    return converted
+
+
+_BAD = object()
+
+
+def _example(tp: Any) -> str:
+    return {bool: "true", int: "4", float: "0.5", str: "text"}.get(tp, "...")
+
+
+def _convert_native(value: Any, tp: Any) -> Any:
+    if tp is bool:
+        return value if isinstance(value, bool) else _BAD
+    if tp is int:
+        return value if isinstance(value, int) and not isinstance(value, bool) else _BAD
+    if tp is float:
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        return float(value) if ok else _BAD
+    if tp is str:
+        return value if isinstance(value, str) else _BAD
+    return _BAD
+
+
+def _convert_text(text: Any, tp: Any) -> Any:
+    text = str(text)
+    if tp is bool:
+        lowered = text.lower()
+        if lowered in ("true", "1", "yes", "on"):
+            return True
+        if lowered in ("false", "0", "no", "off"):
+            return False
+        return _BAD
+    try:
+        if tp is int:
+            return int(text)
+        if tp is float:
+            return float(text)
+    except ValueError:
+        return _BAD
+    return text if tp is str else _BAD
+
+
+def _check_range(key: str, value: Any, f: dataclasses.Field[Any]) -> None:
+    lo, hi = f.metadata.get("min"), f.metadata.get("max")
+    if lo is not None and value < lo:
+        raise ConfigError(f"{key} = {value!r} is out of range: must be >= {lo}")
+    if hi is not None and value > hi:
+        raise ConfigError(f"{key} = {value!r} is out of range: must be <= {hi}")
+
+
+# --- building a Config ---------------------------------------------------------------------
+
+
+def _suggest(name: str, options: Iterable[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, list(options), n=1)
+    return f" Did you mean {close[0]!r}?" if close else ""
+
+
+def _set(cfg: Config, dotted: str, value: Any, from_text: bool) -> None:
+    sections = _section_types()
+    parts = dotted.split(".")
+    if len(parts) != 2:
+        raise ConfigError(
+            f"config key {dotted!r} must have the form section.key; sections: {', '.join(sections)}"
+        )
+    sec, key = parts
+    if sec not in sections:
+        raise ConfigError(
+            f"unknown config section {sec!r} in {dotted!r}; allowed: {', '.join(sections)}."
+            + _suggest(sec, sections)
+        )
+    fmap = _field_map(sections[sec])
+    if key not in fmap:
+        raise ConfigError(
+            f"unknown config key {dotted!r}; keys of [{sec}]: {', '.join(fmap)}."
+            + _suggest(key, fmap)
+        )
+    f, tp = fmap[key]
+    coerced = _coerce(dotted, value, tp, from_text)
+    _check_range(dotted, coerced, f)
+    setattr(getattr(cfg, sec), f.name, coerced)
+
+
+def apply_mapping(cfg: Config, data: Mapping[str, Any], source: str = "config") -> Config:
+    """Apply a ``{section: {key: value}}`` mapping (parsed TOML) to ``cfg`` in place."""
+    for sec, body in data.items():
+        if not isinstance(body, Mapping):
+            raise ConfigError(
+                f"{source}: top-level key {sec!r} must be a [section] table; "
+                f"allowed sections: {', '.join(_section_types())}"
+            )
+        for key, value in body.items():
+            try:
+                _set(cfg, f"{sec}.{key}", value, from_text=False)
+            except ConfigError as e:
+                raise ConfigError(f"{source}: {e}") from None
+    return cfg
+
+
+def load_toml(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    if not p.is_file():
+        raise ConfigError(
+            f"config file {str(p)!r} does not exist; create one with `meshrun config init`"
+        )
+    try:
+        with p.open("rb") as fh:
+            return tomllib.load(fh)
+    except tomllib.TOMLDecodeError as e:
+        raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+
+
+def split_overrides(argv: Sequence[str]) -> tuple[list[tuple[str, str]], list[str]]:
+    """Separate ``--section.key=value`` / ``--section.key value`` from the other arguments.
+
+    Only dotted long options are taken, so a user script's own flags pass through untouched.
+    """
+    overrides: list[tuple[str, str]] = []
+    rest: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg[2:].split("=", 1)[0] if arg.startswith("--") else ""
+        if "." not in name:
+            rest.append(arg)
+        elif "=" in arg:
+            overrides.append((name, arg.split("=", 1)[1]))
+        elif i + 1 < len(argv):
+            overrides.append((name, argv[i + 1]))
+            i += 1
+        else:
+            raise ConfigError(f"override --{name} has no value; write --{name}=VALUE")
+        i += 1
+    return overrides, rest
+
+
+def load_config(
+    path: str | Path | None = None, overrides: Sequence[tuple[str, str]] = ()
+) -> Config:
+    """Defaults, then the TOML file (if any), then ``--section.key=value`` overrides."""
+    cfg = Config()
+    if path:
+        apply_mapping(cfg, load_toml(path), source=str(path))
+    return apply_overrides(cfg, overrides)
+
+
+def apply_overrides(cfg: Config, overrides: Sequence[tuple[str, str]]) -> Config:
+    """Apply ``(section.key, text)`` pairs from the command line to ``cfg`` in place."""
+    for dotted, text in overrides:
+        try:
+            _set(cfg, dotted, text, from_text=True)
+        except ConfigError as e:
+            raise ConfigError(f"command line: {e}") from None
+    return cfg
+
+
+# --- derived values and whole-config checks ------------------------------------------------
+
+
+def resolve_mesh_dims(p: ParallelConfig, world_size: int) -> dict[str, int]:
+    """Fill in ``dp_shard = -1`` and check that the mesh product equals the world size."""
+    fixed = p.dp_replicate * p.tp * p.pp
+    dp_shard = p.dp_shard
+    if dp_shard == -1:
+        if world_size % fixed:
+            raise ConfigError(
+                f"parallel: dp_replicate x tp x pp = {p.dp_replicate} x {p.tp} x {p.pp} = {fixed} "
+                f"does not divide the world size {world_size}; choose degrees whose product divides it"
+            )
+        dp_shard = world_size // fixed
+    elif dp_shard == 0:
+        raise ConfigError("parallel.dp_shard = 0 is not allowed: use -1 (the rest) or >= 1")
+    dims = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "tp": p.tp}
+    product = p.pp * p.dp_replicate * dp_shard * p.tp
+    if product != world_size:
+        shown = " x ".join(f"{k}={v}" for k, v in dims.items())
+        raise ConfigError(
+            f"parallel: mesh {shown} = {product} processes, but the world size is {world_size}; "
+            f"set parallel.dp_shard=-1 or change the degrees so that the product is {world_size}"
+        )
+    return dims
+
+
+def grad_accumulation(data: DataConfig, dp_size: int) -> int:
+    """accumulation = global_batch / (micro_batch x dp_size); an error if it does not divide."""
+    per_step = data.micro_batch * dp_size
+    if data.global_batch % per_step:
+        ok = [m for m in range(1, data.global_batch + 1) if data.global_batch % (m * dp_size) == 0]
+        hint = (
+            f"micro_batch in {ok[:8]}" if ok else f"a global_batch that is a multiple of {dp_size}"
+        )
+        raise ConfigError(
+            f"data.global_batch = {data.global_batch} is not divisible by micro_batch x "
+            f"data-parallel size = {data.micro_batch} x {dp_size} = {per_step}; use {hint}"
+        )
+    return data.global_batch // per_step
+
+
+def validate_for_world(cfg: Config, world_size: int) -> dict[str, int]:
+    """All checks that need the world size; run by the launcher before spawning workers."""
+    if cfg.parallel.zero != 0:
+        raise ConfigError(
+            f"parallel.zero = {cfg.parallel.zero} is not available yet: this version runs "
+            "DDP (zero = 0) only"
+        )
+    for dim in ("tp", "pp"):
+        if getattr(cfg.parallel, dim) != 1:
+            raise ConfigError(
+                f"parallel.{dim} = {getattr(cfg.parallel, dim)} is not available yet: "
+                f"this version runs data parallelism only; set parallel.{dim}=1"
+            )
+    dims = resolve_mesh_dims(cfg.parallel, world_size)
+    grad_accumulation(cfg.data, dims["dp_replicate"] * dims["dp_shard"])
+    return dims
+
+
+# --- files ---------------------------------------------------------------------------------
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, (int, float)):
+        return repr(v)
+    return json.dumps(str(v))  # a JSON string is a valid TOML basic string
+
+
+def to_toml(cfg: Config, comments: bool = False) -> str:
+    """Render the config as TOML; with comments, each key carries its documentation."""
+    lines: list[str] = []
+    for sec in dataclasses.fields(cfg):
+        section_obj = getattr(cfg, sec.name)
+        if comments:
+            lines.append(f"# {(type(section_obj).__doc__ or '').strip()}")
+        lines.append(f"[{sec.name}]")
+        for f in dataclasses.fields(section_obj):
+            entry = f"{_key(f)} = {_toml_value(getattr(section_obj, f.name))}"
+            doc = f.metadata.get("doc", "")
+            lines.append(f"{entry:<32} # {doc}" if comments and doc else entry)
+        lines.append("")
+    return "\n".join(lines)
+
+
+def write_config(cfg: Config, path: str | Path) -> Path:
+    """Write the resolved config atomically (workers read it while the launcher may rewrite)."""
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(to_toml(cfg))
+    tmp.replace(p)
+    return p

@@ -1,0 +1,90 @@
+"""Build a DataLoader whose worker randomness is reproducible per rank and worker."""
+
+from __future__ import annotations
+
+import functools
+import random
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from meshrun.data.sampler import ResumableSampler, mix_seed
+
+__all__ = ["build_dataloader"]
+
+
+def build_dataloader(
+    dataset: Dataset[Any],
+    sampler: Sampler[int],
+    micro_batch: int,
+    *,
+    num_workers: int = 0,
+    seed: int = 0,
+    rank: int = 0,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    pin_memory: bool = False,
+    prefetch_factor: int | None = None,
+) -> DataLoader[Any]:
+    """Return a DataLoader over ``sampler``'s indices in batches of ``micro_batch``.
+
+    Workers seed Python ``random``, NumPy and torch from (seed, rank, worker id),
+    so augmentation differs between ranks and workers yet repeats run to run.
+    Workers are persistent, so their random streams continue across epochs
+    instead of restarting (which would repeat every epoch's augmentation).
+    """
+    _validate(micro_batch, num_workers, prefetch_factor)
+    _maybe_warn_straddle(sampler, micro_batch)
+    return DataLoader(
+        dataset,
+        batch_size=micro_batch,
+        sampler=sampler,
+        # The sampler already yields whole global batches; dropping would lose data.
+        drop_last=False,
+        num_workers=num_workers,
+        collate_fn=collate_fn,
+        pin_memory=pin_memory,
+        worker_init_fn=functools.partial(seed_worker, seed=seed, rank=rank),
+        generator=torch.Generator().manual_seed(mix_seed(seed, rank)),
+        persistent_workers=num_workers > 0,
+        prefetch_factor=prefetch_factor,
+    )
+
+
+def seed_worker(worker_id: int, *, seed: int, rank: int) -> None:
+    """Seed every RNG a dataset might use inside DataLoader worker ``worker_id``.
+
+    torch seeds its own and Python's RNG per worker, but not NumPy's, so a forked
+    worker would otherwise inherit the same NumPy state as all its siblings.
+    """
+    worker_seed = mix_seed(seed, rank, worker_id)
+    random.seed(worker_seed)
+    np.random.seed(worker_seed % 2**32)  # NumPy's legacy seed is 32-bit.
+    torch.manual_seed(worker_seed)
+
+
+def _validate(micro_batch: int, num_workers: int, prefetch_factor: int | None) -> None:
+    if micro_batch < 1:
+        raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
+    if num_workers < 0:
+        raise ValueError(f"num_workers must be >= 0, got {num_workers}")
+    if prefetch_factor is not None and (num_workers == 0 or prefetch_factor < 1):
+        raise ValueError(
+            f"prefetch_factor must be None or >= 1 with num_workers > 0, "
+            f"got prefetch_factor={prefetch_factor}, num_workers={num_workers}"
+        )
+
+
+def _maybe_warn_straddle(sampler: Sampler[int], micro_batch: int) -> None:
+    if not isinstance(sampler, ResumableSampler) or sampler.mode != "train":
+        return
+    per_rank = sampler.global_batch // sampler.world_size
+    if per_rank % micro_batch != 0:
+        warnings.warn(
+            f"global_batch // world_size = {per_rank} is not a multiple of "
+            f"micro_batch = {micro_batch}: micro-batches will straddle global batches",
+            stacklevel=3,
+        )

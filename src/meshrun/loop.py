@@ -1,0 +1,197 @@
+"""The step loop: gradient accumulation, the all-reduce only on boundary micro-steps, timing and
+metrics. The user's loop stays theirs: this only hands out micro-batches and decides when the
+optimizer steps.
+
+Normalisation: the user's loss is the mean over *their micro-batch*. ``backward`` divides it
+by the accumulation count before ``.backward()``, and DDP averages over the data-parallel
+ranks, so the gradient equals the mean over the whole global batch: the same gradient as one
+process with the global batch. This is the only change to the loss, and it is documented here
+and in the README (no hidden scaling).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ProcessGroup
+
+from meshrun.data.sampler import ResumableSampler
+from meshrun.monitor import MetricsLogger, memory_stats
+from meshrun.parallel import set_grad_sync
+
+log = logging.getLogger("meshrun")
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move tensors in (nested) dicts, lists and tuples to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=device.type == "cuda")
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    values = batch.values() if isinstance(batch, dict) else batch
+    if isinstance(values, Iterable) and not isinstance(values, (str, bytes)):
+        for v in values:
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    return None
+
+
+class StepLoop:
+    """Counts micro-steps and optimizer steps for one run (one instance per ``Run``)."""
+
+    def __init__(
+        self,
+        *,
+        accum: int,
+        global_batch: int,
+        micro_batch: int,
+        total_steps: int,
+        grad_clip: float,
+        log_every: int,
+        device: torch.device,
+        dp_group: ProcessGroup | None,
+        metrics: MetricsLogger,
+    ) -> None:
+        self.accum = accum
+        self.global_batch = global_batch
+        self.micro_batch = micro_batch
+        self.total_steps = total_steps
+        self.grad_clip = grad_clip
+        self.log_every = log_every
+        self.device = device
+        self.dp_group = dp_group
+        self.metrics = metrics
+        self.step = 0  # optimizer steps done
+        self.micro = 0  # index of the current micro-step inside the accumulation window
+        self.models: list[nn.Module] = []
+        self.schedulers: list[torch.optim.lr_scheduler.LRScheduler] = []
+        self._boundary = accum == 1
+        self._loss_sum: torch.Tensor | None = None
+        self._t_last = time.perf_counter()
+        self._tokens_per_sample = 1
+        self._sampler: ResumableSampler | None = None
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def steps(
+        self, loader: Iterable[Any], steps: int | None = None, tokens_per_sample: int | None = None
+    ) -> Iterator[Any]:
+        """Yield micro-batches (on the device) until ``steps`` optimizer steps are done in all."""
+        target = self.total_steps if steps is None else steps
+        sampler = getattr(loader, "sampler", None)
+        self._sampler = sampler if isinstance(sampler, ResumableSampler) else None
+        self._t_last = time.perf_counter()
+        first = True
+        while self.step < target:
+            produced = False
+            for batch in loader:
+                produced = True
+                if first:
+                    self._inspect_first(batch, tokens_per_sample)
+                    first = False
+                yield from self._one_micro_step(batch)
+                if self.step >= target:
+                    return
+            if not produced:
+                raise RuntimeError("the data loader produced no batches: is the dataset empty?")
+
+    def _one_micro_step(self, batch: Any) -> Iterator[Any]:
+        self._boundary = self.micro == self.accum - 1
+        for m in self.models:
+            set_grad_sync(m, self._boundary)
+        before = self.step
+        yield to_device(batch, self.device)
+        if self._boundary and self.step == before:
+            raise RuntimeError(
+                "the step loop reached an optimizer boundary but run.optimizer_step(optimizer) "
+                "was not called: call it once per micro-batch, after run.backward(loss)"
+            )
+        self.micro = 0 if self._boundary else self.micro + 1
+
+    def _inspect_first(self, batch: Any, tokens_per_sample: int | None) -> None:
+        t = _first_tensor(batch)
+        if tokens_per_sample is None:
+            tokens_per_sample = int(t.shape[1]) if t is not None and t.dim() >= 2 else 1
+        self._tokens_per_sample = tokens_per_sample
+        if t is not None and t.dim() >= 1 and t.shape[0] != self.micro_batch:
+            log.warning(
+                "the loader's batch has %d samples but data.micro_batch = %d: throughput figures "
+                "and the global batch (%d) assume data.micro_batch; build the loader with "
+                "run.dataloader(...) or set --data.micro_batch=%d",
+                t.shape[0],
+                self.micro_batch,
+                self.global_batch,
+                t.shape[0],
+            )
+
+    # --- what the user calls -------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``(loss / accumulation).backward()``, recording the loss for the metrics."""
+        detached = loss.detach().float()
+        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+        (loss / self.accum).backward()
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step (and zero) the optimizer on a boundary micro-step; return whether it stepped."""
+        if not self._boundary:
+            return False
+        if self.grad_clip > 0:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+        lr = float(optimizer.param_groups[0]["lr"])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        for s in self.schedulers:
+            s.step()
+        self.step += 1
+        if self._sampler is not None:
+            self._sampler.step(self.global_batch)
+        self._record(lr)
+        return True
+
+    # --- metrics -------------------------------------------------------------------------
+
+    def _record(self, lr: float) -> None:
+        now = time.perf_counter()
+        step_time, self._t_last = now - self._t_last, now
+        logged = self.step % self.log_every == 0 or self.step == self.total_steps
+        loss = self._global_mean_loss() if logged else math.nan
+        self._loss_sum = None
+        self.metrics.log_step(
+            self.step,
+            loss=loss,
+            lr=lr,
+            step_time_s=step_time,
+            samples=self.global_batch,
+            tokens=self.global_batch * self._tokens_per_sample,
+            extra=memory_stats(self.device) if logged else None,
+        )
+
+    def _global_mean_loss(self) -> float:
+        """Mean loss over the whole global batch (all data-parallel ranks), comparable across
+        world sizes. One small all-reduce, only on logged steps."""
+        if self._loss_sum is None:
+            return math.nan
+        mean = self._loss_sum / self.accum
+        if self.dp_group is not None:
+            # Gloo has no AVG reduction: sum, then divide.
+            dist.all_reduce(mean, op=dist.ReduceOp.SUM, group=self.dp_group)
+            mean = mean / dist.get_world_size(self.dp_group)
+        return float(mean.item())

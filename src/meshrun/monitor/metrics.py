@@ -1,0 +1,421 @@
+"""Per-step training metrics: a JSON-lines file, a console view and an end-of-run summary.
+
+The logger only receives numbers; it never talks to the process group. Every rank may
+build one (so `summary()` works everywhere), but only the main rank writes: exactly one
+writer for ``RUN_DIR/metrics.jsonl`` and one for the console.
+
+    with MetricsLogger(run_dir, is_main=rank == 0, log_every=10, total_steps=200) as metrics:
+        for step in range(1, 201):
+            ...
+            metrics.log_step(step, loss=loss.item(), lr=lr, step_time_s=dt,
+                             samples=global_batch, tokens=global_batch * seq_len,
+                             extra=memory_stats(device))
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import statistics
+import time
+from array import array
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Protocol, TextIO
+
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TaskID,
+    TextColumn,
+)
+from rich.table import Table
+
+__all__ = ["METRICS_FILE", "MetricsLogger"]
+
+METRICS_FILE = "metrics.jsonl"
+
+_log = logging.getLogger(__name__)
+
+# Keys the logger writes itself; `extra` may not overwrite them.
+_CORE_KEYS = frozenset(
+    {"step", "time", "loss", "lr", "step_time_s", "samples_per_s", "tokens_per_s", "event"}
+)
+# ETA follows the median of this many recent steps: robust to a slow checkpoint step,
+# yet quick to follow a real change of speed.
+_RECENT_STEPS = 50
+
+
+def _rate(count: float, seconds: float) -> float:
+    return count / seconds if seconds > 0 else math.nan
+
+
+def _json_safe(row: Mapping[str, Any]) -> dict[str, Any]:
+    # NaN/Infinity are not JSON; write null so every line parses with any reader.
+    return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
+
+
+def _format_duration(seconds: float) -> str:
+    """1:18 or 2:05:09, like a stopwatch."""
+    minutes, secs = divmod(round(seconds), 60)
+    hours, minutes = divmod(minutes, 60)
+    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
+
+
+@dataclass
+class _Totals:
+    """Running totals, kept on every rank; a few bytes per step."""
+
+    steps: int = 0
+    samples: int = 0
+    tokens: int = 0
+    first_samples: int = 0
+    first_tokens: int = 0
+    first_loss: float = math.nan
+    last_loss: float = math.nan
+    times: array[float] = field(default_factory=lambda: array("d"))
+    mem_peaks: dict[str, float] = field(default_factory=dict)
+
+    def add(
+        self, loss: float, step_time_s: float, samples: int, tokens: int, extra: Mapping[str, float]
+    ) -> None:
+        if self.steps == 0:
+            self.first_samples, self.first_tokens = samples, tokens
+        # The loop passes NaN on steps it does not log (the loss all-reduce is skipped there):
+        # first/last loss are the first/last *measured* ones.
+        if not math.isnan(loss):
+            if math.isnan(self.first_loss):
+                self.first_loss = loss
+            self.last_loss = loss
+        self.steps += 1
+        self.samples += samples
+        self.tokens += tokens
+        self.times.append(step_time_s)
+        for key, value in extra.items():
+            if key.startswith("mem_"):
+                self.mem_peaks[key] = max(value, self.mem_peaks.get(key, value))
+
+    def steady_times(self) -> Sequence[float]:
+        # The first step pays for warm-up (allocator, autotuning, compilation): leave it
+        # out of medians once there is anything else to go on.
+        return self.times[1:] if len(self.times) > 1 else self.times
+
+    def recent_median(self) -> float:
+        steady = self.steady_times()
+        return statistics.median(steady[-_RECENT_STEPS:])
+
+    def summary(self) -> dict[str, float]:
+        out = {
+            "steps": float(self.steps),
+            "samples": float(self.samples),
+            "tokens": float(self.tokens),
+            "total_time_s": math.fsum(self.times),
+        }
+        if self.steps == 0:
+            return out
+        steady = self.steady_times()
+        median = statistics.median(steady)
+        skipped = len(steady) < len(self.times)
+        steady_samples = self.samples - (self.first_samples if skipped else 0)
+        steady_tokens = self.tokens - (self.first_tokens if skipped else 0)
+        out |= {
+            "step_time_median_s": median,
+            "step_time_mean_s": statistics.fmean(steady),
+            # Mean work per step over the median step time: one slow step does not
+            # drag the throughput figure down.
+            "samples_per_s": _rate(steady_samples / len(steady), median),
+            "tokens_per_s": _rate(steady_tokens / len(steady), median),
+            "loss_first": self.first_loss,
+            "loss_last": self.last_loss,
+        }
+        if self.mem_peaks:
+            out["mem_peak_mb"] = max(self.mem_peaks.values())
+            out |= self.mem_peaks
+        return out
+
+
+@dataclass(frozen=True)
+class _Status:
+    """What the console shows about the latest step."""
+
+    step: int
+    total: int | None
+    loss: float
+    lr: float
+    step_time_s: float
+    tokens_per_s: float
+    eta_s: float | None
+
+    def eta(self) -> str:
+        return "-" if self.eta_s is None else _format_duration(self.eta_s)
+
+    def plain_line(self) -> str:
+        if self.total is None:
+            head = f"step {self.step}"
+        else:
+            head = f"step {self.step:>{len(str(self.total))}}/{self.total}"
+        parts = [
+            head,
+            f"loss {self.loss:.4f}",
+            f"lr {self.lr:.2e}",
+            f"{self.step_time_s:.3f} s/step",
+            f"{self.tokens_per_s:,.0f} tok/s",
+        ]
+        if self.eta_s is not None:
+            parts.append(f"ETA {self.eta()}")
+        return " | ".join(parts)
+
+
+class _View(Protocol):
+    def show(self, status: _Status, logged: bool) -> None: ...
+
+    def finish(self, table: Table) -> None: ...
+
+
+class _PlainView:
+    """One line per logged step: readable in CI logs and behind torchrun's prefixes."""
+
+    def __init__(self, console: Console) -> None:
+        self._console = console
+
+    def show(self, status: _Status, logged: bool) -> None:
+        if logged:
+            # soft_wrap: a log line must stay one line, whatever width rich assumes.
+            self._console.print(status.plain_line(), markup=False, highlight=False, soft_wrap=True)
+
+    def finish(self, table: Table) -> None:
+        self._console.print(table)
+
+
+class _ProgressView:
+    """A live bar for an interactive terminal; updated every step, redrawn by rich's thread."""
+
+    def __init__(self, console: Console, total: int | None) -> None:
+        self._total = total
+        self._progress = Progress(
+            TextColumn("[bold]train"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("ETA {task.fields[eta]}"),
+            TextColumn("loss {task.fields[loss]}"),
+            TextColumn("lr {task.fields[lr]}"),
+            TextColumn("{task.fields[s_per_step]} s/step"),
+            TextColumn("{task.fields[tok_per_s]} tok/s"),
+            console=console,
+        )
+        self._task: TaskID | None = None
+
+    def show(self, status: _Status, logged: bool) -> None:
+        fields: dict[str, Any] = {
+            "eta": status.eta(),
+            "loss": f"{status.loss:.4f}",
+            "lr": f"{status.lr:.2e}",
+            "s_per_step": f"{status.step_time_s:.3f}",
+            "tok_per_s": f"{status.tokens_per_s:,.0f}",
+        }
+        if self._task is None:
+            # Started on the first step, not in __init__, so nothing is drawn before
+            # training has begun.
+            self._progress.start()
+            self._task = self._progress.add_task("train", total=self._total, **fields)
+        self._progress.update(self._task, completed=status.step, **fields)
+
+    def finish(self, table: Table) -> None:
+        self._progress.stop()
+        self._progress.console.print(table)
+
+
+def _summary_table(summary: Mapping[str, float]) -> Table:
+    table = Table(title="training summary")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    formats: list[tuple[str, str, Callable[[float], str]]] = [
+        ("steps", "steps", lambda v: f"{v:,.0f}"),
+        ("total_time_s", "total step time", lambda v: f"{_format_duration(v)} ({v:,.1f} s)"),
+        ("step_time_median_s", "median step time", lambda v: f"{v:.3f} s"),
+        ("step_time_mean_s", "mean step time", lambda v: f"{v:.3f} s"),
+        ("samples_per_s", "samples/s (median)", lambda v: f"{v:,.1f}"),
+        ("tokens_per_s", "tokens/s (median)", lambda v: f"{v:,.0f}"),
+        ("loss_first", "first loss", lambda v: f"{v:.4f}"),
+        ("loss_last", "last loss", lambda v: f"{v:.4f}"),
+    ]
+    formats.append(("mem_peak_mb", "peak memory", lambda v: f"{v:,.1f} MiB"))
+    formats += [
+        (k, f"  max {k}", lambda v: f"{v:,.1f}")
+        for k in summary
+        if k.startswith("mem_") and k != "mem_peak_mb"
+    ]
+    for key, label, fmt in formats:
+        if key in summary:
+            table.add_row(label, fmt(summary[key]))
+    return table
+
+
+def _open_jsonl(path: Path) -> TextIO:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Append: a resumed run continues the same file. Line buffering: each record reaches
+    # the OS as soon as it is written, so a crash loses nothing already logged. The
+    # logger owns the handle and closes it in close().
+    return open(path, "a", buffering=1, encoding="utf-8")
+
+
+def _check_positive(name: str, value: int) -> None:
+    if not isinstance(value, int) or value < 1:
+        raise ValueError(f"MetricsLogger: {name}={value!r}; expected an integer >= 1")
+
+
+class MetricsLogger:
+    """Log one training step at a time; write JSON lines and a console view on the main rank.
+
+    ``step`` is the 1-based optimizer step; ``samples`` and ``tokens`` count the whole
+    global step (all ranks). Every call updates running totals on every rank; every
+    ``log_every``-th step, and the last one when ``total_steps`` is known, is written.
+    Console failures are logged once and disable the console; a failure to write
+    ``metrics.jsonl`` raises.
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path,
+        *,
+        is_main: bool,
+        log_every: int = 1,
+        total_steps: int | None = None,
+        progress: bool = True,
+        jsonl: bool = True,
+        console: Console | None = None,
+    ) -> None:
+        _check_positive("log_every", log_every)
+        if total_steps is not None:
+            _check_positive("total_steps", total_steps)
+        self.run_dir = Path(run_dir)
+        self.is_main = is_main
+        self.log_every = log_every
+        self.total_steps = total_steps
+        self._totals = _Totals()
+        self._closed = False
+        self._file: TextIO | None = None
+        self._view: _View | None = None
+        if is_main:
+            if jsonl:
+                self._file = _open_jsonl(self.run_dir / METRICS_FILE)
+            self._view = self._make_view(console or Console(), progress)
+
+    @property
+    def jsonl_path(self) -> Path:
+        return self.run_dir / METRICS_FILE
+
+    def _make_view(self, console: Console, progress: bool) -> _View:
+        # A bar only where someone watches a terminal; logs and pipes get plain lines.
+        if progress and console.is_terminal:
+            return _ProgressView(console, self.total_steps)
+        return _PlainView(console)
+
+    def log_step(
+        self,
+        step: int,
+        *,
+        loss: float,
+        lr: float,
+        step_time_s: float,
+        samples: int,
+        tokens: int,
+        extra: Mapping[str, float] | None = None,
+    ) -> None:
+        """Record one optimizer step (call it on every rank, every step)."""
+        if self._closed:
+            raise RuntimeError("MetricsLogger.log_step() called after close()")
+        extra = extra or {}
+        clash = _CORE_KEYS.intersection(extra)
+        if clash:
+            raise ValueError(f"MetricsLogger: extra keys {sorted(clash)} clash with built-in keys")
+        loss, lr, step_time_s = float(loss), float(lr), float(step_time_s)
+        self._totals.add(loss, step_time_s, samples, tokens, extra)
+        if not self.is_main:
+            return
+        logged = step % self.log_every == 0 or step == self.total_steps
+        tokens_per_s = _rate(tokens, step_time_s)
+        if logged and self._file is not None:
+            row = {
+                "step": step,
+                "time": time.time(),
+                "loss": loss,
+                "lr": lr,
+                "step_time_s": step_time_s,
+                "samples_per_s": _rate(samples, step_time_s),
+                "tokens_per_s": tokens_per_s,
+                **extra,
+            }
+            self._write(row)
+        status = _Status(
+            step, self.total_steps, loss, lr, step_time_s, tokens_per_s, self._eta(step)
+        )
+        self._on_console("progress", lambda view: view.show(status, logged))
+
+    def _eta(self, step: int) -> float | None:
+        if self.total_steps is None:
+            return None
+        return max(self.total_steps - step, 0) * self._totals.recent_median()
+
+    def _write(self, row: Mapping[str, Any]) -> None:
+        # Deliberately unguarded: the metrics file is the record the user asked for, so
+        # a full disk or a vanished mount must stop the run, not pass unnoticed.
+        assert self._file is not None
+        self._file.write(json.dumps(_json_safe(row), allow_nan=False) + "\n")
+        self._file.flush()
+
+    def _on_console(self, what: str, action: Callable[[_View], None]) -> None:
+        view = self._view
+        if view is None:
+            return
+        try:
+            action(view)
+        except Exception:
+            # A broken terminal must not end a training run; say so once, then stay quiet.
+            self._view = None
+            _log.warning(
+                "meshrun: console %s output failed; console output is off for this run",
+                what,
+                exc_info=True,
+            )
+
+    def summary(self) -> dict[str, float]:
+        """Totals so far: steps, time, median/mean step time, throughput, loss, peak memory.
+
+        Medians and means leave out the first step once there are others (warm-up).
+        Memory: ``mem_peak_mb`` is the largest ``mem_*`` figure seen in ``extra``, and
+        each ``mem_*`` key holds its own maximum.
+        """
+        return self._totals.summary()
+
+    def close(self) -> None:
+        """Show the summary table and append the summary record (main rank). Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        summary = self.summary()
+        self._on_console("summary", lambda view: view.finish(_summary_table(summary)))
+        self._view = None
+        if self._file is not None:
+            try:
+                self._write({"event": "summary", "time": time.time(), **summary})
+            finally:
+                self._file.close()
+                self._file = None
+
+    def __enter__(self) -> MetricsLogger:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        # Runs on errors too: the summary of a crashed run is still worth having.
+        self.close()

@@ -1,0 +1,341 @@
+"""``meshrun.init()``: detect the launcher, start the process group, build the mesh, seed, log,
+and tear down cleanly. The returned :class:`Run` holds the runtime; each technique it offers is
+a plain function elsewhere (``parallel``, ``data``, ``schedule``, ``loop``)."""
+
+from __future__ import annotations
+
+import atexit
+import copy
+import logging
+import os
+import random
+import sys
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from datetime import timedelta
+from pathlib import Path
+from types import TracebackType
+from typing import Any, Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.data import DataLoader, Dataset
+
+from meshrun.cluster import ClusterEnv, detect
+from meshrun.config import (
+    CONFIG_ENV,
+    Config,
+    ConfigError,
+    apply_overrides,
+    grad_accumulation,
+    load_config,
+    split_overrides,
+    validate_for_world,
+    write_config,
+)
+from meshrun.data import ResumableSampler, build_dataloader
+from meshrun.logs import setup_logging
+from meshrun.loop import StepLoop
+from meshrun.mesh import ParallelDims, build_mesh
+from meshrun.monitor import MetricsLogger
+from meshrun.parallel import parallelize
+from meshrun.schedule import build_lr_scheduler, scale_lr
+
+_ACTIVE: Run | None = None
+_FAILED = False  # set by our excepthook: an uncaught exception must skip the final barrier
+
+
+def _pick_device(cfg: Config, env: ClusterEnv) -> tuple[torch.device, str]:
+    """cuda + nccl with one GPU per local rank, else cpu + gloo; never a silent fallback."""
+    want, backend = cfg.job.device, cfg.job.backend
+    has_cuda = torch.cuda.is_available()
+    if want == "cuda" and not has_cuda:
+        raise ConfigError("job.device = 'cuda' but no CUDA device is visible; use job.device=cpu")
+    use_cuda = want == "cuda" or (want == "auto" and has_cuda)
+    if backend == "nccl" and not use_cuda:
+        raise ConfigError("job.backend = 'nccl' needs CUDA devices; use job.backend=gloo on CPU")
+    if use_cuda:
+        if env.local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"local rank {env.local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
+                "start at most one process per GPU (meshrun launch --nproc-per-node)"
+            )
+        torch.cuda.set_device(env.local_rank)
+        device = torch.device("cuda", env.local_rank)
+    else:
+        device = torch.device("cpu")
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    return device, backend
+
+
+def _init_process_group(env: ClusterEnv, backend: str, device: torch.device, cfg: Config) -> None:
+    if dist.is_initialized():
+        return
+    if env.kind != "torchelastic":
+        # SLURM/MPI give ranks but not torch's env:// variables: fill them in.
+        os.environ.update(
+            MASTER_ADDR=env.master_addr,
+            MASTER_PORT=str(env.master_port),
+            RANK=str(env.rank),
+            WORLD_SIZE=str(env.world_size),
+            LOCAL_RANK=str(env.local_rank),
+        )
+    dist.init_process_group(
+        backend=backend,
+        timeout=timedelta(seconds=cfg.job.timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def _seed(seed: int, rank: int) -> None:
+    # Same torch seed everywhere: every rank builds identical initial weights.
+    torch.manual_seed(seed)
+    # Rank-offset seeds for Python/NumPy: data augmentation differs per rank.
+    random.seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+
+
+def _resolve_config(config: Config | str | Path | None, argv: Sequence[str] | None) -> Config:
+    overrides, _ = split_overrides(sys.argv[1:] if argv is None else argv)
+    if isinstance(config, Config):
+        return apply_overrides(copy.deepcopy(config), overrides)
+    path = config if config is not None else os.environ.get(CONFIG_ENV)
+    return load_config(path, overrides)
+
+
+class Run:
+    """The runtime of one training process. Create it with :func:`init`."""
+
+    def __init__(self, cfg: Config, env: ClusterEnv) -> None:
+        self.config = cfg
+        self.cluster = env
+        self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
+        self.device, self.backend = _pick_device(cfg, env)
+        self.dims = ParallelDims.from_config(cfg.parallel, env.world_size)
+        validate_for_world(cfg, env.world_size)
+        if env.distributed:
+            _init_process_group(env, self.backend, self.device, cfg)
+        self.mesh: DeviceMesh | None = (
+            build_mesh(self.dims, self.device.type) if dist.is_initialized() else None
+        )
+        self.dp_size = self.dims.dp
+        self.dp_rank = self.dims.dp_rank(self.rank)
+        self.accum = grad_accumulation(cfg.data, self.dp_size)
+        self.is_main = self.rank == 0
+        self.run_dir = cfg.resolved_run_dir()
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.log = setup_logging(self.rank, self.run_dir, cfg.job.log_level)
+        _seed(cfg.job.seed, self.rank)
+        self.metrics = MetricsLogger(
+            self.run_dir,
+            is_main=self.is_main and cfg.metrics.jsonl,
+            log_every=cfg.metrics.log_every,
+            total_steps=cfg.optim.steps,
+            progress=cfg.metrics.progress,
+        )
+        self.loop = StepLoop(
+            accum=self.accum,
+            global_batch=cfg.data.global_batch,
+            micro_batch=cfg.data.micro_batch,
+            total_steps=cfg.optim.steps,
+            grad_clip=cfg.optim.grad_clip,
+            log_every=cfg.metrics.log_every,
+            device=self.device,
+            dp_group=self.mesh.get_group("dp") if self.mesh is not None else None,
+            metrics=self.metrics,
+        )
+        self._closed = False
+        if self.is_main:
+            write_config(cfg, self.run_dir / "config.toml")
+            self._announce()
+
+    def _announce(self) -> None:
+        c = self.config
+        self.log.info(
+            "%d process(es) [%s] on %s + %s | mesh %s | global batch %d = micro %d x accum %d x dp %d"
+            " | run dir %s",
+            self.world_size,
+            self.cluster.kind,
+            self.device.type,
+            self.backend if dist.is_initialized() else "no process group",
+            self._mesh_text(),
+            c.data.global_batch,
+            c.data.micro_batch,
+            self.accum,
+            self.dp_size,
+            self.run_dir,
+        )
+
+    def _mesh_text(self) -> str:
+        if self.mesh is None:
+            return "none (one process)"
+        names = self.mesh.mesh_dim_names or ()
+        return " x ".join(f"{n}={s}" for n, s in zip(names, self.mesh.shape, strict=True))
+
+    # --- techniques (each a plain function; Run only passes its state) -------------------
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """Apply the configured layout; returns a real torch module (DDP when dp > 1)."""
+        out = parallelize(model, self.mesh, self.config.parallel, self.device)
+        self.loop.models.append(out)
+        return out
+
+    def scaled_lr(self, base_lr: float | None = None) -> float:
+        """``base_lr`` (default ``optim.lr``) scaled by ``optim.lr_scaling`` to the global batch."""
+        o = self.config.optim
+        base = o.lr if base_lr is None else base_lr
+        lr = scale_lr(base, self.config.data.global_batch, o.ref_batch, o.lr_scaling)
+        if lr != base and self.is_main:
+            self.log.info(
+                "lr %.3g -> %.3g (%s scaling, global batch %d vs reference %d)",
+                base,
+                lr,
+                o.lr_scaling,
+                self.config.data.global_batch,
+                o.ref_batch,
+            )
+        return lr
+
+    def lr_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        """Warmup + decay from ``[optim]``; stepped by :meth:`optimizer_step`."""
+        sched = build_lr_scheduler(optimizer, self.config.optim)
+        self.loop.schedulers.append(sched)
+        return sched
+
+    def sampler(
+        self, dataset_len: int, *, mode: Literal["train", "eval"] = "train"
+    ) -> ResumableSampler:
+        return ResumableSampler(
+            dataset_len,
+            rank=self.dp_rank,
+            world_size=self.dp_size,
+            global_batch=self.config.data.global_batch,
+            seed=self.config.job.seed,
+            shuffle=self.config.data.shuffle if mode == "train" else False,
+            mode=mode,
+        )
+
+    def dataloader(
+        self,
+        dataset: Dataset[Any],
+        micro_batch: int | None = None,
+        *,
+        mode: Literal["train", "eval"] = "train",
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> DataLoader[Any]:
+        """A DataLoader over this rank's share, in a world-size-independent resumable order."""
+        mb = self.config.data.micro_batch if micro_batch is None else micro_batch
+        if mode == "train" and mb != self.config.data.micro_batch:
+            raise ConfigError(
+                f"run.dataloader(micro_batch={mb}) differs from data.micro_batch = "
+                f"{self.config.data.micro_batch}; set --data.micro_batch={mb} instead so the "
+                "accumulation is derived from it"
+            )
+        return build_dataloader(
+            dataset,
+            self.sampler(len(dataset), mode=mode),  # type: ignore[arg-type]
+            mb,
+            num_workers=self.config.data.num_workers,
+            seed=self.config.job.seed,
+            rank=self.rank,
+            collate_fn=collate_fn,
+            pin_memory=self.device.type == "cuda",
+        )
+
+    # --- the loop ------------------------------------------------------------------------
+
+    def steps(
+        self, loader: Iterable[Any], steps: int | None = None, tokens_per_sample: int | None = None
+    ) -> Iterator[Any]:
+        """Micro-batches on the device until ``optim.steps`` optimizer steps (see loop.py)."""
+        return self.loop.steps(loader, steps, tokens_per_sample)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``(loss / accumulation).backward()``; see loop.py for why this is the right scale."""
+        self.loop.backward(loss)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        return self.loop.optimizer_step(optimizer)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done so far."""
+        return self.loop.step
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks (e.g. eval loss sums and counts, once at the end)."""
+        if self.mesh is not None:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh.get_group("dp"))
+        return value
+
+    # --- teardown ------------------------------------------------------------------------
+
+    def close(self, failed: bool = False) -> None:
+        """Final summary, barrier (on success) and ``destroy_process_group``; idempotent."""
+        global _ACTIVE
+        if self._closed:
+            return
+        self._closed = True
+        self.metrics.close()
+        if dist.is_initialized():
+            if not failed:
+                # A barrier after a failure would wait for ranks that may never arrive.
+                dist.barrier()
+            dist.destroy_process_group()
+        for h in logging.getLogger("meshrun").handlers:
+            h.flush()
+        if _ACTIVE is self:
+            _ACTIVE = None
+
+    def __enter__(self) -> Run:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.close(failed=exc is not None)
+
+
+def init(config: Config | str | Path | None = None, argv: Sequence[str] | None = None) -> Run:
+    """Start meshrun in this process.
+
+    Config: ``config`` (a Config or a TOML path), else the file named by ``MESHRUN_CONFIG``
+    (set by ``meshrun launch``), else the defaults; then ``--section.key=value`` overrides from
+    ``argv`` (default ``sys.argv[1:]``; other arguments are left for the script's own parser).
+    """
+    global _ACTIVE
+    if _ACTIVE is not None:
+        raise RuntimeError("meshrun.init() was already called in this process; use that Run")
+    cfg = _resolve_config(config, argv)
+    run = Run(cfg, detect())
+    _ACTIVE = run
+    _install_excepthook()
+    atexit.register(_close_at_exit)
+    return run
+
+
+def _install_excepthook() -> None:
+    previous = sys.excepthook
+
+    def hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        global _FAILED
+        _FAILED = True
+        previous(tp, value, tb)
+
+    sys.excepthook = hook
+
+
+def _close_at_exit() -> None:
+    close_active_run(failed=_FAILED)
+
+
+def close_active_run(failed: bool = False) -> None:
+    """Close the run started by :func:`init`, if any (atexit and ``meshrun.main`` call it)."""
+    if _ACTIVE is not None:
+        _ACTIVE.close(failed=failed)
