@@ -10,11 +10,11 @@ the global-loss all-reduce on every step) except the progress bar, which is off.
 from __future__ import annotations
 
 import torch
+from overhead_common import Clock, parse_worker_args, write_result
 
 import meshrun
 from meshrun.demo.corpus import build_demo_datasets
 from meshrun.demo.model import GPT, demo_config
-from overhead_common import Clock, parse_worker_args, write_result
 
 CLOCK = Clock()
 

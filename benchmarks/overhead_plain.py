@@ -19,10 +19,9 @@ from types import ModuleType
 
 import torch
 import torch.distributed as dist
+from overhead_common import Clock, parse_worker_args, write_result
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
-
-from overhead_common import Clock, parse_worker_args, write_result
 
 CLOCK = Clock()
 DEMO_DIR = Path(__file__).resolve().parents[1] / "src" / "meshrun" / "demo"
@@ -54,7 +53,9 @@ def mix_seed(*parts: int) -> int:
     return h
 
 
-def rank_indices(n: int, steps: int, global_batch: int, rank: int, world: int, seed: int) -> list[int]:
+def rank_indices(
+    n: int, steps: int, global_batch: int, rank: int, world: int, seed: int
+) -> list[int]:
     """This rank's dataset indices for ``steps`` global batches, in meshrun's order: stream
     position p is ``perm(p // n)[p % n]`` and rank r takes positions r, r + world, ... of
     each global batch."""
@@ -90,7 +91,9 @@ def main() -> None:
         if step < args.warmup_steps:
             return (step + 1) / (args.warmup_steps + 1)
         progress = min(1.0, (step - args.warmup_steps) / max(1, args.steps - args.warmup_steps))
-        return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+        return args.min_lr_ratio + (1 - args.min_lr_ratio) * 0.5 * (
+            1 + math.cos(math.pi * progress)
+        )
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
     CLOCK.mark("model")

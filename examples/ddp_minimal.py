@@ -1,7 +1,7 @@
 """The smallest correct multi-node DDP script with meshrun: your model, your data, your loop.
 
-    meshrun launch --nproc-per-node 2 examples/ddp_minimal.py --optim.steps=50
-    # on N nodes, the same command with --nnodes N and a rendezvous endpoint, or under srun
+meshrun launch --nproc-per-node 2 examples/ddp_minimal.py --optim.steps=50
+# on N nodes, the same command with --nnodes N and a rendezvous endpoint, or under srun
 """
 
 import torch

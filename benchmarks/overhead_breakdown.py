@@ -1,0 +1,129 @@
+"""Where meshrun's per-step time goes: a diagnostic for ``overhead.py``, not part of its result.
+
+Run it through torchrun like the workers (rank 0 prints):
+
+    OMP_NUM_THREADS=1 .venv/bin/python -m torch.distributed.run --standalone \
+        --nproc-per-node 2 benchmarks/overhead_breakdown.py [--size small --steps 20]
+
+Two measurements, both inside one pair of processes so that a busy machine slows both sides
+alike:
+
+1. Whole steps, interleaved step by step: a plain ``no_sync`` step, then a step through
+   ``run.steps`` / ``run.backward`` / ``run.optimizer_step``, on the same DDP model and
+   optimizer. The difference of the medians is meshrun's cost per optimizer step.
+2. Each per-step extra on its own, repeated: the memory figures, the loss all-reduce of a
+   logged step, one metrics row (jsonl + console line), moving the micro-batches "to the
+   device", the grad-sync switch and fetching a global batch from each loader.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader
+
+import meshrun
+from meshrun.demo.corpus import build_demo_datasets
+from meshrun.demo.model import GPT, demo_config
+from meshrun.loop import to_device
+from meshrun.monitor import memory_stats
+from meshrun.parallel import set_grad_sync
+
+
+def timed(fn: Callable[[], Any], reps: int) -> float:
+    """Median seconds of ``reps`` calls of ``fn``."""
+    times = []
+    for _ in range(reps):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def plain_step(model: Any, opt: Any, batches: Iterator[Any], accum: int) -> None:
+    for micro in range(accum):
+        batch = next(batches)
+        with nullcontext() if micro == accum - 1 else model.no_sync():
+            (model(batch["input"], batch["target"]) / accum).backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def meshrun_step(run: meshrun.Run, model: Any, opt: Any, steps: Iterator[Any]) -> None:
+    for _ in range(run.accum):
+        batch = next(steps)
+        run.backward(model(batch["input"], batch["target"]))
+        run.optimizer_step(opt)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--size", default="small", choices=["tiny", "small"])
+    p.add_argument("--steps", type=int, default=20, help="steps of each kind, interleaved")
+    p.add_argument("--reps", type=int, default=200, help="repetitions of each extra")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        overrides = [f"--job.run_dir={tmp}", "--data.micro_batch=4", "--metrics.progress=false"]
+        run = meshrun.init(argv=[*overrides, f"--optim.steps={10 * args.steps}"])
+        cfg = demo_config(args.size)
+        model = run.parallelize(GPT(cfg))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95))
+        train, _ = build_demo_datasets(cfg.seq_len)
+        mesh_loader = run.dataloader(train)
+        steps = iter(run.steps(mesh_loader))
+        plain_batches = iter(DataLoader(train, batch_size=4, sampler=range(len(train))))
+
+        whole: dict[str, list[float]] = {"plain": [], "meshrun": []}
+        for i in range(args.steps + 3):
+            for name, fn in (
+                ("plain", lambda: plain_step(model, opt, plain_batches, run.accum)),
+                ("meshrun", lambda: meshrun_step(run, model, opt, steps)),
+            ):
+                t = time.perf_counter()
+                fn()
+                if i >= 3:  # warm-up
+                    whole[name].append(time.perf_counter() - t)
+
+        group = run.mesh.get_group("dp") if run.mesh is not None else None
+        loss = torch.tensor(2.5)
+        batch = next(iter(mesh_loader))
+        extras = {
+            "memory_stats (per logged step)": lambda: memory_stats(run.device),
+            "loss all-reduce (per logged step)": lambda: dist.all_reduce(loss.clone(), group=group),
+            "metrics row: jsonl + console (rank 0)": lambda: run.metrics.log_step(
+                1, loss=2.5, lr=1e-3, step_time_s=0.5, samples=32, tokens=4096, extra={}
+            ),
+            "to_device x accum": lambda: [to_device(batch, run.device) for _ in range(run.accum)],
+            "set_grad_sync x accum": lambda: [set_grad_sync(model, True) for _ in range(run.accum)],
+            "meshrun loader, one global batch": lambda: [next(iter_mesh) for _ in range(run.accum)],
+            "plain loader, one global batch": lambda: [
+                next(plain_batches) for _ in range(run.accum)
+            ],
+        }
+        iter_mesh = iter(mesh_loader)
+        costs = {k: timed(fn, args.reps) for k, fn in extras.items()}
+        if run.is_main:
+            med = {k: statistics.median(v) for k, v in whole.items()}
+            print(f"\n== whole steps, {args.steps} of each, interleaved ({args.size} model)")
+            for k, v in med.items():
+                print(f"{k:>8}: median {v * 1e3:8.2f} ms/step")
+            print(
+                f"meshrun - plain: {(med['meshrun'] - med['plain']) * 1e3:+.2f} ms/step "
+                f"(ratio {med['meshrun'] / med['plain']:.4f})"
+            )
+            print(f"== per-step extras, median of {args.reps} calls")
+            for k, v in costs.items():
+                print(f"{k:<40} {v * 1e3:8.3f} ms")
+        run.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,139 @@
+"""End to end: the demo, the examples and the README's commands, run as a user runs them
+(real `meshrun` and `torchrun` processes on Gloo)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+pytestmark = pytest.mark.slow
+
+
+def sh(args: list[str], timeout: float = 150, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "EXAMPLE_TIMEOUT_S": "60", "COLUMNS": "100"}
+    return subprocess.run(
+        args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
+    )
+
+
+def meshrun(*args: str, timeout: float = 150) -> subprocess.CompletedProcess[str]:
+    return sh([sys.executable, "-m", "meshrun", *args], timeout=timeout)
+
+
+def steps_of(run_dir: Path) -> list[dict[str, float]]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    rows = [json.loads(line) for line in lines]
+    return [r for r in rows if "event" not in r]
+
+
+def assert_ok(p: subprocess.CompletedProcess[str]) -> None:
+    assert p.returncode == 0, f"exit {p.returncode}\n{p.stdout[-3000:]}\n{p.stderr[-3000:]}"
+
+
+@pytest.mark.timeout(240)
+def test_demo_runs_and_is_comparable_across_world_sizes(tmp_path: Path) -> None:
+    # The demo keeps its global batch whatever --nproc is, so the loss is the same step by
+    # step on 1 and 2 processes (same seed, same samples per global step).
+    two, one = tmp_path / "two", tmp_path / "one"
+    p2 = meshrun("demo", "--nproc", "2", "--steps", "6", "--size", "tiny", "--run-dir", str(two))
+    assert_ok(p2)
+    p1 = meshrun("demo", "--nproc", "1", "--steps", "6", "--size", "tiny", "--run-dir", str(one))
+    assert_ok(p1)
+    rows2, rows1 = steps_of(two), steps_of(one)
+    assert [r["step"] for r in rows2] == [1, 2, 3, 4, 5, 6]
+    assert rows2[-1]["loss"] < rows2[0]["loss"] - 0.2  # it learns
+    for a, b in zip(rows1, rows2, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-4, (a, b)
+    for key in ("lr", "step_time_s", "tokens_per_s"):
+        assert rows2[0][key] > 0
+    # What the run leaves behind: per-rank logs, the resolved config, the final checkpoint.
+    assert (two / "logs" / "rank0.log").is_file() and (two / "logs" / "rank1.log").is_file()
+    assert (two / "config.toml").is_file()
+    assert (two / "checkpoints" / "step_000006" / ".metadata").is_file()
+    assert "micro 8 x accum 2 x dp 2" in p2.stdout + p2.stderr
+    assert "validation loss" in p2.stdout + p2.stderr
+
+
+@pytest.mark.timeout(120)
+def test_demo_module_runs_under_meshrun_launch(tmp_path: Path) -> None:
+    p = meshrun(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "meshrun.demo",
+        "--steps",
+        "3",
+        "--size",
+        "tiny",
+        f"--job.run_dir={tmp_path}",
+    )
+    assert_ok(p)
+    assert [r["step"] for r in steps_of(tmp_path)] == [1, 2, 3]
+
+
+@pytest.mark.timeout(120)
+def test_ddp_minimal_example(tmp_path: Path) -> None:
+    p = meshrun(
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "examples/ddp_minimal.py",
+        "--optim.steps=20",
+        f"--job.run_dir={tmp_path}",
+    )
+    assert_ok(p)
+    rows = steps_of(tmp_path)
+    assert len(rows) == 20
+    assert rows[-1]["loss"] < rows[0]["loss"]
+    assert len((ROOT / "examples" / "ddp_minimal.py").read_text().splitlines()) < 40
+
+
+@pytest.mark.timeout(150)
+def test_ddp_plain_runs_unchanged_under_torchrun_and_meshrun(tmp_path: Path) -> None:
+    script = str(ROOT / "examples" / "ddp_plain.py")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    p = sh([*torchrun, "--standalone", script], cwd=tmp_path)
+    assert_ok(p)
+    assert "ok: 2 replicas identical" in p.stdout
+    p = meshrun("launch", "--nproc-per-node", "2", "--set", f"job.run_dir={tmp_path}", script)
+    assert_ok(p)
+    assert "ok: 2 replicas identical" in p.stdout
+
+
+@pytest.mark.timeout(60)
+def test_readme_transcripts_are_true() -> None:
+    # Every "$ meshrun ..." line in the README's code blocks prints what the README shows.
+    readme = (ROOT / "README.md").read_text()
+    transcripts = re.findall(r"^\$ (meshrun [^\n]+)\n((?:(?!\$ |```)[^\n]*\n)+)", readme, re.M)
+    assert transcripts, "the README should show at least one command with its output"
+    for command, expected in transcripts:
+        p = meshrun(*command.split()[1:], timeout=40)
+        for line in expected.strip().splitlines():
+            assert line.strip() in p.stdout + p.stderr, f"{command!r} no longer prints {line!r}"
+
+
+@pytest.mark.timeout(60)
+def test_failing_rank_is_named_first_with_its_traceback(tmp_path: Path) -> None:
+    import time
+
+    script = ROOT / "tests" / "e2e" / "scripts" / "meshrun_raise_rank1.py"
+    start = time.monotonic()
+    p = meshrun(
+        "launch", "--nproc-per-node", "2", str(script), f"--job.run_dir={tmp_path}", timeout=50
+    )
+    elapsed = time.monotonic() - start
+    out = p.stdout + p.stderr
+    assert p.returncode != 0
+    assert elapsed < 30, f"took {elapsed:.1f} s"
+    summary = out[out.index("failed first") - 40 :]
+    assert "rank 1 failed first" in summary
+    assert "bad batch on rank 1 at step 3" in summary
+    assert "check_batch" in summary  # the traceback, not just the message

@@ -1,0 +1,211 @@
+"""Launcher detection from environment dicts: torchrun, SLURM srun, MPI, plain Python."""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+
+from meshrun.cluster import ClusterError, detect, expand_hostlist, slurm_port
+
+pytestmark = pytest.mark.timeout(10)
+
+SLURM_JOB = {
+    "SLURM_NTASKS": "8",
+    "SLURM_NNODES": "2",
+    "SLURM_JOB_NODELIST": "gpu[01-02]",
+    "SLURM_JOB_ID": "4242",
+}
+
+
+def _slurm_task(rank: int) -> dict[str, str]:
+    return {
+        **SLURM_JOB,
+        "SLURM_PROCID": str(rank),
+        "SLURM_LOCALID": str(rank % 4),
+        "SLURM_NODEID": str(rank // 4),
+    }
+
+
+# --- torchelastic ------------------------------------------------------------------------
+
+
+def test_torchelastic_env() -> None:
+    env = {
+        "TORCHELASTIC_RUN_ID": "abc",
+        "RANK": "5",
+        "WORLD_SIZE": "8",
+        "LOCAL_RANK": "1",
+        "LOCAL_WORLD_SIZE": "4",
+        "GROUP_RANK": "1",
+        "MASTER_ADDR": "node0",
+        "MASTER_PORT": "29555",
+    }
+    c = detect(env)
+    assert c.kind == "torchelastic"
+    assert (c.rank, c.world_size, c.local_rank, c.local_world_size) == (5, 8, 1, 4)
+    assert c.node_rank == 1
+    assert (c.master_addr, c.master_port) == ("node0", 29555)
+    assert c.distributed
+
+
+def test_torchelastic_env_without_run_id_or_optional_vars() -> None:
+    c = detect({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0"})
+    assert c.kind == "torchelastic"
+    assert (c.world_size, c.local_world_size, c.node_rank) == (1, 1, 0)
+    assert (c.master_addr, c.master_port) == ("127.0.0.1", 29500)
+    assert c.distributed  # a 1-process torchrun job still initialises a process group
+
+
+def test_a_non_integer_rank_is_an_error_naming_the_variable() -> None:
+    with pytest.raises(ClusterError, match="RANK='x'"):
+        detect({"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
+
+
+def test_torchrun_inside_srun_is_torchelastic() -> None:
+    env = {
+        **_slurm_task(4),
+        "TORCHELASTIC_RUN_ID": "job",
+        "RANK": "3",
+        "WORLD_SIZE": "16",
+        "LOCAL_RANK": "3",
+        "MASTER_ADDR": "gpu02",
+    }
+    c = detect(env)
+    assert c.kind == "torchelastic"
+    assert (c.rank, c.world_size, c.local_rank) == (3, 16, 3)
+    assert c.master_addr == "gpu02"
+
+
+# --- SLURM -------------------------------------------------------------------------------
+
+
+def test_slurm_srun_task() -> None:
+    c = detect(_slurm_task(5))
+    assert c.kind == "slurm"
+    assert (c.rank, c.world_size, c.local_rank, c.local_world_size) == (5, 8, 1, 4)
+    assert c.node_rank == 1
+    assert c.master_addr == "gpu01"
+    assert c.master_port == 20000 + zlib.crc32(b"4242") % 20000
+    assert c.distributed
+
+
+def test_slurm_master_is_the_same_for_every_task() -> None:
+    endpoints = {
+        (detect(_slurm_task(r)).master_addr, detect(_slurm_task(r)).master_port) for r in range(8)
+    }
+    assert endpoints == {("gpu01", slurm_port("4242"))}
+
+
+def test_slurm_port_is_in_range_and_depends_on_the_job() -> None:
+    ports = {slurm_port(str(job)) for job in range(1000, 1020)}
+    assert all(20000 <= p < 40000 for p in ports)
+    assert len(ports) > 1
+    assert slurm_port("4242") == slurm_port("4242")
+
+
+def test_slurm_master_addr_and_port_from_the_env_win() -> None:
+    c = detect({**_slurm_task(0), "MASTER_ADDR": "head", "MASTER_PORT": "1234"})
+    assert (c.master_addr, c.master_port) == ("head", 1234)
+
+
+def test_slurm_step_nodelist_wins_over_the_job_nodelist() -> None:
+    c = detect({**_slurm_task(0), "SLURM_STEP_NODELIST": "gpu[07-08]"})
+    assert c.master_addr == "gpu07"
+
+
+def test_slurm_without_a_nodelist_or_master_addr_is_an_error() -> None:
+    env = _slurm_task(0)
+    del env["SLURM_JOB_NODELIST"]
+    with pytest.raises(ClusterError, match="MASTER_ADDR"):
+        detect(env)
+
+
+def test_slurm_with_one_task_is_single() -> None:
+    env = {**_slurm_task(0), "SLURM_NTASKS": "1", "SLURM_NNODES": "1"}
+    c = detect(env)
+    assert c.kind == "single"
+    assert (c.rank, c.world_size) == (0, 1)
+    assert not c.distributed
+
+
+# --- MPI ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "names",
+    [
+        (
+            "OMPI_COMM_WORLD_RANK",
+            "OMPI_COMM_WORLD_SIZE",
+            "OMPI_COMM_WORLD_LOCAL_RANK",
+            "OMPI_COMM_WORLD_LOCAL_SIZE",
+        ),
+        ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+        ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
+    ],
+    ids=["openmpi", "mpich", "pmix"],
+)
+def test_mpi_launchers(names: tuple[str, str, str, str]) -> None:
+    rank, size, local_rank, local_size = names
+    env = {
+        rank: "6",
+        size: "8",
+        local_rank: "2",
+        local_size: "4",
+        "MASTER_ADDR": "node01",
+        "MASTER_PORT": "29600",
+    }
+    c = detect(env)
+    assert c.kind == "mpi"
+    assert (c.rank, c.world_size, c.local_rank, c.local_world_size) == (6, 8, 2, 4)
+    assert c.node_rank == 1
+    assert (c.master_addr, c.master_port) == ("node01", 29600)
+    assert c.distributed
+
+
+def test_mpi_with_more_than_one_process_needs_master_addr() -> None:
+    with pytest.raises(ClusterError, match="MASTER_ADDR") as info:
+        detect({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"})
+    assert "OMPI_COMM_WORLD_RANK" in str(info.value)
+
+
+def test_mpi_with_one_process_needs_no_master_addr() -> None:
+    c = detect({"PMI_RANK": "0", "PMI_SIZE": "1"})
+    assert c.kind == "mpi"
+    assert (c.world_size, c.local_rank, c.local_world_size) == (1, 0, 1)
+    assert c.master_addr == "127.0.0.1"
+    assert not c.distributed
+
+
+# --- plain -------------------------------------------------------------------------------
+
+
+def test_plain_env_is_single() -> None:
+    c = detect({"PATH": "/usr/bin", "HOME": "/root"})
+    assert c.kind == "single"
+    assert (c.rank, c.world_size, c.local_rank, c.local_world_size, c.node_rank) == (0, 1, 0, 1, 0)
+    assert not c.distributed
+    assert c.hostname  # filled from socket.gethostname()
+
+
+def test_a_partial_torchelastic_env_is_not_torchelastic() -> None:
+    assert detect({"RANK": "0", "WORLD_SIZE": "2"}).kind == "single"
+
+
+# --- expand_hostlist -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "hosts"),
+    [
+        ("node[01-03,07],login1", ["node01", "node02", "node03", "node07", "login1"]),
+        ("a1", ["a1"]),
+        ("x[9-11]", ["x9", "x10", "x11"]),
+        ("gpu[01-02]", ["gpu01", "gpu02"]),
+        ("a,b[1,3],c", ["a", "b1", "b3", "c"]),
+        ("", []),
+    ],
+)
+def test_expand_hostlist(spec: str, hosts: list[str]) -> None:
+    assert expand_hostlist(spec) == hosts
