@@ -81,18 +81,35 @@ def main() -> None:
         steps = iter(run.steps(mesh_loader))
         plain_batches = iter(DataLoader(train, batch_size=4, sampler=range(len(train))))
 
-        whole: dict[str, list[float]] = {"plain": [], "meshrun": []}
-        for i in range(args.steps + 3):
-            for name, fn in (
-                ("plain", lambda: plain_step(model, opt, plain_batches, run.accum)),
-                ("meshrun", lambda: meshrun_step(run, model, opt, steps)),
-            ):
-                t = time.perf_counter()
-                fn()
-                if i >= 3:  # warm-up
-                    whole[name].append(time.perf_counter() - t)
-
         group = run.mesh.get_group("dp") if run.mesh is not None else None
+
+        def plain_synced() -> None:  # plus the one scalar all-reduce a logged step does
+            plain_step(model, opt, plain_batches, run.accum)
+            dist.all_reduce(torch.tensor(2.5), group=group)
+
+        def meshrun_logging(every: int) -> Callable[[], None]:
+            def step() -> None:
+                run.loop.log_every = run.metrics.log_every = every
+                meshrun_step(run, model, opt, steps)
+
+            return step
+
+        kinds: dict[str, Callable[[], None]] = {
+            "plain": lambda: plain_step(model, opt, plain_batches, run.accum),
+            "plain + loss all-reduce": plain_synced,
+            "meshrun (log every step)": meshrun_logging(1),
+            "meshrun (no logging)": meshrun_logging(10**9),
+        }
+        wall: dict[str, list[float]] = {k: [] for k in kinds}
+        cpu: dict[str, list[float]] = {k: [] for k in kinds}
+        for i in range(args.steps + 2):
+            for name, fn in kinds.items():
+                t, c = time.perf_counter(), time.process_time()
+                fn()
+                if i >= 2:  # warm-up
+                    wall[name].append(time.perf_counter() - t)
+                    cpu[name].append(time.process_time() - c)
+
         loss = torch.tensor(2.5)
         batch = next(iter(mesh_loader))
         extras = {
@@ -111,14 +128,15 @@ def main() -> None:
         iter_mesh = iter(mesh_loader)
         costs = {k: timed(fn, args.reps) for k, fn in extras.items()}
         if run.is_main:
-            med = {k: statistics.median(v) for k, v in whole.items()}
-            print(f"\n== whole steps, {args.steps} of each, interleaved ({args.size} model)")
-            for k, v in med.items():
-                print(f"{k:>8}: median {v * 1e3:8.2f} ms/step")
-            print(
-                f"meshrun - plain: {(med['meshrun'] - med['plain']) * 1e3:+.2f} ms/step "
-                f"(ratio {med['meshrun'] / med['plain']:.4f})"
-            )
+            base_wall, base_cpu = statistics.median(wall["plain"]), statistics.median(cpu["plain"])
+            print(f"\n== whole steps, {args.steps} of each kind, interleaved ({args.size} model)")
+            print(f"{'kind':<26} {'wall ms':>9} {'vs plain':>9} {'cpu ms':>9} {'vs plain':>9}")
+            for k in kinds:
+                w, c = statistics.median(wall[k]), statistics.median(cpu[k])
+                print(
+                    f"{k:<26} {w * 1e3:9.2f} {(w - base_wall) * 1e3:+9.2f}"
+                    f" {c * 1e3:9.2f} {(c - base_cpu) * 1e3:+9.2f}"
+                )
             print(f"== per-step extras, median of {args.reps} calls")
             for k, v in costs.items():
                 print(f"{k:<40} {v * 1e3:8.3f} ms")

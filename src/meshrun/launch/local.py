@@ -10,6 +10,7 @@ one-screen summary naming the rank that failed first (see ``summary.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -50,6 +51,7 @@ class LaunchSpec:
     config_path: str | None = None  # exported to the workers as MESHRUN_CONFIG
     run_dir: str = "runs/launch"  # the agent's per-rank logs go to RUN_DIR/logs
     extra_env: dict[str, str] = field(default_factory=dict)
+    live_stdout: bool | None = None  # workers' stdout straight to the terminal; None = if a TTY
 
     @property
     def log_dir(self) -> str:
@@ -83,8 +85,10 @@ def build_torchrun_args(spec: LaunchSpec, port: int) -> list[str]:
         *("--nproc-per-node", str(spec.nproc_per_node)),
         *("--max-restarts", str(spec.max_restarts)),
         *("--log-dir", spec.log_dir),
-        # Tee both streams: the console shows every rank live, the files feed the summary.
-        *("--tee", "3"),
+        # Tee stderr always (its files feed the failure summary). Tee stdout too unless it goes
+        # straight to a terminal: there rank 0's progress bar needs the real terminal, and
+        # torchrun's line-prefixing tail would garble it.
+        *("--tee", "2" if spec.live_stdout else "3"),
     ]
     if not spec.rdzv_endpoint:
         # One node: keep the workers' store on loopback too; otherwise torch advertises
@@ -102,6 +106,8 @@ def rendezvous_endpoint(spec: LaunchSpec, port: int) -> str:
 def launch_local(spec: LaunchSpec) -> int:
     """Run ``spec`` under torchrun's agent; return the exit code, never raise for a worker."""
     port = 0 if spec.rdzv_endpoint else find_free_port()
+    if spec.live_stdout is None:
+        spec = dataclasses.replace(spec, live_stdout=sys.stdout.isatty())
     argv = build_torchrun_args(spec, port)
     os.makedirs(spec.log_dir, exist_ok=True)
     # Runs already in the log folder, so the summary reads this run's logs, not theirs.
