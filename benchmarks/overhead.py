@@ -87,6 +87,7 @@ def launch(variant: str, args: argparse.Namespace, workdir: Path, pair: int) -> 
         *(f"--{k}={v}" for k, v in HYPER.items()),
     ]
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    load = os.getloadavg()[0]  # other work on the machine shows up here
     with open(workdir / f"{tag}.log", "w", encoding="utf-8") as log:
         env[T0_ENV] = repr(time.time())  # as late as possible: startup counts from here
         proc = subprocess.run(
@@ -96,6 +97,7 @@ def launch(variant: str, args: argparse.Namespace, workdir: Path, pair: int) -> 
         tail = (workdir / f"{tag}.log").read_text(encoding="utf-8")[-4000:]
         sys.exit(f"{tag} failed (exit {proc.returncode}); end of its output:\n{tail}")
     record: dict[str, Any] = json.loads(result.read_text(encoding="utf-8"))
+    record["load_before"] = load
     return record
 
 
@@ -107,26 +109,20 @@ def summarize(pairs: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     """Per-pair medians and ratios, then the medians of those over the pairs."""
     rows = []
     for runs in pairs:
-        step = {v: statistics.median(runs[v]["step_times_s"]) for v in VARIANTS}
-        start = {v: runs[v]["startup_s"] for v in VARIANTS}
-        rows.append(
-            {
-                "step_s": step,
-                "startup_s": start,
-                "step_ratio": ratio(step["meshrun"], step["plain"]),
-                "startup_ratio": ratio(start["meshrun"], start["plain"]),
-                "final_loss": {v: runs[v]["final_loss"] for v in VARIANTS},
-                "marks_s": {v: runs[v]["marks_s"] for v in VARIANTS},
-            }
-        )
-    return {
-        "step_s": {v: statistics.median(r["step_s"][v] for r in rows) for v in VARIANTS},
-        "startup_s": {v: statistics.median(r["startup_s"][v] for r in rows) for v in VARIANTS},
-        "step_ratio": statistics.median(r["step_ratio"] for r in rows),
-        "startup_ratio": statistics.median(r["startup_ratio"] for r in rows),
-        "final_loss": rows[-1]["final_loss"],
-        "pairs": rows,
-    }
+        row: dict[str, Any] = {}
+        for key, field in (("step_s", "step_times_s"), ("cpu_s", "cpu_times_s")):
+            row[key] = {v: statistics.median(runs[v][field]) for v in VARIANTS}
+        row["startup_s"] = {v: runs[v]["startup_s"] for v in VARIANTS}
+        for key in ("step", "cpu", "startup"):
+            row[f"{key}_ratio"] = ratio(row[f"{key}_s"]["meshrun"], row[f"{key}_s"]["plain"])
+        for key in ("final_loss", "marks_s", "load_before"):
+            row[key] = {v: runs[v][key] for v in VARIANTS}
+        rows.append(row)
+    out: dict[str, Any] = {}
+    for key in ("step", "cpu", "startup"):
+        out[f"{key}_s"] = {v: statistics.median(r[f"{key}_s"][v] for r in rows) for v in VARIANTS}
+        out[f"{key}_ratio"] = statistics.median(r[f"{key}_ratio"] for r in rows)
+    return out | {"final_loss": rows[-1]["final_loss"], "pairs": rows}
 
 
 def report(s: dict[str, Any], args: argparse.Namespace) -> None:
@@ -134,23 +130,28 @@ def report(s: dict[str, Any], args: argparse.Namespace) -> None:
     print(
         f"meshrun overhead | model {args.size} | {args.steps} steps ({timed} timed, "
         f"{args.skip} warm-up) | {args.nproc} processes, gloo, OMP_NUM_THREADS=1 | "
-        f"{args.repeats} pairs"
+        f"{args.repeats} pairs, plain then meshrun"
     )
     print(
-        f"{'pair':>4}  {'plain s/step':>12}  {'meshrun s/step':>14}  {'ratio':>6}"
-        f"  {'plain start s':>13}  {'meshrun start s':>15}  {'ratio':>6}"
+        "pair | s/step plain meshrun ratio | cpu s/step plain meshrun ratio"
+        " | startup s plain meshrun ratio | load avg"
     )
     for i, r in enumerate(s["pairs"], 1):
-        print(
-            f"{i:>4}  {r['step_s']['plain']:>12.4f}  {r['step_s']['meshrun']:>14.4f}"
-            f"  {r['step_ratio']:>6.3f}  {r['startup_s']['plain']:>13.2f}"
-            f"  {r['startup_s']['meshrun']:>15.2f}  {r['startup_ratio']:>6.3f}"
-        )
-    step, start = s["step_s"], s["startup_s"]
+        cols = [f"{i:>4}"]
+        for key in ("step", "cpu", "startup"):
+            a, b = r[f"{key}_s"]["plain"], r[f"{key}_s"]["meshrun"]
+            cols.append(f"{a:.4f} {b:.4f} {r[f'{key}_ratio']:.3f}")
+        cols.append(" ".join(f"{r['load_before'][v]:.1f}" for v in VARIANTS))
+        print(" | ".join(cols))
+    step, cpu, start = s["step_s"], s["cpu_s"], s["startup_s"]
     verdict = "ok" if s["step_ratio"] <= TARGET_RATIO else "ABOVE TARGET"
     print(f"median step time: plain {step['plain']:.4f} s, meshrun {step['meshrun']:.4f} s")
     print(
         f"per-step ratio meshrun/plain: {s['step_ratio']:.3f} (target <= {TARGET_RATIO}: {verdict})"
+    )
+    print(
+        f"per-step CPU-time ratio meshrun/plain: {s['cpu_ratio']:.3f} "
+        f"(plain {cpu['plain']:.4f} s, meshrun {cpu['meshrun']:.4f} s)"
     )
     print(
         f"startup ratio meshrun/plain (launch to end of first step): {s['startup_ratio']:.3f} "
@@ -163,7 +164,7 @@ def report(s: dict[str, Any], args: argparse.Namespace) -> None:
     )
     for v in VARIANTS:  # where startup goes, last pair: seconds since launch
         marks = s["pairs"][-1]["marks_s"][v]
-        print(f"startup marks, {v:>7}: " + ", ".join(f"{k} {t:.2f}" for k, t in marks.items()))
+        print(f"startup marks {v:>7}: " + ", ".join(f"{k} {t:.2f}" for k, t in marks.items()))
 
 
 def main() -> None:

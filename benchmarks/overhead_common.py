@@ -39,25 +39,30 @@ def parse_worker_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 class Clock:
-    """Marks seconds since the benchmark's launch (``T0_ENV``) and per-step wall times."""
+    """Marks seconds since the benchmark's launch (``T0_ENV``) and per-step times: wall time
+    (the figure that matters) and this process's CPU time (all its threads), which a busy
+    machine disturbs less: time spent waiting for a core or for the other rank is not in it."""
 
     def __init__(self) -> None:
         self.t0 = float(os.environ[T0_ENV])
         self.marks: dict[str, float] = {}
         self.step_times: list[float] = []
+        self.cpu_times: list[float] = []
         self._last = time.perf_counter()
+        self._last_cpu = time.process_time()
 
     def mark(self, name: str) -> None:
         self.marks[name] = time.time() - self.t0
 
     def start_steps(self) -> None:
-        self._last = time.perf_counter()
+        self._last, self._last_cpu = time.perf_counter(), time.process_time()
 
     def end_step(self) -> None:
         """Call right after each optimizer step: the interval since the previous one."""
-        now = time.perf_counter()
+        now, cpu = time.perf_counter(), time.process_time()
         self.step_times.append(now - self._last)
-        self._last = now
+        self.cpu_times.append(cpu - self._last_cpu)
+        self._last, self._last_cpu = now, cpu
         if len(self.step_times) == 1:
             self.mark("first_step")
 
@@ -67,6 +72,7 @@ def write_result(path: Path, variant: str, clock: Clock, skip: int, **extra: Any
     record = {
         "variant": variant,
         "step_times_s": clock.step_times[skip:],
+        "cpu_times_s": clock.cpu_times[skip:],
         "startup_s": clock.marks["first_step"],
         "marks_s": clock.marks,
         **extra,

@@ -28,13 +28,13 @@ import traceback
 from collections.abc import Callable, Mapping
 from multiprocessing import get_context
 from multiprocessing.connection import Connection, wait
-from multiprocessing.process import BaseProcess
-from typing import Any, NoReturn
+from multiprocessing.context import SpawnProcess
+from typing import Any, NoReturn, cast
 
 import pytest
 
 GRACE_S = 5.0  # after one rank fails, how long the others get to report before they are killed
-EXIT_S = 15.0  # how long a rank that returned gets to leave
+EXIT_S = 15.0  # how long the ranks get to leave once all have returned
 
 # What a child sends back: ("ok", pickled value) or ("error", formatted traceback).
 Outcome = tuple[str, Any]
@@ -67,7 +67,7 @@ def run_distributed(
         "MASTER_PORT": str(free_port()),
         "OMP_NUM_THREADS": "1",
     }
-    procs: list[BaseProcess] = []
+    procs: list[SpawnProcess] = []
     readers: dict[Connection, int] = {}
     try:
         for rank in range(world_size):
@@ -82,8 +82,9 @@ def run_distributed(
             readers[reader] = rank
         outcomes, timed_out = _collect(readers, time.monotonic() + timeout)
         if not timed_out and all(kind == "ok" for kind, _ in outcomes.values()):
+            leave_by = time.monotonic() + EXIT_S
             for proc in procs:
-                proc.join(EXIT_S)
+                proc.join(max(0.0, leave_by - time.monotonic()))
     finally:
         for proc in procs:
             if proc.is_alive():
@@ -108,7 +109,7 @@ def _collect(readers: dict[Connection, int], deadline: float) -> tuple[dict[int,
         ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
         if not ready:
             return outcomes, not any(kind != "ok" for kind, _ in outcomes.values())
-        for conn in ready:
+        for conn in cast("list[Connection]", ready):
             rank = pending.pop(conn)
             try:
                 outcomes[rank] = conn.recv()

@@ -64,7 +64,7 @@ def _launch(
 def _nproc(flag: int | None, cfg: Config) -> int:
     from meshrun.launch.local import default_nproc_per_node
 
-    n = flag or cfg.launch.nproc_per_node or default_nproc_per_node()
+    n = flag if flag is not None else cfg.launch.nproc_per_node or default_nproc_per_node()
     if n < 1:
         raise ConfigError(f"--nproc-per-node {n} is not allowed: must be >= 1")
     return n
@@ -218,25 +218,24 @@ def build_parser() -> argparse.ArgumentParser:
 def _take_overrides(argv: list[str]) -> tuple[list[str], list[str]]:
     # argparse would read `--optim.lr=1` as an unknown option: `demo` and `config show` take
     # their overrides out first (launch leaves them to its script's arguments).
-    if argv[:1] == ["demo"] or argv[:2] == ["config", "show"]:
-        return [x for x in argv if not _is_override(x)], [x for x in argv if _is_override(x)]
-    return argv, []
-
-
-def _is_override(arg: str) -> bool:
-    return arg.startswith("--") and "." in arg.split("=", 1)[0]
+    head = 1 if argv[:1] == ["demo"] else 2 if argv[:2] == ["config", "show"] else 0
+    if not head:
+        return argv, []
+    pairs, rest = split_overrides(argv[head:])
+    return argv[:head] + rest, [f"--{k}={v}" for k, v in pairs]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    rest, overrides = _take_overrides(args_list)
-    a = parser.parse_args(rest)
-    a.overrides = overrides
     try:
+        rest, overrides = _take_overrides(args_list)
+        a = parser.parse_args(rest)
+        a.overrides = overrides
         return int(a.fn(a))
     except ConfigError as e:
-        print(f"meshrun {a.command}: error: {e}", file=sys.stderr)
+        command = args_list[0] if args_list else ""
+        print(f"meshrun {command}: error: {e}", file=sys.stderr)
         return 2
 
 

@@ -142,7 +142,7 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterEnv:
     host = socket.gethostname()
     if "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
         return _from_torchelastic(env, host)
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and int(env["SLURM_NTASKS"]) > 1:
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and _int(env, "SLURM_NTASKS") > 1:
         return _from_slurm(env, host)
     for names in _MPI_VARS.values():
         if names[0] in env and names[1] in env:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import sys
 import types
 from collections.abc import Iterable, Mapping, Sequence
@@ -147,7 +148,10 @@ class Config:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         return {
-            sec.name: {_key(f): getattr(getattr(self, sec.name), f.name) for f in _fields(sec.type)}
+            sec.name: {
+                _key(f): getattr(getattr(self, sec.name), f.name)
+                for f in _fields(getattr(self, sec.name))
+            }
             for sec in dataclasses.fields(self)
         }
 
@@ -252,6 +256,8 @@ def _convert_text(text: Any, tp: Any) -> Any:
 
 
 def _check_range(key: str, value: Any, f: dataclasses.Field[Any]) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key} = {value!r} is not allowed: expected a finite number")
     lo, hi = f.metadata.get("min"), f.metadata.get("max")
     if lo is not None and value < lo:
         raise ConfigError(f"{key} = {value!r} is out of range: must be >= {lo}")
