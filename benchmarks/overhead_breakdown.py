@@ -129,15 +129,17 @@ def main() -> None:
         iter_mesh = iter(mesh_loader)
         costs = {k: timed(fn, args.reps) for k, fn in extras.items()}
         if run.is_main:
-            base_wall, base_cpu = statistics.median(wall["plain"]), statistics.median(cpu["plain"])
             print(f"\n== whole steps, {args.steps} of each kind, interleaved ({args.size} model)")
+            print("   medians; 'vs plain' is the median of the paired differences with the plain")
+            print("   step run just before, which cancels the machine's slower drifts")
             print(f"{'kind':<26} {'wall ms':>9} {'vs plain':>9} {'cpu ms':>9} {'vs plain':>9}")
             for k in kinds:
-                w, c = statistics.median(wall[k]), statistics.median(cpu[k])
-                print(
-                    f"{k:<26} {w * 1e3:9.2f} {(w - base_wall) * 1e3:+9.2f}"
-                    f" {c * 1e3:9.2f} {(c - base_cpu) * 1e3:+9.2f}"
-                )
+                cols = []
+                for series in (wall, cpu):
+                    diffs = [b - a for a, b in zip(series["plain"], series[k], strict=True)]
+                    cols.append(f"{statistics.median(series[k]) * 1e3:9.2f}")
+                    cols.append(f"{statistics.median(diffs) * 1e3:+9.2f}")
+                print(f"{k:<26} " + " ".join(cols))
             print(f"== per-step extras, median of {args.reps} calls")
             for k, v in costs.items():
                 print(f"{k:<40} {v * 1e3:8.3f} ms")

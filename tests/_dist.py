@@ -36,7 +36,8 @@ import pytest
 GRACE_S = 5.0  # after one rank fails, how long the others get to report before they are killed
 EXIT_S = 15.0  # how long the ranks get to leave once all have returned
 
-# What a child sends back: ("ok", pickled value) or ("error", formatted traceback).
+# What a child sends back: ("ok", pickled value) or ("error", formatted traceback); the
+# parent records ("died", None) for a child that closed its pipe without sending.
 Outcome = tuple[str, Any]
 
 

@@ -399,7 +399,8 @@ class MetricsLogger:
             return
         self._closed = True
         summary = self.summary()
-        self._on_console("summary", lambda view: view.finish(_summary_table(summary)))
+        if self._totals.steps:  # a run closed before training has nothing to summarise
+            self._on_console("summary", lambda view: view.finish(_summary_table(summary)))
         self._view = None
         if self._file is not None:
             try:
