@@ -131,7 +131,8 @@ class Run:
         _seed(cfg.job.seed, self.rank)
         self.metrics = MetricsLogger(
             self.run_dir,
-            is_main=self.is_main and cfg.metrics.jsonl,
+            is_main=self.is_main,
+            jsonl=cfg.metrics.jsonl,
             log_every=cfg.metrics.log_every,
             total_steps=cfg.optim.steps,
             progress=cfg.metrics.progress,

@@ -352,8 +352,10 @@ class MetricsLogger:
                 **extra,
             }
             self._write(row)
+        # The console shows the latest *measured* loss (NaN marks steps that were not logged).
+        shown_loss = self._totals.last_loss
         status = _Status(
-            step, self.total_steps, loss, lr, step_time_s, tokens_per_s, self._eta(step)
+            step, self.total_steps, shown_loss, lr, step_time_s, tokens_per_s, self._eta(step)
         )
         self._on_console("progress", lambda view: view.show(status, logged))
 
