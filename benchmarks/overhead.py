@@ -12,7 +12,12 @@ interleaved pairs A B A B ... so that a machine getting slower or faster hits bo
 Rank 0 of each writes a JSON with its per-step wall times (warm-up steps left out) and the
 seconds from the moment this script started the launcher to the end of the first optimizer
 step. Reported: the per-step ratio meshrun/plain (median over pairs of the ratio of each
-pair's median step times), the startup ratio, the raw numbers per pair and the final losses.
+pair's median step times), the same for CPU time per step, the startup ratio, the raw numbers
+per pair and the final losses (equal when both trained the same thing).
+
+Separate runs are only as comparable as the machine is quiet: the load average before each
+run is printed with it. ``overhead_breakdown.py`` measures meshrun's cost per step inside one
+pair of processes, step by step interleaved, and each per-step extra on its own.
 
     .venv/bin/python benchmarks/overhead.py --repeats 3 [--steps 30 --size small --nproc 2]
 """
@@ -62,7 +67,10 @@ def parse_args() -> argparse.Namespace:
     if args.steps <= args.skip:
         p.error(f"--steps ({args.steps}) must be larger than --skip ({args.skip})")
     if HYPER["global-batch"] % (HYPER["micro-batch"] * args.nproc):
-        p.error(f"--nproc {args.nproc} does not divide the global batch {HYPER['global-batch']}")
+        p.error(
+            f"global batch {HYPER['global-batch']} is not a multiple of micro-batch "
+            f"{HYPER['micro-batch']} x --nproc {args.nproc}"
+        )
     return args
 
 

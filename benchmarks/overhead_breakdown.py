@@ -10,7 +10,10 @@ alike:
 
 1. Whole steps, interleaved step by step: a plain ``no_sync`` step, then a step through
    ``run.steps`` / ``run.backward`` / ``run.optimizer_step``, on the same DDP model and
-   optimizer. The difference of the medians is meshrun's cost per optimizer step.
+   optimizer; the median paired difference is meshrun's cost per optimizer step. Also: the
+   plain step on a second copy wrapped in DDP with torch's defaults (the plain worker's DDP),
+   the plain step plus the loss all-reduce meshrun does on a logged step, and meshrun with
+   logging off.
 2. Each per-step extra on its own, repeated: the memory figures, the loss all-reduce of a
    logged step, one metrics row (jsonl + console line), moving the micro-batches "to the
    device", the grad-sync switch and fetching a global batch from each loader.
@@ -28,6 +31,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
 import meshrun
@@ -80,6 +84,10 @@ def main() -> None:
         mesh_loader = run.dataloader(train)
         steps = iter(run.steps(mesh_loader))
         plain_batches = iter(DataLoader(train, batch_size=4, sampler=range(len(train))))
+        # The plain worker's DDP: torch's defaults (meshrun sets gradient_as_bucket_view).
+        torch.manual_seed(0)
+        default_ddp = DDP(GPT(cfg))
+        default_opt = torch.optim.AdamW(default_ddp.parameters(), lr=1e-3, betas=(0.9, 0.95))
 
         group = run.mesh.get_group("dp") if run.mesh is not None else None
 
@@ -96,6 +104,9 @@ def main() -> None:
 
         kinds: dict[str, Callable[[], None]] = {
             "plain": lambda: plain_step(model, opt, plain_batches, run.accum),
+            "plain, DDP defaults": lambda: plain_step(
+                default_ddp, default_opt, plain_batches, run.accum
+            ),
             "plain + loss all-reduce": plain_synced,
             "meshrun (log every step)": meshrun_logging(1),
             "meshrun (no logging)": meshrun_logging(10**9),
