@@ -205,13 +205,16 @@ def _add_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     init.set_defaults(fn=cmd_config_init)
 
 
+# Each subsystem contributes one `add_*(sub)` function; the order is the order of --help.
+SUBCOMMANDS = [_add_demo, _add_launch, _add_config]
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="meshrun", description="PyTorch from one GPU to many.")
     p.add_argument("--version", action="version", version=f"meshrun {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
-    _add_demo(sub)
-    _add_launch(sub)
-    _add_config(sub)
+    for add in SUBCOMMANDS:
+        add(sub)
     return p
 
 

@@ -112,7 +112,12 @@ def main(argv: Sequence[str] | None = None) -> None:
             "validation loss %.4f (exact, %d windows) | checkpoint %s", val_loss, len(val), path
         )
         text = sample(model, b"def ", 160, model_cfg.seq_len, run.device)
-        run.log.info("sample (seeded, top-10):\n  %s", text.replace("\n", "\n  "))
+        run.log.info(
+            "sample after %d steps (byte-level: it learns spelling first; --steps 1000 writes more "
+            "Python-like text):\n  %s",
+            run.step,
+            text.replace("\n", "\n  "),
+        )
     run.close()
 
 
