@@ -1,8 +1,12 @@
 """ParallelDims: the validated degrees of the layout, and the one named DeviceMesh built from them.
 
-The mesh dims are ``pp, dp_replicate, dp_shard, tp`` (outermost first, so tp stays inside a
-node when ranks are numbered node by node). Only dims of size > 1 enter the mesh; data
-loading and loss reduction use the flattened ``dp`` view (dp_replicate x dp_shard).
+The mesh dims are ``pp, dp_replicate, dp_shard, tp`` (outermost first). Ranks are numbered node
+by node, so the innermost dim holds neighbouring ranks: ``tp`` (the chattiest, an all-reduce per
+layer) stays inside a node, then ``dp_shard`` (FSDP's all-gathers), while ``dp_replicate`` and
+``pp`` may cross nodes. Only dims of size > 1 enter the mesh, plus ``dp_shard`` of size 1 when
+the mesh would otherwise have no data-parallel dim. Data loading and loss reduction use the
+flattened ``dp`` view (dp_replicate x dp_shard); FSDP shards over ``dp_shard`` (HSDP: the 2-D
+``(dp_replicate, dp_shard)`` sub-mesh); tensor parallel uses ``tp``.
 """
 
 from __future__ import annotations
@@ -28,6 +32,17 @@ class ParallelDims:
         """Resolve ``dp_shard=-1`` and check the product against the world (ConfigError)."""
         return cls(**resolve_mesh_dims(cfg, world_size))
 
+    @classmethod
+    def from_mesh(cls, mesh: DeviceMesh | None) -> ParallelDims:
+        """The degrees of a mesh built by :func:`build_mesh` (a 1-D ``dp`` mesh is dp_shard)."""
+        if mesh is None:
+            return cls(1, 1, 1, 1)
+        names = mesh.mesh_dim_names or ()
+        if names == ("dp",):
+            return cls(1, 1, mesh.size(), 1)
+        sizes = dict(zip(names, mesh.shape, strict=True))
+        return cls(**{n: sizes.get(n, 1) for n in MESH_DIMS})
+
     @property
     def world_size(self) -> int:
         return self.pp * self.dp_replicate * self.dp_shard * self.tp
@@ -44,15 +59,47 @@ class ParallelDims:
         """This rank's index among the data-parallel ranks (row-major mesh layout)."""
         return (rank // self.tp) % self.dp
 
+    def describe(self) -> str:
+        """``pp=1 x dp_replicate=1 x dp_shard=2 x tp=2``: every dim, for messages and logs."""
+        return " x ".join(f"{n}={getattr(self, n)}" for n in MESH_DIMS)
+
+
+def mesh_dims(dims: ParallelDims) -> dict[str, int]:
+    """The dims that enter the mesh, outermost first (see the module docstring)."""
+    active = dims.active()
+    if not {"dp_replicate", "dp_shard"} & set(active):
+        # Keep one data-parallel dim (of size 1) so that the ``dp`` view always exists.
+        active = {n: getattr(dims, n) for n in MESH_DIMS if n in active or n == "dp_shard"}
+    return active
+
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """Build the named mesh. A pure data-parallel layout is the 1-D mesh ``("dp",)``."""
-    active = dims.active()
-    if set(active) <= {"dp_replicate", "dp_shard"}:
+    """Build the named mesh. A pure data-parallel layout over one dim is the 1-D mesh
+    ``("dp",)``; otherwise the active dims, with the ``dp`` view flattened from the dp dims."""
+    active = mesh_dims(dims)
+    if list(active) in (["dp_shard"], ["dp_replicate"]):
         return init_device_mesh(device_type, (dims.world_size,), mesh_dim_names=("dp",))
     names = tuple(active)
     mesh = init_device_mesh(device_type, tuple(active.values()), mesh_dim_names=names)
     dp_names = tuple(n for n in names if n.startswith("dp_"))
-    if len(dp_names) > 1:
-        mesh[dp_names]._flatten("dp")  # the view data loading and loss reduction use
+    mesh[dp_names]._flatten("dp")  # the view data loading and loss reduction use
     return mesh
+
+
+def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP shards over: ``dp_shard``, or ``(dp_replicate, dp_shard)`` for HSDP."""
+    names = mesh.mesh_dim_names or ()
+    if names == ("dp",):
+        return mesh
+    if "dp_replicate" in names and "dp_shard" in names:
+        return mesh["dp_replicate", "dp_shard"]
+    if "dp_shard" not in names:
+        raise ValueError(f"mesh {names} has no dp_shard dim to shard over")
+    return mesh["dp_shard"]
+
+
+def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    names = mesh.mesh_dim_names or ()
+    if "tp" not in names:
+        raise ValueError(f"mesh {names} has no tp dim")
+    return mesh["tp"]

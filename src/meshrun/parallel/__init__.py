@@ -1,38 +1,215 @@
-"""Parallel layouts: plain functions that change a model, called in one documented order.
+"""Parallel layouts: plain functions that change a model in place, called in one documented order.
 
-``parallelize`` owns the order: move to device, then (future: tensor parallel, activation
-checkpointing, compile, FSDP) data parallelism last, as torchtitan does.
+``parallelize`` owns the order, as torchtitan does:
+
+1. tensor parallel (``apply_tp``) over the ``tp`` dim: parameters become DTensors;
+2. activation checkpointing of every k-th block (``apply_ac``); (``torch.compile`` per block:
+   not available yet);
+3. data parallelism last, over the ``dp`` dims: FSDP2 (``zero`` 2/3, HSDP when dp_replicate > 1)
+   with its mixed-precision policy, or DDP (``zero`` 0/1; stage 1 shards the optimizer state
+   in ``build_optimizer``) with its gradient-compression hook.
+
+A model built on the meta device is allocated after sharding and initialised with its
+``init_weights()``, so no rank ever holds the whole model.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshrun.config import ParallelConfig
-from meshrun.parallel.ddp import apply_ddp, set_grad_sync
+from meshrun.config import ConfigError, ParallelConfig
+from meshrun.mesh import ParallelDims, fsdp_mesh, tp_mesh
+from meshrun.parallel.ac import apply_ac
+from meshrun.parallel.comm import apply_comm_hook
+from meshrun.parallel.ddp import apply_ddp
+from meshrun.parallel.fsdp import WrapPredicate, apply_fsdp, has_meta_params, is_block, materialize
+from meshrun.parallel.grads import clip_grad_norm_, set_grad_sync
+from meshrun.parallel.pp import (
+    LossFn,
+    Pipeline,
+    build_pipeline,
+    build_stage_modules,
+    pipeline_step,
+)
+from meshrun.parallel.precision import build_mp_policy
+from meshrun.parallel.report import describe_layout
+from meshrun.parallel.tp import (
+    TPPlan,
+    apply_tp,
+    check_tp_plan,
+    default_tp_plan,
+    sequence_parallel_plan,
+)
+from meshrun.parallel.zero import build_optimizer, check_optimizer
 
-__all__ = ["apply_ddp", "parallelize", "set_grad_sync"]
+__all__ = [
+    "apply_ac",
+    "apply_comm_hook",
+    "apply_ddp",
+    "apply_fsdp",
+    "apply_tp",
+    "build_optimizer",
+    "check_optimizer",
+    "clip_grad_norm_",
+    "data_parallel_stage",
+    "default_tp_plan",
+    "is_block",
+    "parallelize",
+    "parallelize_pipeline",
+    "pipeline_step",
+    "set_grad_sync",
+]
 
 log = logging.getLogger("meshrun")
 
+ParallelizeFn = Callable[[nn.Module, DeviceMesh], object]
+
 
 def parallelize(
-    model: nn.Module, mesh: DeviceMesh | None, cfg: ParallelConfig, device: torch.device
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    cfg: ParallelConfig,
+    device: torch.device,
+    *,
+    tp_plan: TPPlan | None = None,
+    parallelize_fn: ParallelizeFn | None = None,
+    wrap: WrapPredicate = is_block,
 ) -> nn.Module:
-    """Apply the configured layout to ``model``; returns a real torch module (DDP when dp > 1)."""
-    model = model.to(device)
-    if mesh is None or "dp" not in (mesh.mesh_dim_names or ()) or mesh["dp"].size() == 1:
-        log.info("single data-parallel rank: model used as is (no DDP)")
+    """Apply the configured layout to ``model`` and return a real torch module: the model itself
+    (tensor parallel, FSDP2: changed in place) or, for DDP, the DDP wrapper around it.
+
+    ``tp_plan`` (module-name patterns to ParallelStyles) replaces :func:`default_tp_plan`;
+    ``parallelize_fn(model, mesh)`` replaces meshrun's tensor-parallel step entirely (it gets
+    the whole mesh). ``wrap(name, module)`` chooses FSDP's units (default: each block).
+    """
+    dims = ParallelDims.from_mesh(mesh)
+    if dims.pp > 1:
+        raise ConfigError(
+            f"parallel.pp = {dims.pp}: a pipelined model is driven by its schedule, not called "
+            "by the loop; use pipe = run.pipeline(model, loss_fn) and run.pipeline_step(pipe, "
+            "inputs, targets) (docs/parallel.md), or set parallel.pp=1"
+        )
+    zero = data_parallel_stage(cfg, dims)
+    check_offload(cfg, device)
+    mp_policy = build_mp_policy(cfg, zero)  # checked before anything changes
+    meta = has_meta_params(model)
+    if not meta:
+        model = model.to(device)
+    if mesh is not None:
+        maybe_apply_tp(model, mesh, dims, cfg, tp_plan, parallelize_fn)
+    if cfg.activation_checkpoint:
+        n = apply_ac(model, cfg.activation_checkpoint, wrap)
+        log.info("activation checkpointing: %d blocks (every %d)", n, cfg.activation_checkpoint)
+    if mesh is not None and zero >= 2:
+        apply_fsdp(
+            model, fsdp_mesh(mesh), zero, cfg.cpu_offload, mp_policy, wrap, cfg.fsdp_prefetch
+        )
+        log.info(
+            "FSDP2 ZeRO-%d over %s (params %s, reduce %s)",
+            *(zero, dims.describe(), cfg.param_dtype, cfg.reduce_dtype),
+        )
+    if meta:
+        materialize(model, device)
+    log.info(describe_layout(model, mesh, cfg, zero))
+    if mesh is None or zero >= 2 or dims.dp == 1:
         return model
     ddp = apply_ddp(model, mesh, cfg, device)
     log.info(
-        "DDP over %d ranks (bucket_cap_mb=%s, static_graph=%s)",
-        mesh["dp"].size(),
-        cfg.bucket_cap_mb,
-        cfg.static_graph,
+        "DDP%s over %d ranks (bucket_cap_mb=%s, static_graph=%s, comm hook %s)",
+        *(" + ZeRO-1" if zero == 1 else "", dims.dp, cfg.bucket_cap_mb, cfg.static_graph),
+        apply_comm_hook(ddp, cfg),
     )
     return ddp
+
+
+def maybe_apply_tp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    dims: ParallelDims,
+    cfg: ParallelConfig,
+    tp_plan: TPPlan | None,
+    parallelize_fn: ParallelizeFn | None,
+) -> None:
+    """The user's ``parallelize_fn``, else tensor parallel by ``tp_plan`` (or the default plan)
+    when the mesh has a tp dim > 1, else nothing."""
+    if parallelize_fn is not None:
+        parallelize_fn(model, mesh)
+    elif dims.tp > 1:
+        plan = default_tp_plan(model) if tp_plan is None else tp_plan
+        check_tp_plan(model, plan, dims.tp)  # on the plain plan: it names the split layers
+        if cfg.sequence_parallel:
+            plan = sequence_parallel_plan(model, plan)
+        apply_tp(model, tp_mesh(mesh), plan)
+        log.info(
+            "tensor parallel over %d ranks: %d modules split%s",
+            *(dims.tp, len(plan), " (+ sequence parallel)" if cfg.sequence_parallel else ""),
+        )
+
+
+def check_offload(cfg: ParallelConfig, device: torch.device) -> None:
+    """CPU offload moves shards from GPU memory to pinned host memory: on CPU it has no meaning
+    (and FSDP2's pinning needs an accelerator), so it is an error, not a silent no-op."""
+    if cfg.cpu_offload and device.type != "cuda":
+        raise ConfigError(
+            f"parallel.cpu_offload = true needs CUDA devices, but this run is on {device.type}: "
+            "the parameters already live in host memory; set parallel.cpu_offload=false"
+        )
+    if cfg.cpu_offload and cfg.zero < 2:
+        raise ConfigError(
+            f"parallel.cpu_offload = true is an FSDP2 option (zero 2 or 3), but parallel.zero = "
+            f"{cfg.zero}; set parallel.zero=3 or parallel.cpu_offload=false"
+        )
+
+
+def data_parallel_stage(cfg: ParallelConfig, dims: ParallelDims) -> int:
+    """The ZeRO stage that runs: ``cfg.zero``, except that DDP (zero = 0) cannot take tensor-
+    parallel DTensor parameters, so tp x dp runs FSDP2 ZeRO-3, with a warning that says so."""
+    if cfg.zero == 0 and dims.tp > 1 and dims.dp > 1:
+        log.warning(
+            "parallel.zero = 0 (DDP) cannot take tensor-parallel parameters: data parallelism "
+            "over %s runs as FSDP2 ZeRO-3; set parallel.zero=3 (or 2) to say so",
+            dims.describe(),
+        )
+        return 3
+    return cfg.zero
+
+
+def parallelize_pipeline(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    cfg: ParallelConfig,
+    device: torch.device,
+    loss_fn: LossFn,
+    *,
+    wrap: WrapPredicate = is_block,
+) -> Pipeline:
+    """Pipeline parallel: split ``model`` into this rank's stages, then per stage the same order
+    as :func:`parallelize` (AC, then FSDP2 over the dp dims), then the schedule. The user's
+    loop calls :func:`pipeline_step` instead of the model (see ``parallel/pp.py``)."""
+    dims = ParallelDims.from_mesh(mesh)
+    if dims.tp > 1 or cfg.zero == 1 or (dims.dp > 1 and cfg.zero == 0):
+        raise ConfigError(
+            f"parallel.pp = {dims.pp} composes with FSDP2 (zero 2 or 3) on the dp dims in this "
+            f"version; tensor parallel, DDP and ZeRO-1 with pp are not available yet "
+            f"({dims.describe()}, zero = {cfg.zero})"
+        )
+    model = model.to(device)
+    modules = build_stage_modules(model, mesh, cfg)
+    for stage in modules:
+        if cfg.activation_checkpoint:
+            apply_ac(stage, cfg.activation_checkpoint, wrap)
+        if cfg.zero >= 2 and dims.dp_shard > 1:
+            mp = build_mp_policy(cfg, cfg.zero)
+            apply_fsdp(
+                stage, fsdp_mesh(mesh), cfg.zero, cfg.cpu_offload, mp, wrap, cfg.fsdp_prefetch
+            )
+    log.info(
+        "pipeline: %d stage(s) on this rank of %d, schedule %s, %d chunks per micro-batch",
+        *(len(modules), dims.pp * len(modules), cfg.pp_schedule, cfg.pp_microbatches),
+    )
+    return build_pipeline(modules, mesh, cfg, loss_fn, device)

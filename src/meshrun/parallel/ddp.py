@@ -23,9 +23,4 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, device: t
     )
 
 
-def set_grad_sync(model: nn.Module, enabled: bool) -> None:
-    """What ``DDP.no_sync()`` does, as a switch: skip the all-reduce on non-boundary
-    micro-steps. It must be set before the forward, so the step loop sets it before it hands
-    out each micro-batch."""
-    if isinstance(model, DDP):
-        model.require_backward_grad_sync = enabled
+# The accumulation switch for DDP and FSDP2 (set_grad_sync) lives in parallel/grads.py.

@@ -1,0 +1,90 @@
+"""ZeRO-2/3 and HSDP with FSDP2 ``fully_shard``: each block first, then the root.
+
+Stage 3 reshards parameters after the forward (all-gathered again for the backward); stage 2
+keeps them unsharded from forward to backward (one all-gather per step, more memory): both
+reduce-scatter gradients, so gradients and optimizer state are sharded in both. With a 2-D
+``(dp_replicate, dp_shard)`` mesh FSDP2 is HSDP: sharded inside a group, replicated across.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+
+# A predicate choosing the submodules that become their own FSDP unit (their own all-gather).
+WrapPredicate = Callable[[str, "nn.Module | None"], bool]
+
+BLOCK_LISTS = ("blocks", "layers", "h")  # the ModuleList names of common transformer stacks
+
+
+def is_block(name: str, module: nn.Module | None = None) -> bool:
+    """Default predicate: each member of a ``blocks``/``layers``/``h`` ModuleList."""
+    parent, _, index = name.rpartition(".")
+    return index.isdigit() and parent.rpartition(".")[2] in BLOCK_LISTS
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    zero: int,
+    cpu_offload: bool = False,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    wrap: WrapPredicate = is_block,
+    prefetch: int = 0,
+) -> FSDPModule:
+    """Shard ``model`` in place: ``fully_shard`` each unit chosen by ``wrap``, then the root."""
+    if zero not in (2, 3):
+        raise ValueError(f"apply_fsdp: zero = {zero}; FSDP2 runs ZeRO stages 2 and 3")
+    offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
+    mp = mp_policy or MixedPrecisionPolicy()
+    units = [m for n, m in model.named_modules() if n and wrap(n, m)]
+    for unit in units:
+        fully_shard(
+            unit, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=mp, offload_policy=offload
+        )
+    # The root's parameters (embeddings, head) are used at both ends of the step; keeping them
+    # unsharded after the forward saves one all-gather for little memory.
+    fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
+    assert isinstance(model, FSDPModule)
+    if prefetch:
+        apply_prefetch([u for u in units if isinstance(u, FSDPModule)], prefetch)
+    return model
+
+
+def apply_prefetch(units: list[FSDPModule], depth: int) -> None:
+    """Explicit prefetch: each unit starts the all-gathers of the next ``depth`` units (in
+    forward order, and in reverse order for the backward), so more communication overlaps
+    compute, for ``depth`` units' worth of extra unsharded memory."""
+    for i, unit in enumerate(units):
+        unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + depth])
+        earlier = units[max(0, i - depth) : i]
+        unit.set_modules_to_backward_prefetch(earlier[::-1])
+
+
+def has_meta_params(model: nn.Module) -> bool:
+    return any(p.is_meta for p in model.parameters())
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate a meta-device model (after sharding, only each rank's shards) and initialise it
+    with its ``init_weights()``: the full model never exists on one rank."""
+    init = getattr(model, "init_weights", None)
+    if not callable(init):
+        raise TypeError(
+            f"{type(model).__name__} was built on the meta device but has no init_weights() "
+            "method: meshrun allocates it with to_empty() and must then initialise it; add "
+            "init_weights() (see meshrun.demo.model.GPT) or build the model on a real device"
+        )
+    model.to_empty(device=device)
+    with torch.no_grad():
+        init()

@@ -1,0 +1,50 @@
+"""ZeRO-1: optimizer-state sharding with ``ZeroRedundancyOptimizer`` over the ``dp`` ranks.
+
+Why this tool and not FSDP2: ZeRO-1 keeps full parameters and full (all-reduced) gradients on
+every rank and shards only the optimizer state. FSDP2 always stores parameters sharded (its
+``reshard_after_forward=False`` is ZeRO-2, with sharded gradients too), so it cannot express
+stage 1. ``ZeroRedundancyOptimizer`` is made for exactly this: DDP all-reduces the gradients,
+each rank steps the optimizer for its partition of the parameters, then broadcasts them.
+
+Stage 1 changes how the optimizer is built, so the user builds it through
+:func:`build_optimizer` (``run.optimizer(model, torch.optim.AdamW, lr=...)``); a plain optimizer
+under ``zero = 1`` is an error at the first step (:func:`check_optimizer`), never a silent DDP.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from meshrun.config import ConfigError, ParallelConfig
+
+
+def build_optimizer(
+    model: nn.Module,
+    optimizer_class: type[torch.optim.Optimizer],
+    mesh: DeviceMesh | None,
+    cfg: ParallelConfig,
+    **kwargs: Any,
+) -> torch.optim.Optimizer:
+    """``optimizer_class(model.parameters(), **kwargs)``, with its state sharded over the
+    ``dp`` ranks when ``cfg.zero == 1`` (a ZeroRedundancyOptimizer, itself a torch Optimizer)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    if cfg.zero != 1 or mesh is None or mesh.get_group("dp").size() == 1:
+        return optimizer_class(params, **kwargs)
+    return ZeroRedundancyOptimizer(
+        params, optimizer_class=optimizer_class, process_group=mesh.get_group("dp"), **kwargs
+    )
+
+
+def check_optimizer(optimizer: torch.optim.Optimizer, cfg: ParallelConfig, dp: int) -> None:
+    """Refuse a plain optimizer under ``zero = 1``: its state would silently not be sharded."""
+    if cfg.zero == 1 and dp > 1 and not isinstance(optimizer, ZeroRedundancyOptimizer):
+        raise ConfigError(
+            f"parallel.zero = 1 shards the optimizer state, but the optimizer is a plain "
+            f"{type(optimizer).__name__}; build it with run.optimizer(model, "
+            f"torch.optim.{type(optimizer).__name__}, lr=...) or set parallel.zero=0"
+        )
