@@ -1,41 +1,18 @@
-"""Checkpoints (first cut): a sharded save of model and optimizer with
-``torch.distributed.checkpoint``. Atomic commit, manifests, auto-resume and resharding arrive
-with the checkpoint issue; this writes the final checkpoint of a run."""
+"""Checkpoints: the whole training state, sharded with ``torch.distributed.checkpoint``,
+committed atomically with a verified manifest, resumed from the newest valid one on any world
+size. ``Run`` owns a :class:`Checkpointer` (``run.resume``, ``run.save_checkpoint`` and the
+saves every ``checkpoint.interval`` steps); ``layout`` is the pure part (naming, manifest,
+validation, retention). See docs/checkpoint.md."""
 
-from __future__ import annotations
+from meshrun.checkpoint.checks import CheckpointError
+from meshrun.checkpoint.layout import CheckpointInfo, list_checkpoints, problems
+from meshrun.checkpoint.manager import Checkpointer, Stateful
 
-import shutil
-from pathlib import Path
-
-import torch
-import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.state_dict import get_state_dict
-
-__all__ = ["save"]
-
-
-def save(path: str | Path, model: nn.Module, optimizer: torch.optim.Optimizer, step: int) -> Path:
-    """Write model + optimizer state to ``path`` (a directory) with DCP; every rank writes its
-    part. Written to ``path.tmp`` first and renamed, so a crash never leaves a half directory
-    under the final name."""
-    final = Path(path)
-    tmp = final.with_name(final.name + ".tmp")
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)}
-    is_main = not dist.is_initialized() or dist.get_rank() == 0
-    if is_main and tmp.exists():
-        shutil.rmtree(tmp)
-    if dist.is_initialized():
-        dist.barrier()
-    dcp.save(state, checkpoint_id=str(tmp))
-    if dist.is_initialized():
-        dist.barrier()
-    if is_main:
-        if final.exists():
-            shutil.rmtree(final)
-        tmp.rename(final)
-    if dist.is_initialized():
-        dist.barrier()
-    return final
+__all__ = [
+    "CheckpointError",
+    "CheckpointInfo",
+    "Checkpointer",
+    "Stateful",
+    "list_checkpoints",
+    "problems",
+]

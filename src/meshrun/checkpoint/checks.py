@@ -1,0 +1,115 @@
+"""Checks and small helpers of the checkpoint manager: which checkpoint to resume, whether its
+tensors map onto this run, readable errors, RNG re-seeding and the layout's name."""
+
+from __future__ import annotations
+
+import logging
+import random
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.api import CheckpointException as DCPException
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from meshrun.checkpoint import layout
+from meshrun.data.sampler import mix_seed
+
+__all__ = [
+    "CheckpointError",
+    "check_keys",
+    "first_cause",
+    "layout_text",
+    "pick",
+    "reseed",
+    "space_text",
+]
+
+log = logging.getLogger("meshrun")
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or resumed; the message says which, why and what to do."""
+
+
+def first_cause(e: BaseException) -> BaseException:
+    """DCP wraps every rank's traceback into one long exception; keep the root cause (e.g.
+    ``OSError: [Errno 28] No space left on device``) for a one-line message."""
+    if not isinstance(e, DCPException):
+        return e
+    text = str(e)
+    m = re.search(r"^(\w*Error: \[Errno \d+\].*)$", text, re.MULTILINE)
+    if m:
+        return RuntimeError(m.group(1))
+    ranks = sorted(e.failures)
+    return RuntimeError(repr(e.failures[ranks[0]][0]))
+
+
+def space_text(path: Path) -> str:
+    """Free space where the checkpoint is written: a full disk does not always surface as
+    ENOSPC (torch's zip writer may report a position mismatch instead)."""
+    try:
+        usage = shutil.disk_usage(path if path.exists() else path.parent)
+    except OSError:
+        return ""
+    full = usage.free < min(16 << 20, usage.total // 20)
+    return f"; {usage.free / 1e6:.1f} MB free of {usage.total / 1e6:.1f} MB there" + (
+        " (disk full)" if full else ""
+    )
+
+
+def pick(root: Path, mode: str) -> str | None:
+    if mode == "never":
+        return None
+    if mode != "auto":
+        bad = layout.problems(Path(mode))
+        if bad:
+            raise CheckpointError(
+                f"checkpoint.resume = {mode!r} is not a valid checkpoint: {'; '.join(bad)}; "
+                "pick another (meshrun ckpt list), or use checkpoint.resume=auto"
+            )
+        return str(Path(mode))
+    for info in reversed(layout.list_checkpoints(root)):
+        bad = layout.problems(info.path)
+        if not bad:
+            return str(info.path)
+        log.warning("skipping checkpoint %s: %s", info.path, "; ".join(bad))
+    return None
+
+
+def check_keys(path: Path, tensors: dict[str, Any]) -> None:
+    """DCP fails on tensors the checkpoint lacks; fail too on tensors this model lacks."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+    meta = dcp.FileSystemReader(str(path)).read_metadata()  # DCP's own metadata (trusted format)
+    flat, _ = flatten_state_dict(tensors)
+    extra = sorted(set(meta.state_dict_metadata) - set(flat))
+    if extra:
+        raise CheckpointError(
+            f"{path.name} holds {len(extra)} tensor(s) this run's model/optimizer lacks, e.g. "
+            f"{extra[:3]}: resume with the same model (or register the same named objects)"
+        )
+
+
+def reseed(seed: int, step: int, rank: int) -> None:
+    """Per-rank RNG streams after a change of world size (old streams cannot be mapped)."""
+    s = mix_seed(seed, step, rank)
+    random.seed(s)
+    np.random.seed(s % 2**32)
+    torch.manual_seed(s)
+
+
+def layout_text(model: nn.Module | None) -> str:
+    """A short name of the model's data-parallel layout, for the manifest and the plan."""
+    if model is None:
+        return "unknown"
+    if isinstance(model, DDP):
+        return "DDP"
+    if any(type(m).__name__.startswith("FSDP") for m in model.modules()):
+        return "FSDP2"
+    return "single"

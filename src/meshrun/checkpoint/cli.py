@@ -1,0 +1,112 @@
+"""``meshrun ckpt list|inspect|verify|export``: look at checkpoints without starting a job."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from meshrun.checkpoint import layout
+from meshrun.checkpoint.export import export, tensor_table
+
+__all__ = ["add_parser"]
+
+
+def _dir_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def _targets(path: Path) -> list[Path]:
+    """A checkpoint directory itself, or every checkpoint under a root."""
+    if (path / layout.MANIFEST).exists() or (path / layout.COMPLETE).exists():
+        return [path]
+    return [c.path for c in layout.list_checkpoints(path)]
+
+
+def cmd_list(a: argparse.Namespace) -> int:
+    root = Path(a.dir)
+    found = layout.list_checkpoints(root)
+    pending = sorted(p.name for p in root.glob("step_*.tmp")) if root.is_dir() else []
+    if not found and not pending:
+        print(f"no checkpoints under {root}")
+        return 0
+    print(f"{'step':>10}  {'size':>10}  status")
+    for c in found:
+        bad = layout.problems(c.path, checksums=a.checksums)
+        status = "valid" if not bad else "INVALID: " + "; ".join(bad)
+        print(f"{c.step:>10}  {_dir_size(c.path) / 1e6:>8.1f}MB  {status}")
+    for name in pending:
+        print(f"{name:>10}  {'':>10}  unfinished save (ignored; removed by the next save of it)")
+    return 0
+
+
+def cmd_inspect(a: argparse.Namespace) -> int:
+    path = Path(a.path)
+    try:
+        manifest = layout.read_manifest(path)
+    except ValueError as e:
+        print(f"meshrun ckpt inspect: error: {e}")
+        return 2
+    meta = {k: v for k, v in manifest.items() if k != "files"}
+    print(json.dumps(meta, indent=1, sort_keys=True))
+    print(
+        f"files: {len(manifest['files'])}, {sum(f['size'] for f in manifest['files'].values()) / 1e6:.1f} MB"
+    )
+    if a.config:
+        print(json.loads((path / "state.json").read_text())["config_toml"])
+    for info in tensor_table(path):
+        print(f"  {info.name:<60} {str(info.dtype).removeprefix('torch.'):<9} {list(info.shape)}")
+    return 0
+
+
+def cmd_verify(a: argparse.Namespace) -> int:
+    targets = _targets(Path(a.path))
+    if not targets:
+        print(f"no checkpoints under {a.path}")
+        return 1
+    failed = 0
+    for path in targets:
+        bad = layout.problems(path, checksums=True)
+        failed += bool(bad)
+        print(f"{path}: " + ("OK (all checksums match)" if not bad else "INVALID"))
+        for why in bad:
+            print(f"  {why}")
+    return 1 if failed else 0
+
+
+def cmd_export(a: argparse.Namespace) -> int:
+    path = Path(a.path)
+    bad = layout.problems(path)
+    if bad:
+        print(f"{path} is not a valid checkpoint: {'; '.join(bad)}")
+        return 1
+    try:
+        infos = export(path, Path(a.out), prefix=a.prefix, max_bytes=a.max_mb << 20)
+    except ValueError as e:
+        print(f"meshrun ckpt export: error: {e}")
+        return 2
+    total = sum(i.nbytes for i in infos)
+    print(f"wrote {a.out}: {len(infos)} tensors, {total / 1e6:.1f} MB")
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("ckpt", help="list, inspect, verify and export checkpoints")
+    csub = p.add_subparsers(dest="ckpt_cmd", required=True)
+    ls = csub.add_parser("list", help="checkpoints under DIR: step, size, valid or why not")
+    ls.add_argument("dir", help="checkpoint root (e.g. runs/demo/checkpoints)")
+    ls.add_argument("--checksums", action="store_true", help="also recompute every checksum")
+    ls.set_defaults(fn=cmd_list)
+    ins = csub.add_parser("inspect", help="manifest, layout and tensor table of one checkpoint")
+    ins.add_argument("path", help="a checkpoint directory (step_NNNNNNNN)")
+    ins.add_argument("--config", action="store_true", help="also print the run's resolved config")
+    ins.set_defaults(fn=cmd_inspect)
+    ver = csub.add_parser("verify", help="recompute checksums; exit 1 if any checkpoint is invalid")
+    ver.add_argument("path", help="a checkpoint directory, or a root holding several")
+    ver.set_defaults(fn=cmd_verify)
+    exp = csub.add_parser("export", help="consolidate into one .safetensors or .pt file")
+    exp.add_argument("path", help="a checkpoint directory")
+    exp.add_argument("out", help="output file: NAME.safetensors (streamed) or NAME.pt")
+    exp.add_argument("--prefix", default="model.", help="tensors to export (default: model.)")
+    exp.add_argument("--max-mb", type=int, default=256, help="memory bound while streaming")
+    exp.set_defaults(fn=cmd_export)
