@@ -1,0 +1,1 @@
+"""Diagnostics that run through the real launcher: ``bench`` (links and compute)."""

@@ -1,0 +1,324 @@
+"""``meshrun bench comm|compute``: measure this machine through ``meshrun launch`` and write the
+calibration file that ``meshrun plan --calibration`` reads.
+
+- ``comm``: all-reduce, all-gather, reduce-scatter, all-to-all and send/recv (ranks 0 <-> 1)
+  over a sweep of message sizes; algorithm bandwidth S/t and bus bandwidth by the nccl-tests
+  formulas (all-reduce x 2(n-1)/n, all-gather/reduce-scatter/all-to-all x (n-1)/n).
+- ``compute``: square matmul FLOP/s at the chosen precision (the peak), and the demo GPT's
+  forward + backward FLOP/s (Megatron formula FLOPs / time), whose ratio to the peak is the
+  achievable fraction the planner calls ``compute_efficiency``.
+
+The parent writes a config and starts the workers with torchrun's agent (``launch_local``);
+rank 0 merges its results into the calibration file (so ``bench compute`` then ``bench comm``
+accumulate).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+MODULE = "meshrun.diagnose.bench"
+OPS = ("all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv")
+# nccl-tests bus-bandwidth factors: busbw = algbw x factor(n).
+BUS_FACTOR: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2.0 * (n - 1) / n,
+    "all_gather": lambda n: (n - 1) / n,
+    "reduce_scatter": lambda n: (n - 1) / n,
+    "all_to_all": lambda n: (n - 1) / n,
+    "send_recv": lambda n: 1.0,
+}
+
+
+def bus_bandwidth(op: str, nbytes: float, seconds: float, n: int) -> tuple[float, float]:
+    """(algorithm, bus) bandwidth in bytes/s of one collective on ``n`` ranks."""
+    alg = nbytes / seconds
+    return alg, alg * BUS_FACTOR[op](n)
+
+
+def message_sizes(max_bytes: int, min_bytes: int = 4096) -> list[int]:
+    """Powers of 4 from ``min_bytes`` up to ``max_bytes`` (inclusive of the last power)."""
+    sizes, size = [], min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= 4
+    return sizes
+
+
+# --- the parent: `meshrun bench` -----------------------------------------------------------
+
+
+def cmd_bench(a: argparse.Namespace) -> int:
+    from meshrun.config import Config, ConfigError, write_config
+    from meshrun.launch.local import LaunchSpec, default_nproc_per_node, launch_local
+
+    nproc = a.nproc_per_node or default_nproc_per_node()
+    if nproc < 2 and a.kind in ("comm", "all"):
+        raise ConfigError(f"--nproc-per-node {nproc}: bench comm needs at least 2 processes")
+    if a.max_mb <= 0:
+        raise ConfigError(f"--max-mb {a.max_mb}: must be > 0")
+    cfg = Config()
+    cfg.job.name, cfg.job.run_dir = "bench", a.run_dir
+    cfg.data.micro_batch, cfg.data.global_batch = 1, nproc
+    cfg.metrics.progress = False
+    config_path = write_config(cfg, Path(a.run_dir) / "config.toml")
+    args = ["--kind", a.kind, "--out", str(Path(a.out).resolve()), "--max-mb", str(a.max_mb),
+            "--precision", a.precision, "--seconds", str(a.seconds)]  # fmt: skip
+    spec = LaunchSpec(nproc_per_node=nproc, module=MODULE, script_args=args,
+                      config_path=str(config_path), run_dir=a.run_dir)  # fmt: skip
+    code = launch_local(spec)
+    if code == 0:
+        print(f"wrote {a.out}; use it with `meshrun plan --calibration {a.out} ...`")
+    return code
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="measure links and compute through the launcher; write a calibration file",
+        description="Run collectives over a sweep of message sizes (comm) and matmul plus the "
+        "demo GPT's step (compute) in N processes started by torchrun's agent; rank 0 writes "
+        "the calibration file that `meshrun plan --calibration` reads (docs/plan.md).",
+    )
+    p.add_argument("kind", choices=["comm", "compute", "all"], help="what to measure")
+    p.add_argument("--nproc-per-node", type=int, help="processes (default: GPUs, else 2)")
+    p.add_argument("--out", default="calibration.json", help="calibration file (merged into)")
+    p.add_argument("--max-mb", type=float, default=16.0, help="largest message, MiB (16)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                   help="matmul precision (fp32; bf16/fp16 on GPUs)")  # fmt: skip
+    p.add_argument("--seconds", type=float, default=0.3, help="time per measurement (0.3)")
+    p.add_argument("--run-dir", default="runs/bench", help="logs and config (runs/bench)")
+    p.set_defaults(fn=cmd_bench)
+
+
+# --- the workers ---------------------------------------------------------------------------
+
+
+def _timed(fn: Callable[[], Any], seconds: float, sync: Callable[[], None]) -> float:
+    """Median seconds per call of ``fn`` over about ``seconds`` (after one warm-up call).
+    Only for local work: ranks would stop after different numbers of calls."""
+    fn()
+    sync()
+    times: list[float] = []
+    deadline = time.perf_counter() + seconds
+    while len(times) < 3 or (time.perf_counter() < deadline and len(times) < 200):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _timed_collective(fn: Callable[[], Any], seconds: float, device: Any) -> float:
+    """Seconds per call of a collective, the slowest rank's. Every rank must issue the same
+    number of calls (else one waits forever for a partner), so the count is agreed first:
+    from the slowest rank's warm-up time."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    first = torch.tensor([time.perf_counter() - start], device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MAX)
+    calls = int(min(200, max(3, seconds / max(float(first), 1e-6))))
+    dist.barrier()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    total = torch.tensor([(time.perf_counter() - start) / calls], device=device)
+    dist.all_reduce(total, op=dist.ReduceOp.MAX)
+    return float(total)
+
+
+def bench_comm(device: Any, max_bytes: int, seconds: float) -> list[dict[str, Any]]:
+    """Every op at every size; the time of the slowest rank (a collective ends when all do)."""
+    import torch
+    import torch.distributed as dist
+
+    n, rank = dist.get_world_size(), dist.get_rank()
+    rows = []
+    for size in message_sizes(max_bytes):
+        numel = max(size // 4 // n * n, n)  # fp32 elements, divisible by n
+        full = torch.ones(numel, device=device)
+        part = torch.empty(numel // n, device=device)
+        out = torch.empty(numel, device=device)
+        ops = _ops(full, part, out, rank)
+        for op, fn in ops.items():
+            t = _timed_collective(fn, seconds, device)
+            alg, bus = bus_bandwidth(op, numel * 4, t, n)
+            rows.append({"op": op, "bytes": numel * 4, "time_s": t, "algbw": alg,
+                         "busbw": bus})  # fmt: skip
+    return rows
+
+
+def _ops(full: Any, part: Any, out: Any, rank: int) -> dict[str, Callable[[], Any]]:
+    import torch.distributed as dist
+
+    global _ALL_GATHER, _REDUCE_SCATTER
+    # torch 2.13 renamed them (the old names warn); older torch has only the old ones.
+    _ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    _REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+    return {
+        "all_reduce": lambda: dist.all_reduce(full),
+        "all_gather": lambda: _ALL_GATHER(out, part),
+        "reduce_scatter": lambda: _REDUCE_SCATTER(part, full),
+        "all_to_all": lambda: dist.all_to_all_single(out, full),
+        "send_recv": lambda: _send_recv(full, rank),
+    }
+
+
+_ALL_GATHER: Callable[..., Any]
+_REDUCE_SCATTER: Callable[..., Any]
+
+
+def _send_recv(buf: Any, rank: int) -> None:
+    import torch.distributed as dist
+
+    if rank == 0:
+        dist.send(buf, 1)
+        dist.recv(buf, 1)
+    elif rank == 1:
+        dist.recv(buf, 0)
+        dist.send(buf, 0)
+
+
+def bench_compute(device: Any, precision: str, seconds: float) -> dict[str, float]:
+    """Matmul FLOP/s (the peak) and the demo GPT's training FLOP/s on this rank."""
+    import torch
+
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    n = 4096 if device.type == "cuda" else 1024
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    # Interleaved rounds, medians: a neighbour's load then hits both figures alike, and the
+    # ratio (the achievable fraction) is steadier than either.
+    matmul, model = [], []
+    for _ in range(3):
+        matmul.append(2.0 * n**3 / _timed(lambda: a @ b, seconds, sync))
+        model.append(_model_flops(device, seconds, sync))
+    big = torch.empty(2**24, device=device)  # 64 MiB: past every cache
+    copy = torch.empty_like(big)
+    mem_bw = 2.0 * big.numel() * 4 / _timed(lambda: copy.copy_(big), seconds, sync)
+    return {"matmul_flops": statistics.median(matmul), "model_flops": statistics.median(model),
+            "mem_bw": mem_bw}  # fmt: skip
+
+
+def _model_flops(device: Any, seconds: float, sync: Callable[[], None]) -> float:
+    """The demo GPT ("small", micro-batch 8) forward + backward: formula FLOPs per second."""
+    import torch
+
+    from meshrun.demo.model import GPT, demo_config
+    from meshrun.plan.cost import Model, flops_per_iteration
+
+    cfg = demo_config("small")
+    model = GPT(cfg).to(device)
+    batch = 8
+    x = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), device=device)
+
+    def step() -> None:
+        model(x, x).backward()
+
+    shape = Model(layers=cfg.n_layer, hidden=cfg.d_model, heads=cfg.n_head,
+                  vocab=cfg.vocab_size, seq=cfg.seq_len, ffn=cfg.ffn_mult * cfg.d_model)  # fmt: skip
+    return flops_per_iteration(shape, batch) / _timed(step, seconds, sync)
+
+
+def _mean_over_ranks(values: dict[str, float], device: Any) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return {k: float(v) / dist.get_world_size() for k, v in zip(values, t.tolist(), strict=True)}
+
+
+def calibration(results: dict[str, Any], world: int, device: Any) -> dict[str, Any]:
+    """The planner's rates from the measurements (keys of plan.cost.Cluster)."""
+    cluster: dict[str, float] = {}
+    if "compute" in results:
+        c = results["compute"]
+        cluster["peak_flops"] = c["matmul_flops"]
+        cluster["compute_efficiency"] = min(1.0, c["model_flops"] / c["matmul_flops"])
+        if "mem_bw" in c:
+            cluster["mem_bw"] = c["mem_bw"]
+    if "comm" in results:
+        largest = max(r["bytes"] for r in results["comm"])
+        ar = [r for r in results["comm"] if r["op"] == "all_reduce" and r["bytes"] == largest]
+        # One node measured: the bus bandwidth of the largest all-reduce stands for both links.
+        cluster["intra_bw"] = cluster["inter_bw"] = ar[0]["busbw"]
+        cluster["comm_efficiency"] = 1.0
+        if device.type == "cpu":
+            # Gloo runs collectives on the same cores as the math: nothing hides.
+            cluster["overlap"] = 0.0
+    cluster["memory_bytes"] = _device_memory(device, world)
+    return cluster
+
+
+def _device_memory(device: Any, world: int) -> float:
+    import torch
+
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")) / world
+
+
+def write_calibration(path: str, results: dict[str, Any], world: int, device: Any) -> None:
+    """Merge ``results`` into the calibration file at ``path`` (written atomically)."""
+    p = Path(path)
+    doc: dict[str, Any] = json.loads(p.read_text()) if p.is_file() else {}
+    measured = {**doc.get("measured", {}), **results}
+    doc = {"source": f"meshrun bench on {world} {device.type} processes",
+           "cluster": {**doc.get("cluster", {}), **calibration(measured, world, device)},
+           "measured": measured}  # fmt: skip
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2))
+    tmp.replace(p)
+
+
+def _print_comm(rows: list[dict[str, Any]]) -> None:
+    print(f"{'op':>15} {'bytes':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}")
+    for r in rows:
+        print(f"{r['op']:>15} {r['bytes']:>10} {r['time_s'] * 1e6:>10.1f} "
+              f"{r['algbw'] / 1e9:>11.3f} {r['busbw'] / 1e9:>11.3f}")  # fmt: skip
+
+
+def worker(argv: Sequence[str] | None = None) -> None:
+    import meshrun
+
+    p = argparse.ArgumentParser(prog=MODULE)
+    p.add_argument("--kind", default="all")
+    p.add_argument("--out", required=True)
+    p.add_argument("--max-mb", type=float, default=16.0)
+    p.add_argument("--precision", default="fp32")
+    p.add_argument("--seconds", type=float, default=0.3)
+    a = p.parse_args(argv)
+    run = meshrun.init(argv=[])
+    results: dict[str, Any] = {}
+    if a.kind in ("compute", "all"):
+        results["compute"] = _mean_over_ranks(
+            bench_compute(run.device, a.precision, a.seconds), run.device
+        )
+    if a.kind in ("comm", "all"):
+        results["comm"] = bench_comm(run.device, int(a.max_mb * 2**20), a.seconds)
+    if run.is_main:
+        if "comm" in results:
+            _print_comm(results["comm"])
+        if "compute" in results:
+            print({k: f"{v / 1e9:.2f} GFLOP/s" for k, v in results["compute"].items()})
+        write_calibration(a.out, results, run.world_size, run.device)
+
+
+if __name__ == "__main__":
+    from meshrun.entry import main as _entry
+
+    _entry(worker)(sys.argv[1:])

@@ -1,0 +1,357 @@
+"""``meshrun plan``: the command line of the planner (arguments in, a table or JSON out)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from meshrun.plan.cost import GB, Cluster, Estimate, Model, Recompute, Training
+from meshrun.plan.errors import PlanError
+from meshrun.plan.hardware import GB_S, GPUS, TERA, get_gpu
+from meshrun.plan.search import Plan, evaluate_one, parse_layout, search, what_would_fit
+
+SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq")
+CALIBRATION_KEYS = {f.name for f in dataclasses.fields(Cluster)} - {"nodes", "gpus_per_node"}
+
+
+# --- arguments -> inputs -------------------------------------------------------------------
+
+
+def _model(a: argparse.Namespace) -> Model:
+    shape = {k: getattr(a, k) for k in SHAPE_FLAGS if getattr(a, k) is not None}
+    if a.params is not None:
+        if shape or a.model:
+            raise PlanError("--params N is a bare parameter count: give it alone, or a shape "
+                            "(--layers ...) / --model instead")  # fmt: skip
+        if a.params < 1:
+            raise PlanError(f"--params {a.params:g} is not allowed: must be >= 1")
+        return Model(params=int(a.params))
+    if a.model:
+        return _inspected_model(a.model, shape, a.mlp)
+    missing = [f"--{k.replace('_', '-')}" for k in ("layers", "hidden", "heads", "vocab", "seq")
+               if k not in shape]  # fmt: skip
+    if missing:
+        raise PlanError(f"the model shape is incomplete: missing {', '.join(missing)} "
+                        "(or give --params N, or --model pkg.module:factory)")  # fmt: skip
+    return Model(**shape, gated_mlp=a.mlp == "gated")
+
+
+def _inspected_model(spec: str, shape: dict[str, int], a_mlp: str) -> Model:
+    from meshrun.plan.inspect_model import inspect_model
+
+    found = inspect_model(spec)
+    merged = {**found.shape, **shape}  # command-line flags win over the model's config
+    missing = [k for k in ("hidden", "heads", "vocab", "seq") if k not in merged]
+    if missing:
+        raise PlanError(f"--model {spec}: its config does not say {', '.join(missing)}; give "
+                        + " ".join(f"--{k}" for k in missing))  # fmt: skip
+    merged["layers"] = merged.get("layers") or found.layers
+    gated = a_mlp == "gated"
+    return Model(**merged, gated_mlp=gated, params=found.params, layer_params=found.layer_params)
+
+
+def _cluster(a: argparse.Namespace) -> Cluster:
+    if a.nodes < 1 or a.gpus_per_node < 1:
+        raise PlanError(f"--nodes {a.nodes} / --gpus-per-node {a.gpus_per_node}: must be >= 1")
+    gpu = get_gpu(a.gpu)
+    values: dict[str, Any] = {
+        "memory_bytes": gpu.memory_gb * GB,
+        "peak_flops": gpu.peak_flops(a.precision),
+        "intra_bw": gpu.intra_bw,
+        "inter_bw": gpu.inter_bw,
+        "mem_bw": gpu.mem_bw,
+    }
+    if a.calibration:
+        values.update(read_calibration(a.calibration))
+    flags = {
+        "memory_bytes": _scaled(a.gpu_memory_gb, GB),
+        "peak_flops": _scaled(a.peak_tflops, TERA),
+        "intra_bw": _scaled(a.intra_bw, GB_S),
+        "inter_bw": _scaled(a.inter_bw, GB_S),
+        "compute_efficiency": a.compute_efficiency,
+        "comm_efficiency": a.comm_efficiency,
+        "overlap": a.overlap,
+        "allowance_bytes": _scaled(a.allowance_gb, GB),
+    }
+    values.update({k: v for k, v in flags.items() if v is not None})
+    _check_cluster_values(values)
+    return Cluster(nodes=a.nodes, gpus_per_node=a.gpus_per_node, **values)
+
+
+def _scaled(value: float | None, unit: float) -> float | None:
+    return None if value is None else value * unit
+
+
+def _check_cluster_values(values: dict[str, Any]) -> None:
+    for key, value in values.items():
+        fraction = key in ("compute_efficiency", "comm_efficiency", "overlap")
+        low_ok = value >= 0 if key in ("overlap", "allowance_bytes", "fragmentation") else value > 0
+        if not low_ok or (fraction and value > 1):
+            allowed = "in (0, 1]" if fraction else "> 0"
+            raise PlanError(f"{key} = {value!r} is not allowed: must be {allowed}")
+
+
+def read_calibration(path: str) -> dict[str, float]:
+    """A calibration file: JSON with any of the Cluster's rate fields (see docs/plan.md)."""
+    p = Path(path)
+    if not p.is_file():
+        raise PlanError(f"--calibration {path!r} does not exist; write one with `meshrun bench`")
+    try:
+        data = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise PlanError(f"--calibration {path!r} is not valid JSON: {e}") from None
+    values = data.get("cluster", data) if isinstance(data, dict) else None
+    if not isinstance(values, dict):
+        raise PlanError(f"--calibration {path!r}: expected a JSON object")
+    unknown = set(values) - CALIBRATION_KEYS - {"source", "measured"}
+    if unknown:
+        raise PlanError(f"--calibration {path!r}: unknown keys {sorted(unknown)}; allowed: "
+                        f"{sorted(CALIBRATION_KEYS)}")  # fmt: skip
+    return {k: float(v) for k, v in values.items() if k in CALIBRATION_KEYS}
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise PlanError(f"{flag} {text!r}: expected integers separated by commas") from None
+    if not values or min(values) < 1:
+        raise PlanError(f"{flag} {text!r}: every value must be >= 1")
+    return values
+
+
+def _recompute_list(text: str) -> list[Recompute]:
+    allowed: tuple[Recompute, ...] = ("none", "selective", "full")
+    values = [x.strip() for x in text.split(",") if x.strip()]
+    bad = [v for v in values if v not in allowed]
+    if bad or not values:
+        raise PlanError(f"--ac {text!r}: expected some of {', '.join(allowed)}")
+    return [v for v in allowed if v in values]
+
+
+# --- output --------------------------------------------------------------------------------
+
+
+def estimate_json(e: Estimate) -> dict[str, Any]:
+    """One layout in the ``--json`` schema (docs/plan.md)."""
+    out: dict[str, Any] = dataclasses.asdict(e.layout)
+    out["grad_accumulation"] = e.microbatches
+    out["fits"] = e.fits
+    out["memory_gb"] = e.memory.as_gb()
+    t = e.time
+    out["step_time_s"] = None if t is None else t.total
+    out["step_time_breakdown_s"] = None if t is None else {
+        "compute": t.compute, "exposed_comm": t.exposed_comm, "bubble": t.bubble,
+        "dp_comm": t.dp_comm, "dp_exposed": t.dp_exposed, "tp_comm": t.tp_comm,
+        "pp_comm": t.pp_comm, "optimizer": t.optimizer,
+    }  # fmt: skip
+    out["tokens_per_s"] = None if t is None else e.tokens_per_s
+    out["mfu"] = None if t is None else e.mfu
+    out["notes"] = e.notes
+    return out
+
+
+def plan_json(plan: Plan, c: Cluster, t: Training, top: int, advice: list[str]) -> dict[str, Any]:
+    shown = plan.estimates[:top] if top else plan.estimates
+    return {
+        "params": plan.params,
+        "gpus": c.world,
+        "evaluated": plan.evaluated,
+        "cluster": dataclasses.asdict(c),
+        "training": dataclasses.asdict(t),
+        "layouts": [estimate_json(e) for e in shown],
+        "what_would_fit": advice,
+    }
+
+
+def print_table(plan: Plan, c: Cluster, top: int) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    timed = plan.estimates[0].time is not None
+    table = Table(title=f"{plan.params / 1e9:.3g}B parameters on {c.world} GPUs: "
+                  f"{len(plan.fitting)} of {plan.evaluated} layouts fit")  # fmt: skip
+    for col in ("#", "dp_rep", "dp_shard", "tp", "pp", "zero", "mb", "ac", "accum", "fits",
+                "mem GB p/g/o/act/buf", "total GB"):  # fmt: skip
+        table.add_column(col, justify="right")
+    if timed:
+        for col in ("step s", "comp/comm/bubble s", "tokens/s", "MFU"):
+            table.add_column(col, justify="right")
+    for i, e in enumerate(plan.estimates[: top or None], 1):
+        table.add_row(*_row(i, e))
+    Console(width=200).print(table)
+
+
+def _row(i: int, e: Estimate) -> list[str]:
+    lay, g = e.layout, e.memory.as_gb()
+    parts = "/".join(f"{g[k]:.1f}" for k in ("params", "grads", "optimizer", "activations",
+                                               "buffers"))  # fmt: skip
+    row = [str(i), str(lay.dp_replicate), str(lay.dp_shard), str(lay.tp), str(lay.pp),
+           str(lay.zero), str(lay.micro_batch), lay.activation_checkpointing,
+           str(e.microbatches), "yes" if e.fits else "NO", parts, f"{g['total']:.1f}"]  # fmt: skip
+    if e.time is not None:
+        t = e.time
+        row += [f"{t.total:.3f}", f"{t.compute:.3f}/{t.exposed_comm:.3f}/{t.bubble:.3f}",
+                f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}"]  # fmt: skip
+    return row
+
+
+# --- --emit-config ---------------------------------------------------------------------------
+
+
+def emit_config(e: Estimate, t: Training, path: str) -> list[str]:
+    """Write the meshrun config of a layout; return the layout's settings that meshrun's
+    config has no key for (the caller says them aloud)."""
+    from meshrun.config import Config, to_toml
+
+    cfg = Config()
+    lay = e.layout
+    for key in ("dp_replicate", "dp_shard", "tp", "pp", "zero"):
+        setattr(cfg.parallel, key, getattr(lay, key))
+    cfg.data.micro_batch, cfg.data.global_batch = lay.micro_batch, t.global_batch
+    wanted = _config_settings(e, t)
+    fields = {f.name for f in dataclasses.fields(cfg.parallel)}
+    missing = [f"{k} = {v}" for k, v in wanted.items() if k.split(".")[-1] not in fields]
+    for key, value in wanted.items():
+        section, name = key.split(".")
+        if name in fields or section == "data":
+            setattr(getattr(cfg, section), name, value)
+    Path(path).write_text(to_toml(cfg))
+    return missing
+
+
+def _config_settings(e: Estimate, t: Training) -> dict[str, Any]:
+    """The layout's settings beyond the mesh, as meshrun config keys. Selective recomputation
+    has no key (meshrun recomputes whole blocks), so it is returned as its own name."""
+    lay = e.layout
+    out: dict[str, Any] = {}
+    if lay.activation_checkpointing == "full":
+        out["parallel.activation_checkpoint"] = 1  # every block
+    elif lay.activation_checkpointing == "selective":
+        out["parallel.selective_recomputation"] = "attention"
+    if lay.tp > 1:
+        out["parallel.sequence_parallel"] = True  # the activation model assumes it
+    if lay.zero >= 2 and t.precision == "bf16":
+        out["parallel.param_dtype"] = "bfloat16"
+    if lay.pp > 1:
+        # meshrun's pipeline splits each micro-batch into pp_microbatches chunks: one
+        # micro-batch of (chunk x chunks) per step replaces the accumulation.
+        out["parallel.pp_schedule"] = lay.schedule
+        out["parallel.pp_virtual_stages"] = lay.vpp
+        out["parallel.pp_microbatches"] = e.microbatches
+        out["data.micro_batch"] = lay.micro_batch * e.microbatches
+    return out
+
+
+# --- the command ---------------------------------------------------------------------------
+
+
+def cmd_plan(a: argparse.Namespace) -> int:
+    model = _model(a)
+    if a.global_batch < 1:
+        raise PlanError(f"--global-batch {a.global_batch} is not allowed: must be >= 1")
+    training = Training(a.global_batch, a.precision, a.optimizer, a.attention == "fused")
+    cluster = _cluster(a)
+    start = time.perf_counter()
+    if a.layout:
+        plan = evaluate_one(model, parse_layout(a.layout, cluster), training, cluster)
+    else:
+        micro = _int_list(a.micro_batch, "--micro-batch")
+        plan = search(model, training, cluster, micro, _recompute_list(a.ac))
+    advice = [] if plan.fitting else what_would_fit(model, training, cluster, plan)
+    elapsed = time.perf_counter() - start
+    if a.json:
+        doc = plan_json(plan, cluster, training, a.top, advice)
+        doc["search_s"] = round(elapsed, 4)
+        print(json.dumps(doc, indent=2))
+    else:
+        print_table(plan, cluster, a.top)
+        for line in advice:
+            print(f"nothing fits; {line}" if line is advice[0] else f"  - {line}")
+    return _maybe_emit(a, plan, training)
+
+
+def _maybe_emit(a: argparse.Namespace, plan: Plan, t: Training) -> int:
+    if not a.emit_config:
+        return 0
+    if not plan.fitting:
+        print(f"meshrun plan: no config written to {a.emit_config}: no layout fits",
+              file=sys.stderr)  # fmt: skip
+        return 1
+    missing = emit_config(plan.fitting[0], t, a.emit_config)
+    out = sys.stderr if a.json else sys.stdout
+    print(f"wrote {a.emit_config} (layout #1); run it with `meshrun launch --config "
+          f"{a.emit_config} train.py`", file=out)  # fmt: skip
+    for item in missing:
+        print(f"  not in meshrun's config yet, set it in your script: {item}", file=out)
+    return 0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "plan",
+        help="recommend a parallel layout: memory, step time and MFU for a model and cluster",
+        description="Enumerate layouts (dp_replicate x dp_shard x tp x pp, ZeRO stage, "
+        "micro-batch, activation checkpointing), drop those that do not fit memory and rank "
+        "the rest by predicted tokens/s. Formulas and sources: docs/plan.md.",
+    )
+    m = p.add_argument_group("model (a shape, --params, or --model)")
+    for flag in SHAPE_FLAGS:
+        m.add_argument(f"--{flag.replace('_', '-')}", type=int, dest=flag,
+                       help=_SHAPE_HELP[flag])  # fmt: skip
+    m.add_argument("--mlp", choices=["plain", "gated"], default="plain",
+                   help="plain (GELU, 2 matrices) or gated (SwiGLU, 3 matrices)")  # fmt: skip
+    m.add_argument("--params", type=float, help="bare parameter count, e.g. 7.5e9 (model "
+                   "states only)")  # fmt: skip
+    m.add_argument("--model", help="pkg.module:factory returning an nn.Module (built on meta)")
+    tr = p.add_argument_group("training")
+    tr.add_argument("--global-batch", type=int, default=512, help="sequences per step (512)")
+    tr.add_argument("--micro-batch", default="1,2,4,8,16,32", help="candidates (1,2,...,32)")
+    tr.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
+    tr.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adamw")
+    tr.add_argument("--attention", choices=["fused", "eager"], default="fused",
+                    help="fused (SDPA/flash: no s*s scores stored) or eager (default fused)")  # fmt: skip
+    tr.add_argument("--ac", default="none,selective,full", help="activation checkpointing "
+                    "modes to consider (none,selective,full)")  # fmt: skip
+    _add_cluster_args(p)
+    o = p.add_argument_group("output")
+    o.add_argument("--layout", help="evaluate one layout: dp_shard=64,zero=1,tp=8,micro_batch=2"
+                   ",activation_checkpointing=full (dp_shard left out = the rest)")  # fmt: skip
+    o.add_argument("--top", type=int, default=5, help="layouts shown (0 = all; default 5)")
+    o.add_argument("--json", action="store_true", help="JSON output (schema in docs/plan.md)")
+    o.add_argument("--emit-config", metavar="FILE", help="write the best layout's meshrun config")
+    p.set_defaults(fn=cmd_plan)
+
+
+def _add_cluster_args(p: argparse.ArgumentParser) -> None:
+    c = p.add_argument_group("cluster (table values overridable)")
+    c.add_argument("--nodes", type=int, default=1, help="nodes (1)")
+    c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (8)")
+    c.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(GPUS)} (h100-sxm)")
+    c.add_argument("--gpu-memory-gb", type=float, help="memory per GPU, GB (1e9 bytes)")
+    c.add_argument("--peak-tflops", type=float, help="peak dense TFLOP/s at --precision")
+    c.add_argument("--intra-bw", type=float, help="GB/s per GPU inside a node")
+    c.add_argument("--inter-bw", type=float, help="GB/s per GPU between nodes")
+    c.add_argument("--compute-efficiency", type=float, help="achievable fraction of peak (0.5)")
+    c.add_argument("--comm-efficiency", type=float, help="achievable fraction of link bw (0.7)")
+    c.add_argument("--overlap", type=float, help="share of the hiding window DP comm uses (0.8)")
+    c.add_argument("--allowance-gb", type=float, help="context/NCCL/allocator reserve, GB (1)")
+    c.add_argument("--calibration", metavar="FILE", help="JSON from `meshrun bench`")
+
+
+_SHAPE_HELP = {
+    "layers": "transformer blocks (l)",
+    "hidden": "hidden size (h)",
+    "heads": "attention heads (a)",
+    "kv_heads": "key/value heads (GQA; default = heads)",
+    "ffn": "MLP width (default 4*hidden)",
+    "vocab": "vocabulary size (V)",
+    "seq": "sequence length (s)",
+}
+
+__all__ = ["add_parser", "cmd_plan", "read_calibration"]

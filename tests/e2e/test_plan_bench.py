@@ -1,0 +1,40 @@
+"""``meshrun bench all`` through the real launcher (2 Gloo processes) writes a calibration file
+that ``meshrun plan --calibration`` reads."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+
+def meshrun(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k != "MESHRUN_CONFIG"}
+    return subprocess.run([sys.executable, "-m", "meshrun", *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=200)  # fmt: skip
+
+
+def test_bench_writes_a_calibration_that_plan_reads(tmp_path: Path) -> None:
+    bench = meshrun("bench", "all", "--nproc-per-node", "2", "--max-mb", "0.25", "--seconds",
+                    "0.05", "--out", "cal.json", cwd=tmp_path)  # fmt: skip
+    assert bench.returncode == 0, bench.stdout[-2000:] + bench.stderr[-2000:]
+    doc = json.loads((tmp_path / "cal.json").read_text())
+    ops = {row["op"] for row in doc["measured"]["comm"]}
+    assert ops == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
+    rates = doc["cluster"]
+    assert rates["peak_flops"] > 1e8 and 0 < rates["compute_efficiency"] <= 1
+    assert rates["intra_bw"] > 1e5
+    print("calibration:", {k: f"{v:.3g}" for k, v in rates.items()})
+    plan = meshrun("plan", "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "256",
+                   "--seq", "128", "--gpus-per-node", "2", "--global-batch", "32",
+                   "--calibration", "cal.json", "--json", cwd=tmp_path)  # fmt: skip
+    assert plan.returncode == 0, plan.stderr
+    result = json.loads(plan.stdout)
+    assert result["cluster"]["peak_flops"] == rates["peak_flops"]
+    assert result["layouts"][0]["fits"] and result["layouts"][0]["step_time_s"] > 0

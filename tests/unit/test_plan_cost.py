@@ -1,0 +1,181 @@
+"""The cost model reproduces published figures to the precision they were printed with.
+
+Sources (docs/plan.md lists them with the tables used):
+- ZeRO: Rajbhandari et al. 2020, arXiv:1910.02054, Table 1 and Figure 1.
+- Megatron-LM: Narayanan et al. 2021, arXiv:2104.04473, Table 1 and Sec. 5.1.
+- Korthikanti et al. 2022, arXiv:2205.05198, Table 2 and Sec. 5.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from decimal import ROUND_HALF_UP, Decimal
+
+import pytest
+
+from meshrun.plan.cost import (
+    GB,
+    Cluster,
+    Layout,
+    Model,
+    Training,
+    activation_bytes_per_layer,
+    all_reduce_time,
+    flops_per_iteration,
+    gather_time,
+    gpt_params,
+    group_bandwidth,
+    inflight_layers,
+    model_state_bytes,
+    stage_params,
+    step_time,
+    training_days,
+)
+
+
+def printed(value: float, like: str) -> str:
+    """``value`` rounded half-up to as many decimals as the published figure ``like`` shows."""
+    decimals = len(like.split(".")[1]) if "." in like else 0
+    quantum = Decimal(1).scaleb(-decimals)
+    return str(Decimal(repr(value)).quantize(quantum, rounding=ROUND_HALF_UP))
+
+
+# ZeRO Table 1, 7.5B model: per-device model-state memory (GB) for P_os, P_os+g, P_os+g+p.
+ZERO_TABLE_1_7B5 = {
+    1: ("120", "120", "120"),
+    4: ("52.5", "41.3", "30"),
+    16: ("35.6", "21.6", "7.5"),
+    64: ("31.4", "16.6", "1.88"),
+    256: ("30.4", "15.4", "0.47"),
+    1024: ("30.1", "15.1", "0.12"),
+}
+MIXED_ADAM = Training(precision="bf16", optimizer="adam")
+
+
+def zero_gb(params: float, stage: int, dp: int) -> float:
+    return sum(model_state_bytes(params, MIXED_ADAM, stage, dp)) / GB
+
+
+@pytest.mark.parametrize("dp", sorted(ZERO_TABLE_1_7B5))
+def test_zero_table_1_model_states_of_the_7_5b_model(dp: int) -> None:
+    for stage, figure in zip((1, 2, 3), ZERO_TABLE_1_7B5[dp], strict=True):
+        assert printed(zero_gb(7.5e9, stage, dp), figure) == figure, (dp, stage)
+
+
+def test_zero_figure_1_and_the_text() -> None:
+    # Figure 1: 7.5B parameters, K = 12, N_d = 64 -> 120 / 31.4 / 16.6 / 1.9 GB.
+    figures = [(0, "120"), (1, "31.4"), (2, "16.6"), (3, "1.9")]
+    assert [printed(zero_gb(7.5e9, s, 64), f) for s, f in figures] == [f for _, f in figures]
+    # Sec. 3.1: a 1.5B GPT-2 needs at least 24 GB of model states (16 bytes per parameter).
+    assert zero_gb(1.5e9, 0, 1) == pytest.approx(24.0)
+    # Sec. 1: a trillion parameters need 16 TB of model states without ZeRO.
+    assert zero_gb(1e12, 0, 1) == pytest.approx(16_000.0)
+
+
+# Megatron-LM Table 1: (billions printed, heads, hidden, layers); V = 51,200, s = 2048.
+MEGATRON_TABLE_1 = [
+    ("1.7", 24, 2304, 24),
+    ("3.6", 32, 3072, 30),
+    ("7.5", 32, 4096, 36),
+    ("18.4", 48, 6144, 40),
+    ("39.1", 64, 8192, 48),
+    ("76.1", 80, 10240, 60),
+    ("145.6", 96, 12288, 80),
+    ("310.1", 128, 16384, 96),
+    ("529.6", 128, 20480, 105),
+    ("1008.0", 160, 25600, 128),
+]
+
+
+def megatron_model(heads: int, hidden: int, layers: int) -> Model:
+    return Model(layers=layers, hidden=hidden, heads=heads, vocab=51200, seq=2048)
+
+
+@pytest.mark.parametrize(("billions", "heads", "hidden", "layers"), MEGATRON_TABLE_1)
+def test_megatron_table_1_parameter_counts(
+    billions: str, heads: int, hidden: int, layers: int
+) -> None:
+    m = megatron_model(heads, hidden, layers)
+    h, l_, v, s = hidden, layers, 51200, 2048
+    formula = 12 * l_ * h**2 * (1 + 13 / (12 * h) + (v + s) / (12 * l_ * h))
+    assert gpt_params(m) == pytest.approx(formula, rel=1e-12)
+    assert printed(gpt_params(m) / 1e9, billions) == billions
+
+
+def test_megatron_flops_formula_with_and_without_recomputation() -> None:
+    b, s, h, l_, v = 1536, 2048, 12288, 96, 51200  # GPT-3 shaped
+    m = Model(layers=l_, hidden=h, heads=96, vocab=v, seq=s)
+    core = b * s * l_ * h**2 * (1 + s / (6 * h) + v / (16 * l_ * h))
+    assert flops_per_iteration(m, b, "none") == pytest.approx(72 * core, rel=1e-9)
+    assert flops_per_iteration(m, b, "full") == pytest.approx(96 * core, rel=1e-9)
+    selective = 72 * b * s * l_ * h**2 * (1 + s / (3 * h) + v / (16 * l_ * h))
+    assert flops_per_iteration(m, b, "selective") == pytest.approx(selective, rel=1e-9)
+
+
+def test_megatron_training_time_estimates() -> None:
+    # Sec. 5.1: GPT-3 (175B) on 300B tokens, 1024 A100s at 140 TFLOP/s: "34 days"; the 1T model
+    # (1008.0B, Table 1) on 450B tokens, 3072 A100s at 163 TFLOP/s: "84 days".
+    assert round(training_days(300e9, 175e9, 1024, 140e12)) == 34
+    assert round(training_days(450e9, 1008.0e9, 3072, 163e12)) == 84
+
+
+def test_korthikanti_activation_memory_and_selective_savings() -> None:
+    s, b, h, a = 2048, 1, 12288, 96  # GPT-3
+    m = Model(layers=96, hidden=h, heads=a, vocab=51200, seq=s)
+    assert activation_bytes_per_layer(m, b, 1, "none") == s * b * h * (34 + 5 * a * s / h)
+    assert activation_bytes_per_layer(m, b, 8, "none") == s * b * h * (34 + 5 * a * s / h) / 8
+    assert activation_bytes_per_layer(m, b, 8, "selective") == s * b * h * 34 / 8
+    assert activation_bytes_per_layer(m, b, 8, "full") == 2 * s * b * h / 8
+    # Sec. 5: selective recomputation saves 70% (GPT-3) and 65% (MT-NLG 530B) of activations.
+    saved = 1 - activation_bytes_per_layer(m, b, 8, "selective") / activation_bytes_per_layer(
+        m, b, 8, "none"
+    )
+    assert round(saved * 100) == 70
+    mt = Model(layers=105, hidden=20480, heads=128, vocab=51200, seq=2048)
+    saved_mt = 1 - activation_bytes_per_layer(mt, b, 8, "selective") / activation_bytes_per_layer(
+        mt, b, 8, "none"
+    )
+    assert round(saved_mt * 100) == 65
+
+
+def test_pipeline_in_flight_microbatches() -> None:
+    m = Model(layers=32, hidden=1024, heads=16, vocab=1000, seq=512)
+    # 1F1B: the first stage holds p micro-batches of l/p layers = l layers' worth.
+    assert inflight_layers(m, Layout(pp=4), microbatches=16) == 32
+    assert inflight_layers(m, Layout(pp=4), microbatches=2) == 16  # only 2 ever in flight
+    assert inflight_layers(m, Layout(pp=4, schedule="gpipe"), microbatches=16) == 8 * 16
+    inter = Layout(pp=4, schedule="interleaved", vpp=2)
+    assert inflight_layers(m, inter, microbatches=16) == pytest.approx(32 * (1 + 3 / 8))
+
+
+def test_collectives_follow_the_nccl_tests_conventions() -> None:
+    assert all_reduce_time(8, 1e9, 1e9) == pytest.approx(2 * 7 / 8)
+    assert gather_time(8, 1e9, 1e9) == pytest.approx(7 / 8)
+    assert all_reduce_time(1, 1e9, 1e9) == 0.0
+    c = Cluster(2, 8, 80 * GB, 1e15, intra_bw=400e9, inter_bw=50e9, comm_efficiency=1.0)
+    assert group_bandwidth(c, 8, 1) == 400e9  # tp=8 inside a node
+    assert group_bandwidth(c, 2, 8) == 50e9  # 2 replicas 8 GPUs apart: across nodes
+    assert group_bandwidth(c, 16, 1) == 50e9
+
+
+def test_bubble_and_step_time_add_up() -> None:
+    m = Model(layers=32, hidden=4096, heads=32, vocab=51200, seq=2048)
+    c = Cluster(4, 8, 80 * GB, 989e12, 450e9, 50e9)
+    t = Training(global_batch=256)
+    lay = Layout(dp_replicate=1, dp_shard=4, tp=2, pp=4, zero=1, micro_batch=2)
+    microbatches = 256 // (2 * 4)
+    st = step_time(m, lay, t, c, microbatches)
+    assert st.bubble == pytest.approx(st.compute * 3 / microbatches)
+    assert st.total == pytest.approx(st.compute + st.exposed_comm + st.bubble)  # mem_bw = 0
+    fast = step_time(m, lay, t, replace(c, mem_bw=1e12), microbatches)
+    # ZeRO-1: the update runs on this rank's shard, 28 bytes per parameter for Adam.
+    assert fast.optimizer == pytest.approx(stage_params(m, lay, t) / 4 * 28 / 1e12)
+    assert fast.total == pytest.approx(st.total + fast.optimizer)
+    assert st.tp_comm > 0 and st.pp_comm > 0 and 0 <= st.dp_exposed <= st.dp_comm
+
+
+def test_fused_attention_stores_no_scores() -> None:
+    m = Model(layers=2, hidden=1024, heads=16, vocab=1000, seq=4096)
+    fused = activation_bytes_per_layer(m, 1, 1, "none", fused=True)
+    assert fused == activation_bytes_per_layer(m, 1, 1, "selective")
+    assert fused < activation_bytes_per_layer(m, 1, 1, "none") / 3  # 34 vs 34 + 320
