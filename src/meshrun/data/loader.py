@@ -3,23 +3,28 @@
 from __future__ import annotations
 
 import functools
+import os
 import random
+import time
 import warnings
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, TypeVar
 
 import numpy as np
 import torch
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from meshrun.data.checks import loader_resource_problems
 from meshrun.data.sampler import ResumableSampler, mix_seed
 
-__all__ = ["build_dataloader"]
+__all__ = ["WaitClock", "build_dataloader"]
+
+T = TypeVar("T")
 
 
 def build_dataloader(
     dataset: Dataset[Any],
-    sampler: Sampler[int],
+    sampler: Sampler[int] | None,
     micro_batch: int,
     *,
     num_workers: int = 0,
@@ -38,6 +43,7 @@ def build_dataloader(
     """
     _validate(micro_batch, num_workers, prefetch_factor)
     _maybe_warn_straddle(sampler, micro_batch)
+    _maybe_warn_resources(num_workers)
     return DataLoader(
         dataset,
         batch_size=micro_batch,
@@ -78,7 +84,19 @@ def _validate(micro_batch: int, num_workers: int, prefetch_factor: int | None) -
         )
 
 
-def _maybe_warn_straddle(sampler: Sampler[int], micro_batch: int) -> None:
+_warned_resources: set[str] = set()
+
+
+def _maybe_warn_resources(num_workers: int) -> None:
+    # torchrun (and meshrun launch) tell each process how many share its node.
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    for problem in loader_resource_problems(num_workers, local):
+        if problem not in _warned_resources:  # once per process, not once per loader
+            _warned_resources.add(problem)
+            warnings.warn(problem, stacklevel=3)
+
+
+def _maybe_warn_straddle(sampler: Sampler[int] | None, micro_batch: int) -> None:
     if not isinstance(sampler, ResumableSampler) or sampler.mode != "train":
         return
     per_rank = sampler.global_batch // sampler.world_size
@@ -88,3 +106,33 @@ def _maybe_warn_straddle(sampler: Sampler[int], micro_batch: int) -> None:
             f"micro_batch = {micro_batch}: micro-batches will straddle global batches",
             stacklevel=3,
         )
+
+
+class WaitClock:
+    """Time spent blocked in ``next()`` on a loader: the rank's data wait.
+
+    The step loop wraps its loader with :meth:`wrap` and calls :meth:`take` once per optimizer
+    step; the share ``wait / step time`` says whether this rank's input pipeline keeps up (near
+    0) or starves the accelerator. It is per rank: one slow rank's loader stalls all the others
+    at the next collective, where their wait shows up as communication instead.
+    """
+
+    def __init__(self) -> None:
+        self._waited_s = 0.0
+
+    def wrap(self, iterable: Iterable[T]) -> Iterator[T]:
+        it = iter(iterable)  # starting workers counts too: the step waits for it
+        while True:
+            t0 = time.perf_counter()
+            try:
+                item = next(it)
+            except StopIteration:
+                self._waited_s += time.perf_counter() - t0
+                return
+            self._waited_s += time.perf_counter() - t0
+            yield item
+
+    def take(self) -> float:
+        """Seconds waited since the last ``take()``, and reset."""
+        waited, self._waited_s = self._waited_s, 0.0
+        return waited
