@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from meshrun import __version__
+from meshrun.checkpoint.cli import add_parser as _add_ckpt
 from meshrun.config import (
     Config,
     ConfigError,
@@ -21,6 +22,9 @@ from meshrun.config import (
     validate_for_world,
     write_config,
 )
+from meshrun.data.cli import add_parser as _add_data
+from meshrun.diagnose.bench import add_parser as _add_bench
+from meshrun.plan.cli import add_parser as _add_plan
 
 DEMO_MODULE = "meshrun.demo"
 DEMO_CONFIG = Path(__file__).parent / "demo" / "demo.toml"
@@ -206,7 +210,7 @@ def _add_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 # Each subsystem contributes one `add_*(sub)` function; the order is the order of --help.
-SUBCOMMANDS = [_add_demo, _add_launch, _add_config]
+SUBCOMMANDS = [_add_demo, _add_launch, _add_config, _add_data, _add_plan, _add_bench, _add_ckpt]
 
 
 def build_parser() -> argparse.ArgumentParser:

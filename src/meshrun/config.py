@@ -60,7 +60,13 @@ class ParallelConfig:
     dp_shard: int = _f(-1, "Sharded data-parallel degree; -1 = what is left of the world.", min=-1)
     tp: int = _f(1, "Tensor-parallel degree.", min=1)
     pp: int = _f(1, "Pipeline-parallel degree.", min=1)
-    zero: int = _f(0, "ZeRO stage: 0 = DDP (stages 1-3 arrive with FSDP2).", min=0, max=3)
+    zero: int = _f(
+        0,
+        "ZeRO stage: 0 = DDP, 1 = + sharded optimizer state (ZeroRedundancyOptimizer), "
+        "2 = + sharded gradients (FSDP2, no reshard after forward), 3 = + sharded parameters.",
+        min=0,
+        max=3,
+    )
     bucket_cap_mb: float = _f(25.0, "DDP gradient bucket size in MiB.", min=0.001)
     gradient_as_bucket_view: bool = _f(
         True, "DDP: gradients are views into the buckets (saves memory)."
@@ -68,6 +74,40 @@ class ParallelConfig:
     static_graph: bool = _f(False, "DDP: the graph is the same every step (enables optimisations).")
     find_unused_parameters: bool = _f(
         False, "DDP: search for parameters without gradients (slower)."
+    )
+    cpu_offload: bool = _f(
+        False, "FSDP2 (zero 2/3): keep sharded parameters, gradients and optimizer step on CPU."
+    )
+    activation_checkpoint: int = _f(
+        0, "Recompute every k-th block's activations in backward; 0 = off, 1 = every block.", min=0
+    )
+    param_dtype: Literal["float32", "bfloat16"] = _f(
+        "float32", "FSDP2 (zero 2/3): dtype of the all-gathered parameters and the compute."
+    )
+    reduce_dtype: Literal["float32", "bfloat16"] = _f(
+        "float32", "FSDP2 (zero 2/3): dtype of the gradient reduce-scatter."
+    )
+    ddp_comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = _f(
+        "none", "DDP (zero 0/1): compress the gradient all-reduce."
+    )
+    powersgd_rank: int = _f(1, "Rank of PowerSGD's low-rank gradient approximation.", min=1)
+    sequence_parallel: bool = _f(
+        False, "With tp > 1: norms and residual adds inside each block split along the sequence."
+    )
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = _f(
+        "1f1b", "Pipeline schedule (pp > 1); interleaved = interleaved 1F1B."
+    )
+    pp_microbatches: int = _f(
+        2, "Chunks each micro-batch is split into for the pipeline; >= pp.", min=1
+    )
+    pp_virtual_stages: int = _f(
+        2, "Stages per rank for the interleaved schedule (pp x this <= blocks).", min=1
+    )
+    fsdp_prefetch: int = _f(
+        0,
+        "FSDP2: all-gather the next N blocks ahead in forward and backward; 0 = FSDP2's own "
+        "one-block implicit prefetch.",
+        min=0,
     )
 
 
@@ -102,14 +142,23 @@ class OptimConfig:
 
 @dataclass
 class CheckpointConfig:
-    """Where and when checkpoints are written (full resume arrives with the checkpoint issue)."""
+    """Where and when checkpoints are written, and what is resumed (docs/checkpoint.md)."""
 
     dir: str = _f("", "Checkpoint directory. Empty = <run_dir>/checkpoints.")
     interval: int = _f(0, "Save every N optimizer steps; 0 = only at the end when asked.", min=0)
-    async_: bool = _f(False, "Write in the background while training goes on.")
+    async_: bool = _f(
+        False, "Interval saves: stage to CPU memory, write in the background, commit later."
+    )
     keep_last: int = _f(3, "Keep the newest N checkpoints.", min=1)
     keep_every: int = _f(0, "Also keep every M-th step's checkpoint; 0 = none.", min=0)
     resume: str = _f("auto", "auto = newest valid checkpoint, never, or a path.")
+    on_error: Literal["stop", "warn"] = _f(
+        "stop",
+        "A failed save (e.g. disk full): stop = raise on every rank, warn = log and train on.",
+    )
+    on_signal: bool = _f(
+        True, "On SIGTERM/SIGUSR1 (preemption) save at the next step boundary and exit 0."
+    )
 
 
 @dataclass
@@ -415,22 +464,62 @@ def grad_accumulation(data: DataConfig, dp_size: int) -> int:
     return data.global_batch // per_step
 
 
+def check_pipeline(p: ParallelConfig, dims: Mapping[str, int], shown: str) -> None:
+    """What pipeline parallel composes with in this version, and its micro-batch chunks."""
+    dp = dims["dp_replicate"] * dims["dp_shard"]
+    if p.tp > 1 or p.zero == 1 or (dp > 1 and p.zero == 0):
+        raise ConfigError(
+            f"parallel.pp = {p.pp} composes with FSDP2 (zero 2 or 3) on the dp dims; tensor "
+            f"parallel, DDP and ZeRO-1 with pp are not available yet (mesh {shown}, zero = "
+            f"{p.zero}); set parallel.zero=3 and parallel.tp=1"
+        )
+    if p.pp_microbatches < p.pp:
+        raise ConfigError(
+            f"parallel.pp_microbatches = {p.pp_microbatches} is fewer than the pp = {p.pp} "
+            f"stages (mesh {shown}): the pipeline would idle; set pp_microbatches >= {p.pp}"
+        )
+
+
 def validate_for_world(cfg: Config, world_size: int) -> dict[str, int]:
     """All checks that need the world size; run by the launcher before spawning workers."""
-    if cfg.parallel.zero != 0:
-        raise ConfigError(
-            f"parallel.zero = {cfg.parallel.zero} is not available yet: this version runs "
-            "DDP (zero = 0) only"
-        )
-    for dim in ("tp", "pp"):
-        if getattr(cfg.parallel, dim) != 1:
-            raise ConfigError(
-                f"parallel.{dim} = {getattr(cfg.parallel, dim)} is not available yet: "
-                f"this version runs data parallelism only; set parallel.{dim}=1"
-            )
     dims = resolve_mesh_dims(cfg.parallel, world_size)
+    check_layout(cfg.parallel, dims)
     grad_accumulation(cfg.data, dims["dp_replicate"] * dims["dp_shard"])
+    if cfg.parallel.pp > 1 and cfg.data.micro_batch % cfg.parallel.pp_microbatches:
+        raise ConfigError(
+            f"data.micro_batch = {cfg.data.micro_batch} does not split into parallel."
+            f"pp_microbatches = {cfg.parallel.pp_microbatches} equal chunks (unequal chunks would "
+            "weight samples unequally); choose a micro_batch that is a multiple of it"
+        )
     return dims
+
+
+def check_layout(p: ParallelConfig, dims: Mapping[str, int]) -> None:
+    """Combinations of degrees and ZeRO stage that no PyTorch tool runs; each error names the
+    dims. (Checks that need the model, such as tp dividing the heads, run in parallelize.)"""
+    shown = " x ".join(f"{k}={v}" for k, v in dims.items())
+    dp = dims["dp_replicate"] * dims["dp_shard"]
+    if p.zero > 0 and dims["dp_shard"] == 1:
+        raise ConfigError(
+            f"parallel.zero = {p.zero} shards over the dp_shard dim, but the mesh {shown} has "
+            "dp_shard=1: nothing to shard over; set parallel.zero=0, or parallel.dp_shard > 1 "
+            "(e.g. dp_shard=-1 with fewer dp_replicate/tp/pp)"
+        )
+    # DDP and ZeroRedundancyOptimizer do not take tensor-parallel DTensor parameters: with tp,
+    # data parallelism is FSDP2 (zero = 0 runs as ZeRO-3 with a warning, in parallelize).
+    if p.tp > 1 and dp > 1 and (p.zero == 1 or dims["dp_shard"] == 1):
+        raise ConfigError(
+            f"parallel.tp = {p.tp} with data parallelism dp_replicate x dp_shard = {dp} needs "
+            f"FSDP2 over a dp_shard dim > 1, but parallel.zero = {p.zero} (mesh {shown}); set "
+            "parallel.zero=2 or 3 and parallel.dp_shard > 1"
+        )
+    if p.pp > 1:
+        check_pipeline(p, dims, shown)
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError(
+            f"parallel.sequence_parallel = true splits along the sequence over the tp dim, but "
+            f"the mesh {shown} has tp=1; set parallel.tp > 1 or parallel.sequence_parallel=false"
+        )
 
 
 # --- files ---------------------------------------------------------------------------------

@@ -22,9 +22,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 
+from meshrun.data.iterable import ResumableIterable
+from meshrun.data.loader import WaitClock
 from meshrun.data.sampler import ResumableSampler
 from meshrun.monitor import MetricsLogger, memory_stats
-from meshrun.parallel import set_grad_sync
+from meshrun.parallel import clip_grad_norm_, set_grad_sync
 
 log = logging.getLogger("meshrun")
 
@@ -86,6 +88,10 @@ class StepLoop:
         self._t_last = time.perf_counter()
         self._tokens_per_sample = 1
         self._sampler: ResumableSampler | None = None
+        self._iterable: ResumableIterable[Any] | None = None  # its position is in the dataset
+        self.data_wait = WaitClock()  # this rank's time blocked on the loader, per step
+        self.grad_norm = math.nan  # global gradient norm of the last step (when clipping)
+        self.pp_group: ProcessGroup | None = None  # set by run.pipeline: stages' norms combine
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -96,11 +102,13 @@ class StepLoop:
         target = self.total_steps if steps is None else steps
         sampler = getattr(loader, "sampler", None)
         self._sampler = sampler if isinstance(sampler, ResumableSampler) else None
+        dataset = getattr(loader, "dataset", None)
+        self._iterable = dataset if isinstance(dataset, ResumableIterable) else None
         self._t_last = time.perf_counter()
         first = True
         while self.step < target:
             produced = False
-            for batch in loader:
+            for batch in self.data_wait.wrap(loader):
                 produced = True
                 if first:
                     self._inspect_first(batch, tokens_per_sample)
@@ -144,9 +152,13 @@ class StepLoop:
 
     def backward(self, loss: torch.Tensor) -> None:
         """``(loss / accumulation).backward()``, recording the loss for the metrics."""
+        self.record_loss(loss)
+        (loss / self.accum).backward()
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Count a micro-step's loss in the metrics (the pipeline step's backward is its own)."""
         detached = loss.detach().float()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
-        (loss / self.accum).backward()
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step (and zero) the optimizer on a boundary micro-step; return whether it stepped."""
@@ -154,7 +166,9 @@ class StepLoop:
             return False
         if self.grad_clip > 0:
             params = [p for g in optimizer.param_groups for p in g["params"]]
-            torch.nn.utils.clip_grad_norm_(params, self.grad_clip)
+            # The norm of the whole gradient, also when it is sharded (FSDP2, TP DTensors).
+            norm = clip_grad_norm_(params, self.grad_clip, pp_group=self.pp_group)
+            self.grad_norm = float(norm)
         lr = float(optimizer.param_groups[0]["lr"])
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -163,6 +177,8 @@ class StepLoop:
         self.step += 1
         if self._sampler is not None:
             self._sampler.step(self.global_batch)
+        if self._iterable is not None:
+            self._iterable.step(self.global_batch)
         self._record(lr)
         return True
 
@@ -181,8 +197,13 @@ class StepLoop:
             step_time_s=step_time,
             samples=self.global_batch,
             tokens=self.global_batch * self._tokens_per_sample,
-            extra=memory_stats(self.device) if logged else None,
+            extra={**(memory_stats(self.device) if logged else {}), **self._data_wait(step_time)},
         )
+
+    def _data_wait(self, step_time: float) -> dict[str, float]:
+        """This rank's loader wait in the step, in seconds and as a share of the step time."""
+        waited = self.data_wait.take()
+        return {"data_wait_s": waited, "data_wait_share": waited / step_time if step_time else 0.0}
 
     def _global_mean_loss(self) -> float:
         """Mean loss over the whole global batch (all data-parallel ranks), comparable across

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, Dataset
 
+from meshrun.checkpoint import Checkpointer, Stateful
 from meshrun.cluster import ClusterEnv, detect
 from meshrun.config import (
     CONFIG_ENV,
@@ -40,7 +41,14 @@ from meshrun.logs import setup_logging
 from meshrun.loop import StepLoop
 from meshrun.mesh import ParallelDims, build_mesh
 from meshrun.monitor import MetricsLogger
-from meshrun.parallel import parallelize
+from meshrun.parallel import (
+    Pipeline,
+    build_optimizer,
+    check_optimizer,
+    parallelize,
+    parallelize_pipeline,
+    pipeline_step,
+)
 from meshrun.schedule import build_lr_scheduler, scale_lr
 
 _ACTIVE: Run | None = None
@@ -148,6 +156,7 @@ class Run:
             dp_group=self.mesh.get_group("dp") if self.mesh is not None else None,
             metrics=self.metrics,
         )
+        self.checkpointer = Checkpointer(cfg, self.run_dir, self.loop, self.device)
         self._closed = False
         if self.is_main:
             write_config(cfg, self.run_dir / "config.toml")
@@ -178,11 +187,47 @@ class Run:
 
     # --- techniques (each a plain function; Run only passes its state) -------------------
 
-    def parallelize(self, model: nn.Module) -> nn.Module:
-        """Apply the configured layout; returns a real torch module (DDP when dp > 1)."""
-        out = parallelize(model, self.mesh, self.config.parallel, self.device)
+    def parallelize(self, model: nn.Module, **options: Any) -> nn.Module:
+        """Apply the configured layout (see ``meshrun.parallel.parallelize`` for ``options``:
+        ``tp_plan``, ``parallelize_fn``, ``wrap``); returns a real torch module: the model,
+        changed in place, or its DDP wrapper."""
+        out = parallelize(model, self.mesh, self.config.parallel, self.device, **options)
         self.loop.models.append(out)
         return out
+
+    def pipeline(
+        self, model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    ) -> Pipeline:
+        """Pipeline parallel (``parallel.pp > 1``): this rank's stages and their schedule. The
+        loop calls ``run.pipeline_step(pipe, inputs, targets)`` instead of the model and
+        ``run.backward``; the optimizer takes ``pipe.parameters()``. See parallel/pp.py."""
+        if self.mesh is None:
+            raise ConfigError("run.pipeline needs a process group: start with parallel.pp > 1")
+        accum = self.accum
+
+        def scaled(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return loss_fn(output, target) / accum  # what run.backward does, per chunk
+
+        pipe = parallelize_pipeline(model, self.mesh, self.config.parallel, self.device, scaled)
+        self.loop.models.extend(pipe.modules)
+        self.loop.pp_group = pipe.group
+        return pipe
+
+    def pipeline_step(
+        self, pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        """Forward + backward of this micro-batch through the pipeline; returns its mean loss
+        (on every rank) and counts it in the metrics."""
+        loss = pipeline_step(pipe, inputs, targets) * self.accum
+        self.loop.record_loss(loss)
+        return loss
+
+    def optimizer(
+        self, model: nn.Module, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
+    ) -> torch.optim.Optimizer:
+        """``optimizer_class(model.parameters(), **kwargs)``; under ``parallel.zero = 1`` its
+        state is sharded over the data-parallel ranks (a ZeroRedundancyOptimizer)."""
+        return build_optimizer(model, optimizer_class, self.mesh, self.config.parallel, **kwargs)
 
     def scaled_lr(self, base_lr: float | None = None) -> float:
         """``base_lr`` (default ``optim.lr``) scaled by ``optim.lr_scaling`` to the global batch."""
@@ -259,7 +304,31 @@ class Run:
         self.loop.backward(loss)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        return self.loop.optimizer_step(optimizer)
+        check_optimizer(optimizer, self.config.parallel, self.dp_size)
+        stepped = self.loop.optimizer_step(optimizer)
+        if stepped:  # every `checkpoint.interval` steps, at the step boundary
+            self.checkpointer.note_optimizer(optimizer)
+            self.checkpointer.maybe_save(self.step)
+        return stepped
+
+    # --- checkpoints (see checkpoint/) ----------------------------------------------------
+
+    def resume(
+        self,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        loader: Any = None,
+        **named: Stateful,
+    ) -> int:
+        """Register what is checkpointed (model, optimizer, the loader's data position, user
+        objects by name; schedulers from :meth:`lr_scheduler` are included) and load the
+        checkpoint chosen by ``checkpoint.resume``. Returns the step resumed at (0 = fresh)."""
+        self.checkpointer.register(model, optimizer, loader, named)
+        return self.checkpointer.resume()
+
+    def save_checkpoint(self) -> Path:
+        """Checkpoint the current step now (collective: call on every rank)."""
+        return self.checkpointer.save()
 
     @property
     def step(self) -> int:
@@ -280,6 +349,8 @@ class Run:
         if self._closed:
             return
         self._closed = True
+        if not failed:
+            self.checkpointer.wait()  # an async checkpoint still being written is committed
         self.metrics.close()
         if dist.is_initialized():
             if not failed:

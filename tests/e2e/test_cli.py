@@ -169,13 +169,13 @@ def test_launch_with_a_bad_config_file_key_exits_2(tmp_path: Path) -> None:
     script = tmp_path / "train.py"
     script.write_text(TRAIN_SCRIPT)
     config = tmp_path / "bad.toml"
-    config.write_text(f'[job]\nrun_dir = "{tmp_path / "run"}"\n\n[parallel]\nzero = 1\n')
+    config.write_text(f'[job]\nrun_dir = "{tmp_path / "run"}"\n\n[parallel]\nzero = 5\n')
     proc, elapsed = meshrun(
         "launch", "--nproc-per-node", "2", "--config", str(config), str(script), cwd=tmp_path
     )
     assert proc.returncode == 2
     assert elapsed < FAST_FAIL_S
-    assert "parallel.zero = 1" in proc.stderr
+    assert "parallel.zero = 5" in proc.stderr and "<= 3" in proc.stderr
     _assert_nothing_started(tmp_path, tmp_path / "run")
 
 

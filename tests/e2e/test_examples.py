@@ -56,7 +56,7 @@ def test_demo_runs_and_is_comparable_across_world_sizes(tmp_path: Path) -> None:
     # What the run leaves behind: per-rank logs, the resolved config, the final checkpoint.
     assert (two / "logs" / "rank0.log").is_file() and (two / "logs" / "rank1.log").is_file()
     assert (two / "config.toml").is_file()
-    assert (two / "checkpoints" / "step_000006" / ".metadata").is_file()
+    assert (two / "checkpoints" / "step_00000006" / ".metadata").is_file()
     assert "micro 8 x accum 2 x dp 2" in p2.stdout + p2.stderr
     assert "validation loss" in p2.stdout + p2.stderr
 

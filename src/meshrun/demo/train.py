@@ -19,7 +19,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import meshrun
-from meshrun import checkpoint
 from meshrun.demo.corpus import ByteWindows, build_demo_datasets, decode
 from meshrun.demo.model import GPT, demo_config
 
@@ -98,20 +97,21 @@ def main(argv: Sequence[str] | None = None) -> None:
             model_cfg.seq_len,
         )
 
-    for batch in run.steps(run.dataloader(train)):
+    loader = run.dataloader(train)
+    run.resume(model, opt, loader)  # newest valid checkpoint under [checkpoint] dir, if any
+    for batch in run.steps(loader):
         loss = model(batch["input"], batch["target"])
         run.backward(loss)
         run.optimizer_step(opt)
 
     val_loss = evaluate(run, model, val)
-    path = checkpoint.save(
-        run.run_dir / "checkpoints" / f"step_{run.step:06d}", model, opt, run.step
-    )
+    path = run.save_checkpoint()
+    # Every rank samples: a sharded model (FSDP, tensor parallel) needs all ranks in each forward.
+    text = sample(model, b"def ", 160, model_cfg.seq_len, run.device)
     if run.is_main:
         run.log.info(
             "validation loss %.4f (exact, %d windows) | checkpoint %s", val_loss, len(val), path
         )
-        text = sample(model, b"def ", 160, model_cfg.seq_len, run.device)
         run.log.info(
             "sample after %d steps (byte-level: it learns spelling first; --steps 1000 writes more "
             "Python-like text):\n  %s",
