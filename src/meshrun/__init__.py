@@ -13,14 +13,37 @@ def main():
         run.optimizer_step(opt)
 """
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from meshrun._lazy import lazy_exports
 from meshrun.config import Config, ConfigError, load_config
-from meshrun.data import ResumableSampler, build_dataloader
-from meshrun.entry import main
-from meshrun.mesh import ParallelDims
-from meshrun.runtime import Run, init
-from meshrun.schedule import lr_factor, scale_lr
 
 __version__ = "0.1.0"
+
+# The rest loads on first use (PEP 562): the command line and the pure layers (config, plan)
+# then start in a fraction of a second instead of paying for torch.distributed's imports.
+_LAZY = {
+    "ResumableSampler": "meshrun.data",
+    "build_dataloader": "meshrun.data",
+    "main": "meshrun.entry",
+    "ParallelDims": "meshrun.mesh",
+    "Run": "meshrun.runtime",
+    "init": "meshrun.runtime",
+    "lr_factor": "meshrun.schedule",
+    "scale_lr": "meshrun.schedule",
+}
+
+if TYPE_CHECKING:
+    from meshrun.data import ResumableSampler, build_dataloader
+    from meshrun.entry import main
+    from meshrun.mesh import ParallelDims
+    from meshrun.runtime import Run, init
+    from meshrun.schedule import lr_factor, scale_lr
+
+
+__getattr__ = lazy_exports(globals(), _LAZY)
 
 __all__ = [
     "Config",

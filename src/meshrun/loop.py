@@ -100,6 +100,14 @@ class StepLoop:
     ) -> Iterator[Any]:
         """Yield micro-batches (on the device) until ``steps`` optimizer steps are done in all."""
         target = self.total_steps if steps is None else steps
+        if self.step >= target:
+            # Typically a resumed run that had already finished: say so rather than exit quietly.
+            log.warning(
+                "nothing to train: already at step %d of %d (resumed from a finished run?); "
+                "raise optim.steps, use a new job.run_dir, or set checkpoint.resume=never",
+                self.step,
+                target,
+            )
         sampler = getattr(loader, "sampler", None)
         self._sampler = sampler if isinstance(sampler, ResumableSampler) else None
         dataset = getattr(loader, "dataset", None)

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 from meshrun.checkpoint import layout
-from meshrun.checkpoint.export import export, tensor_table
 
 __all__ = ["add_parser"]
 
@@ -54,6 +53,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     )
     if a.config:
         print(json.loads((path / "state.json").read_text())["config_toml"])
+    from meshrun.checkpoint.export import tensor_table  # torch: only when needed
+
     for info in tensor_table(path):
         print(f"  {info.name:<60} {str(info.dtype).removeprefix('torch.'):<9} {list(info.shape)}")
     return 0
@@ -81,6 +82,8 @@ def cmd_export(a: argparse.Namespace) -> int:
         print(f"{path} is not a valid checkpoint: {'; '.join(bad)}")
         return 1
     try:
+        from meshrun.checkpoint.export import export  # torch: only when needed
+
         infos = export(path, Path(a.out), prefix=a.prefix, max_bytes=a.max_mb << 20)
     except ValueError as e:
         print(f"meshrun ckpt export: error: {e}")
