@@ -5,7 +5,7 @@
 Prepares the demo's corpus (the local standard library's ``.py`` files, as
 ``meshrun.demo.corpus`` picks them, linked into a temporary directory; byte tokenizer) into
 token shards once, then reads it with ``meshrun.data.bench.bench_ranks`` (the same path as
-``meshrun data bench``) in NPROC processes at once, with 0 and 2 loader workers per rank, in
+``meshrun bench data``) in NPROC processes at once, with 0 and 2 loader workers per rank, in
 interleaved repeats. Also times ``meshrun data prepare`` itself (tokens/s) on that corpus.
 A training step that consumes S samples per rank in T seconds needs S / T samples/s: the
 loader keeps up while its figure is well above that.

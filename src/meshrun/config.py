@@ -81,10 +81,12 @@ class ParallelConfig:
     activation_checkpoint: int = _f(
         0, "Recompute every k-th block's activations in backward; 0 = off, 1 = every block.", min=0
     )
-    param_dtype: Literal["float32", "bfloat16"] = _f(
-        "float32", "FSDP2 (zero 2/3): dtype of the all-gathered parameters and the compute."
+    param_dtype: Literal["float32", "bfloat16", "float16"] = _f(
+        "float32",
+        "Compute dtype: FSDP2 (zero 2/3) all-gathers parameters in it, DDP runs the forward "
+        "under autocast; float16 adds a loss scaler (run.grad_scaler). Master weights stay fp32.",
     )
-    reduce_dtype: Literal["float32", "bfloat16"] = _f(
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] = _f(
         "float32", "FSDP2 (zero 2/3): dtype of the gradient reduce-scatter."
     )
     ddp_comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = _f(
@@ -108,6 +110,12 @@ class ParallelConfig:
         "FSDP2: all-gather the next N blocks ahead in forward and backward; 0 = FSDP2's own "
         "one-block implicit prefetch.",
         min=0,
+    )
+    compile: bool = _f(
+        False, "torch.compile each block (after TP and AC, before FSDP/DDP); needs a C++ compiler."
+    )
+    loss_parallel: bool = _f(
+        False, "With tp > 1: cross-entropy on the vocab-sharded logits (not available yet)."
     )
 
 
@@ -171,6 +179,30 @@ class MetricsConfig:
 
 
 @dataclass
+class MonitorConfig:
+    """Run health: numerics guard, stragglers, hang watchdog (see docs/monitor.md)."""
+
+    nonfinite: Literal["skip", "stop"] = _f(
+        "skip", "NaN/Inf loss on any rank: every rank skips the step (zero grads), or all stop."
+    )
+    straggler_every: int = _f(
+        20, "Compare ranks' step components every N optimizer steps; 0 = off.", min=0
+    )
+    straggler_factor: float = _f(
+        1.5, "Flag a rank whose component is this many times the others' median.", min=1.0
+    )
+    straggler_min_s: float = _f(
+        0.005, "...and exceeds that median by at least this many seconds per step.", min=0
+    )
+    step_timeout_s: float = _f(
+        300.0, "Hang watchdog: a step taking longer dumps all stacks and exits; 0 = off.", min=0
+    )
+    phase_timeout_s: float = _f(
+        1800.0, "Watchdog limit inside run.phase(...), checkpoint saves and the first step.", min=0
+    )
+
+
+@dataclass
 class LaunchConfig:
     """How `meshrun launch` starts the workers (through the torchrun elastic agent)."""
 
@@ -190,6 +222,7 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
     def resolved_run_dir(self) -> Path:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+import socket
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -21,11 +22,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+from meshrun.config import MonitorConfig
 from meshrun.data.iterable import ResumableIterable
 from meshrun.data.loader import WaitClock
 from meshrun.data.sampler import ResumableSampler
-from meshrun.monitor import MetricsLogger, memory_stats
+from meshrun.monitor import MetricsLogger, StepMonitor, memory_stats
 from meshrun.parallel import clip_grad_norm_, set_grad_sync
 
 log = logging.getLogger("meshrun")
@@ -69,6 +72,7 @@ class StepLoop:
         device: torch.device,
         dp_group: ProcessGroup | None,
         metrics: MetricsLogger,
+        monitor: MonitorConfig | None = None,
     ) -> None:
         self.accum = accum
         self.global_batch = global_batch
@@ -92,13 +96,34 @@ class StepLoop:
         self.data_wait = WaitClock()  # this rank's time blocked on the loader, per step
         self.grad_norm = math.nan  # global gradient norm of the last step (when clipping)
         self.pp_group: ProcessGroup | None = None  # set by run.pipeline: stages' norms combine
+        # fp16 loss scaler (parallel.param_dtype = float16), set by run.parallelize: it scales
+        # the loss in backward, unscales before clipping and skips steps with inf/nan gradients.
+        self.scaler: ShardedGradScaler | None = None
+        # Step breakdown, numerics guard (one small collective per step), stragglers.
+        self.monitor = StepMonitor(
+            monitor or MonitorConfig(),
+            device=device,
+            distributed=dist.is_initialized(),
+            hostname=socket.gethostname(),
+            metrics=metrics,
+        )
 
     # --- the loop -------------------------------------------------------------------------
 
     def steps(
         self, loader: Iterable[Any], steps: int | None = None, tokens_per_sample: int | None = None
     ) -> Iterator[Any]:
-        """Yield micro-batches (on the device) until ``steps`` optimizer steps are done in all."""
+        """Yield micro-batches (on the device) until ``steps`` optimizer steps are done in all.
+        The hang watchdog is armed while this runs (monitor.step_timeout_s)."""
+        self.monitor.loop_starts(self.step)
+        try:
+            yield from self._steps(loader, steps, tokens_per_sample)
+        finally:
+            self.monitor.loop_ends()
+
+    def _steps(
+        self, loader: Iterable[Any], steps: int | None, tokens_per_sample: int | None
+    ) -> Iterator[Any]:
         target = self.total_steps if steps is None else steps
         if self.step >= target:
             # Typically a resumed run that had already finished: say so rather than exit quietly.
@@ -132,7 +157,9 @@ class StepLoop:
         for m in self.models:
             set_grad_sync(m, self._boundary)
         before = self.step
-        yield to_device(batch, self.device)
+        batch = to_device(batch, self.device)
+        self.monitor.batch_ready()
+        yield batch
         if self._boundary and self.step == before:
             raise RuntimeError(
                 "the step loop reached an optimizer boundary but run.optimizer_step(optimizer) "
@@ -161,7 +188,10 @@ class StepLoop:
     def backward(self, loss: torch.Tensor) -> None:
         """``(loss / accumulation).backward()``, recording the loss for the metrics."""
         self.record_loss(loss)
-        (loss / self.accum).backward()
+        t0 = self.monitor.backward_starts()
+        scaled = loss / self.accum
+        (scaled if self.scaler is None else self.scaler.scale(scaled)).backward()
+        self.monitor.add("backward_s", t0)
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Count a micro-step's loss in the metrics (the pipeline step's backward is its own)."""
@@ -169,17 +199,18 @@ class StepLoop:
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
-        """Step (and zero) the optimizer on a boundary micro-step; return whether it stepped."""
+        """Step (and zero) the optimizer on a boundary micro-step; return whether this was one.
+        A step the numerics guard skips (NaN/Inf loss on some rank) still counts as a step."""
         if not self._boundary:
             return False
-        if self.grad_clip > 0:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            # The norm of the whole gradient, also when it is sharded (FSDP2, TP DTensors).
-            norm = clip_grad_norm_(params, self.grad_clip, pp_group=self.pp_group)
-            self.grad_norm = float(norm)
+        # Every rank learns whether any rank's loss is NaN/Inf; all skip (or stop) together.
+        guard = self.monitor.guard(self._loss_sum, self.accum, self.step + 1)
+        t0 = time.perf_counter()
+        if guard.finite:
+            self._apply_update(optimizer)
         lr = float(optimizer.param_groups[0]["lr"])
-        optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        self.monitor.add("optimizer_s", t0)
         for s in self.schedulers:
             s.step()
         self.step += 1
@@ -187,17 +218,33 @@ class StepLoop:
             self._sampler.step(self.global_batch)
         if self._iterable is not None:
             self._iterable.step(self.global_batch)
-        self._record(lr)
+        self._record(lr, guard.loss)
         return True
+
+    def _apply_update(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
+        if self.grad_clip > 0:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            # The norm of the whole gradient, also when it is sharded (FSDP2, TP DTensors).
+            norm = clip_grad_norm_(params, self.grad_clip, pp_group=self.pp_group)
+            self.grad_norm = float(norm)
+        if self.scaler is None:
+            optimizer.step()
+        else:  # skipped on every rank alike when any rank found inf/nan (parallel/precision.py)
+            self.scaler.step(optimizer)
+            self.scaler.update()
 
     # --- metrics -------------------------------------------------------------------------
 
-    def _record(self, lr: float) -> None:
+    def _record(self, lr: float, loss: float) -> None:
+        """``loss``: the global mean loss, from the guard's collective (NaN on a skipped step)."""
         now = time.perf_counter()
         step_time, self._t_last = now - self._t_last, now
         logged = self.step % self.log_every == 0 or self.step == self.total_steps
-        loss = self._global_mean_loss() if logged else math.nan
         self._loss_sum = None
+        wait = self._data_wait(step_time)
+        phases = self.monitor.end_step(self.step, step_time, wait["data_wait_s"])
         self.metrics.log_step(
             self.step,
             loss=loss,
@@ -205,22 +252,11 @@ class StepLoop:
             step_time_s=step_time,
             samples=self.global_batch,
             tokens=self.global_batch * self._tokens_per_sample,
-            extra={**(memory_stats(self.device) if logged else {}), **self._data_wait(step_time)},
+            extra={**(memory_stats(self.device) if logged else {}), **wait, **phases},
         )
+        self.monitor.add("loop_s", now)  # metrics and monitoring: the next step's time
 
     def _data_wait(self, step_time: float) -> dict[str, float]:
         """This rank's loader wait in the step, in seconds and as a share of the step time."""
         waited = self.data_wait.take()
         return {"data_wait_s": waited, "data_wait_share": waited / step_time if step_time else 0.0}
-
-    def _global_mean_loss(self) -> float:
-        """Mean loss over the whole global batch (all data-parallel ranks), comparable across
-        world sizes. One small all-reduce, only on logged steps."""
-        if self._loss_sum is None:
-            return math.nan
-        mean = self._loss_sum / self.accum
-        if self.dp_group is not None:
-            # Gloo has no AVG reduction: sum, then divide.
-            dist.all_reduce(mean, op=dist.ReduceOp.SUM, group=self.dp_group)
-            mean = mean / dist.get_world_size(self.dp_group)
-        return float(mean.item())

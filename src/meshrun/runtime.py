@@ -11,16 +11,18 @@ import os
 import random
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader, Dataset
 
 from meshrun.checkpoint import Checkpointer, Stateful
@@ -43,6 +45,7 @@ from meshrun.mesh import ParallelDims, build_mesh
 from meshrun.monitor import MetricsLogger
 from meshrun.parallel import (
     Pipeline,
+    build_grad_scaler,
     build_optimizer,
     check_optimizer,
     parallelize,
@@ -155,6 +158,7 @@ class Run:
             device=self.device,
             dp_group=self.mesh.get_group("dp") if self.mesh is not None else None,
             metrics=self.metrics,
+            monitor=cfg.monitor,
         )
         self.checkpointer = Checkpointer(cfg, self.run_dir, self.loop, self.device)
         self._closed = False
@@ -193,7 +197,15 @@ class Run:
         changed in place, or its DDP wrapper."""
         out = parallelize(model, self.mesh, self.config.parallel, self.device, **options)
         self.loop.models.append(out)
+        if self.loop.scaler is None:
+            self.loop.scaler = build_grad_scaler(self.config.parallel, self.device)
         return out
+
+    @property
+    def grad_scaler(self) -> ShardedGradScaler | None:
+        """The fp16 loss scaler (``parallel.param_dtype = float16``, after :meth:`parallelize`),
+        else None; ``run.backward``/``run.optimizer_step`` use it and ``run.resume`` saves it."""
+        return self.loop.scaler
 
     def pipeline(
         self, model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -308,8 +320,14 @@ class Run:
         stepped = self.loop.optimizer_step(optimizer)
         if stepped:  # every `checkpoint.interval` steps, at the step boundary
             self.checkpointer.note_optimizer(optimizer)
-            self.checkpointer.maybe_save(self.step)
+            with self.phase("checkpoint"):  # the watchdog allows a save more than a step
+                self.checkpointer.maybe_save(self.step)
         return stepped
+
+    def phase(self, name: str, timeout_s: float | None = None) -> AbstractContextManager[None]:
+        """``with run.phase("eval"):`` gives the block the hang watchdog's longer limit
+        (``timeout_s``, default ``monitor.phase_timeout_s``) instead of the step timeout."""
+        return self.loop.monitor.phase(name, timeout_s)
 
     # --- checkpoints (see checkpoint/) ----------------------------------------------------
 
@@ -323,12 +341,16 @@ class Run:
         """Register what is checkpointed (model, optimizer, the loader's data position, user
         objects by name; schedulers from :meth:`lr_scheduler` are included) and load the
         checkpoint chosen by ``checkpoint.resume``. Returns the step resumed at (0 = fresh)."""
+        if self.loop.scaler is not None and "grad_scaler" not in named:
+            scaler = cast(Stateful, self.loop.scaler)  # its scale must survive restarts
+            named = {**named, "grad_scaler": scaler}
         self.checkpointer.register(model, optimizer, loader, named)
         return self.checkpointer.resume()
 
     def save_checkpoint(self) -> Path:
         """Checkpoint the current step now (collective: call on every rank)."""
-        return self.checkpointer.save()
+        with self.phase("checkpoint"):
+            return self.checkpointer.save()
 
     @property
     def step(self) -> int:
@@ -349,6 +371,7 @@ class Run:
         if self._closed:
             return
         self._closed = True
+        self.loop.monitor.loop_ends()
         if not failed:
             self.checkpointer.wait()  # an async checkpoint still being written is committed
         self.metrics.close()

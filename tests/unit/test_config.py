@@ -129,7 +129,7 @@ def test_unknown_section_is_an_error_with_a_suggestion() -> None:
     message = _error([("optimm.lr", "0.1")])
     assert "'optimm'" in message
     assert "Did you mean 'optim'?" in message
-    assert "job, parallel, data, optim, checkpoint, metrics, launch" in message
+    assert "job, parallel, data, optim, checkpoint, metrics, monitor, launch" in message
 
 
 def test_unknown_key_is_an_error_with_a_suggestion() -> None:

@@ -138,9 +138,10 @@ def test_sequence_parallel_without_tp_is_rejected() -> None:
 
 
 def test_fsdp_precision_keys_under_ddp_are_errors() -> None:
-    cfg = ParallelConfig(zero=0, param_dtype="bfloat16")
+    # param_dtype runs under DDP as autocast (test_layout_precision.py); reduce_dtype cannot.
+    cfg = ParallelConfig(zero=0, reduce_dtype="bfloat16")
     with pytest.raises(
-        ConfigError, match=r"parallel\.param_dtype = 'bfloat16'.*parallel\.zero = 0"
+        ConfigError, match=r"parallel\.reduce_dtype = 'bfloat16'.*parallel\.zero = 0"
     ):
         parallelize(tiny(), None, cfg, torch.device("cpu"))
 

@@ -150,6 +150,14 @@ class Checkpointer:
                 "loop (it registers what is saved), or run.parallelize(model) and "
                 "run.optimizer_step(optimizer)"
             )
+        if type(self.optimizer).__name__ == "ZeroRedundancyOptimizer":
+            # Its state_dict() needs a consolidation on every rank that DCP's get_state_dict
+            # does not do; saving it untested would risk an unresumable checkpoint.
+            raise CheckpointError(
+                "checkpoints with parallel.zero=1 (ZeroRedundancyOptimizer) are not supported "
+                "yet; use parallel.zero=2 (FSDP2, also shards the optimizer state) or "
+                "parallel.zero=0, or set checkpoint.interval=0 and save nothing"
+            )
         loop_sampler = getattr(self.loop, "_sampler", None)  # set once run.steps() has begun
         if self.sampler is None and isinstance(loop_sampler, ResumableSampler):
             self.sampler = loop_sampler

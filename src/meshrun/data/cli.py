@@ -1,4 +1,6 @@
-"""``meshrun data prepare | verify``: the command-line face of data/prepare.py and shards.py."""
+"""``meshrun data prepare | verify``: the command-line face of data/prepare.py and shards.py;
+and ``meshrun bench data`` (:func:`add_bench_data`, mounted by diagnose/bench.py), the loader
+benchmark of data/bench.py."""
 
 from __future__ import annotations
 
@@ -8,7 +10,7 @@ import sys
 from meshrun.data.prepare import DEFAULT_SHARD_TOKENS, prepare
 from meshrun.data.shards import load_manifest, verify_dataset
 
-__all__ = ["add_parser"]
+__all__ = ["add_bench_data", "add_parser"]
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -40,13 +42,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     ver = dsub.add_parser("verify", help="check every shard against the manifest's checksums")
     ver.add_argument("dir", help="a directory made by `meshrun data prepare`")
     ver.set_defaults(fn=_cmd_verify)
-    add_bench_data(dsub, "bench")
 
 
 def add_bench_data(
     sub: argparse._SubParsersAction[argparse.ArgumentParser], name: str = "data"
 ) -> None:
-    """``meshrun data bench``; also mountable as ``meshrun bench data`` by the bench command."""
+    """``meshrun bench data``: the bench command mounts it among its kinds (one spelling only:
+    every measurement of the machine lives under ``meshrun bench``)."""
     b = sub.add_parser(
         name,
         help="samples/s of the data loader alone, per rank",
@@ -57,9 +59,15 @@ def add_bench_data(
     b.add_argument("dir", help="a directory made by `meshrun data prepare`")
     b.add_argument("--seq-len", type=int, default=1024, help="tokens per sample (default 1024)")
     b.add_argument("--micro-batch", type=int, default=8, help="samples per batch (default 8)")
-    b.add_argument("--num-workers", type=int, default=0, help="loader workers per rank")
-    b.add_argument("--nproc", type=int, default=1, help="ranks on this node (default 1)")
-    b.add_argument("--batches", type=int, default=50, help="timed batches per rank")
+    b.add_argument("--num-workers", type=int, default=0, help="loader workers per rank (default 0)")
+    b.add_argument(
+        "--nproc-per-node",
+        "--nproc",
+        dest="nproc",
+        type=int,
+        help="ranks reading at once, as in training (default: GPUs, else 1)",
+    )
+    b.add_argument("--batches", type=int, default=50, help="timed batches per rank (default 50)")
     b.set_defaults(fn=_cmd_bench)
 
 
@@ -75,10 +83,26 @@ def _cmd_prepare(a: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_problems(a: argparse.Namespace) -> list[str]:
+    """Flag errors, found before any process is spawned."""
+    limits = [("--nproc-per-node", a.nproc, 1), ("--seq-len", a.seq_len, 1),
+              ("--micro-batch", a.micro_batch, 1), ("--batches", a.batches, 1),
+              ("--num-workers", a.num_workers, 0)]  # fmt: skip
+    return [f"{flag} {value}: must be >= {low}" for flag, value, low in limits if value < low]
+
+
 def _cmd_bench(a: argparse.Namespace) -> int:
+    import torch
+
     from meshrun.data.bench import bench_ranks
 
+    if a.nproc is None:  # one reader per accelerator, as training would run
+        a.nproc = torch.cuda.device_count() or 1
+    if problems := _bench_problems(a):
+        print(f"meshrun bench data: error: {'; '.join(problems)}", file=sys.stderr)
+        return 2
     try:
+        load_manifest(a.dir)  # a wrong directory: say so before spawning readers
         rates = bench_ranks(
             a.dir,
             a.nproc,
@@ -88,7 +112,7 @@ def _cmd_bench(a: argparse.Namespace) -> int:
             batches=a.batches,
         )
     except (ValueError, FileNotFoundError) as e:
-        print(f"meshrun data bench: error: {e}", file=sys.stderr)
+        print(f"meshrun bench data: error: {e}", file=sys.stderr)
         return 2
     print(
         f"loader alone: seq_len {a.seq_len}, micro-batch {a.micro_batch}, "

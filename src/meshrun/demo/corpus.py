@@ -10,8 +10,12 @@ the standard library at all.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import shutil
 import sysconfig
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -139,6 +143,69 @@ def build_demo_datasets(
     return ByteWindows(data[:split], seq_len), ByteWindows(data[split:], seq_len)
 
 
+# The byte tokenizer's end-of-document id (data/tokenizers.py): one past the 256 byte values.
+EOT = 256
+
+
 def decode(ids: Tensor) -> str:
-    """Bytes back to text for printing samples; invalid UTF-8 becomes U+FFFD."""
-    return bytes(ids.reshape(-1).tolist()).decode("utf-8", errors="replace")
+    """Bytes back to text for printing samples; invalid UTF-8 becomes U+FFFD and the
+    end-of-document id a blank line (the separator of :func:`load_corpus`)."""
+    out = bytearray()
+    for i in ids.reshape(-1).tolist():
+        out += _SEPARATOR if i == EOT else bytes([i])
+    return out.decode("utf-8", errors="replace")
+
+
+# --- the demo's corpus as token shards (meshrun.data) ---------------------------------------
+
+
+def demo_tokens_dir(cache_root: str | Path, limit_bytes: int) -> Path:
+    """Where :func:`prepare_demo_tokens` puts the corpus of ``limit_bytes``: a directory named
+    by a digest of the chosen files (relative paths, sizes, modification times), so another
+    Python installation or a changed ``limit_bytes`` gets its own directory instead of
+    meeting a dataset made from other inputs. Cheap (a stat per file): every rank can call it.
+    """
+    root = _stdlib_root()
+    entries = [
+        [p.relative_to(root).as_posix(), (st := p.stat()).st_size, st.st_mtime_ns]
+        for p in stdlib_files(limit_bytes)
+    ]
+    key = hashlib.sha256(json.dumps([str(root), entries, "bytes"]).encode()).hexdigest()
+    return Path(cache_root) / f"stdlib-{key[:16]}"
+
+
+def prepare_demo_tokens(
+    cache_root: str | Path,
+    limit_bytes: int,
+    log: Callable[[str], None] = lambda s: None,
+) -> Path:
+    """The stdlib corpus of ``limit_bytes`` as byte-tokenized shards (``meshrun data
+    prepare``), made once under ``cache_root`` and reused; returns the shard directory.
+
+    Each file is one document followed by the end-of-document id 256, so the vocabulary is
+    257 (the manifest's ``vocab_size``). Whole files are taken until ``limit_bytes`` is
+    reached, so the corpus may run a file past it. Call it on one process at a time (the
+    demo: rank 0, then a barrier).
+    """
+    from meshrun.data.prepare import prepare
+
+    out = demo_tokens_dir(cache_root, limit_bytes)
+    if (out / "manifest.json").exists():
+        return out  # the name is the inputs' digest: a finished directory is this corpus
+    # prepare() reads a directory or a glob: a tree of links to the chosen files, in the same
+    # relative-path order. Outside `out` (prepare skips inputs under its output).
+    links = out.with_name(out.name + ".src")
+    shutil.rmtree(links, ignore_errors=True)  # an interrupted earlier try: links are cheap
+    root = _stdlib_root()
+    files = stdlib_files(limit_bytes)
+    if not files:
+        raise RuntimeError(f"no Python source found under {root}: is the stdlib installed?")
+    for path in files:
+        link = links / path.relative_to(root)
+        link.parent.mkdir(parents=True, exist_ok=True)
+        link.symlink_to(path)
+    # One worker: one ~16 MiB unit for the default 4 MB, and no fork of a process that
+    # already holds a process group and threads.
+    prepare(links, out, tokenizer="bytes", workers=1, progress=False, log=log)
+    shutil.rmtree(links)
+    return out

@@ -12,14 +12,17 @@ from __future__ import annotations
 import argparse
 import os
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import meshrun
-from meshrun.demo.corpus import ByteWindows, build_demo_datasets, decode
+from meshrun.data import TokenDataset
+from meshrun.demo.corpus import decode, demo_tokens_dir, prepare_demo_tokens
 from meshrun.demo.model import GPT, demo_config
 
 DEFAULT_CONFIG = Path(__file__).with_name("demo.toml")
@@ -41,7 +44,7 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
 
 
 @torch.no_grad()
-def evaluate(run: meshrun.Run, model: nn.Module, val: ByteWindows) -> float:
+def evaluate(run: meshrun.Run, model: nn.Module, val: TokenDataset) -> float:
     """Exact mean loss over the validation windows: each window once across ranks."""
     net = model.module if isinstance(model, DDP) else model  # no DDP sync in eval
     net.eval()
@@ -53,6 +56,20 @@ def evaluate(run: meshrun.Run, model: nn.Module, val: ByteWindows) -> float:
     net.train()
     run.all_reduce_sum(totals)  # once, at the end: ranks may hold one window more or less
     return float(totals[0] / totals[1])
+
+
+def demo_datasets(
+    run: meshrun.Run, seq_len: int, limit_bytes: int
+) -> tuple[TokenDataset, TokenDataset]:
+    """Train and validation samples of the stdlib corpus, through meshrun's data pipeline:
+    rank 0 prepares the token shards once under ``RUN_DIR/corpus`` (reused by later runs and
+    resumes), the others wait, then every rank maps them. Validation is the tail."""
+    cache = run.run_dir / "corpus"
+    if run.is_main:
+        prepare_demo_tokens(cache, limit_bytes, log=run.log.info)
+    if dist.is_initialized():
+        dist.barrier()  # the shards exist before any rank opens them
+    return TokenDataset(demo_tokens_dir(cache, limit_bytes), seq_len).split(0.02)
 
 
 @torch.no_grad()
@@ -78,7 +95,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     run = meshrun.init(config, argv=overrides)
     cfg = run.config
 
-    model_cfg = demo_config(args.size)
+    train, val = demo_datasets(run, demo_config(args.size).seq_len, args.corpus_bytes)
+    # The vocabulary comes from the data: 256 bytes + the end-of-document id = 257.
+    model_cfg = replace(demo_config(args.size), vocab_size=train.manifest.vocab_size)
     model = run.parallelize(GPT(model_cfg))
     opt = torch.optim.AdamW(
         model.parameters(),
@@ -87,10 +106,9 @@ def main(argv: Sequence[str] | None = None) -> None:
         weight_decay=cfg.optim.weight_decay,
     )
     run.lr_scheduler(opt)
-    train, val = build_demo_datasets(model_cfg.seq_len, limit_bytes=args.corpus_bytes)
     if run.is_main:
         run.log.info(
-            "model: %.2fM parameters | corpus: %d train / %d val windows of %d bytes",
+            "model: %.2fM parameters | corpus: %d train / %d val samples of %d tokens",
             sum(p.numel() for p in model.parameters()) / 1e6,
             len(train),
             len(val),
@@ -110,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     text = sample(model, b"def ", 160, model_cfg.seq_len, run.device)
     if run.is_main:
         run.log.info(
-            "validation loss %.4f (exact, %d windows) | checkpoint %s", val_loss, len(val), path
+            "validation loss %.4f (exact, %d samples) | checkpoint %s", val_loss, len(val), path
         )
         run.log.info(
             "sample after %d steps (byte-level: it learns spelling first; --steps 1000 writes more "

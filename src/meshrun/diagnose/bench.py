@@ -1,5 +1,6 @@
-"""``meshrun bench comm|compute``: measure this machine through ``meshrun launch`` and write the
-calibration file that ``meshrun plan --calibration`` reads.
+"""``meshrun bench comm|compute|all``: measure this machine through ``meshrun launch`` and write
+the calibration file that ``meshrun plan --calibration`` reads. (``meshrun bench data``, the
+loader alone, is mounted here from data/cli.py.)
 
 - ``comm``: all-reduce, all-gather, reduce-scatter, all-to-all and send/recv (ranks 0 <-> 1)
   over a sweep of message sizes; algorithm bandwidth S/t and bus bandwidth by the nccl-tests
@@ -80,14 +81,27 @@ def cmd_bench(a: argparse.Namespace) -> int:
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from meshrun.data.cli import add_bench_data
+
     p = sub.add_parser(
         "bench",
-        help="measure links and compute through the launcher; write a calibration file",
+        help="measure links, compute and the data loader (links and compute: a calibration file)",
         description="Run collectives over a sweep of message sizes (comm) and matmul plus the "
         "demo GPT's step (compute) in N processes started by torchrun's agent; rank 0 writes "
-        "the calibration file that `meshrun plan --calibration` reads (docs/plan.md).",
+        "the calibration file that `meshrun plan --calibration` reads (docs/plan.md). `data`: "
+        "samples/s of the data loader alone, per rank (docs/data.md).",
     )
-    p.add_argument("kind", choices=["comm", "compute", "all"], help="what to measure")
+    kinds = p.add_subparsers(dest="kind", required=True, metavar="{comm,compute,all,data}")
+    common = argparse.ArgumentParser(add_help=False)
+    _add_calibration_options(common)
+    for kind, help in (("comm", "collectives over a sweep of message sizes"),
+                       ("compute", "matmul and the demo GPT's step, FLOP/s"),
+                       ("all", "comm and compute")):  # fmt: skip
+        kinds.add_parser(kind, help=help, parents=[common]).set_defaults(fn=cmd_bench)
+    add_bench_data(kinds, "data")
+
+
+def _add_calibration_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc-per-node", type=int, help="processes (default: GPUs, else 2)")
     p.add_argument("--out", default="calibration.json", help="calibration file (merged into)")
     p.add_argument("--max-mb", type=float, default=16.0, help="largest message, MiB (16)")
@@ -95,7 +109,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="matmul precision (fp32; bf16/fp16 on GPUs)")  # fmt: skip
     p.add_argument("--seconds", type=float, default=0.3, help="time per measurement (0.3)")
     p.add_argument("--run-dir", default="runs/bench", help="logs and config (runs/bench)")
-    p.set_defaults(fn=cmd_bench)
 
 
 # --- the workers ---------------------------------------------------------------------------

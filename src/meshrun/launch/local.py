@@ -16,6 +16,7 @@ import signal
 import socket
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -23,6 +24,7 @@ from types import FrameType
 from typing import Any, TypeAlias
 
 from meshrun.launch.summary import find_attempt_dir, summarize_failures
+from meshrun.monitor.watchdog import hang_report, watch_for_hangs
 
 CONFIG_ENV = "MESHRUN_CONFIG"
 # torchrun's c10d rendezvous lets workers reuse the agent's TCP store by default; with
@@ -150,12 +152,20 @@ def _run_agent(argv: list[str], spec: LaunchSpec, known_runs: set[str]) -> int:
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
+    started = time.time()  # hang files older than this are from an earlier run
+    stop_watch = threading.Event()
+    threading.Thread(
+        target=watch_for_hangs, args=(spec.run_dir, started, stop_watch), daemon=True
+    ).start()
     try:
         run(get_args_parser().parse_args(argv))
     except ChildFailedError as err:
         attempt_dir = find_attempt_dir(spec.log_dir, spec.rdzv_id, known_runs)
         report = summarize_failures(err.failures, attempt_dir, socket.gethostname())
         print(report.text, file=sys.stderr, flush=True)
+        hang = hang_report(spec.run_dir, started)
+        if hang is not None:  # the watchdog's stacks: who did not report, where the others wait
+            print(hang, file=sys.stderr, flush=True)
         return report.exit_code
     except SignalException as err:
         # The agent caught the signal and has already stopped the workers.
@@ -165,6 +175,8 @@ def _run_agent(argv: list[str], spec: LaunchSpec, known_runs: set[str]) -> int:
     except Exception as err:  # the agent itself failed: rendezvous timeout, bad endpoint...
         print(f"meshrun launch: the torchrun agent failed: {_one_line(err)}", file=sys.stderr)
         return 1
+    finally:
+        stop_watch.set()
     return 0
 
 

@@ -86,8 +86,8 @@ class _Totals:
     ) -> None:
         if self.steps == 0:
             self.first_samples, self.first_tokens = samples, tokens
-        # The loop passes NaN on steps it does not log (the loss all-reduce is skipped there):
-        # first/last loss are the first/last *measured* ones.
+        # The loop passes NaN on steps skipped by the numerics guard (a caller may also pass NaN
+        # for steps it did not measure): first/last loss are the first/last *measured* ones.
         if not math.isnan(loss):
             if math.isnan(self.first_loss):
                 self.first_loss = loss
@@ -358,6 +358,12 @@ class MetricsLogger:
             step, self.total_steps, shown_loss, lr, step_time_s, tokens_per_s, self._eta(step)
         )
         self._on_console("progress", lambda view: view.show(status, logged))
+
+    def log_event(self, event: str, **fields: Any) -> None:
+        """Append ``{"event": event, "time": ..., **fields}`` to metrics.jsonl (main rank only;
+        other ranks and a logger without the file do nothing)."""
+        if self._file is not None and not self._closed:
+            self._write({"event": event, "time": time.time(), **fields})
 
     def _eta(self, step: int) -> float | None:
         if self.total_steps is None:

@@ -3,11 +3,15 @@
 ``parallelize`` owns the order, as torchtitan does:
 
 1. tensor parallel (``apply_tp``) over the ``tp`` dim: parameters become DTensors;
-2. activation checkpointing of every k-th block (``apply_ac``); (``torch.compile`` per block:
-   not available yet);
-3. data parallelism last, over the ``dp`` dims: FSDP2 (``zero`` 2/3, HSDP when dp_replicate > 1)
+2. activation checkpointing of every k-th block (``apply_ac``);
+3. ``torch.compile`` of each block in place (``apply_compile``, ``parallel.compile``);
+4. data parallelism last, over the ``dp`` dims: FSDP2 (``zero`` 2/3, HSDP when dp_replicate > 1)
    with its mixed-precision policy, or DDP (``zero`` 0/1; stage 1 shards the optimizer state
-   in ``build_optimizer``) with its gradient-compression hook.
+   in ``build_optimizer``) with its gradient-compression hook; under DDP a non-fp32
+   ``param_dtype`` runs the forward under autocast (``apply_autocast``).
+
+fp16 needs a loss scaler: :func:`build_grad_scaler` (used by ``run.backward`` and
+``run.optimizer_step``) agrees on skipped steps across ranks.
 
 A model built on the meta device is allocated after sharding and initialised with its
 ``init_weights()``, so no rank ever holds the whole model.
@@ -26,6 +30,7 @@ from meshrun.config import ConfigError, ParallelConfig
 from meshrun.mesh import ParallelDims, fsdp_mesh, tp_mesh
 from meshrun.parallel.ac import apply_ac
 from meshrun.parallel.comm import apply_comm_hook
+from meshrun.parallel.compile import apply_compile
 from meshrun.parallel.ddp import apply_ddp
 from meshrun.parallel.fsdp import WrapPredicate, apply_fsdp, has_meta_params, is_block, materialize
 from meshrun.parallel.grads import clip_grad_norm_, set_grad_sync
@@ -36,7 +41,7 @@ from meshrun.parallel.pp import (
     build_stage_modules,
     pipeline_step,
 )
-from meshrun.parallel.precision import build_mp_policy
+from meshrun.parallel.precision import apply_autocast, build_grad_scaler, build_mp_policy
 from meshrun.parallel.report import describe_layout
 from meshrun.parallel.tp import (
     TPPlan,
@@ -50,9 +55,11 @@ from meshrun.parallel.zero import build_optimizer, check_optimizer
 __all__ = [
     "apply_ac",
     "apply_comm_hook",
+    "apply_compile",
     "apply_ddp",
     "apply_fsdp",
     "apply_tp",
+    "build_grad_scaler",
     "build_optimizer",
     "check_optimizer",
     "clip_grad_norm_",
@@ -97,6 +104,7 @@ def parallelize(
     zero = data_parallel_stage(cfg, dims)
     check_offload(cfg, device)
     mp_policy = build_mp_policy(cfg, zero)  # checked before anything changes
+    check_loss_parallel(cfg)
     meta = has_meta_params(model)
     if not meta:
         model = model.to(device)
@@ -105,6 +113,8 @@ def parallelize(
     if cfg.activation_checkpoint:
         n = apply_ac(model, cfg.activation_checkpoint, wrap)
         log.info("activation checkpointing: %d blocks (every %d)", n, cfg.activation_checkpoint)
+    if cfg.compile:
+        log.info("torch.compile: %d blocks", apply_compile(model, wrap))
     if mesh is not None and zero >= 2:
         apply_fsdp(
             model, fsdp_mesh(mesh), zero, cfg.cpu_offload, mp_policy, wrap, cfg.fsdp_prefetch
@@ -116,6 +126,8 @@ def parallelize(
     if meta:
         materialize(model, device)
     log.info(describe_layout(model, mesh, cfg, zero))
+    if zero < 2:
+        apply_autocast(model, cfg, device)
     if mesh is None or zero >= 2 or dims.dp == 1:
         return model
     ddp = apply_ddp(model, mesh, cfg, device)
@@ -148,6 +160,19 @@ def maybe_apply_tp(
         log.info(
             "tensor parallel over %d ranks: %d modules split%s",
             *(dims.tp, len(plan), " (+ sequence parallel)" if cfg.sequence_parallel else ""),
+        )
+
+
+def check_loss_parallel(cfg: ParallelConfig) -> None:
+    """Loss parallel needs the head's logits sharded over the vocabulary and the loss (and its
+    backward) computed inside ``loss_parallel()`` by the caller: the demo GPT computes its loss
+    inside ``forward`` from replicated logits, so meshrun has no plan for it yet."""
+    if cfg.loss_parallel:
+        raise ConfigError(
+            "parallel.loss_parallel = true is not available yet: it needs a column-wise lm_head "
+            "plan with DTensor logits and the loss computed under "
+            "torch.distributed.tensor.parallel.loss_parallel() outside the model; set "
+            "parallel.loss_parallel=false (the head stays replicated)"
         )
 
 
@@ -192,6 +217,13 @@ def parallelize_pipeline(
     as :func:`parallelize` (AC, then FSDP2 over the dp dims), then the schedule. The user's
     loop calls :func:`pipeline_step` instead of the model (see ``parallel/pp.py``)."""
     dims = ParallelDims.from_mesh(mesh)
+    if cfg.param_dtype == "float16" or cfg.loss_parallel:
+        raise ConfigError(
+            f"parallel.pp = {dims.pp} with parallel.param_dtype = {cfg.param_dtype!r}, "
+            f"loss_parallel = {cfg.loss_parallel}: the pipeline schedule runs the backward itself, "
+            "so no loss scaler or loss-parallel context can wrap it yet; use param_dtype=bfloat16 "
+            "(no scaler needed) and loss_parallel=false with pp"
+        )
     if dims.tp > 1 or cfg.zero == 1 or (dims.dp > 1 and cfg.zero == 0):
         raise ConfigError(
             f"parallel.pp = {dims.pp} composes with FSDP2 (zero 2 or 3) on the dp dims in this "
@@ -203,6 +235,8 @@ def parallelize_pipeline(
     for stage in modules:
         if cfg.activation_checkpoint:
             apply_ac(stage, cfg.activation_checkpoint, wrap)
+        if cfg.compile:
+            apply_compile(stage, wrap)
         if cfg.zero >= 2 and dims.dp_shard > 1:
             mp = build_mp_policy(cfg, cfg.zero)
             apply_fsdp(

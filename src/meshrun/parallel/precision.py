@@ -1,24 +1,53 @@
-"""Mixed precision for FSDP2: parameters all-gathered (and computed) in ``param_dtype``,
-gradients reduce-scattered in ``reduce_dtype``; the sharded master copy and the optimizer stay
-fp32. Under DDP, mixed precision is the user's ``torch.autocast`` (their loop, their choice)."""
+"""Mixed precision from ``parallel.param_dtype`` / ``parallel.reduce_dtype``.
+
+FSDP2 (zero 2/3): parameters all-gathered (and computed) in ``param_dtype``, gradients
+reduce-scattered in ``reduce_dtype``; the sharded master copy and the optimizer stay fp32.
+DDP (zero 0/1): the model's forward runs under ``torch.autocast(param_dtype)``; parameters,
+gradients and their all-reduce stay fp32 (compress the all-reduce with ``ddp_comm_hook``).
+
+float16 has 5 exponent bits: small gradients underflow to zero, so an fp16 run scales the loss
+by a :class:`ShardedGradScaler`. Its infinity check is per rank over the gradients that rank
+holds (only a shard under FSDP2), so it all-reduces the "found inf" flag over the world: every
+rank skips the same steps and keeps the same scale.
+"""
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from meshrun.config import ConfigError, ParallelConfig
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_mp_policy(cfg: ParallelConfig, zero: int) -> MixedPrecisionPolicy:
-    if zero < 2 and (cfg.param_dtype, cfg.reduce_dtype) != ("float32", "float32"):
+    if zero < 2 and cfg.reduce_dtype != "float32":
         raise ConfigError(
-            f"parallel.param_dtype = {cfg.param_dtype!r} / reduce_dtype = {cfg.reduce_dtype!r} "
-            f"are FSDP2 policies (zero 2 or 3), but parallel.zero = {zero}; under DDP use "
-            "torch.autocast in your loop and parallel.ddp_comm_hook=bf16, or set parallel.zero=3"
+            f"parallel.reduce_dtype = {cfg.reduce_dtype!r} is an FSDP2 policy (zero 2 or 3), but "
+            f"parallel.zero = {zero}; under DDP compress the all-reduce with "
+            "parallel.ddp_comm_hook=bf16 (or fp16), or set parallel.zero=3"
         )
     return MixedPrecisionPolicy(
         param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype]
     )
+
+
+def apply_autocast(model: nn.Module, cfg: ParallelConfig, device: torch.device) -> None:
+    """DDP's mixed precision: the forward of ``model`` (before DDP wraps it) runs under
+    ``torch.autocast``, so the user's loop needs no change. A no-op for float32."""
+    if cfg.param_dtype == "float32":
+        return
+    forward = model.forward
+    model.forward = torch.autocast(device.type, dtype=DTYPES[cfg.param_dtype])(forward)
+
+
+def build_grad_scaler(cfg: ParallelConfig, device: torch.device) -> ShardedGradScaler | None:
+    """The loss scaler an fp16 run needs (None for fp32/bf16: their exponent range is fp32's).
+    ShardedGradScaler, not torch.amp.GradScaler: the same algorithm plus the all-reduce of the
+    infinity flag, which sharded gradients need and replicated ones do not mind."""
+    if cfg.param_dtype != "float16":
+        return None
+    return ShardedGradScaler(device=device.type)

@@ -1,0 +1,181 @@
+"""Per-step monitoring the step loop calls into: the wall-clock breakdown of a step, the
+numerics guard and the periodic straggler check. One instance per run, on every rank.
+
+Breakdown (wall clock, no added synchronisation): ``forward_s`` runs from the batch being
+handed to the user until ``run.backward``; ``backward_s`` is the ``backward`` call (on DDP it
+includes the gradient all-reduce not hidden behind compute); ``optimizer_s`` is clipping plus
+``optimizer.step``; ``sync_s`` the guard collective; ``data_wait_s`` comes from the loader
+clock. On CUDA these are host times of asynchronous launches (see docs/monitor.md).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from meshrun.config import MonitorConfig
+from meshrun.monitor.metrics import MetricsLogger
+from meshrun.monitor.numerics import GuardResult, NonFiniteLossError, check_loss, describe
+from meshrun.monitor.stragglers import (
+    COMPONENTS,
+    find_stragglers,
+    gather_components,
+    gather_hosts,
+)
+from meshrun.monitor.watchdog import Watchdog
+
+__all__ = ["StepMonitor"]
+
+log = logging.getLogger("meshrun")
+
+# loop_s: the loop's own bookkeeping after a step (metrics line, console, straggler check),
+# counted in the next step, whose wall-clock time it is part of.
+_PHASES = ("forward_s", "backward_s", "optimizer_s", "sync_s", "loop_s")
+
+
+@dataclass
+class _Window:
+    steps: int = 0
+    sums: dict[str, float] = field(default_factory=lambda: dict.fromkeys(COMPONENTS, 0.0))
+
+
+class StepMonitor:
+    """Times the phases of each step, runs the guard, and checks for stragglers."""
+
+    def __init__(
+        self,
+        settings: MonitorConfig,
+        *,
+        device: torch.device,
+        distributed: bool,
+        hostname: str,
+        metrics: MetricsLogger,
+    ) -> None:
+        self.settings = settings
+        self.device = device
+        self.distributed = distributed
+        self.hostname = hostname
+        self.metrics = metrics
+        self.skipped_steps = 0
+        self._hosts: list[str] | None = None
+        self._phase = dict.fromkeys(_PHASES, 0.0)
+        self._t_batch: float | None = None
+        self._window = _Window()
+        distributed_now = dist.is_initialized()
+        self.watchdog = Watchdog(
+            metrics.run_dir,
+            dist.get_rank() if distributed_now else 0,
+            dist.get_world_size() if distributed_now else 1,
+            settings.step_timeout_s,
+        )
+
+    # --- hang watchdog --------------------------------------------------------------------
+
+    def loop_starts(self, step: int) -> None:
+        """Arm the watchdog; the first step gets the phase timeout (warm-up, compilation)."""
+        self.watchdog.beat(step, timeout_s=self.settings.phase_timeout_s)
+
+    def loop_ends(self) -> None:
+        self.watchdog.disarm()
+
+    @contextmanager
+    def phase(self, name: str, timeout_s: float | None = None) -> Iterator[None]:
+        with self.watchdog.phase(name, timeout_s or self.settings.phase_timeout_s):
+            yield
+
+    # --- breakdown ------------------------------------------------------------------------
+
+    def batch_ready(self) -> None:
+        self._t_batch = time.perf_counter()
+
+    def backward_starts(self) -> float:
+        now = time.perf_counter()
+        if self._t_batch is not None:
+            self._phase["forward_s"] += now - self._t_batch
+            self._t_batch = None
+        return now
+
+    def add(self, phase: str, since: float) -> float:
+        now = time.perf_counter()
+        self._phase[phase] += now - since
+        return now
+
+    # --- numerics guard -------------------------------------------------------------------
+
+    def guard(self, loss_sum: torch.Tensor | None, accum: int, step: int) -> GuardResult:
+        """Run the guard collective for the step about to be taken (``step`` is 1-based);
+        raise on every rank together under ``nonfinite = "stop"``."""
+        if self._t_batch is not None:  # no run.backward (pipeline step): count it as forward
+            self.backward_starts()
+        t0 = time.perf_counter()
+        result = check_loss(loss_sum, accum, self.device, self.distributed)
+        self.add("sync_s", t0)
+        if result.finite:
+            return result
+        text = describe(result, step, self._hosts)
+        self.metrics.log_event(
+            "nonfinite", step=step, ranks=list(result.bad_ranks), action=self.settings.nonfinite
+        )
+        if self.settings.nonfinite == "stop":
+            raise NonFiniteLossError(f"{text}: stopping on every rank (monitor.nonfinite=stop)")
+        self.skipped_steps += 1
+        if self.metrics.is_main:
+            log.warning("%s: every rank skips this optimizer step (monitor.nonfinite=skip)", text)
+        return result
+
+    # --- per-step figures and stragglers --------------------------------------------------
+
+    def end_step(self, step: int, step_time_s: float, data_wait_s: float) -> dict[str, float]:
+        """The step's breakdown (for the metrics line); every ``straggler_every`` steps, the
+        straggler check (a collective: every rank calls this every step)."""
+        self.watchdog.beat(step)
+        phases, self._phase = self._phase, dict.fromkeys(_PHASES, 0.0)
+        own = step_time_s - phases["backward_s"] - phases["sync_s"]
+        w = self._window
+        w.steps += 1
+        for key, value in (
+            ("step_time_s", step_time_s),
+            ("data_wait_s", data_wait_s),
+            ("own_s", own),
+        ):
+            w.sums[key] += value
+        every = self.settings.straggler_every
+        if every > 0 and self.distributed and step % every == 0:
+            self._check_stragglers(step)
+        return phases
+
+    def _check_stragglers(self, step: int) -> None:
+        window, self._window = self._window, _Window()
+        if self._hosts is None:
+            self._hosts = gather_hosts(self.hostname)
+        per_rank = gather_components(window.sums, self.device)
+        if not self.metrics.is_main:
+            return
+        self.metrics.log_event(
+            "ranks", step=step, steps=window.steps, ranks=_rank_rows(per_rank, self._hosts, window)
+        )
+        s = self.settings
+        for found in find_stragglers(
+            per_rank, self._hosts, step, window.steps, s.straggler_factor, s.straggler_min_s
+        ):
+            log.warning("%s", found.message())
+            self.metrics.log_event("straggler", **found.fields())
+
+
+def _rank_rows(
+    per_rank: list[dict[str, float]], hosts: list[str], window: _Window
+) -> list[dict[str, object]]:
+    """Every rank's per-step means over the window, for the ``{"event": "ranks"}`` line."""
+    rows: list[dict[str, object]] = []
+    for rank, sums in enumerate(per_rank):
+        mean = {k: v / window.steps for k, v in sums.items()}
+        t = mean["step_time_s"]
+        share = mean["data_wait_s"] / t if t else 0.0
+        rows.append({"rank": rank, "host": hosts[rank], **mean, "data_wait_share": share})
+    return rows

@@ -1,0 +1,90 @@
+"""The pure parts of issue 7's monitor: straggler comparison, guard packing, config keys,
+the hang report from watchdog files."""
+
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from meshrun.config import Config, ConfigError, apply_overrides
+from meshrun.monitor.numerics import check_loss, describe
+from meshrun.monitor.stragglers import find_stragglers
+from meshrun.monitor.watchdog import Watchdog, hang_report
+
+HOSTS = ["a", "b", "c", "d"]
+
+
+def rows(data_waits: list[float], own: list[float] | None = None) -> list[dict[str, float]]:
+    own = own or [0.01] * len(data_waits)
+    return [
+        {"step_time_s": 0.05, "data_wait_s": d, "own_s": o}
+        for d, o in zip(data_waits, own, strict=True)
+    ]
+
+
+def test_a_slow_loader_rank_is_flagged_against_the_others_median() -> None:
+    found = find_stragglers(rows([0.01, 0.01, 0.30, 0.012]), HOSTS, 40, 10, 1.5, 0.005)
+    assert [(s.rank, s.host, s.component, s.step) for s in found] == [(2, "c", "data_wait_s", 40)]
+    assert found[0].slower_by == pytest.approx(0.30 / 0.01)
+    assert "rank 2 on c at step 40" in found[0].message()
+
+
+def test_jitter_below_the_absolute_floor_or_the_factor_is_not_flagged() -> None:
+    # 3x slower but only 2 ms per step more: under straggler_min_s = 5 ms.
+    assert find_stragglers(rows([0.01, 0.03]), HOSTS, 10, 10, 1.5, 0.005) == []
+    # 50 ms more per step but only 1.2x: under the factor.
+    assert find_stragglers(rows([2.5, 3.0]), HOSTS, 10, 10, 1.5, 0.005) == []
+    assert find_stragglers(rows([0.0]), HOSTS, 10, 10, 1.5, 0.005) == []  # one rank: no peers
+
+
+def test_two_ranks_compare_each_against_the_other() -> None:
+    found = find_stragglers(rows([0.0, 0.0], own=[0.1, 0.5]), HOSTS, 20, 10, 1.5, 0.005)
+    assert [(s.rank, s.component) for s in found] == [(1, "own_s")]
+    assert found[0].slower_by == pytest.approx(5.0)
+
+
+def test_guard_without_a_process_group_reports_the_local_loss() -> None:
+    ok = check_loss(torch.tensor(3.0), 2, torch.device("cpu"), distributed=False)
+    assert ok.finite and ok.loss == pytest.approx(1.5)
+    bad = check_loss(torch.tensor(math.inf), 1, torch.device("cpu"), distributed=False)
+    assert bad.bad_ranks == (0,) and math.isnan(bad.loss)
+    assert (
+        describe(bad, 7, ["host-a"]) == "non-finite loss (NaN/Inf) at step 7 on rank(s) 0 (host-a)"
+    )
+    none = check_loss(None, 1, torch.device("cpu"), distributed=False)
+    assert none.finite and math.isnan(none.loss)
+
+
+def test_monitor_config_keys_are_checked() -> None:
+    cfg = apply_overrides(
+        Config(), [("monitor.nonfinite", "stop"), ("monitor.straggler_every", "5")]
+    )
+    assert cfg.monitor.nonfinite == "stop" and cfg.monitor.straggler_every == 5
+    with pytest.raises(ConfigError, match=r"monitor\.nonfinite"):
+        apply_overrides(Config(), [("monitor.nonfinite", "ignore")])
+    with pytest.raises(ConfigError, match=r"monitor\.straggler_factor"):
+        apply_overrides(Config(), [("monitor.straggler_factor", "0.5")])
+
+
+def test_hang_report_names_silent_ranks_and_where_the_others_wait(tmp_path: Path) -> None:
+    dog = Watchdog(tmp_path, rank=0, world_size=3, timeout_s=5.0)
+    dog._dump("eval", 12)  # what the thread writes on timeout, from this (main) thread
+    (tmp_path / "hang" / "rank2.txt").write_text(
+        (tmp_path / "hang" / "rank0.txt").read_text().replace('"rank": 0', '"rank": 2', 1)
+    )
+    report = hang_report(tmp_path, since=0.0)
+    assert report is not None
+    assert "rank(s) 1 did not report" in report
+    assert "rank 0 (" in report and "in phase eval after step 12" in report
+    assert "your code: test_monitor_health.py:" in report
+    assert hang_report(tmp_path, since=time.time() + 60) is None  # older files are ignored
+
+
+def test_a_disabled_watchdog_starts_no_thread(tmp_path: Path) -> None:
+    dog = Watchdog(tmp_path, rank=0, world_size=1, timeout_s=0.0)
+    dog.beat(1)
+    with dog.phase("eval", 10.0):
+        pass
+    assert dog._thread is None
