@@ -55,6 +55,7 @@ from meshrun.parallel import (
 from meshrun.schedule import build_lr_scheduler, scale_lr
 
 _ACTIVE: Run | None = None
+_RETIRED: list[Run] = []  # closed runs, never destroyed before exit (see Run.close)
 _FAILED = False  # set by our excepthook: an uncaught exception must skip the final barrier
 
 
@@ -384,6 +385,10 @@ class Run:
             h.flush()
         if _ACTIVE is self:
             _ACTIVE = None
+        # Keep this Run (and with it DDP's reducer and the Gloo groups) alive to the end of the
+        # process: their destructors join Gloo threads, and that join was seen to hang forever
+        # after destroy_process_group(); @meshrun.main then leaves through os._exit.
+        _RETIRED.append(self)
 
     def __enter__(self) -> Run:
         return self
