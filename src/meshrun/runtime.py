@@ -126,8 +126,8 @@ class Run:
         self.cluster = env
         self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
         self.device, self.backend = _pick_device(cfg, env)
-        self.dims = ParallelDims.from_config(cfg.parallel, env.world_size)
-        validate_for_world(cfg, env.world_size)
+        # One pass resolves the mesh dims and runs every world-size check (as the launcher did).
+        self.dims = ParallelDims(**validate_for_world(cfg, env.world_size))
         if env.distributed:
             _init_process_group(env, self.backend, self.device, cfg)
         self.mesh: DeviceMesh | None = (
