@@ -1,0 +1,108 @@
+"""Linux network namespaces as separate hosts, for multi-node tests (needs root).
+
+``hosts(n)`` makes n "host" namespaces, each with one veth whose other end sits on a bridge
+inside a separate "switch" namespace, so all traffic stays inside namespaces this test made
+(nothing is added to the machine's own namespace). Host i gets ``10.<b>.<c>.(i+1)/24`` on
+interface ``eth-mr`` (a name that is neither loopback nor a bridge pattern), loopback up, and
+its own hostname (``node0``, ``node1``, ...) when commands go through ``Hosts.argv``.
+Everything is removed on exit, also when the test fails.
+
+    with netns.hosts(2) as net:
+        subprocess.run(net.argv(0, ["ip", "addr"]))
+        net.address(1)  # "10.x.y.2"
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import uuid
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import pytest
+
+IFNAME = "eth-mr"
+
+
+def available() -> str | None:
+    """None if namespaces can be made here, else why not (for pytest.skip)."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2 (`ip`) is not installed"
+    return None
+
+
+def require() -> None:
+    reason = available()
+    if reason:
+        pytest.skip(reason)
+
+
+def _ip(*args: str) -> None:
+    subprocess.run(["ip", *args], check=True, capture_output=True, text=True, timeout=30)
+
+
+@dataclass
+class Hosts:
+    names: list[str]  # namespace names, host i = names[i]
+    switch: str
+    subnet: str  # "10.b.c"
+
+    def address(self, i: int) -> str:
+        return f"{self.subnet}.{i + 1}"
+
+    def hostname(self, i: int) -> str:
+        return f"node{i}"
+
+    def argv(self, i: int, argv: Sequence[str], *, hostname: bool = True) -> list[str]:
+        """``argv`` run inside host i (with its own UTS namespace and hostname ``node<i>``)."""
+        cmd = ["ip", "netns", "exec", self.names[i]]
+        if hostname:
+            cmd += ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"']
+            cmd += [self.hostname(i)]
+        return cmd + list(argv)
+
+    def unplug(self, i: int) -> None:
+        """Take host i's link down (a node vanishing from the network)."""
+        _ip("-n", self.names[i], "link", "set", IFNAME, "down")
+
+
+@contextmanager
+def hosts(n: int) -> Iterator[Hosts]:
+    require()
+    tag = uuid.uuid4().hex[:6]
+    # A /24 of 10.0.0.0/8 from the tag: concurrent tests on one machine do not collide.
+    b, c = 100 + int(tag[:2], 16) % 100, int(tag[2:4], 16)
+    net = Hosts([f"mr{tag}h{i}" for i in range(n)], f"mr{tag}sw", f"10.{b}.{c}")
+    made: list[str] = []
+    try:
+        _ip("netns", "add", net.switch)
+        made.append(net.switch)
+        _ip("-n", net.switch, "link", "add", "br0", "type", "bridge")
+        _ip("-n", net.switch, "link", "set", "br0", "up")
+        for i, name in enumerate(net.names):
+            _ip("netns", "add", name)
+            made.append(name)
+            peer = f"p{i}"
+            # Create the pair inside the host namespace, then move the peer to the switch.
+            _ip("-n", name, "link", "add", IFNAME, "type", "veth", "peer", "name", peer)
+            _ip("-n", name, "link", "set", peer, "netns", net.switch)
+            _ip("-n", net.switch, "link", "set", peer, "master", "br0")
+            _ip("-n", net.switch, "link", "set", peer, "up")
+            _ip("-n", name, "addr", "add", f"{net.address(i)}/24", "dev", IFNAME)
+            _ip("-n", name, "link", "set", IFNAME, "up")
+            _ip("-n", name, "link", "set", "lo", "up")
+        yield net
+    finally:
+        for name in reversed(made):
+            # Kill what still runs inside, then delete; a leftover namespace would leak.
+            pids = subprocess.run(
+                ["ip", "netns", "pids", name], capture_output=True, text=True
+            ).stdout.split()
+            for pid in pids:
+                subprocess.run(["kill", "-9", pid], capture_output=True)
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
