@@ -160,6 +160,11 @@ class CheckpointConfig:
     keep_last: int = _f(3, "Keep the newest N checkpoints.", min=1)
     keep_every: int = _f(0, "Also keep every M-th step's checkpoint; 0 = none.", min=0)
     resume: str = _f("auto", "auto = newest valid checkpoint, never, or a path.")
+    allow_new_global_batch: bool = _f(
+        False,
+        "Resume a checkpoint trained with another data.global_batch: the LR is rescaled by "
+        "optim.lr_scaling (logged); false = such a resume is an error.",
+    )
     on_error: Literal["stop", "warn"] = _f(
         "stop",
         "A failed save (e.g. disk full): stop = raise on every rank, warn = log and train on.",
@@ -210,6 +215,19 @@ class LaunchConfig:
     nnodes: str = _f("1", "Number of nodes, or MIN:MAX for elastic jobs.")
     max_restarts: int = _f(0, "Restarts of the worker group after a failure.", min=0)
     omp_num_threads: int = _f(0, "OMP_NUM_THREADS per worker; 0 = cores / processes.", min=0)
+    rdzv_endpoint: str = _f(
+        "", "Multi-node: HOST:PORT of the rendezvous store, on one of the nodes (docs/launch.md)."
+    )
+    rdzv_id: str = _f("meshrun", "Multi-node: job id, the same on every node of one job.")
+    node_rank: int = _f(
+        0, "Multi-node: this node's rank in [0, nnodes); elastic jobs ignore it.", min=0
+    )
+    interface: str = _f(
+        "", "Multi-node: network interface to use; empty = the one routing to the endpoint."
+    )
+    join_timeout_s: float = _f(
+        300.0, "Multi-node: give up when the nodes have not all joined after this long.", min=1
+    )
 
 
 @dataclass

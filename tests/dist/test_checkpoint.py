@@ -305,3 +305,30 @@ def test_async_save_holds_the_state_of_its_step_and_reports_times(tmp_path: Path
         assert all(torch.equal(saved[k], snap[k]) for k in snap), f"step {step} differs"
     print("\n".join(got[0]["log"]))
     assert len(got[0]["log"]) == 3 and all("training blocked" in m for m in got[0]["log"])
+
+
+@pytest.mark.timeout(150)
+def test_new_global_batch_is_an_error_unless_allowed_then_lr_rescaled(tmp_path: Path) -> None:
+    ckpt = tmp_path / "ckpt"
+
+    def config(resume: str, global_batch: int, allow: bool = False) -> meshrun.Config:
+        cfg = make_config(tmp_path / f"r{global_batch}{allow}", ckpt, resume, SAVE_AT)
+        cfg.data.global_batch = global_batch
+        cfg.optim.lr_scaling, cfg.optim.ref_batch = "linear", GLOBAL_BATCH
+        cfg.checkpoint.allow_new_global_batch = allow
+        return cfg
+
+    [ref] = run_distributed(train, 1, config("never", GLOBAL_BATCH))
+    at = str(layout.step_dir(ckpt, SAVE_AT))
+    with pytest.raises(pytest.fail.Exception, match=r"allow_new_global_batch"):
+        run_distributed(train, 1, config(at, 2 * GLOBAL_BATCH))
+    [got] = run_distributed(train, 1, config(at, 2 * GLOBAL_BATCH, allow=True))
+    assert got["start"] == SAVE_AT
+    # the data position carries over in samples: the first bigger batch holds exactly the
+    # samples the uninterrupted run saw in its next two steps
+    assert sorted(got["ids"][SAVE_AT + 1]) == sorted(
+        ref["ids"][SAVE_AT + 1] + ref["ids"][SAVE_AT + 2]
+    )
+    # linear rule: twice the batch, twice the LR at the same point of the same schedule
+    assert got["lr"] == pytest.approx(2 * ref["lr"])
+    assert any("LR x 2" in w for w in got["warnings"])

@@ -54,6 +54,7 @@ from meshrun.checkpoint.state import (
 from meshrun.config import Config, to_toml
 from meshrun.data.sampler import ResumableSampler
 from meshrun.loop import StepLoop
+from meshrun.schedule import scale_lr
 
 __all__ = ["CheckpointError", "Checkpointer", "Stateful"]
 
@@ -241,6 +242,9 @@ class Checkpointer:
         self._finish(step, tmp, plain, mine, error)
         if self.rank == 0:
             log.info("checkpoint %s written in %.2f s", final, time.perf_counter() - t0)
+        # Training was blocked this long (`meshrun report` counts it against goodput).
+        blocked = time.perf_counter() - t0
+        self.loop.metrics.log_event("checkpoint", after_step=step, blocked_s=blocked)
         return final
 
     def _write_rank_file(self, tmp: Path) -> None:
@@ -286,6 +290,7 @@ class Checkpointer:
             self._finish(step, tmp, plain, {}, first_cause(e))  # raises on every rank
             return
         pending.blocked_s = time.perf_counter() - t0
+        self.loop.metrics.log_event("checkpoint", after_step=step, blocked_s=pending.blocked_s)
         self._pending = pending
         future.add_done_callback(functools.partial(self._after_write, pending))  # type: ignore[union-attr]
 
@@ -473,7 +478,7 @@ class Checkpointer:
         model, optimizer = self._targets()
         saved = json.loads((path / STATE_FILE).read_text())
         manifest = layout.read_manifest(path)
-        self._check_batch(path, manifest)
+        lr_factor = self._check_batch(path, manifest)
         msd, osd = get_state_dict(model, optimizer)
         user = {name: obj.state_dict() for name, obj in self.named.items()}
         tensors, _ = split_state({"model": msd, "optim": osd, "user": user})
@@ -486,6 +491,8 @@ class Checkpointer:
         for name, obj in self.named.items():
             obj.load_state_dict(full["user"][name])
         self._restore_rest(path, saved, manifest)
+        if lr_factor != 1.0:
+            self._rescale_lr(optimizer, lr_factor)
         self.last_saved = saved["step"]
         return int(saved["step"])
 
@@ -529,13 +536,41 @@ class Checkpointer:
             "(seed, step, rank) since ranks changed"
         )
 
-    def _check_batch(self, path: Path, m: dict[str, Any]) -> None:
-        if m["global_batch"] != self.cfg.data.global_batch:
+    def _check_batch(self, path: Path, m: dict[str, Any]) -> float:
+        """The LR factor for this run's global batch vs the checkpoint's (1.0 if equal)."""
+        old, new = int(m["global_batch"]), self.cfg.data.global_batch
+        if old == new:
+            return 1.0
+        rule = self.cfg.optim.lr_scaling
+        if not self.cfg.checkpoint.allow_new_global_batch:
             raise CheckpointError(
-                f"{path.name} was trained with data.global_batch = {m['global_batch']}, this run "
-                f"has {self.cfg.data.global_batch}: set --data.global_batch={m['global_batch']} to "
-                "continue the same run (accumulation is re-derived for any number of ranks)"
+                f"{path.name} was trained with data.global_batch = {old}, this run has {new}: "
+                f"set --data.global_batch={old} to continue the same run (accumulation is "
+                "re-derived for any number of ranks), or --checkpoint.allow_new_global_batch=true "
+                f"to change it (the LR is then rescaled by optim.lr_scaling = {rule!r})"
             )
+        factor = scale_lr(1.0, new, old, rule)
+        if self.rank == 0:
+            log.warning(
+                "%s: global batch %d -> %d (checkpoint.allow_new_global_batch): LR x %.4g "
+                "(optim.lr_scaling = %s); the data position carries over in samples",
+                path.name,
+                old,
+                new,
+                factor,
+                rule,
+            )
+        return factor
+
+    def _rescale_lr(self, optimizer: torch.optim.Optimizer, factor: float) -> None:
+        # The restored LR (and the schedulers' base LRs, which later steps derive from) belong
+        # to the old global batch; scale both so the schedule continues at the new batch's LR.
+        for group in optimizer.param_groups:
+            for key in ("lr", "initial_lr"):
+                if key in group:
+                    group[key] = group[key] * factor
+        for sched in self.loop.schedulers:
+            sched.base_lrs = [lr * factor for lr in sched.base_lrs]
 
 
 def _barrier() -> None:
