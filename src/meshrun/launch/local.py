@@ -23,6 +23,10 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, TypeAlias
 
+from meshrun.launch import multinode
+from meshrun.launch.handshake import Handshake, HandshakeError, local_node_info, say_stderr
+from meshrun.launch.multinode import NetworkPlan
+from meshrun.launch.netif import NetworkError
 from meshrun.launch.summary import find_attempt_dir, summarize_failures
 from meshrun.monitor.watchdog import hang_report, watch_for_hangs
 
@@ -46,8 +50,13 @@ class LaunchSpec:
     script_args: list[str] = field(default_factory=list)
     nnodes: str = "1"  # passed to torchrun, e.g. "2" or "1:4"
     node_rank: int = 0
-    rdzv_endpoint: str = ""  # "" = single node: 127.0.0.1:<free port>
+    rdzv_endpoint: str = ""  # "" = single node: 127.0.0.1:<free port>; set = multi-node
     rdzv_id: str = "meshrun"
+    interface: str = ""  # multi-node: "" = the interface routing to the endpoint
+    join_timeout_s: float = 300.0  # multi-node: the handshake gives up after this long
+    config_digest: str = ""  # multi-node: what the nodes compare (multinode.shared_digest)
+    shared_config: dict[str, Any] = field(default_factory=dict)  # names the keys that differ
+    rdzv_conf: str = ""  # multi-node: extra torchrun --rdzv-conf "k=v,..."
     max_restarts: int = 0
     omp_num_threads: int = 0  # 0 = keep OMP_NUM_THREADS if set, else cores // nproc_per_node
     config_path: str | None = None  # exported to the workers as MESHRUN_CONFIG
@@ -75,15 +84,19 @@ def find_free_port(host: str = LOCAL_HOST) -> int:
         return port
 
 
-def build_torchrun_args(spec: LaunchSpec, port: int) -> list[str]:
-    """The torchrun argv for ``spec``; ``port`` is used when ``rdzv_endpoint`` is empty."""
+def build_torchrun_args(
+    spec: LaunchSpec, port: int, network: NetworkPlan | None = None
+) -> list[str]:
+    """The torchrun argv for ``spec``; ``port`` is used when ``rdzv_endpoint`` is empty;
+    ``network`` (multi-node) adds this node's address and whether it hosts the store."""
     _validate(spec)
     argv = [
         *("--rdzv-backend", "c10d"),
         *("--rdzv-endpoint", rendezvous_endpoint(spec, port)),
         *("--rdzv-id", spec.rdzv_id),
         *("--nnodes", spec.nnodes),
-        *("--node-rank", str(spec.node_rank)),
+        # No --node-rank: the c10d rendezvous assigns group ranks itself (torchrun ignores the
+        # flag and warns); meshrun's node rank names the node in the handshake.
         *("--nproc-per-node", str(spec.nproc_per_node)),
         *("--max-restarts", str(spec.max_restarts)),
         *("--log-dir", spec.log_dir),
@@ -92,7 +105,9 @@ def build_torchrun_args(spec: LaunchSpec, port: int) -> list[str]:
         # torchrun's line-prefixing tail would garble it.
         *("--tee", "2" if spec.live_stdout else "3"),
     ]
-    if not spec.rdzv_endpoint:
+    if network is not None:
+        argv += network.torchrun_args(spec.join_timeout_s, spec.rdzv_conf)
+    elif not spec.rdzv_endpoint:
         # One node: keep the workers' store on loopback too; otherwise torch advertises
         # the host's FQDN, which does not resolve on many laptops and containers.
         argv += ["--local-addr", LOCAL_HOST]
@@ -110,24 +125,87 @@ def launch_local(spec: LaunchSpec) -> int:
     port = 0 if spec.rdzv_endpoint else find_free_port()
     if spec.live_stdout is None:
         spec = dataclasses.replace(spec, live_stdout=sys.stdout.isatty())
-    argv = build_torchrun_args(spec, port)
+    try:
+        network = _plan_network(spec)
+    except NetworkError as err:
+        print(f"meshrun launch: error: {err}", file=sys.stderr, flush=True)
+        return 1
+    argv = build_torchrun_args(spec, port, network)
     os.makedirs(spec.log_dir, exist_ok=True)
     # Runs already in the log folder, so the summary reads this run's logs, not theirs.
     known_runs = set(os.listdir(spec.log_dir))
-    with _launch_environment(spec) as omp_threads:
-        print(start_line(spec, port, omp_threads), file=sys.stderr, flush=True)
+    with _launch_environment(spec, network) as omp_threads:
+        print(start_line(spec, port, omp_threads, network), file=sys.stderr, flush=True)
+        if network is None:
+            return _run_agent(argv, spec, known_runs)
+        return _run_multinode(argv, spec, network, known_runs)
+
+
+def _run_multinode(
+    argv: list[str], spec: LaunchSpec, network: NetworkPlan, known_runs: set[str]
+) -> int:
+    for warning in network.warnings:
+        say_stderr(f"warning: {warning}")
+    try:
+        # The host's store must outlive the agent, which reuses it: hold it until then.
+        store = _checked_handshake(spec, network)
+    except HandshakeError as err:
+        print(f"meshrun launch: error: {err}", file=sys.stderr, flush=True)
+        return 1
+    except KeyboardInterrupt:
+        return _interrupted(signal.SIGINT)
+    try:
         return _run_agent(argv, spec, known_runs)
+    finally:
+        del store
 
 
-def start_line(spec: LaunchSpec, port: int, omp_threads: str) -> str:
+def _plan_network(spec: LaunchSpec) -> NetworkPlan | None:
+    if not multinode.is_multinode(spec.nnodes, spec.rdzv_endpoint):
+        return None
+    multinode.validate(
+        spec.nnodes, spec.node_rank, spec.rdzv_endpoint, spec.rdzv_id, spec.rdzv_conf
+    )
+    return multinode.plan_network(spec.rdzv_endpoint, spec.interface, os.environ)
+
+
+def _checked_handshake(spec: LaunchSpec, network: NetworkPlan) -> Any:
+    """Open the rendezvous store and check the nodes against each other; return the store."""
+    from meshrun.launch.handshake import open_store
+
+    target = multinode.parse_nnodes(spec.nnodes)
+    store = open_store(
+        network.rdzv_address,
+        network.rdzv_port,
+        is_host=network.is_host,
+        timeout_s=spec.join_timeout_s,
+        say=say_stderr,
+    )
+    info = local_node_info(
+        spec.node_rank, spec.nproc_per_node, spec.config_digest, spec.shared_config
+    )
+    handshake = Handshake(
+        store, spec.rdzv_id, info, target, network.is_host, spec.join_timeout_s, say_stderr
+    )
+    nodes = handshake.run()
+    names = ", ".join(n.hostname for n in sorted(nodes, key=lambda n: n.node_rank))
+    say_stderr(f"{len(nodes)} nodes joined [{names}]; versions and config agree")
+    return store
+
+
+def start_line(
+    spec: LaunchSpec, port: int, omp_threads: str, network: NetworkPlan | None = None
+) -> str:
     """The one banner line printed before the agent starts."""
     procs = "process" if spec.nproc_per_node == 1 else "processes"
     nodes = "node" if spec.nnodes == "1" else "nodes"
     parts = [
         f"meshrun launch: {spec.nproc_per_node} {procs} x {spec.nnodes} {nodes}",
         f"rendezvous {rendezvous_endpoint(spec, port)}",
-        f"OMP_NUM_THREADS={omp_threads}",
     ]
+    if network is not None:
+        parts.append(network.describe())
+    parts.append(f"OMP_NUM_THREADS={omp_threads}")
     if spec.config_path:
         parts.append(f"config {spec.config_path}")
     parts.append(f"logs {spec.log_dir}")
@@ -191,7 +269,7 @@ def _one_line(err: BaseException) -> str:
 
 
 @contextmanager
-def _launch_environment(spec: LaunchSpec) -> Iterator[str]:
+def _launch_environment(spec: LaunchSpec, network: NetworkPlan | None = None) -> Iterator[str]:
     """Set the workers' environment for the agent; put os.environ and signals back after.
 
     The agent copies os.environ into every worker, so this is how settings reach them.
@@ -202,6 +280,8 @@ def _launch_environment(spec: LaunchSpec) -> Iterator[str]:
     saved_handlers = _save_signal_handlers()
     try:
         os.environ.update(spec.extra_env)
+        if network is not None:
+            os.environ.update(network.env)  # GLOO/NCCL_SOCKET_IFNAME the user had not set
         os.environ.setdefault(SHARE_STORE_ENV, "1")  # only if the user did not choose
         if spec.config_path:
             # Absolute, so a worker that changes directory still finds it.

@@ -1,0 +1,374 @@
+"""The checked handshake of a multi-node launch, over the rendezvous store, before any worker.
+
+Multi-node jobs that hang at init usually hang because the nodes disagree: two nodes claim the
+same rank, one runs another torch, one was given another config, or one never started. The
+torchrun agent would wait in its rendezvous until a timeout and say none of that. So before the
+agent starts, every node's ``meshrun launch`` publishes one record (hostname, node rank,
+processes, versions, config digest) in the rendezvous store, reads everyone else's, and either
+all agree and continue, or every node stops with the same message naming the hosts.
+
+The store is the one torchrun's c10d rendezvous uses: on the endpoint's node meshrun creates it
+(``multi_tenant=True``) before the agent, and the agent, which asks for the same port and
+``multi_tenant=True``, reuses it in-process (torch's ``_create_tcp_store``). Keys live under
+``meshrun/<rdzv_id>/<attempt>/``, where the attempt is a token the host draws when it starts,
+so records of an earlier launch on a long-lived store never count.
+
+The decisions (what is wrong, who is missing, what to print) are pure functions on records.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from typing import Any
+
+# Fields that must be equal on every node, with the words used in messages.
+MUST_MATCH = {
+    "torch": "torch versions",
+    "cuda": "CUDA versions",
+    "nccl": "NCCL versions",
+    "python": "Python versions",
+    "meshrun": "meshrun versions",
+    "nproc": "processes per node",
+    "config_digest": "configs (digest of the resolved config, per-node keys left out)",
+}
+POLL_S = 0.5
+REPORT_EVERY_S = 5.0
+CONNECT_TRY_S = 3.0
+# How long the host keeps the store up after an error, so every node reads the error.
+LINGER_S = 2.0
+
+
+class HandshakeError(RuntimeError):
+    """The nodes disagree, or not all joined in time; the message names the hosts."""
+
+
+@dataclass(frozen=True)
+class NodeInfo:
+    """What one node reports about itself."""
+
+    hostname: str
+    node_rank: int
+    nproc: int
+    torch: str
+    cuda: str
+    nccl: str
+    python: str
+    meshrun: str
+    config_digest: str
+    settings: dict[str, Any] = field(default_factory=dict)  # the shared config, flat
+    token: str = ""  # unique per meshrun launch process: tells a node's own record apart
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> NodeInfo:
+        return cls(**json.loads(text))
+
+
+@dataclass(frozen=True)
+class JoinTarget:
+    """How many nodes the handshake waits for: N, or MIN of an elastic MIN:MAX."""
+
+    min_nodes: int
+    max_nodes: int
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes != self.max_nodes
+
+
+def local_node_info(
+    node_rank: int, nproc: int, config_digest: str, settings: dict[str, Any] | None = None
+) -> NodeInfo:
+    """This node's record (versions read from the installed torch and meshrun)."""
+    import platform
+
+    import torch
+
+    from meshrun import __version__
+
+    return NodeInfo(
+        hostname=socket.gethostname(),
+        node_rank=node_rank,
+        nproc=nproc,
+        torch=torch.__version__,
+        cuda=torch.version.cuda or "none",
+        nccl=_nccl_version(),
+        python=platform.python_version(),
+        meshrun=__version__,
+        config_digest=config_digest,
+        settings=dict(settings or {}),
+        token=uuid.uuid4().hex[:12],
+    )
+
+
+def _nccl_version() -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        return "none"  # not loaded on a CPU-only node, and not compared against GPU nodes' value
+    version = torch.cuda.nccl.version()
+    return ".".join(map(str, version)) if isinstance(version, tuple) else str(version)
+
+
+# --- pure decisions ------------------------------------------------------------------------
+
+
+def find_problems(nodes: Sequence[NodeInfo], target: JoinTarget) -> list[str]:
+    """Everything that stops the job, each naming the hosts involved; [] if all agree."""
+    problems = []
+    if not target.elastic:
+        problems += _duplicate_ranks(nodes, target)
+    if len(nodes) > target.max_nodes:
+        problems.append(
+            f"{len(nodes)} nodes joined but --nnodes allows at most {target.max_nodes}: "
+            f"{_hosts(nodes)}; start exactly that many, or raise --nnodes"
+        )
+    for name, words in MUST_MATCH.items():
+        groups = _group_by(nodes, name)
+        if name == "nccl":
+            groups.pop("none", None)  # CPU-only nodes have no NCCL; compare the GPU nodes only
+        if len(groups) > 1:
+            detail = "; ".join(f"{value} on {_hosts(g)}" for value, g in groups.items())
+            if name == "config_digest":
+                detail += config_diff(nodes)
+            problems.append(f"{words} differ between nodes: {detail}")
+    return problems
+
+
+def config_diff(nodes: Sequence[NodeInfo], limit: int = 5) -> str:
+    """' (optim.lr: 0.1 on node0, 0.2 on node1; ...)': the keys whose values differ."""
+    keys = sorted({k for n in nodes for k in n.settings})
+    differing = [k for k in keys if len({json.dumps(n.settings.get(k)) for n in nodes}) > 1]
+    if not differing:
+        return ""
+    parts = [
+        f"{k}: " + ", ".join(f"{n.settings.get(k)!r} on {n.hostname}" for n in nodes)
+        for k in differing[:limit]
+    ]
+    more = f"; and {len(differing) - limit} more" if len(differing) > limit else ""
+    return " (" + "; ".join(parts) + more + ")"
+
+
+def _duplicate_ranks(nodes: Sequence[NodeInfo], target: JoinTarget) -> list[str]:
+    problems = []
+    for rank, group in sorted(_group_by(nodes, "node_rank").items(), key=lambda kv: int(kv[0])):
+        if len(group) > 1:
+            problems.append(
+                f"node_rank {rank} is claimed by {len(group)} nodes: {_hosts(group)}; give each "
+                f"node its own --node-rank in [0, {target.max_nodes})"
+            )
+    return problems
+
+
+def _group_by(nodes: Sequence[NodeInfo], field: str) -> dict[str, list[NodeInfo]]:
+    groups: dict[str, list[NodeInfo]] = {}
+    for node in nodes:
+        groups.setdefault(str(getattr(node, field)), []).append(node)
+    return groups
+
+
+def _hosts(nodes: Sequence[NodeInfo]) -> str:
+    return ", ".join(f"{n.hostname} (node_rank {n.node_rank})" for n in nodes)
+
+
+def missing_ranks(nodes: Sequence[NodeInfo], target: JoinTarget) -> list[int]:
+    """Node ranks nobody has claimed yet (a fixed-size job only; elastic ranks are the agent's)."""
+    if target.elastic:
+        return []
+    present = {n.node_rank for n in nodes}
+    return [r for r in range(target.max_nodes) if r not in present]
+
+
+def is_complete(nodes: Sequence[NodeInfo], target: JoinTarget) -> bool:
+    if target.elastic:
+        return len(nodes) >= target.min_nodes
+    return not missing_ranks(nodes, target)
+
+
+def waiting_message(nodes: Sequence[NodeInfo], target: JoinTarget) -> str:
+    """'1/2 nodes joined [node0]; waiting for node_rank 1' (or, elastic: 'for 1 more node')."""
+    names = ", ".join(n.hostname for n in sorted(nodes, key=lambda n: n.node_rank))
+    head = f"{len(nodes)}/{target.min_nodes} nodes joined [{names}]"
+    if target.elastic:
+        more = target.min_nodes - len(nodes)
+        return f"{head}; waiting for {more} more node{'s' if more != 1 else ''} (elastic " + (
+            f"{target.min_nodes}:{target.max_nodes})"
+        )
+    missing = missing_ranks(nodes, target)
+    ranks = ", ".join(map(str, missing))
+    return f"{head}; waiting for node_rank {ranks}"
+
+
+# --- over the store ------------------------------------------------------------------------
+
+
+def open_store(
+    host: str, port: int, *, is_host: bool, timeout_s: float, say: Callable[[str], None]
+) -> Any:
+    """The rendezvous TCPStore: created here on the host (the agent reuses it), else a client
+    that retries for ``timeout_s`` and then explains what to check."""
+    from torch.distributed import TCPStore
+
+    if is_host:
+        try:
+            return TCPStore(
+                host,
+                port,
+                is_master=True,
+                multi_tenant=True,
+                wait_for_workers=False,
+                timeout=timedelta(seconds=timeout_s),
+            )
+        except (RuntimeError, OSError) as err:
+            raise HandshakeError(
+                f"could not host the rendezvous store on port {port} of this node ({_short(err)}); "
+                "is another job using the port? Choose another port in --rdzv-endpoint "
+                "(the same on every node)"
+            ) from None
+    return _connect(host, port, timeout_s, say)
+
+
+def _connect(host: str, port: int, timeout_s: float, say: Callable[[str], None]) -> Any:
+    from torch.distributed import TCPStore
+
+    deadline = time.monotonic() + timeout_s
+    last_err: BaseException | None = None
+    last_said = 0.0
+    while time.monotonic() < deadline:
+        try_s = max(0.5, min(CONNECT_TRY_S, deadline - time.monotonic()))
+        try:
+            # A plain socket first: a failed TCPStore connect prints a C++ stack per try.
+            socket.create_connection((host, port), timeout=try_s).close()
+            return TCPStore(
+                host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                wait_for_workers=False,
+            )  # fmt: skip
+        except (RuntimeError, OSError) as err:  # refused, unreachable, timed out: retry
+            last_err = err
+            if time.monotonic() - last_said >= REPORT_EVERY_S:  # a line every few s, no flood
+                say(f"waiting for the rendezvous host {host}:{port} to accept connections...")
+                last_said = time.monotonic()
+            time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    raise HandshakeError(
+        f"the rendezvous endpoint {host}:{port} could not be reached within {timeout_s:.0f} s "
+        f"({_short(last_err)}). Check that --rdzv-endpoint is the address of one of the nodes on "
+        "the network they share, that meshrun launch runs on that node with the same endpoint, "
+        "and that no firewall blocks the port"
+    )
+
+
+def _short(err: BaseException | None) -> str:
+    text = " ".join(str(err).split()) if err is not None else "no attempt"
+    return text[:200]
+
+
+@dataclass
+class Handshake:
+    """One node's side of the handshake; ``run()`` returns the records or raises."""
+
+    store: Any
+    rdzv_id: str
+    info: NodeInfo
+    target: JoinTarget
+    is_host: bool
+    timeout_s: float
+    say: Callable[[str], None]
+
+    def run(self) -> list[NodeInfo]:
+        try:
+            return self._run()
+        except HandshakeError:
+            if self.is_host:
+                time.sleep(LINGER_S)  # let the others read the error before the store goes
+            raise
+        except (RuntimeError, OSError) as err:  # the store went away under us
+            raise HandshakeError(
+                f"lost the rendezvous store during the handshake ({_short(err)}); the node "
+                "hosting the endpoint has stopped: see its output"
+            ) from None
+
+    def _run(self) -> list[NodeInfo]:
+        deadline = time.monotonic() + self.timeout_s
+        prefix = f"meshrun/{self.rdzv_id}/{self._attempt(deadline)}"
+        late = self.store.check([f"{prefix}/done"])
+        slot = self.store.add(f"{prefix}/count", 1)
+        self.store.set(f"{prefix}/node/{slot}", self.info.to_json())
+        if late:
+            # The job already formed (this node replaces one, or joins an elastic job): only
+            # versions and config must agree; the agent's rendezvous admits it.
+            return self._check_late(prefix)
+        return self._wait_for_all(prefix, deadline)
+
+    def _attempt(self, deadline: float) -> str:
+        key = f"meshrun/{self.rdzv_id}/attempt"
+        if self.is_host:
+            token = uuid.uuid4().hex[:8]
+            self.store.set(key, token)
+            return token
+        while not self.store.check([key]):
+            if time.monotonic() > deadline:
+                raise HandshakeError(
+                    f"the rendezvous store answers but holds no meshrun handshake for rdzv_id "
+                    f"{self.rdzv_id!r}; is the endpoint's node running meshrun launch with the "
+                    "same --rdzv-id?"
+                )
+            time.sleep(POLL_S)
+        return bytes(self.store.get(key)).decode()
+
+    def _records(self, prefix: str) -> list[NodeInfo]:
+        count = int(self.store.add(f"{prefix}/count", 0))
+        keys = [f"{prefix}/node/{i}" for i in range(1, count + 1)]
+        # A node increments the count just before it writes its record: skip the gap.
+        return [NodeInfo.from_json(self.store.get(k)) for k in keys if self.store.check([k])]
+
+    def _check_late(self, prefix: str) -> list[NodeInfo]:
+        nodes = self._records(prefix)
+        # Records of nodes that left stay in the store, so neither ranks nor counts are checked.
+        problems = find_problems(nodes, JoinTarget(1, sys.maxsize))
+        if problems:
+            raise HandshakeError(self._fail_text(problems))
+        return nodes
+
+    def _wait_for_all(self, prefix: str, deadline: float) -> list[NodeInfo]:
+        last_report, last_seen = 0.0, -1
+        while True:
+            if self.store.check([f"{prefix}/error"]):
+                raise HandshakeError(bytes(self.store.get(f"{prefix}/error")).decode())
+            nodes = self._records(prefix)
+            problems = find_problems(nodes, self.target)
+            if problems:
+                text = self._fail_text(problems)
+                self.store.set(f"{prefix}/error", text)
+                raise HandshakeError(text)
+            if is_complete(nodes, self.target):
+                self.store.set(f"{prefix}/done", "1")
+                return nodes
+            now = time.monotonic()
+            if now > deadline:
+                text = (
+                    f"gave up after {self.timeout_s:.0f} s (launch.join_timeout_s): "
+                    f"{waiting_message(nodes, self.target)}. Start meshrun launch on the missing "
+                    "node(s) with the same --rdzv-endpoint, --rdzv-id and --nnodes"
+                )
+                self.store.set(f"{prefix}/error", text)
+                raise HandshakeError(text)
+            if len(nodes) != last_seen or now - last_report >= REPORT_EVERY_S:
+                self.say(waiting_message(nodes, self.target))
+                last_report, last_seen = now, len(nodes)
+            time.sleep(POLL_S)
+
+    def _fail_text(self, problems: list[str]) -> str:
+        return "the nodes do not agree: " + " | ".join(problems)
+
+
+def say_stderr(text: str) -> None:
+    print(f"meshrun launch: {text}", file=sys.stderr, flush=True)

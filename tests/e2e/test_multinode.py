@@ -1,0 +1,240 @@
+"""``meshrun launch`` across hosts: Linux network namespaces as the hosts (tests/netns.py), one
+real ``meshrun launch`` (torchrun agent, c10d rendezvous, Gloo) per namespace.
+
+Each namespace has only loopback and a veth ``eth-mr`` with a private address, so a job that
+picked loopback, advertised the wrong address or hosted no store would hang or fail here.
+Needs root (skips otherwise); every process runs in its own session and is killed, and every
+namespace deleted, also when a test fails.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import pytest
+
+import netns
+
+pytestmark = pytest.mark.slow
+SCRIPTS = Path(__file__).parent / "scripts"
+PORT = 29531
+
+
+def _env() -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "100"}
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        env.pop(var, None)  # the test is about meshrun choosing them
+    return env
+
+
+@contextmanager
+def nodes(n: int) -> Iterator[Cluster]:
+    with netns.hosts(n) as net:
+        cluster = Cluster(net)
+        try:
+            yield cluster
+        finally:
+            cluster.kill_all()
+
+
+class Cluster:
+    """Runs ``meshrun launch`` on namespace hosts and collects each one's output."""
+
+    def __init__(self, net: netns.Hosts) -> None:
+        self.net = net
+        self.procs: dict[int, subprocess.Popen[str]] = {}
+        self.endpoint = f"{net.address(0)}:{PORT}"
+
+    def start(self, i: int, *args: str) -> subprocess.Popen[str]:
+        argv = [sys.executable, "-m", "meshrun", "launch", *args]
+        proc = subprocess.Popen(
+            self.net.argv(i, argv),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=_env(),
+            start_new_session=True,  # its own process group: the test can kill the whole node
+        )
+        self.procs[i] = proc
+        return proc
+
+    def wait(self, i: int, timeout: float) -> tuple[int, str]:
+        out, _ = self.procs[i].communicate(timeout=timeout)
+        return self.procs[i].returncode, out
+
+    def kill_node(self, i: int) -> None:
+        """SIGKILL everything running in host i: its meshrun launch, agent and workers (the
+        agent starts each worker in a session of its own, so a process group is not enough)."""
+        found = subprocess.run(
+            ["ip", "netns", "pids", self.net.names[i]], capture_output=True, text=True
+        ).stdout.split()
+        for pid in [self.procs[i].pid, *map(int, found)]:
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+
+    def kill_all(self) -> None:
+        for i, proc in self.procs.items():
+            if proc.poll() is None:
+                self.kill_node(i)
+            proc.communicate()
+
+
+def _launch_args(endpoint: str, nnodes: str, rank: int, *extra: str, nproc: int = 1) -> list[str]:
+    return [
+        *("--nnodes", nnodes, "--node-rank", str(rank), "--rdzv-endpoint", endpoint),
+        *("--nproc-per-node", str(nproc), *extra),
+    ]
+
+
+def _steps(run_dir: Path) -> list[dict[str, float]]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r for r in rows if "event" not in r]
+
+
+def _timed(cluster: Cluster, i: int, timeout: float) -> tuple[int, str, float]:
+    start = time.monotonic()
+    rc, out = cluster.wait(i, timeout)
+    return rc, out, time.monotonic() - start
+
+
+# --- a real two-host run -------------------------------------------------------------------
+
+
+@pytest.mark.timeout(200)
+def test_two_hosts_of_two_processes_train_like_one_host_of_four(tmp_path: Path) -> None:
+    demo = ["-m", "meshrun.demo", "--steps", "6", "--size", "tiny"]
+    multi, single = tmp_path / "multi", tmp_path / "single"
+    with nodes(2) as cluster:
+        for i in (1, 0):  # the non-host first: it waits for the store, then joins
+            args = _launch_args(cluster.endpoint, "2", i, "--join-timeout", "90", nproc=2)
+            cluster.start(i, *args, *demo, f"--job.run_dir={multi}")
+        outs = [cluster.wait(i, 150) for i in (0, 1)]
+    for rc, out in outs:
+        assert rc == 0, out[-4000:]
+    host_out, other_out = outs[0][1], outs[1][1]
+    addr0, addr1 = cluster.net.address(0), cluster.net.address(1)
+    # The veth, never loopback, with the route to the endpoint, on both nodes.
+    assert f"interface eth-mr ({addr0}/24), route to {addr0}, this node hosts" in host_out
+    assert f"interface eth-mr ({addr1}/24), route to {addr0}, this node joins" in other_out
+    assert "interface lo" not in host_out + other_out
+    assert "4 process(es) [torchelastic]" in host_out  # one world over both hosts
+    assert "2 nodes joined [node0, node1]; versions and config agree" in other_out
+
+    ref = subprocess.run(
+        [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "4", *demo,
+         f"--job.run_dir={single}"],
+        env=_env(), capture_output=True, text=True, timeout=150, check=False,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    rows_multi, rows_single = _steps(multi), _steps(single)
+    assert [r["step"] for r in rows_multi] == [1, 2, 3, 4, 5, 6]
+    for a, b in zip(rows_multi, rows_single, strict=True):
+        assert abs(a["loss"] - b["loss"]) < 1e-4, (a, b)
+
+
+# --- failures: each fast, with the message that says what to fix ---------------------------
+
+
+@pytest.mark.timeout(120)
+def test_failures_are_named_within_the_timeout(tmp_path: Path) -> None:
+    script = str(SCRIPTS / "plain_ddp_ok.py")
+    with nodes(2) as cluster:
+        run = f"--job.run_dir={tmp_path / 'r'}"
+        # A non-existent interface: fails before anything starts, listing the real ones.
+        cluster.start(
+            1, *_launch_args(cluster.endpoint, "2", 1, "--interface", "eth9"), script, run
+        )
+        rc, out, took = _timed(cluster, 1, 30)
+        assert rc != 0 and took < 10, (took, out[-2000:])
+        assert "--interface 'eth9' does not exist" in out and "eth-mr" in out and "lo" in out
+
+        # Nobody hosts the endpoint: bounded, and says what to check.
+        wrong = f"{cluster.net.address(1)[:-1]}9:{PORT}"  # an address no namespace holds
+        args = _launch_args(wrong, "2", 1, "--join-timeout", "6")
+        cluster.start(1, *args, script, run)
+        rc, out, took = _timed(cluster, 1, 60)
+        assert rc != 0 and took < 30, (took, out[-2000:])
+        assert f"the rendezvous endpoint {wrong} could not be reached within 6 s" in out
+        assert "--rdzv-endpoint is the address of one of the nodes" in out
+
+        # Two nodes both claim node_rank 0: both stop, naming both hosts.
+        for i in (0, 1):
+            cluster.start(i, *_launch_args(cluster.endpoint, "2", 0, "--join-timeout", "40"),
+                          script, run)  # fmt: skip
+        for i in (0, 1):
+            rc, out, took = _timed(cluster, i, 60)
+            assert rc != 0 and took < 30, (i, took, out[-2000:])
+            assert "node_rank 0 is claimed by 2 nodes" in out, out[-2000:]
+            assert "node0 (node_rank 0)" in out and "node1 (node_rank 0)" in out
+
+        # Different configs: both stop, naming the hosts.
+        for i in (0, 1):
+            lr = f"--optim.lr={0.1 * (i + 1)}"
+            cluster.start(i, *_launch_args(cluster.endpoint, "2", i, "--join-timeout", "40"),
+                          script, run, lr)  # fmt: skip
+        for i in (0, 1):
+            rc, out, took = _timed(cluster, i, 60)
+            assert rc != 0 and took < 30, (i, took, out[-2000:])
+            assert "configs (digest of the resolved config" in out and "differ" in out
+            assert "optim.lr: 0.1 on node0, 0.2 on node1" in out
+            assert "node0 (node_rank 0)" in out and "node1 (node_rank 1)" in out
+
+        # One node alone: it says who is missing, and gives up after join_timeout_s.
+        cluster.start(0, *_launch_args(cluster.endpoint, "2", 0, "--join-timeout", "4"),
+                      script, run)  # fmt: skip
+        rc, out, took = _timed(cluster, 0, 60)
+        assert rc != 0 and took < 30, (took, out[-2000:])
+        assert "1/2 nodes joined [node0]; waiting for node_rank 1" in out
+        assert "gave up after 4 s" in out
+
+
+# --- elastic: a node goes away, the job goes on --------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_elastic_job_continues_on_two_nodes_after_one_is_killed(tmp_path: Path) -> None:
+    script = str(SCRIPTS / "slow_resumable.py")
+    run_dir = tmp_path / "elastic"
+    train = [
+        script, f"--job.run_dir={run_dir}", "--optim.steps=24", "--checkpoint.interval=3",
+        "--data.global_batch=24", "--data.micro_batch=4",
+    ]  # fmt: skip
+    with nodes(3) as cluster:
+        for i in (0, 1, 2):
+            args = _launch_args(cluster.endpoint, "2:3", 0, "--max-restarts", "2")
+            # After the kill the agents wait this long for a third node (torch's default: 30 s).
+            args += ["--rdzv-conf", "last_call_timeout=8"]
+            cluster.start(i, *args, "--join-timeout", "90", *train)
+        _wait_for_step(run_dir, 7, cluster, timeout=120)
+        cluster.kill_node(2)  # the whole node: its meshrun launch, agent and worker
+        outs = {i: cluster.wait(i, 200) for i in (0, 1)}
+    for i, (rc, out) in outs.items():
+        assert rc == 0, (i, out[-4000:])
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    resumes = [r for r in rows if r.get("event") == "resume"]
+    assert resumes and resumes[-1]["from_step"] >= 3, rows
+    assert [r for r in rows if "event" not in r][-1]["step"] == 24
+    assert "slow_resumable: world 3, starting at step 0" in outs[0][1]
+    assert f"slow_resumable: world 2, starting at step {resumes[-1]['from_step']}" in outs[0][1]
+
+
+def _wait_for_step(run_dir: Path, step: int, cluster: Cluster, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        with suppress(json.JSONDecodeError):  # a line being written
+            if metrics.exists() and any(r["step"] >= step for r in _steps(run_dir)):
+                return
+        for i, proc in cluster.procs.items():
+            if proc.poll() is not None:
+                pytest.fail(f"node{i} stopped early:\n{cluster.wait(i, 5)[1][-4000:]}")
+        time.sleep(0.5)
+    pytest.fail(f"step {step} not reached in {timeout} s")

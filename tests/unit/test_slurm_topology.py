@@ -1,0 +1,283 @@
+"""SLURM without SLURM: the topology derived from environment dicts, the checks against the
+allocation, and the sbatch script ``meshrun slurm submit`` renders (tests/e2e/test_slurm.py
+runs both under a real SLURM)."""
+
+from __future__ import annotations
+
+import argparse
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from meshrun.cli import main
+from meshrun.cluster import slurm_port
+from meshrun.config import LaunchConfig
+from meshrun.launch.slurm import (
+    Given,
+    SlurmError,
+    SubmitSpec,
+    apply_to_launch,
+    derive,
+    in_allocation,
+    render_sbatch,
+    tasks_per_node,
+    time_limit_seconds,
+)
+
+pytestmark = pytest.mark.timeout(30)
+
+# One task of `srun --ntasks-per-node=1` on the second node of a 2-node job with 4 GPUs each.
+STEP = {
+    "SLURM_JOB_ID": "4242",
+    "SLURM_STEP_ID": "0",
+    "SLURM_JOB_NUM_NODES": "2",
+    "SLURM_NNODES": "2",
+    "SLURM_STEP_NUM_NODES": "2",
+    "SLURM_NODEID": "1",
+    "SLURM_JOB_NODELIST": "gpu[07-08]",
+    "SLURM_STEP_NODELIST": "gpu[07-08]",
+    "SLURM_STEP_TASKS_PER_NODE": "1(x2)",
+    "SLURM_CPUS_ON_NODE": "32",
+    "SLURM_GPUS_ON_NODE": "4",
+}
+
+
+def _hosts(nodelist: str) -> list[str]:
+    assert nodelist == "gpu[07-08]"
+    return ["gpu07", "gpu08"]
+
+
+def test_two_node_step_derives_everything_from_slurm() -> None:
+    t = derive(STEP, Given(), hostnames=_hosts)
+    assert (t.nnodes, t.node_rank, t.nproc_per_node) == ("2", 1, 4)
+    assert t.master_addr == "gpu07"
+    assert t.rdzv_endpoint == f"gpu07:{slurm_port('4242')}"
+    assert t.rdzv_id == "slurm-4242"
+    assert t.notes == []
+    line = t.line()
+    assert "nnodes 2 (SLURM_STEP_NUM_NODES=2)" in line
+    assert "node_rank 1 (SLURM_NODEID=1)" in line
+    assert "nproc_per_node 4 (SLURM_GPUS_ON_NODE=4)" in line
+    assert "master gpu07 (first of SLURM_STEP_NODELIST=gpu[07-08] by scontrol" in line
+
+
+def test_processes_from_cuda_visible_devices_then_the_cpu_default() -> None:
+    env = {k: v for k, v in STEP.items() if k != "SLURM_GPUS_ON_NODE"}
+    t = derive({**env, "CUDA_VISIBLE_DEVICES": "0,1"}, Given(), hostnames=_hosts)
+    assert t.nproc_per_node == 2 and "CUDA_VISIBLE_DEVICES=0,1" in t.line()
+    t = derive(env, Given(), cpu_default=3, hostnames=_hosts)
+    assert t.nproc_per_node == 3 and "no GPUs: CPU default" in t.line()
+
+
+def test_explicit_flags_win_and_disagreements_are_said() -> None:
+    given = Given(nnodes="3", nproc_per_node=2, rdzv_endpoint="login:1234", rdzv_id="mine")
+    t = derive(STEP, given, hostnames=_hosts)
+    assert (t.nnodes, t.nproc_per_node, t.rdzv_endpoint, t.rdzv_id) == (
+        "3",
+        2,
+        "login:1234",
+        "mine",
+    )
+    notes = "\n".join(t.notes)
+    assert "--nnodes 3 given; SLURM says 2: using --nnodes" in notes
+    assert "--nproc-per-node 2 given; SLURM gives 4 GPUs" in notes
+    assert "--rdzv-endpoint login:1234 given" in notes
+
+
+def test_one_node_keeps_the_loopback_rendezvous() -> None:
+    env = {**STEP, "SLURM_STEP_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "a1"}
+    t = derive(env, Given(), hostnames=lambda spec: [spec])
+    assert (t.nnodes, t.node_rank, t.master_addr, t.rdzv_endpoint) == ("1", 0, "a1", "")
+
+
+def test_without_scontrol_meshrun_expands_the_hostlist_and_says_so() -> None:
+    def missing(spec: str) -> list[str]:
+        raise FileNotFoundError("scontrol")
+
+    t = derive(STEP, Given(), hostnames=missing)
+    assert t.master_addr == "gpu07"
+    assert "meshrun's hostlist parser (FileNotFoundError)" in t.line()
+
+
+@pytest.mark.parametrize(
+    ("change", "given", "expected"),
+    [
+        # Several tasks per node: each would run its own meshrun launch.
+        ({"SLURM_STEP_TASKS_PER_NODE": "2(x2)"}, Given(), "SLURM_STEP_TASKS_PER_NODE=2(x2)"),
+        ({"SLURM_STEP_TASKS_PER_NODE": "1,4"}, Given(), "srun --ntasks-per-node=1"),
+        # The batch script of a multi-node job: only the first node would start.
+        ({"SLURM_STEP_ID": None}, Given(), "SLURM_STEP_ID is not set"),
+        # More processes than GPUs, or than CPUs.
+        ({}, Given(nproc_per_node=8), "SLURM_GPUS_ON_NODE=4"),
+        ({"SLURM_CPUS_ON_NODE": "2"}, Given(), "--cpus-per-task=4"),
+        ({"SLURM_NODEID": "x"}, Given(), "SLURM_NODEID"),
+        ({"SLURM_STEP_NODELIST": None, "SLURM_JOB_NODELIST": None}, Given(), "--rdzv-endpoint"),
+    ],
+)
+def test_allocation_mismatches_are_errors_naming_the_variable(
+    change: dict[str, str | None], given: Given, expected: str
+) -> None:
+    env = {k: v for k, v in {**STEP, **change}.items() if v is not None}
+    with pytest.raises(SlurmError, match=re.escape(expected)):
+        derive(env, given, hostnames=_hosts)
+
+
+def test_batch_script_of_a_one_node_job_is_fine() -> None:
+    env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "n1"}
+    env["SLURM_TASKS_PER_NODE"] = "4"  # the job's tasks: irrelevant to the batch shell
+    t = derive(env, Given(), cpu_default=2, hostnames=lambda spec: [spec])
+    assert (t.nnodes, t.node_rank, t.nproc_per_node, t.master_addr) == ("1", 0, 2, "n1")
+
+
+def test_in_allocation() -> None:
+    assert in_allocation({"SLURM_JOB_ID": "1"})
+    assert not in_allocation({})
+    assert not in_allocation({"SLURM_JOB_ID": "1", "TORCHELASTIC_RUN_ID": "x"})  # a worker
+    assert not in_allocation({"SLURM_JOB_ID": "1", "MESHRUN_SLURM": "0"})
+
+
+def test_tasks_per_node_format() -> None:
+    assert tasks_per_node("2(x3),1") == [2, 2, 2, 1]
+    assert tasks_per_node("1") == [1]
+    with pytest.raises(SlurmError, match="cannot read"):
+        tasks_per_node("two")
+
+
+def test_apply_to_launch_fills_only_what_nothing_set(capsys: pytest.CaptureFixture[str]) -> None:
+    import signal
+
+    saved = signal.getsignal(signal.SIGUSR1)
+    env = {k: v for k, v in STEP.items() if k not in ("SLURM_GPUS_ON_NODE",)}
+    args = argparse.Namespace(nnodes=None, node_rank=None, nproc_per_node=None, rdzv_id=None)
+    args.rdzv_endpoint = None
+    cfg = LaunchConfig(rdzv_id="from-config")  # a non-default config value counts as explicit
+    try:
+        apply_to_launch(args, cfg, {**env, "SLURM_STEP_NODELIST": "gpu07,gpu08"})
+        assert signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL  # the launcher survives
+    finally:
+        signal.signal(signal.SIGUSR1, saved)
+    assert (args.nnodes, args.node_rank, args.rdzv_id) == ("2", 1, None)
+    assert args.rdzv_endpoint.startswith("gpu07:") and args.nproc_per_node >= 1
+    assert "meshrun launch: SLURM job 4242: nnodes 2" in capsys.readouterr().err
+    untouched = argparse.Namespace(nnodes=None)
+    apply_to_launch(untouched, LaunchConfig(), {})  # outside SLURM: nothing happens
+    assert untouched.nnodes is None
+
+
+# --- sbatch rendering -------------------------------------------------------------------
+
+
+def _spec(**kw: object) -> SubmitSpec:
+    base: dict[str, object] = dict(
+        target="train.py",
+        script_args=["--lr", "3e-4", "--note=a b"],
+        output_dir="/runs/x/slurm",
+        workdir="/work",
+        python="/venv/bin/python",
+    )
+    return SubmitSpec(**{**base, **kw})  # type: ignore[arg-type]
+
+
+def test_sbatch_script_runs_one_launch_per_node() -> None:
+    text = render_sbatch(
+        _spec(nodes=4, nproc_per_node=8, gpus_per_node=8, cpus_per_task=64, partition="gpu",
+              time="1-00:00:00", account="proj", requeue=True, signal_before_s=300)
+    )  # fmt: skip
+    for line in (
+        "#SBATCH --nodes=4",
+        "#SBATCH --ntasks-per-node=1",
+        "#SBATCH --cpus-per-task=64",
+        "#SBATCH --gpus-per-node=8",
+        "#SBATCH --partition=gpu",
+        "#SBATCH --account=proj",
+        "#SBATCH --time=1-00:00:00",
+        "#SBATCH --signal=B:USR1@300",
+        "#SBATCH --requeue",
+        "#SBATCH --output=/runs/x/slurm/%x-%j.out",
+        "#SBATCH --open-mode=append",
+        "#SBATCH --chdir=/work",
+    ):
+        assert line in text.splitlines(), line
+    assert "--output=/runs/x/slurm/%x-%j-node%n.out" in text  # one file per node
+    launch = "/venv/bin/python -m meshrun launch --nproc-per-node 8 train.py --lr 3e-4 '--note=a b'"
+    assert launch in text
+    assert 'scontrol requeue "$SLURM_JOB_ID"' in text
+    assert 'kill -USR1 "$SRUN_PID"' in text
+
+
+def test_sbatch_defaults_and_module_target() -> None:
+    text = render_sbatch(_spec(target="meshrun.demo", module=True, script_args=[]))
+    assert "#SBATCH --no-requeue" in text and "scontrol requeue" not in text
+    assert "#SBATCH --cpus-per-task=2" in text and "--gpus-per-node" not in text
+    assert "--partition" not in text and "--time" not in text
+    assert "launch --nproc-per-node 2 -m meshrun.demo &" in text
+
+
+def test_sbatch_script_is_valid_bash(tmp_path: Path) -> None:
+    path = tmp_path / "job.sbatch"
+    path.write_text(render_sbatch(_spec(requeue=True)))
+    r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=20)
+    assert r.returncode == 0, r.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [("30", 1800), ("5:30", 330), ("2:00:00", 7200), ("1-12", 129600),
+     ("1-00:30", 88200), ("0-00:00:45", 45), ("UNLIMITED", None)],
+)  # fmt: skip
+def test_time_formats(text: str, seconds: int | None) -> None:
+    assert time_limit_seconds(text) == seconds
+
+
+@pytest.mark.parametrize(
+    ("kw", "expected"),
+    [
+        ({"nodes": 0}, "--nodes 0 is not allowed: must be >= 1"),
+        ({"nproc_per_node": 0}, "--nproc-per-node 0"),
+        ({"time": "2h"}, "--time '2h' is not a SLURM time"),
+        ({"time": "1:00", "signal_before_s": 120}, "--signal-before 120 s is not before"),
+        ({"signal_before_s": 70000}, "0 (off) to 65535"),
+        ({"gpus_per_node": 4, "nproc_per_node": 8}, "exceeds --gpus-per-node 4"),
+        ({"job_name": "a b"}, "--job-name"),
+    ],
+)
+def test_bad_submit_flags_are_errors(kw: dict[str, object], expected: str) -> None:
+    with pytest.raises(SlurmError, match=re.escape(expected)):
+        render_sbatch(_spec(**kw))
+
+
+# --- the CLI (no sbatch needed: --dry-run, and errors before anything is written) ---------
+
+
+def test_cli_dry_run_prints_the_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc = main(["slurm", "submit", "--dry-run", "--nodes", "2", "--time", "30", "-m",
+               "meshrun.demo", "--steps", "5", f"--job.run_dir={tmp_path}/run"])  # fmt: skip
+    out = capsys.readouterr()
+    assert rc == 0, out.err
+    assert out.out.startswith("#!/bin/bash") and "#SBATCH --nodes=2" in out.out
+    assert f"--output={tmp_path}/run/slurm/meshrun-run-%j-node%n.out" not in out.out
+    assert f"--output={tmp_path}/run/slurm/%x-%j-node%n.out" in out.out
+    assert "#SBATCH --job-name=meshrun-run" in out.out
+    assert f"{sys.executable} -m meshrun launch --nproc-per-node 2 -m meshrun.demo" in out.out
+    assert "checkpoint.interval = 0" in out.err  # the signal would stop it unsaved: said
+    assert not (tmp_path / "run").exists()  # a dry run writes nothing
+
+
+def test_cli_rejects_bad_flags_before_writing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = f"--job.run_dir={tmp_path}/run"
+    assert main(["slurm", "submit", "--time", "90 min", "-m", "meshrun.demo", run]) == 2
+    assert "--time '90 min' is not a SLURM time" in capsys.readouterr().err
+    assert main(["slurm", "submit", "--nodes", "0", "-m", "meshrun.demo", run]) == 2
+    assert "--nodes 0 is not allowed" in capsys.readouterr().err
+    assert main(["slurm", "submit", str(tmp_path / "missing.py")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    # The job's config is validated for its world size (2 nodes x 3 processes) here.
+    bad = ["slurm", "submit", "--nodes", "2", "--nproc-per-node", "3", "-m", "meshrun.demo", run]
+    assert main(bad) == 2
+    assert "global_batch" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()
