@@ -1,12 +1,14 @@
 """Issue 7 in one real 2-rank Gloo world (process starts are expensive): the numerics guard
 (a NaN on one rank: both skip the same step, the rank is named, no hang; then ``stop``: both
 raise together), straggler detection against an injected data-loading delay on one rank, and
-the step breakdown adding up to the step time.
+the step breakdown adding up to the step time, and the exposed-communication split seeing an
+injected slow all-reduce.
 
 Phases of the one run (rank 1 is the odd one out):
   steps  1-5   plain data; rank 1's loss is NaN at step 3 (nonfinite = skip)
   steps  6-30  rank 1's dataset sleeps a measured amount per sample (straggler_every = 10)
-  step  31     nonfinite = stop; rank 1's loss is NaN: both ranks raise NonFiniteLossError
+  steps 31-45  every gradient all-reduce completes COMM_DELAY_S late on both ranks
+  step  46     nonfinite = stop; rank 1's loss is NaN: both ranks raise NonFiniteLossError
 """
 
 import json
@@ -18,16 +20,36 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.utils.data import Dataset
 
 import meshrun
 from _dist import run_distributed
 
 Batch = dict[str, torch.Tensor]
+ALLREDUCE = default_hooks.allreduce_hook
 NAN_STEP = 3
 DELAY_FROM, DELAY_TO = 6, 30
 DELAY_S = 0.008  # per sample, 8 samples per step: ~64 ms per step on rank 1
 EVERY = 10
+COMM_FROM, COMM_TO = 31, 45
+COMM_DELAY_S = 0.03
+STOP_STEP = COMM_TO + 1
+SLOW_COMM = [False]
+
+
+def slow_allreduce(process_group: Any, bucket: Any) -> Any:
+    """The test's injected slow network: torch's allreduce_hook whose result arrives
+    COMM_DELAY_S late while SLOW_COMM[0] is set (installed in place of torch's hook)."""
+    fut = ALLREDUCE(process_group, bucket)
+    if not SLOW_COMM[0]:
+        return fut
+
+    def late(f: Any) -> Any:
+        time.sleep(COMM_DELAY_S)
+        return f.value()
+
+    return fut.then(late)
 
 
 class Regression(Dataset[Batch]):
@@ -73,6 +95,7 @@ def train(rank: int, world_size: int, run_dir: str) -> dict[str, Any]:
     cfg.metrics.progress = False
     cfg.monitor.straggler_every = EVERY
     run = meshrun.init(cfg, argv=[])
+    default_hooks.allreduce_hook = slow_allreduce  # what meshrun registers, timed
     torch.manual_seed(0)
     model = run.parallelize(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4)))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -95,9 +118,12 @@ def train(rank: int, world_size: int, run_dir: str) -> dict[str, Any]:
     loop(run.dataloader(data), DELAY_TO, None)
     out["slept_s"] = Slow.slept_s
     out["skipped_steps"] = run.loop.monitor.skipped_steps
+    SLOW_COMM[0] = True
+    loop(run.dataloader(Regression()), COMM_TO, None)
+    SLOW_COMM[0] = False
     run.config.monitor.nonfinite = "stop"  # the monitor reads the run's config object
     try:
-        loop(run.dataloader(Regression()), DELAY_TO + 1, DELAY_TO + 1)
+        loop(run.dataloader(Regression()), STOP_STEP, STOP_STEP)
         out["stop_error"] = None
     except meshrun.monitor.NonFiniteLossError as e:
         out["stop_error"] = str(e)
@@ -122,13 +148,13 @@ def test_guard_stragglers_and_breakdown_in_one_world(tmp_path: Path) -> None:
     assert r0["grad_after_skip"] == [] and r1["grad_after_skip"] == []  # grads were zeroed
     skip, stop = events(tmp_path, "nonfinite")
     assert skip["step"] == NAN_STEP and skip["ranks"] == [1] and skip["action"] == "skip", skip
-    assert stop["step"] == DELAY_TO + 1 and stop["ranks"] == [1] and stop["action"] == "stop"
+    assert stop["step"] == STOP_STEP and stop["ranks"] == [1] and stop["action"] == "stop"
     assert all(same(a, b) for a, b in zip([r0["params"]], [r1["params"]], strict=True))
 
     # nonfinite = stop: both ranks raise at the same step, naming rank 1; nobody hangs.
     for r in (r0, r1):
-        assert r["stop_error"] is not None and "step 31 on rank(s) 1" in r["stop_error"], r
-        assert r["step"] == DELAY_TO
+        assert r["stop_error"] is not None and f"step {STOP_STEP} on rank(s) 1" in r["stop_error"]
+        assert r["step"] == COMM_TO
 
     # Injected delay: rank 1's reported data-wait share matches the measured injection.
     ranks = [e for e in events(tmp_path, "ranks") if e["step"] in (20, 30)]
@@ -162,3 +188,36 @@ def test_guard_stragglers_and_breakdown_in_one_world(tmp_path: Path) -> None:
     median = ratios[len(ratios) // 2]
     print(f"breakdown / step time: median {median:.4f}, min {ratios[0]:.4f}")
     assert 0.95 <= median <= 1.0 + 1e-9
+
+    # Exposed communication: the all-reduce arriving COMM_DELAY_S late shows up as exposed
+    # (waited-for) time of at least that size, inside backward, and its share of the step rises.
+    for r in rows:
+        if "comm_exposed_s" in r:
+            r["comm_exposed_share"] = r["comm_exposed_s"] / r["step_time_s"]
+
+    def median_of(key: str, lo: int, hi: int) -> float:
+        vals = sorted(r[key] for r in rows if "comm_exposed_s" in r and lo <= r["step"] <= hi)
+        assert vals, (key, lo, hi)
+        return vals[len(vals) // 2]
+
+    base = median_of("comm_exposed_s", 2, DELAY_FROM - 1)
+    slow = median_of("comm_exposed_s", COMM_FROM + 1, COMM_TO)
+    base_share = median_of("comm_exposed_share", 2, DELAY_FROM - 1)
+    slow_share = median_of("comm_exposed_share", COMM_FROM + 1, COMM_TO)
+    print(
+        f"exposed comm per step: {base * 1e3:.1f} ms ({base_share:.1%} of the step) before, "
+        f"{slow * 1e3:.1f} ms ({slow_share:.1%}) with a {COMM_DELAY_S * 1e3:.0f} ms slower "
+        "all-reduce"
+    )
+    # Every bucket completes >= COMM_DELAY_S after its launch, so exposed >= the delay; the
+    # upper bound leaves room for the all-reduce itself on a loaded machine.
+    assert COMM_DELAY_S <= slow <= COMM_DELAY_S + 0.02
+    assert slow_share > base_share + 0.2
+    for r in rows:
+        if "comm_exposed_s" in r:
+            assert 0 <= r["comm_exposed_s"] <= r["backward_s"] + 1e-6, r
+            assert r["comm_hidden_s"] >= -1e-9 and r["comm_s"] >= r["comm_exposed_s"], r
+    # Host network figures (non-loopback interfaces) on logged steps after the first.
+    assert all("net_rx_mb_s" in r and r["net_tx_mb_s"] >= 0 for r in rows[2:] if "loss" in r)
+    summary = events(tmp_path, "summary")[-1]
+    assert 0 < summary["comm_exposed_share"] <= summary["comm_share"] <= 1, summary

@@ -1,15 +1,36 @@
-"""Monitoring: per-step metrics, memory figures and the end-of-run summary; run health.
+"""Monitoring: per-step metrics, memory figures and the end-of-run summary; run health;
+the run report.
 
 Entry point: `MetricsLogger`, fed numbers by the training loop (it holds no process
 group code); `memory_stats(device)` supplies the ``mem_*`` figures for its ``extra``.
 `StepMonitor` (one per run, built by the step loop) adds the step breakdown, the numerics
-guard, straggler checks and the hang watchdog (docs/monitor.md).
+guard, straggler checks and the hang watchdog (docs/monitor.md). `write_report` (``meshrun
+report``) turns run directories into an HTML page with figures. Exports load on first use,
+so the command line does not import torch to parse its arguments.
 """
 
-from meshrun.monitor.memory import memory_stats
-from meshrun.monitor.metrics import METRICS_FILE, MetricsLogger
-from meshrun.monitor.numerics import NonFiniteLossError
-from meshrun.monitor.step import StepMonitor
+from typing import TYPE_CHECKING
+
+from meshrun._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from meshrun.monitor.memory import memory_stats
+    from meshrun.monitor.metrics import METRICS_FILE, MetricsLogger
+    from meshrun.monitor.numerics import NonFiniteLossError
+    from meshrun.monitor.report_html import write_report
+    from meshrun.monitor.step import StepMonitor
+
+__getattr__ = lazy_exports(
+    globals(),
+    {
+        "memory_stats": "meshrun.monitor.memory",
+        "METRICS_FILE": "meshrun.monitor.metrics",
+        "MetricsLogger": "meshrun.monitor.metrics",
+        "NonFiniteLossError": "meshrun.monitor.numerics",
+        "write_report": "meshrun.monitor.report_html",
+        "StepMonitor": "meshrun.monitor.step",
+    },
+)
 
 __all__ = [
     "METRICS_FILE",
@@ -17,4 +38,5 @@ __all__ = [
     "NonFiniteLossError",
     "StepMonitor",
     "memory_stats",
+    "write_report",
 ]

@@ -36,6 +36,8 @@ from rich.progress import (
 )
 from rich.table import Table
 
+from meshrun.monitor.tensorboard import TensorBoardSink
+
 __all__ = ["METRICS_FILE", "MetricsLogger"]
 
 METRICS_FILE = "metrics.jsonl"
@@ -44,11 +46,15 @@ _log = logging.getLogger(__name__)
 
 # Keys the logger writes itself; `extra` may not overwrite them.
 _CORE_KEYS = frozenset(
-    {"step", "time", "loss", "lr", "step_time_s", "samples_per_s", "tokens_per_s", "event"}
-)
+    {"step", "time", "loss", "lr", "step_time_s", "samples_per_s", "tokens_per_s", "event",
+     "samples_per_s_per_rank", "tokens_per_s_per_rank", "mfu"}
+)  # fmt: skip
 # ETA follows the median of this many recent steps: robust to a slow checkpoint step,
 # yet quick to follow a real change of speed.
 _RECENT_STEPS = 50
+# Per-step seconds summed over the steady steps; the summary gives each as a share of the
+# step time (``<name>_share``): the loader stall and the exposed/total gradient communication.
+_SHARES = ("data_wait_s", "comm_s", "comm_exposed_s")
 
 
 def _rate(count: float, seconds: float) -> float:
@@ -80,6 +86,7 @@ class _Totals:
     last_loss: float = math.nan
     times: array[float] = field(default_factory=lambda: array("d"))
     mem_peaks: dict[str, float] = field(default_factory=dict)
+    sums: dict[str, float] = field(default_factory=dict)  # _SHARES, steady steps only
 
     def add(
         self, loss: float, step_time_s: float, samples: int, tokens: int, extra: Mapping[str, float]
@@ -97,6 +104,8 @@ class _Totals:
         self.tokens += tokens
         self.times.append(step_time_s)
         for key, value in extra.items():
+            if key in _SHARES and self.steps > 1:  # the first step is warm-up (as medians)
+                self.sums[key] = self.sums.get(key, 0.0) + value
             if key.startswith("mem_"):
                 self.mem_peaks[key] = max(value, self.mem_peaks.get(key, value))
 
@@ -133,9 +142,31 @@ class _Totals:
             "loss_first": self.first_loss,
             "loss_last": self.last_loss,
         }
+        steady_time = math.fsum(steady)
+        for key, total in self.sums.items():
+            if steady_time > 0 and len(steady) < len(self.times):
+                out[key.removesuffix("_s") + "_share"] = total / steady_time
         if self.mem_peaks:
             out["mem_peak_mb"] = max(self.mem_peaks.values())
             out |= self.mem_peaks
+        return out
+
+
+@dataclass
+class _Rates:
+    """Per-rank throughput and MFU, derived from the global figures."""
+
+    world_size: int
+    flops_per_token: float = 0.0
+    peak_flops: float = 0.0  # per rank
+
+    def derived(self, samples_per_s: float, tokens_per_s: float) -> dict[str, float]:
+        out = {
+            "samples_per_s_per_rank": samples_per_s / self.world_size,
+            "tokens_per_s_per_rank": tokens_per_s / self.world_size,
+        }
+        if self.flops_per_token and self.peak_flops:
+            out["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
         return out
 
 
@@ -241,6 +272,11 @@ def _summary_table(summary: Mapping[str, float]) -> Table:
         ("step_time_mean_s", "mean step time", lambda v: f"{v:.3f} s"),
         ("samples_per_s", "samples/s (median)", lambda v: f"{v:,.1f}"),
         ("tokens_per_s", "tokens/s (median)", lambda v: f"{v:,.0f}"),
+        ("tokens_per_s_per_rank", "tokens/s per rank", lambda v: f"{v:,.0f}"),
+        ("mfu", "MFU", lambda v: f"{100 * v:.2f}%"),
+        ("data_wait_share", "data-loader stall", lambda v: f"{100 * v:.1f}% of step"),
+        ("comm_share", "gradient all-reduce", lambda v: f"{100 * v:.1f}% of step"),
+        ("comm_exposed_share", "  exposed (not hidden)", lambda v: f"{100 * v:.1f}% of step"),
         ("loss_first", "first loss", lambda v: f"{v:.4f}"),
         ("loss_last", "last loss", lambda v: f"{v:.4f}"),
     ]
@@ -276,7 +312,8 @@ class MetricsLogger:
     global step (all ranks). Every call updates running totals on every rank; every
     ``log_every``-th step, and the last one when ``total_steps`` is known, is written.
     Console failures are logged once and disable the console; a failure to write
-    ``metrics.jsonl`` raises.
+    ``metrics.jsonl`` raises. ``tensorboard``: the same step lines also as TensorBoard
+    scalars under ``RUN_DIR/tensorboard`` (main rank; monitor/tensorboard.py).
     """
 
     def __init__(
@@ -289,8 +326,11 @@ class MetricsLogger:
         progress: bool = True,
         jsonl: bool = True,
         console: Console | None = None,
+        world_size: int = 1,
+        tensorboard: bool = False,
     ) -> None:
         _check_positive("log_every", log_every)
+        _check_positive("world_size", world_size)
         if total_steps is not None:
             _check_positive("total_steps", total_steps)
         self.run_dir = Path(run_dir)
@@ -298,12 +338,16 @@ class MetricsLogger:
         self.log_every = log_every
         self.total_steps = total_steps
         self._totals = _Totals()
+        self._rates = _Rates(world_size)
         self._closed = False
         self._file: TextIO | None = None
         self._view: _View | None = None
+        self._tensorboard: TensorBoardSink | None = None
         if is_main:
             if jsonl:
                 self._file = _open_jsonl(self.run_dir / METRICS_FILE)
+            if tensorboard:
+                self._tensorboard = TensorBoardSink(self.run_dir)
             self._view = self._make_view(console or Console(), progress)
 
     @property
@@ -340,7 +384,7 @@ class MetricsLogger:
             return
         logged = step % self.log_every == 0 or step == self.total_steps
         tokens_per_s = _rate(tokens, step_time_s)
-        if logged and self._file is not None:
+        if logged and (self._file is not None or self._tensorboard is not None):
             row = {
                 "step": step,
                 "time": time.time(),
@@ -349,9 +393,13 @@ class MetricsLogger:
                 "step_time_s": step_time_s,
                 "samples_per_s": _rate(samples, step_time_s),
                 "tokens_per_s": tokens_per_s,
+                **self._rates.derived(_rate(samples, step_time_s), tokens_per_s),
                 **extra,
             }
-            self._write(row)
+            if self._file is not None:
+                self._write(row)
+            if self._tensorboard is not None:
+                self._tensorboard.add(step, row)
         # The console shows the latest *measured* loss (NaN marks steps that were not logged).
         shown_loss = self._totals.last_loss
         status = _Status(
@@ -399,7 +447,21 @@ class MetricsLogger:
         Memory: ``mem_peak_mb`` is the largest ``mem_*`` figure seen in ``extra``, and
         each ``mem_*`` key holds its own maximum.
         """
-        return self._totals.summary()
+        out = self._totals.summary()
+        if "tokens_per_s" in out:
+            out |= self._rates.derived(out["samples_per_s"], out["tokens_per_s"])
+        return out
+
+    def set_flops_per_token(self, flops_per_token: float, peak_flops_per_rank: float) -> None:
+        """Report MFU: model FLOPs per token (forward + backward) x tokens/s over the peak
+        FLOP/s of all ranks (``peak_flops_per_rank`` x world size)."""
+        if flops_per_token <= 0 or peak_flops_per_rank <= 0:
+            raise ValueError(
+                f"MetricsLogger: flops_per_token={flops_per_token!r}, peak_flops_per_rank="
+                f"{peak_flops_per_rank!r}; both must be > 0"
+            )
+        self._rates.flops_per_token = flops_per_token
+        self._rates.peak_flops = peak_flops_per_rank
 
     def close(self) -> None:
         """Show the summary table and append the summary record (main rank). Idempotent."""
@@ -410,6 +472,9 @@ class MetricsLogger:
         if self._totals.steps:  # a run closed before training has nothing to summarise
             self._on_console("summary", lambda view: view.finish(_summary_table(summary)))
         self._view = None
+        if self._tensorboard is not None:
+            self._tensorboard.close()
+            self._tensorboard = None
         if self._file is not None:
             try:
                 self._write({"event": "summary", "time": time.time(), **summary})

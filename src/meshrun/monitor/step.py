@@ -6,20 +6,25 @@ handed to the user until ``run.backward``; ``backward_s`` is the ``backward`` ca
 includes the gradient all-reduce not hidden behind compute); ``optimizer_s`` is clipping plus
 ``optimizer.step``; ``sync_s`` the guard collective; ``data_wait_s`` comes from the loader
 clock. On CUDA these are host times of asynchronous launches (see docs/monitor.md).
+Under DDP, ``comm_exposed_s`` (part of ``backward_s``) and ``comm_hidden_s`` split the gradient
+all-reduce into waited-for and overlapped time (monitor/comm.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from meshrun.config import MonitorConfig
+from meshrun.monitor.comm import CommHook, CommTimer
+from meshrun.monitor.host import HostStats
 from meshrun.monitor.metrics import MetricsLogger
 from meshrun.monitor.numerics import GuardResult, NonFiniteLossError, check_loss, describe
 from meshrun.monitor.stragglers import (
@@ -67,6 +72,9 @@ class StepMonitor:
         self._phase = dict.fromkeys(_PHASES, 0.0)
         self._t_batch: float | None = None
         self._window = _Window()
+        self.comm = CommTimer(device)
+        self.host = HostStats(device)  # network bytes/s, NVML: sampled on logged steps
+        self.models: list[nn.Module] = []  # the loop's models (run.parallelize appends)
         distributed_now = dist.is_initialized()
         self.watchdog = Watchdog(
             metrics.run_dir,
@@ -92,6 +100,8 @@ class StepMonitor:
     # --- breakdown ------------------------------------------------------------------------
 
     def batch_ready(self) -> None:
+        if self.settings.comm_timing:
+            self.comm.maybe_attach(self.models)
         self._t_batch = time.perf_counter()
 
     def backward_starts(self) -> float:
@@ -104,7 +114,13 @@ class StepMonitor:
     def add(self, phase: str, since: float) -> float:
         now = time.perf_counter()
         self._phase[phase] += now - since
+        if phase == "backward_s":
+            self.comm.backward_ends()
         return now
+
+    def comm_hook_wrap(self) -> Callable[[CommHook], CommHook] | None:
+        """What ``run.parallelize`` wraps DDP's comm hook with (None: ``comm_timing`` off)."""
+        return self.comm.wrap if self.settings.comm_timing else None
 
     # --- numerics guard -------------------------------------------------------------------
 
@@ -136,6 +152,7 @@ class StepMonitor:
         straggler check (a collective: every rank calls this every step)."""
         self.watchdog.beat(step)
         phases, self._phase = self._phase, dict.fromkeys(_PHASES, 0.0)
+        comm = self.comm.take()
         own = step_time_s - phases["backward_s"] - phases["sync_s"]
         w = self._window
         w.steps += 1
@@ -143,12 +160,13 @@ class StepMonitor:
             ("step_time_s", step_time_s),
             ("data_wait_s", data_wait_s),
             ("own_s", own),
+            ("comm_exposed_s", comm.get("comm_exposed_s", 0.0)),
         ):
             w.sums[key] += value
         every = self.settings.straggler_every
         if every > 0 and self.distributed and step % every == 0:
             self._check_stragglers(step)
-        return phases
+        return {**phases, **comm}
 
     def _check_stragglers(self, step: int) -> None:
         window, self._window = self._window, _Window()

@@ -22,7 +22,7 @@ import torch.distributed as dist
 __all__ = ["COMPONENTS", "Straggler", "find_stragglers", "gather_components"]
 
 # Per-rank figures gathered at each check, summed over the steps since the last check.
-COMPONENTS = ("step_time_s", "data_wait_s", "own_s")
+COMPONENTS = ("step_time_s", "data_wait_s", "own_s", "comm_exposed_s")
 # Which of them can name a straggler (step time is equal on all ranks: see above).
 COMPARED = ("data_wait_s", "own_s")
 

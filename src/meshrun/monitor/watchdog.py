@@ -6,7 +6,9 @@ timeout: ``with run.phase("eval"):``, checkpoint saves), the rank writes
 and exits with ``EXIT_HANG``, well before the Gloo/NCCL collective timeout. All healthy ranks
 of a stuck job block in the same collective, so each one's watchdog fires on its own; a
 stopped or dead rank writes nothing, and ``hang_report`` (run by ``meshrun launch``) names it
-as the rank that did not report.
+as the rank that did not report. The header also holds the rank's position in each process
+group's sequence of collectives (PyTorch's flight recorder, monitor/collectives.py), so the
+report can name a rank that never reached the collective the others wait in.
 """
 
 from __future__ import annotations
@@ -23,6 +25,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+
+from meshrun.monitor.collectives import (
+    Position,
+    collective_lines,
+    last_collectives,
+    parse_positions,
+)
 
 __all__ = ["EXIT_HANG", "HANG_DIR", "Watchdog", "hang_report", "watch_for_hangs"]
 
@@ -108,6 +117,7 @@ class Watchdog:
             "timeout_s": self.timeout_s,
             "main_thread": threading.main_thread().ident,
             "time": time.time(),
+            "collectives": last_collectives(),
         }
         with open(self.path, "w", encoding="utf-8") as f:
             f.write(json.dumps(header) + "\n")
@@ -136,6 +146,7 @@ class RankDump:
     step: int
     innermost: str  # file:line in function
     user: str  # the innermost frame outside torch and meshrun (the user's line)
+    positions: dict[str, Position] | None = None  # per process group (flight recorder)
 
 
 def parse_dump(text: str) -> RankDump:
@@ -160,6 +171,7 @@ def parse_dump(text: str) -> RankDump:
         int(info["step"]),
         where[0] if where else "?",
         user,
+        parse_positions(info),
     )
 
 
@@ -207,6 +219,10 @@ def hang_report(run_dir: str | Path, since: float) -> str | None:
             f"  rank {d.rank} ({d.host}) in phase {d.phase} after step {d.step}: "
             f"waits at {d.innermost}; your code: {d.user}"
         )
+    silent = sorted({int(r) for r in stopped if r.isdigit()} | set(missing))
+    positions = {d.rank: d.positions for d in dumps if d.positions is not None}
+    if positions:
+        lines += collective_lines(positions, silent)
     lines.append(f"  stacks: {folder}/rank*.txt")
     return "\n".join(lines)
 

@@ -1,0 +1,147 @@
+"""``meshrun scale-test --nproc 1,2,4 SCRIPT|-m MODULE args...``: the same job at several
+world sizes, one after the other, through ``meshrun launch``'s path (torchrun's agent), one run
+directory per size under ``--out``, then ``meshrun report`` over all of them.
+
+Every size's config is loaded and validated (batch arithmetic, mesh) before the first process
+starts, so a size that cannot run stops the test at once rather than after the others. The
+global batch stays as configured, so the default is strong scaling; raise ``data.global_batch``
+with the size yourself (separate runs, then ``meshrun report``) for weak scaling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from meshrun.config import Config, ConfigError, load_config, split_overrides, validate_for_world
+from meshrun.monitor.report import ReportError
+from meshrun.monitor.report_html import summary_lines, write_report
+
+__all__ = ["add_parser", "parse_sizes", "run_dirs"]
+
+DEMO_MODULE = "meshrun.demo"
+DEMO_CONFIG = Path(__file__).parents[1] / "demo" / "demo.toml"
+
+
+def parse_sizes(text: str) -> list[int]:
+    """``"1,2,4"`` -> ``[1, 2, 4]`` (sorted, distinct, each >= 1), or a ConfigError."""
+    try:
+        sizes = sorted({int(x) for x in text.split(",") if x.strip()})
+    except ValueError:
+        sizes = []
+    if not sizes or sizes[0] < 1:
+        raise ConfigError(
+            f"--nproc {text!r} is not allowed: expected process counts >= 1 separated by "
+            "commas, e.g. --nproc 1,2,4"
+        )
+    return sizes
+
+
+def run_dirs(parent: Path, sizes: list[int]) -> dict[int, Path]:
+    """One run directory per size: ``PARENT/nproc<N>``."""
+    return {n: parent / f"nproc{n}" for n in sizes}
+
+
+def _configs(a: argparse.Namespace, module: str | None, sizes: list[int]) -> dict[int, Config]:
+    """Each size's resolved config, validated for its world size (no process started yet)."""
+    overrides, _ = split_overrides(list(a.args))
+    keys = {k for k, _ in overrides}
+    if "job.run_dir" in keys:
+        raise ConfigError(
+            "job.run_dir is set by scale-test (OUT/nproc<N> per size); leave it out and pass --out"
+        )
+    if a.steps is not None and "optim.steps" in keys:
+        raise ConfigError("--steps and --optim.steps both given; pass one of them")
+    default = DEMO_CONFIG if module == DEMO_MODULE else None
+    out: dict[int, Config] = {}
+    for n, run_dir in run_dirs(Path(a.out), sizes).items():
+        steps = [] if a.steps is None else [("optim.steps", str(a.steps))]
+        cfg = load_config(a.config or default, [*a.set, *overrides, *steps])
+        cfg.job.run_dir = str(run_dir)
+        try:
+            validate_for_world(cfg, n)
+        except ConfigError as e:
+            raise ConfigError(f"at --nproc {n}: {e}") from None
+        if (run_dir / "metrics.jsonl").exists():
+            raise ConfigError(
+                f"{run_dir} already holds a run (metrics.jsonl); pass a new --out or remove it"
+            )
+        out[n] = cfg
+    return out
+
+
+def cmd_scale_test(a: argparse.Namespace) -> int:
+    from meshrun.config import write_config
+    from meshrun.launch.local import LaunchSpec, launch_local
+
+    if not a.target:
+        raise ConfigError("meshrun scale-test needs a script (train.py) or -m MODULE")
+    module = a.target if a.module else None
+    if module is None and not Path(a.target).is_file():
+        raise ConfigError(f"script {a.target!r} does not exist")
+    configs = _configs(a, module, parse_sizes(a.nproc))
+    done: list[Path] = []
+    failed: list[int] = []
+    for n, cfg in configs.items():
+        run_dir = cfg.resolved_run_dir()
+        print(f"meshrun scale-test: {n} process(es) -> {run_dir}", file=sys.stderr, flush=True)
+        spec = LaunchSpec(
+            nproc_per_node=n,
+            script=None if module else a.target,
+            module=module,
+            script_args=list(a.args),
+            max_restarts=cfg.launch.max_restarts,
+            omp_num_threads=cfg.launch.omp_num_threads,
+            config_path=str(write_config(cfg, run_dir / "config.toml")),
+            run_dir=str(run_dir),
+        )
+        if launch_local(spec) == 0:
+            done.append(run_dir)
+        else:
+            failed.append(n)
+    return _report(done, failed, Path(a.out) / "report")
+
+
+def _report(done: list[Path], failed: list[int], out: Path) -> int:
+    if failed:
+        print(f"meshrun scale-test: the run(s) at --nproc {failed} failed", file=sys.stderr)
+    if not done:
+        return 1
+    try:
+        report = write_report(done, out)
+    except ReportError as e:
+        print(f"meshrun scale-test: error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(summary_lines(report)))
+    return 1 if failed else 0
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "scale-test",
+        help="run one job at several process counts and report the scaling efficiency",
+        description="Run SCRIPT (or -m MODULE) once per process count on this node through "
+        "torchrun's agent, each in OUT/nproc<N>, then write OUT/report (meshrun report). The "
+        "global batch stays as configured (strong scaling). Arguments after the script go to "
+        "it; --section.key=value among them override the config, validated for every size "
+        "before any process starts.",
+    )
+    p.add_argument("--nproc", required=True, help="process counts, e.g. 1,2,4")
+    p.add_argument("--steps", type=int, help="optimizer steps per run (= --optim.steps)")
+    p.add_argument(
+        "--out", default="runs/scale-test", help="parent folder (default runs/scale-test)"
+    )
+    p.add_argument("--config", help="TOML config file")
+    p.add_argument("--set", action="append", default=[], type=_kv, help="SECTION.KEY=VALUE")
+    p.add_argument("-m", "--module", action="store_true", help="TARGET is a module (python -m)")
+    p.add_argument("target", nargs="?", help="script path, or module name with -m")
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.set_defaults(fn=cmd_scale_test)
+
+
+def _kv(text: str) -> tuple[str, str]:
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: expected SECTION.KEY=VALUE")
+    key, value = text.split("=", 1)
+    return key, value
