@@ -82,13 +82,14 @@ def pick(root: Path, mode: str) -> str | None:
     return None
 
 
-def check_keys(path: Path, tensors: dict[str, Any]) -> None:
-    """DCP fails on tensors the checkpoint lacks; fail too on tensors this model lacks."""
+def check_keys(path: Path, tensors: dict[str, Any], known: set[str] | None = None) -> None:
+    """DCP fails on tensors the checkpoint lacks; fail too on tensors this model lacks
+    (``known``: flat keys this run maps although this rank does not load them)."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     meta = dcp.FileSystemReader(str(path)).read_metadata()  # DCP's own metadata (trusted format)
     flat, _ = flatten_state_dict(tensors)
-    extra = sorted(set(meta.state_dict_metadata) - set(flat))
+    extra = sorted(set(meta.state_dict_metadata) - set(flat) - (known or set()))
     if extra:
         raise CheckpointError(
             f"{path.name} holds {len(extra)} tensor(s) this run's model/optimizer lacks, e.g. "

@@ -35,6 +35,7 @@ __all__ = [
     "list_checkpoints",
     "parse_step",
     "problems",
+    "resume_path_error",
     "retention",
     "sha256_file",
     "step_dir",
@@ -149,6 +150,8 @@ def problems(directory: Path, *, checksums: bool = True) -> list[str]:
     """Why ``directory`` is not a valid checkpoint; empty when it is. With ``checksums``
     every file's SHA-256 is recomputed (reads the whole checkpoint)."""
     d = Path(directory)
+    if not d.is_dir():
+        return [f"{d}: {'not a directory' if d.exists() else 'does not exist'}"]
     marker, manifest_path = d / COMPLETE, d / MANIFEST
     if not marker.is_file():
         return [f"{d.name}: no {COMPLETE} marker (the save did not finish)"]
@@ -178,6 +181,22 @@ def _file_problems(d: Path, files: dict[str, Any], checksums: bool) -> Iterable[
             yield f"{d.name}/{rel}: size {size} bytes, manifest says {want['size']} (truncated?)"
         elif checksums and sha256_file(p) != want["sha256"]:
             yield f"{d.name}/{rel}: SHA-256 differs from the manifest (altered)"
+
+
+def resume_path_error(resume: str) -> str | None:
+    """Why ``checkpoint.resume = resume`` (a path) cannot be resumed, or None (also for
+    ``auto``/``never``). Cheap (sizes, marker and manifest hash; no checksums), so the launcher
+    can refuse a bad path before it spawns anything; the workers still verify the checksums."""
+    if resume in ("auto", "never"):
+        return None
+    bad = problems(Path(resume), checksums=False)
+    if not bad:
+        return None
+    return (
+        f"checkpoint.resume = {resume!r} is not a valid checkpoint: {'; '.join(bad)}; pick a "
+        "step_N directory from `meshrun ckpt list DIR`, or set checkpoint.resume=auto (the "
+        "newest valid one) or never"
+    )
 
 
 @dataclass(frozen=True)

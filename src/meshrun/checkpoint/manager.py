@@ -14,6 +14,7 @@ previous checkpoint is untouched.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import logging
@@ -22,17 +23,26 @@ import signal
 import threading
 import time
 from collections.abc import Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException as DCPException
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+from torch.distributed.tensor import DTensor
 
 from meshrun.checkpoint import layout
 from meshrun.checkpoint.checks import (
@@ -44,12 +54,20 @@ from meshrun.checkpoint.checks import (
     reseed,
     space_text,
 )
+from meshrun.checkpoint.pipeline import PipelineView, gather_optim_plain, maybe_pipeline_view
 from meshrun.checkpoint.state import (
     capture_rng,
     decode_json,
     merge_state,
     restore_rng,
     split_state,
+)
+from meshrun.checkpoint.writer import HashingFileSystem, hashing_writer
+from meshrun.checkpoint.zero1 import (
+    is_zero1,
+    zero1_load,
+    zero1_load_template,
+    zero1_state_dict,
 )
 from meshrun.config import Config, to_toml
 from meshrun.data.sampler import ResumableSampler
@@ -60,6 +78,7 @@ __all__ = ["CheckpointError", "Checkpointer", "Stateful"]
 
 log = logging.getLogger("meshrun")
 STATE_FILE = "state.json"
+_SAMPLER_AT_SAVE = "__sampler_at_save__"
 
 
 class Stateful(Protocol):
@@ -81,6 +100,8 @@ class _Pending:
     t0: float
     blocked_s: float = 0.0
     hashes: dict[str, Any] = field(default_factory=dict)
+    fs: HashingFileSystem | None = None
+    staged: Future[None] | None = None  # the background copy of the state (async staging)
     error: BaseException | None = None
     done: threading.Event = field(default_factory=threading.Event)
 
@@ -104,6 +125,7 @@ class Checkpointer:
         self._signal_name: str | None = None
         self._pending: _Pending | None = None
         self._async_group: dist.ProcessGroup | None = None
+        self._staging: DefaultStager | None = None
         if cfg.checkpoint.async_ and dist.is_initialized():
             self._async_group = dist.new_group(backend="gloo")  # now, not in the first save
 
@@ -111,12 +133,13 @@ class Checkpointer:
 
     def register(
         self,
-        model: nn.Module,
+        model: Any,
         optimizer: torch.optim.Optimizer,
         loader: Any = None,
         named: Mapping[str, Stateful] | None = None,
     ) -> None:
-        self.model, self.optimizer = model, optimizer
+        """``model``: the (parallelized) model, or the ``Pipeline`` from ``run.pipeline``."""
+        self.model, self.optimizer = maybe_pipeline_view(model) or model, optimizer
         self.install_signal_handlers()
         sampler = getattr(loader, "sampler", None)
         if isinstance(sampler, ResumableSampler):
@@ -143,21 +166,15 @@ class Checkpointer:
             self.optimizer = optimizer
 
     def _targets(self) -> tuple[nn.Module, torch.optim.Optimizer]:
-        if self.model is None and len(self.loop.models) == 1:
+        if self.model is None and self.loop.pp_group is not None:  # run.pipeline's stages
+            self.model = PipelineView(list(self.loop.models))
+        elif self.model is None and len(self.loop.models) == 1:
             self.model = self.loop.models[0]
         if self.model is None or self.optimizer is None:
             raise CheckpointError(
                 "nothing to checkpoint: call run.resume(model, optimizer, loader) before the "
                 "loop (it registers what is saved), or run.parallelize(model) and "
                 "run.optimizer_step(optimizer)"
-            )
-        if type(self.optimizer).__name__ == "ZeroRedundancyOptimizer":
-            # Its state_dict() needs a consolidation on every rank that DCP's get_state_dict
-            # does not do; saving it untested would risk an unresumable checkpoint.
-            raise CheckpointError(
-                "checkpoints with parallel.zero=1 (ZeroRedundancyOptimizer) are not supported "
-                "yet; use parallel.zero=2 (FSDP2, also shards the optimizer state) or "
-                "parallel.zero=0, or set checkpoint.interval=0 and save nothing"
             )
         loop_sampler = getattr(self.loop, "_sampler", None)  # set once run.steps() has begun
         if self.sampler is None and isinstance(loop_sampler, ResumableSampler):
@@ -235,8 +252,9 @@ class Checkpointer:
         mine: dict[str, Any] = {}
         try:
             self._write_rank_file(tmp)
-            dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(tmp), sync_files=True))
-            mine = layout.hash_files(tmp, self._my_files(tmp))
+            writer, fs = hashing_writer(tmp)
+            dcp.save(tensors, storage_writer=writer)
+            mine = self._my_digests(tmp, fs)
         except (Exception, DCPException) as e:  # DCP raises on every rank if any failed
             error = first_cause(e)
         self._finish(step, tmp, plain, mine, error)
@@ -269,8 +287,10 @@ class Checkpointer:
     # --- async save ----------------------------------------------------------------------
 
     def save_async(self, step: int | None = None) -> None:
-        """Stage the state to CPU memory (training is blocked only for this), then let DCP write
-        it from a background thread; committed at a later step boundary (``_poll_pending``)."""
+        """Start an async save: the state is copied to CPU memory in the stager's thread
+        (:meth:`before_update` waits for the copy before the next optimizer step), then DCP
+        writes it from a background thread; committed at a later step boundary
+        (``_poll_pending``)."""
         step = self.loop.step if step is None else step
         self.wait()  # at most one save in flight
         if self._async_group is None and dist.is_initialized():
@@ -280,25 +300,90 @@ class Checkpointer:
         t0 = time.perf_counter()
         tmp = layout.tmp_dir(self.root, step)
         tensors, plain = self._collect()
+        tensors = self._clone_volatile(tensors)
         self._prepare_tmp(tmp)
         pending = _Pending(step, tmp, plain, t0)
         try:
             self._write_rank_file(tmp)
-            writer = dcp.FileSystemWriter(str(tmp), sync_files=True)
-            future = dcp.async_save(tensors, storage_writer=writer, process_group=self._async_group)
+            writer, fs = hashing_writer(tmp)
+            pending.fs = fs
+            response = dcp.async_save(
+                tensors,
+                storage_writer=writer,
+                process_group=self._async_group,
+                async_stager=self._stager(),
+            )
         except (Exception, DCPException) as e:
             self._finish(step, tmp, plain, {}, first_cause(e))  # raises on every rank
             return
+        if isinstance(response, AsyncSaveResponse):
+            pending.staged, future = response.staging_completion, response.upload_completion
+        else:
+            future = response  # staged synchronously (a stager without a thread)
         pending.blocked_s = time.perf_counter() - t0
         self.loop.metrics.log_event("checkpoint", after_step=step, blocked_s=pending.blocked_s)
         self._pending = pending
-        future.add_done_callback(functools.partial(self._after_write, pending))  # type: ignore[union-attr]
+        future.add_done_callback(functools.partial(self._after_write, pending))
+
+    def before_update(self) -> None:
+        """``run.optimizer_step`` calls this before the optimizer changes anything: the copy of
+        the parameters and optimizer state that an async save makes in the background must be
+        finished by then. The wait (usually none: the copy overlaps the forward and backward)
+        counts as time training was blocked."""
+        p = self._pending
+        if p is None or p.staged is None or p.staged.done():
+            return
+        t0 = time.perf_counter()
+        with contextlib.suppress(Exception):  # a failed copy fails the write: reported at commit
+            p.staged.result()
+        p.blocked_s += time.perf_counter() - t0
+
+    def _clone_volatile(self, tensors: dict[str, Any]) -> dict[str, Any]:
+        """Clone (now, on the training thread) every tensor that is neither a parameter nor
+        optimizer state: buffers (BatchNorm statistics change in forward) and user objects may
+        change before the next optimizer step, so only what changes in ``optimizer.step()``
+        alone is left to the background copy."""
+        model, optimizer = self._targets()
+        inner = getattr(optimizer, "optim", optimizer)  # ZeRO-1 keeps the state in .optim
+        stable = {_storage_ptr(p) for p in model.parameters()}
+        stable |= {
+            _storage_ptr(v)
+            for st in inner.state.values()
+            for v in st.values()
+            if isinstance(v, torch.Tensor)
+        }
+
+        def walk(node: Any) -> Any:
+            if isinstance(node, torch.Tensor):
+                return node if _storage_ptr(node) in stable else node.detach().clone()
+            return {k: walk(v) for k, v in node.items()} if isinstance(node, dict) else node
+
+        return cast("dict[str, Any]", walk(tensors))
+
+    def _stager(self) -> DefaultStager:
+        """One stager for the run: it keeps its CPU copy of every tensor between saves, so a
+        save after the first copies into memory already mapped (the first one also allocates
+        and page-faults it in). The copy runs in the stager's thread while training goes on to
+        the next forward and backward; :meth:`before_update` waits for it before the optimizer
+        changes anything. Pinned memory and non-blocking copies on CUDA only."""
+        if self._staging is None:
+            cuda = self.device.type == "cuda"
+            self._staging = DefaultStager(
+                StagingOptions(
+                    use_pinned_memory=cuda,
+                    use_shared_memory=False,
+                    use_async_staging=True,
+                    use_non_blocking_copy=cuda,
+                )
+            )
+        return self._staging
 
     def _after_write(self, pending: _Pending, future: Any) -> None:
-        """In DCP's writer thread: hash this rank's files too, off the training thread."""
+        """In DCP's writer thread: collect the digests of this rank's files."""
         try:
             future.result()
-            pending.hashes = layout.hash_files(pending.tmp, self._my_files(pending.tmp))
+            assert pending.fs is not None
+            pending.hashes = self._my_digests(pending.tmp, pending.fs)
         except BaseException as e:
             pending.error = first_cause(e)
         pending.done.set()
@@ -335,15 +420,27 @@ class Checkpointer:
     def _collect(self) -> tuple[dict[str, Any], dict[str, Any]]:
         model, optimizer = self._targets()
         self._warn_unregistered(optimizer)
-        msd, osd = get_state_dict(model, optimizer)
         user = {name: obj.state_dict() for name, obj in self.named.items()}
-        tensors, plain = split_state({"model": msd, "optim": osd, "user": user})
+        if is_zero1(optimizer):  # each rank gives the optimizer state it owns (zero1.py)
+            ot, op = zero1_state_dict(model, optimizer)
+            tensors, plain = split_state({"model": get_model_state_dict(model), "user": user})
+            tensors.update({"optim": ot} if ot else {})
+            plain["optim"] = op
+        else:
+            msd, osd = get_state_dict(model, optimizer)
+            tensors, plain = split_state({"model": msd, "optim": osd, "user": user})
+            if isinstance(model, PipelineView) and self.loop.pp_group is not None:
+                plain["optim"] = gather_optim_plain(plain["optim"], self.loop.pp_group)
         plain["schedulers"] = [s.state_dict() for s in self.loop.schedulers]
         # LambdaLR keeps its functions out of state_dict() (None here): nothing to pickle.
         tensors_only, sched_plain = split_state({"s": plain.pop("schedulers")})
         if tensors_only:
             raise CheckpointError("an LR scheduler's state_dict() holds tensors: not supported")
         plain["schedulers"] = sched_plain["s"]
+        # The data position of *this* step: an async save is committed steps later, when the
+        # sampler has moved on (a JSON round trip makes it a copy).
+        sampler = self.sampler.state_dict() if self.sampler is not None else None
+        plain[_SAMPLER_AT_SAVE] = json.loads(json.dumps(sampler))
         return tensors, plain
 
     def _warn_unregistered(self, optimizer: torch.optim.Optimizer) -> None:
@@ -361,10 +458,16 @@ class Checkpointer:
             tmp.mkdir(parents=True)
         _barrier()
 
-    def _my_files(self, tmp: Path) -> list[str]:
-        """The files this rank wrote (DCP names its shards ``__<rank>_<n>.distcp``): each rank
-        hashes its own, in parallel, instead of rank 0 reading the whole checkpoint."""
-        return [p.name for p in tmp.glob(f"__{self.rank}_*.distcp")] + [rank_file(self.rank)]
+    def _my_digests(self, tmp: Path, fs: HashingFileSystem) -> dict[str, Any]:
+        """Size and SHA-256 of the files this rank wrote: its shards were hashed while DCP wrote
+        them (no re-read); its small RNG file is hashed here. Each rank reports its own files, so
+        rank 0 never reads the whole checkpoint."""
+        mine = dict(fs.digests)
+        stray = {p.name for p in tmp.glob(f"__{self.rank}_*.distcp")} - set(mine)
+        if stray:  # DCP wrote a shard around the hashing seam: hash it the slow way
+            log.warning("%s: shards %s were not hashed while written; re-reading", tmp, stray)
+        mine.update(layout.hash_files(tmp, [*sorted(stray), rank_file(self.rank)]))
+        return mine
 
     def _gather_hashes(self, mine: dict[str, Any]) -> dict[str, Any]:
         if not dist.is_initialized():
@@ -393,8 +496,8 @@ class Checkpointer:
     def _global_state(self, step: int, plain: dict[str, Any]) -> dict[str, Any]:
         return {
             "step": step,
-            "sampler": self.sampler.state_dict() if self.sampler is not None else None,
-            "plain": plain,
+            "sampler": plain[_SAMPLER_AT_SAVE],
+            "plain": {k: v for k, v in plain.items() if k != _SAMPLER_AT_SAVE},
             "config_toml": to_toml(self.cfg),
         }
 
@@ -479,15 +582,7 @@ class Checkpointer:
         saved = json.loads((path / STATE_FILE).read_text())
         manifest = layout.read_manifest(path)
         lr_factor = self._check_batch(path, manifest)
-        msd, osd = get_state_dict(model, optimizer)
-        user = {name: obj.state_dict() for name, obj in self.named.items()}
-        tensors, _ = split_state({"model": msd, "optim": osd, "user": user})
-        check_keys(path, tensors)
-        dcp.load(tensors, checkpoint_id=str(path))
-        full = merge_state(tensors, saved["plain"])
-        set_state_dict(
-            model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optim"]
-        )
+        full = self._load_tensors(path, model, optimizer, saved["plain"])
         for name, obj in self.named.items():
             obj.load_state_dict(full["user"][name])
         self._restore_rest(path, saved, manifest)
@@ -495,6 +590,48 @@ class Checkpointer:
             self._rescale_lr(optimizer, lr_factor)
         self.last_saved = saved["step"]
         return int(saved["step"])
+
+    def _load_tensors(
+        self,
+        path: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        plain: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Load model, optimizer and user tensors from ``path`` into this run's layout (DCP
+        re-shards); returns the merged state (for the user objects)."""
+        user = {name: obj.state_dict() for name, obj in self.named.items()}
+        if not is_zero1(optimizer):
+            msd, osd = get_state_dict(model, optimizer)
+            tensors, _ = split_state({"model": msd, "optim": osd, "user": user})
+            check_keys(path, tensors, known=self._other_stages_keys(model, tensors))
+            dcp.load(tensors, checkpoint_id=str(path))
+            full = merge_state(tensors, plain)
+            set_state_dict(
+                model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optim"]
+            )
+            return full
+        # ZeRO-1: each rank loads the optimizer state of the parameters it owns now.
+        meta = dcp.FileSystemReader(str(path)).read_metadata()
+        template, seen = zero1_load_template(model, optimizer, meta)
+        tensors, _ = split_state({"model": get_model_state_dict(model), "user": user})
+        check_keys(path, tensors, known=seen)
+        dcp.load({**tensors, "optim": {"state": template}}, checkpoint_id=str(path))
+        full = merge_state(tensors, plain)
+        set_model_state_dict(model, full["model"])
+        zero1_load(model, optimizer, template, plain["optim"])
+        return full
+
+    def _other_stages_keys(self, model: nn.Module, tensors: dict[str, Any]) -> set[str]:
+        """Under pipeline parallelism each rank holds only its stages: the keys of the others
+        (all-gathered) are known to this run, not extra."""
+        if not isinstance(model, PipelineView) or not dist.is_initialized():
+            return set()
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        every: list[Any] = [None] * self.world
+        dist.all_gather_object(every, sorted(flatten_state_dict(tensors)[0]))
+        return {k for keys in every for k in keys}
 
     def _restore_rest(self, path: Path, saved: dict[str, Any], manifest: dict[str, Any]) -> None:
         scheds = decode_json(saved["plain"]["schedulers"])
@@ -571,6 +708,11 @@ class Checkpointer:
                     group[key] = group[key] * factor
         for sched in self.loop.schedulers:
             sched.base_lrs = [lr * factor for lr in sched.base_lrs]
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t  # FSDP2/TP: this rank's shard
+    return int(local.untyped_storage().data_ptr())
 
 
 def _barrier() -> None:
