@@ -1,7 +1,8 @@
 """Pipeline parallel trains a 4-block demo GPT exactly like one process with the global batch.
 
 One 4-rank spawn runs pp=2 x dp_shard=2 (FSDP2 on each stage) with GPipe, 1F1B and interleaved
-1F1B (2 stages per rank), then pp=4 with 1F1B, each on a fresh model and mesh; per-step losses,
+1F1B (2 stages per rank), pp=4 with 1F1B, pp=2 x DDP 2 (replicate per stage), pp=2 x tp=2 with
+1F1B and pp=2 x tp=2 + SP interleaved, each on a fresh model and mesh; per-step losses,
 clipped gradient norms (combined over the stages) and final parameters are compared with the
 single-process reference of test_layouts.py on the same model shape. A 2-rank spawn runs the
 user's loop under ``meshrun.init`` with ``run.pipeline`` and accumulation 2.
@@ -18,11 +19,18 @@ import torch.nn.functional as F
 from test_layouts import CLIP, LR, STEPS, Layout, build_data, build_model, check_numerics, reference
 from torch import Tensor
 from torch.distributed.tensor import DTensor
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import run_distributed
 from meshrun.config import ParallelConfig, check_layout
 from meshrun.mesh import ParallelDims, build_mesh
-from meshrun.parallel import clip_grad_norm_, parallelize_pipeline, pipeline_step
+from meshrun.parallel import (
+    build_grad_scaler,
+    build_optimizer,
+    clip_grad_norm_,
+    parallelize_pipeline,
+    pipeline_step,
+)
 
 N_LAYER = 4
 
@@ -31,35 +39,54 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def train_pp(rank: int, layout: Layout, data: torch.Tensor) -> dict[str, Any]:
+def train_pp(
+    rank: int, layout: Layout, data: torch.Tensor, n_layer: int = N_LAYER
+) -> dict[str, Any]:
+    """5 steps of ``layout`` the way run.pipeline_step / run.optimizer_step do them (scaler,
+    clipping over the stages, the ZeRO-1 optimizer from build_optimizer)."""
     cfg = ParallelConfig(**layout)
     dims = ParallelDims.from_config(cfg, dist.get_world_size())
     check_layout(cfg, vars(dims))
-    mesh = build_mesh(dims, "cpu")
-    pipe = parallelize_pipeline(
-        build_model(n_layer=N_LAYER), mesh, cfg, torch.device("cpu"), lm_loss
-    )
-    params = [p for m in pipe.modules for p in m.parameters()]
-    opt = torch.optim.SGD(params, lr=LR, momentum=0.9)
+    mesh, cpu = build_mesh(dims, "cpu"), torch.device("cpu")
+    scaler = build_grad_scaler(cfg, cpu)
+    model = build_model(n_layer=n_layer)
+    pipe = parallelize_pipeline(model, mesh, cfg, cpu, lm_loss, scaler=scaler)
+    opt = build_optimizer(pipe, torch.optim.SGD, mesh, cfg, lr=LR, momentum=0.9)
+    params = pipe.parameters()
     per_rank = data.shape[1] // dims.dp
     dp_rank = dims.dp_rank(rank)
     losses, norms = [], []
     for step in range(STEPS):
         mine = data[step, dp_rank * per_rank : (dp_rank + 1) * per_rank]
         loss = pipeline_step(pipe, mine[:, :-1], mine[:, 1:])
+        if scaler is not None:
+            scaler.unscale_(opt)
         norms.append(float(clip_grad_norm_(params, CLIP, pp_group=pipe.group)))
-        opt.step()
+        if scaler is None:
+            opt.step()
+        else:
+            scaler.step(opt)
+            scaler.update()
         opt.zero_grad()
         dist.all_reduce(loss, group=mesh.get_group("dp"))
         losses.append(float(loss) / dims.dp)
     mine_params = {}
     for m in pipe.modules:
-        for k, v in m.state_dict().items():
+        stage = m.module if isinstance(m, DDP) else m
+        for k, v in stage.state_dict().items():
             mine_params[k] = (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine_params)
     merged = {k: v for d in everyone for k, v in d.items()}
-    return {"losses": losses, "norms": norms, "params": merged if rank == 0 else None}
+    return {
+        "losses": losses,
+        "norms": norms,
+        "params": merged if rank == 0 else None,
+        "scale": None if scaler is None else scaler.get_scale(),
+        "stage_types": sorted({type(m).__name__ for m in pipe.modules}),
+        "optim_type": type(opt).__name__,
+        "dtensor_params": sum(isinstance(p, DTensor) for p in params),
+    }
 
 
 def train_pp_layouts(rank: int, world_size: int, layouts: dict[str, Layout]) -> dict[str, Any]:
@@ -73,6 +100,15 @@ PP_LAYOUTS: dict[str, Layout] = {
     "PP 2 x DP 2 1F1B": {"pp": 2, "zero": 3, "pp_schedule": "1f1b"},
     "PP 2 x DP 2 interleaved": {"pp": 2, "zero": 3, "pp_schedule": "interleaved"},
     "PP 4 1F1B": {"pp": 4, "pp_schedule": "1f1b", "pp_microbatches": 4},
+    # Each stage module parallelized on the non-pp sub-mesh (torchtitan's flow).
+    "PP 2 x DDP 2 1F1B": {"pp": 2, "zero": 0, "pp_schedule": "1f1b"},
+    "PP 2 x TP 2 1F1B": {"pp": 2, "tp": 2, "pp_schedule": "1f1b"},
+    "PP 2 x TP 2 + SP interleaved": {
+        "pp": 2,
+        "tp": 2,
+        "sequence_parallel": True,
+        "pp_schedule": "interleaved",
+    },
 }
 
 
@@ -84,6 +120,12 @@ def test_pipeline_layouts_match_one_process() -> None:
     for name in PP_LAYOUTS:
         got = results[0][name]
         check_numerics(name, got, ref)
+    got = results[0]
+    assert got["PP 2 x DDP 2 1F1B"]["stage_types"] == ["ReplicateStageModule"]
+    assert got["PP 2 x DP 2 GPipe"]["stage_types"] == ["FSDPStageModule"]
+    for name in ("PP 2 x TP 2 1F1B", "PP 2 x TP 2 + SP interleaved"):
+        assert got[name]["dtensor_params"] > 0, name  # the stage's linears really are split
+        assert got[name]["stage_types"] == ["StageModule"], name
 
 
 # --- the user's loop under meshrun.init: run.pipeline / run.pipeline_step ------------------

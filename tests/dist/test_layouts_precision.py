@@ -1,4 +1,5 @@
-"""fp16 mixed precision with a loss scaler, under DDP and FSDP2 ZeRO-3, on 2 Gloo ranks.
+"""fp16 mixed precision with a loss scaler, under DDP, ZeRO-1, FSDP2 ZeRO-3, TP and PP, on 2 Gloo
+ranks (PP: the schedule scales each chunk's loss; no skip check there).
 
 One spawn trains the demo GPT 5 steps per layout the way ``run.backward`` /
 ``run.optimizer_step`` do (scale, unscale, clip, step, update) and compares with the fp32
@@ -9,7 +10,8 @@ loop, saved by ``run.resume``'s checkpoints and restored on restart.
 
 Tolerance: fp16 compute keeps 11 significant bits (bf16: 8), so the loss is held to 5e-4
 relative and the parameters to 2e-3 absolute after 5 steps at lr 0.3 (measured: 4.4e-5 and
-1.3e-4 under ZeRO-3, 1.5e-5 and 4.5e-5 under DDP; the figures are printed), tighter than the
+1.3e-4 under ZeRO-3, 5.1e-5 and 4.5e-5 under DDP, ZeRO-1 and PP, 1.8e-5 and 5.7e-5 under TP;
+the figures are printed), tighter than the
 bf16 layouts' 1e-3 / 1e-2.
 """
 
@@ -33,6 +35,7 @@ from test_layouts import (
     loss_of,
     reference,
 )
+from test_layouts_pp import train_pp
 from torch import nn
 from torch.utils.data import Dataset
 
@@ -53,10 +56,10 @@ def train_fp16(rank: int, cfg: ParallelConfig, data: torch.Tensor) -> dict[str, 
     opt = build_optimizer(model, torch.optim.SGD, mesh, cfg, lr=LR, momentum=0.9)
     scaler = build_grad_scaler(cfg, torch.device("cpu"))
     assert scaler is not None
-    per_rank = GLOBAL_BATCH // dims.dp
+    per_rank, dp_rank = GLOBAL_BATCH // dims.dp, dims.dp_rank(rank)
     losses, norms = [], []
     for step in range(STEPS):
-        tokens = data[step, rank * per_rank : (rank + 1) * per_rank]
+        tokens = data[step, dp_rank * per_rank : (dp_rank + 1) * per_rank]
         loss = loss_of(model, tokens)
         scaler.scale(loss).backward()
         scaler.unscale_(opt)
@@ -65,12 +68,13 @@ def train_fp16(rank: int, cfg: ParallelConfig, data: torch.Tensor) -> dict[str, 
         scaler.update()
         opt.zero_grad()
         total = loss.detach().float()
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=mesh.get_group("dp"))
         losses.append(float(total) / dims.dp)
     out: dict[str, Any] = {"losses": losses, "norms": norms, "scale": scaler.get_scale()}
     params = full_params(model)  # a collective: every rank calls it
     out["params"] = params if rank == 0 else None
     out["skip"] = skip_on_one_rank(rank, model, opt, scaler, data[0, :per_rank])
+    out["optim_type"] = type(opt).__name__
     return out
 
 
@@ -97,21 +101,33 @@ def skip_on_one_rank(
 def fp16_layouts(rank: int, world_size: int) -> dict[str, Any]:
     dist.init_process_group("gloo")
     data = build_data()
-    return {
-        "DDP 2 fp16": train_fp16(rank, ParallelConfig(zero=0, param_dtype="float16"), data),
-        "ZeRO-3 2 fp16": train_fp16(rank, ParallelConfig(zero=3, param_dtype="float16"), data),
-    }
+    out = {name: train_fp16(rank, ParallelConfig(**layout), data) for name, layout in FP16.items()}
+    # The pipeline schedule runs the backward: the scaler scales each chunk's loss inside it.
+    out["PP 2 fp16"] = train_pp(rank, {"pp": 2, "param_dtype": "float16"}, data, n_layer=2)
+    return out
+
+
+FP16: dict[str, dict[str, Any]] = {
+    "DDP 2 fp16": {"zero": 0, "param_dtype": "float16"},
+    "ZeRO-1 2 fp16": {"zero": 1, "param_dtype": "float16"},
+    "ZeRO-3 2 fp16": {"zero": 3, "param_dtype": "float16"},
+    "TP 2 fp16": {"tp": 2, "param_dtype": "float16"},
+}
 
 
 @pytest.mark.timeout(200)
 def test_fp16_with_sharded_scaler_matches_fp32_and_skips_together() -> None:
     ref = reference()
     results = run_distributed(fp16_layouts, 2, timeout=170)
+    assert results[0]["ZeRO-1 2 fp16"]["optim_type"] == "ZeroRedundancyOptimizer"
     for name, got in results[0].items():
         check_numerics(name, got, ref, rtol=FP16_RTOL, param_atol=FP16_PARAM_ATOL)
         lost = max(abs(a - b) for a, b in zip(got["losses"], ref["losses"], strict=True))
         assert lost > 1e-6, f"{name}: no fp16 rounding at all: was autocast/fp16 applied?"
         assert got["scale"] == 2.0**16, name  # no overflow in 5 healthy steps: no back-off
+        if name == "PP 2 fp16":
+            print(f"{name}: max |loss - fp32 ref| {lost:.3g}")
+            continue
         for rank, r in enumerate(results):
             skip = r[name]["skip"]
             # inf on rank 0 only: every rank skips (parameters unchanged) and halves the scale
@@ -170,7 +186,7 @@ def run_fp16(rank: int, world_size: int, cfg: meshrun.Config) -> dict[str, Any]:
 @pytest.mark.timeout(200)
 def test_run_uses_and_checkpoints_the_scaler(tmp_path: Path) -> None:
     first = run_distributed(run_fp16, 2, make_config(tmp_path, "never"), timeout=90)
-    assert first[0]["type"] == "ShardedGradScaler"
+    assert first[0]["type"] == "MeshGradScaler"  # a ShardedGradScaler (parallel/precision.py)
     assert first[0]["start"] == 0 and first[0]["restored"] == 2.0**16
     assert len(first[0]["losses"]) == 6 and all(x == x for x in first[0]["losses"])  # finite
     cfg = make_config(tmp_path, "auto")

@@ -9,10 +9,13 @@ import os
 import pytest
 import torch
 from torch import nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel
 
-from meshrun.config import ConfigError, ParallelConfig
+from meshrun.config import ConfigError, ParallelConfig, load_config, validate_for_world
 from meshrun.demo.model import GPT, demo_config
 from meshrun.parallel import build_grad_scaler, parallelize
+from meshrun.parallel.tp import loss_parallel_plan
 
 CPU = torch.device("cpu")
 
@@ -39,9 +42,20 @@ def test_only_fp16_gets_a_loss_scaler() -> None:
         assert build_grad_scaler(ParallelConfig(param_dtype=dtype), CPU) is None
 
 
-def test_loss_parallel_is_a_clear_error() -> None:
-    with pytest.raises(ConfigError, match=r"parallel\.loss_parallel = true is not available yet"):
+def test_loss_parallel_needs_tensor_parallel() -> None:
+    with pytest.raises(ConfigError, match=r"parallel\.loss_parallel = true splits .* tp=1"):
         parallelize(tiny(), None, ParallelConfig(loss_parallel=True), CPU)
+    with pytest.raises(ConfigError, match=r"parallel\.loss_parallel = true .* has tp=1"):
+        validate_for_world(load_config(None, [("parallel.loss_parallel", "true")]), 2)
+
+
+def test_loss_parallel_plan_splits_the_head_over_the_vocabulary() -> None:
+    plan = loss_parallel_plan(tiny(), {})
+    head = plan["lm_head"]
+    assert isinstance(head, ColwiseParallel) and head.output_layouts == (Shard(-1),)
+    assert head.use_local_output is False  # DTensor logits, for loss_parallel()
+    with pytest.raises(ConfigError, match=r"lm_head.*Linear has none"):
+        loss_parallel_plan(nn.Linear(4, 4), {})
 
 
 def test_compile_is_applied_per_block_and_keeps_the_keys() -> None:

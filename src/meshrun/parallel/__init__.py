@@ -2,7 +2,9 @@
 
 ``parallelize`` owns the order, as torchtitan does:
 
-1. tensor parallel (``apply_tp``) over the ``tp`` dim: parameters become DTensors;
+1. tensor parallel (``apply_tp``) over the ``tp`` dim: parameters become DTensors (with
+   ``loss_parallel`` the head too, its logits sharded over the vocabulary:
+   :func:`maybe_loss_parallel` is the context the loss and its backward run in);
 2. activation checkpointing of every k-th block (``apply_ac``);
 3. ``torch.compile`` of each block in place (``apply_compile``, ``parallel.compile``);
 4. data parallelism last, over the ``dp`` dims: FSDP2 (``zero`` 2/3, HSDP when dp_replicate > 1)
@@ -13,6 +15,9 @@
 fp16 needs a loss scaler: :func:`build_grad_scaler` (used by ``run.backward`` and
 ``run.optimizer_step``) agrees on skipped steps across ranks.
 
+Pipeline parallel (:func:`parallelize_pipeline`) splits first, then applies the same order to
+each stage module on the non-pp sub-mesh.
+
 A model built on the meta device is allocated after sharding and initialised with its
 ``init_weights()``, so no rank ever holds the whole model.
 """
@@ -21,17 +26,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor.parallel import loss_parallel
 
-from meshrun.config import ConfigError, ParallelConfig
+from meshrun.config import ConfigError, ParallelConfig, check_layout
 from meshrun.mesh import ParallelDims, fsdp_mesh, tp_mesh
 from meshrun.parallel.ac import apply_ac
 from meshrun.parallel.comm import apply_comm_hook
 from meshrun.parallel.compile import apply_compile
-from meshrun.parallel.ddp import apply_ddp
+from meshrun.parallel.ddp import apply_ddp, apply_replicate
 from meshrun.parallel.fsdp import WrapPredicate, apply_fsdp, has_meta_params, is_block, materialize
 from meshrun.parallel.grads import clip_grad_norm_, set_grad_sync
 from meshrun.parallel.pp import (
@@ -48,6 +58,7 @@ from meshrun.parallel.tp import (
     apply_tp,
     check_tp_plan,
     default_tp_plan,
+    loss_parallel_plan,
     sequence_parallel_plan,
 )
 from meshrun.parallel.zero import build_optimizer, check_optimizer
@@ -66,6 +77,7 @@ __all__ = [
     "data_parallel_stage",
     "default_tp_plan",
     "is_block",
+    "maybe_loss_parallel",
     "parallelize",
     "parallelize_pipeline",
     "pipeline_step",
@@ -86,6 +98,7 @@ def parallelize(
     tp_plan: TPPlan | None = None,
     parallelize_fn: ParallelizeFn | None = None,
     wrap: WrapPredicate = is_block,
+    comm_hook_wrap: Callable[[Any], Any] | None = None,
 ) -> nn.Module:
     """Apply the configured layout to ``model`` and return a real torch module: the model itself
     (tensor parallel, FSDP2: changed in place) or, for DDP, the DDP wrapper around it.
@@ -93,6 +106,7 @@ def parallelize(
     ``tp_plan`` (module-name patterns to ParallelStyles) replaces :func:`default_tp_plan`;
     ``parallelize_fn(model, mesh)`` replaces meshrun's tensor-parallel step entirely (it gets
     the whole mesh). ``wrap(name, module)`` chooses FSDP's units (default: each block).
+    ``comm_hook_wrap(hook)`` wraps DDP's comm hook (the monitor's timing, monitor/comm.py).
     """
     dims = ParallelDims.from_mesh(mesh)
     if dims.pp > 1:
@@ -104,7 +118,11 @@ def parallelize(
     zero = data_parallel_stage(cfg, dims)
     check_offload(cfg, device)
     mp_policy = build_mp_policy(cfg, zero)  # checked before anything changes
-    check_loss_parallel(cfg)
+    if cfg.loss_parallel and dims.tp == 1:
+        raise ConfigError(
+            f"parallel.loss_parallel = true splits the logits over the tp dim, but the mesh has "
+            f"tp=1 ({dims.describe()}); set parallel.tp > 1 or parallel.loss_parallel=false"
+        )
     meta = has_meta_params(model)
     if not meta:
         model = model.to(device)
@@ -134,7 +152,7 @@ def parallelize(
     log.info(
         "DDP%s over %d ranks (bucket_cap_mb=%s, static_graph=%s, comm hook %s)",
         *(" + ZeRO-1" if zero == 1 else "", dims.dp, cfg.bucket_cap_mb, cfg.static_graph),
-        apply_comm_hook(ddp, cfg),
+        apply_comm_hook(ddp, cfg, comm_hook_wrap),
     )
     return ddp
 
@@ -156,24 +174,26 @@ def maybe_apply_tp(
         check_tp_plan(model, plan, dims.tp)  # on the plain plan: it names the split layers
         if cfg.sequence_parallel:
             plan = sequence_parallel_plan(model, plan)
+        if cfg.loss_parallel:
+            # Not checked for divisibility: DTensor shards the vocabulary unevenly (the demo's
+            # 257 over tp=2 gives the one-process loss and gradient: measured).
+            plan = loss_parallel_plan(model, plan)
         apply_tp(model, tp_mesh(mesh), plan)
+        extras = [
+            ("sequence parallel", cfg.sequence_parallel),
+            ("loss parallel", cfg.loss_parallel),
+        ]
         log.info(
             "tensor parallel over %d ranks: %d modules split%s",
-            *(dims.tp, len(plan), " (+ sequence parallel)" if cfg.sequence_parallel else ""),
+            *(dims.tp, len(plan), "".join(f" (+ {n})" for n, on in extras if on)),
         )
 
 
-def check_loss_parallel(cfg: ParallelConfig) -> None:
-    """Loss parallel needs the head's logits sharded over the vocabulary and the loss (and its
-    backward) computed inside ``loss_parallel()`` by the caller: the demo GPT computes its loss
-    inside ``forward`` from replicated logits, so meshrun has no plan for it yet."""
-    if cfg.loss_parallel:
-        raise ConfigError(
-            "parallel.loss_parallel = true is not available yet: it needs a column-wise lm_head "
-            "plan with DTensor logits and the loss computed under "
-            "torch.distributed.tensor.parallel.loss_parallel() outside the model; set "
-            "parallel.loss_parallel=false (the head stays replicated)"
-        )
+def maybe_loss_parallel(cfg: ParallelConfig) -> AbstractContextManager[None]:
+    """``torch.distributed.tensor.parallel.loss_parallel()`` when ``parallel.loss_parallel``
+    is on, else a no-op: the loss (cross-entropy on the vocab-sharded logits) and its backward
+    must run inside it. ``run.loss_parallel()`` returns this; ``run.backward`` enters it too."""
+    return loss_parallel() if cfg.loss_parallel else nullcontext()
 
 
 def check_offload(cfg: ParallelConfig, device: torch.device) -> None:
@@ -211,39 +231,63 @@ def parallelize_pipeline(
     device: torch.device,
     loss_fn: LossFn,
     *,
+    tp_plan: TPPlan | None = None,
     wrap: WrapPredicate = is_block,
+    scaler: ShardedGradScaler | None = None,
 ) -> Pipeline:
-    """Pipeline parallel: split ``model`` into this rank's stages, then per stage the same order
-    as :func:`parallelize` (AC, then FSDP2 over the dp dims), then the schedule. The user's
-    loop calls :func:`pipeline_step` instead of the model (see ``parallel/pp.py``)."""
+    """Pipeline parallel: split ``model`` into this rank's stages, then parallelize each stage
+    module on the non-pp sub-mesh in the order of :func:`parallelize` (tensor parallel, AC,
+    compile, then FSDP2 or DDP over the dp dims), then build the schedule. The user's loop
+    calls :func:`pipeline_step` instead of the model (see ``parallel/pp.py``); under fp16
+    ``scaler`` (:func:`build_grad_scaler`) scales each chunk's loss inside the schedule."""
     dims = ParallelDims.from_mesh(mesh)
-    if cfg.param_dtype == "float16" or cfg.loss_parallel:
+    check_layout(cfg, vars(dims))  # what pp cannot compose with (loss parallel, ZeRO-1)
+    if cfg.param_dtype == "float16" and scaler is None:
         raise ConfigError(
-            f"parallel.pp = {dims.pp} with parallel.param_dtype = {cfg.param_dtype!r}, "
-            f"loss_parallel = {cfg.loss_parallel}: the pipeline schedule runs the backward itself, "
-            "so no loss scaler or loss-parallel context can wrap it yet; use param_dtype=bfloat16 "
-            "(no scaler needed) and loss_parallel=false with pp"
+            f"parallel.pp = {dims.pp} with parallel.param_dtype = 'float16' needs a loss scaler "
+            "inside the schedule: use run.pipeline(model, loss_fn), or pass "
+            "scaler=build_grad_scaler(cfg, device) to parallelize_pipeline"
         )
-    if dims.tp > 1 or cfg.zero == 1 or (dims.dp > 1 and cfg.zero == 0):
-        raise ConfigError(
-            f"parallel.pp = {dims.pp} composes with FSDP2 (zero 2 or 3) on the dp dims in this "
-            f"version; tensor parallel, DDP and ZeRO-1 with pp are not available yet "
-            f"({dims.describe()}, zero = {cfg.zero})"
-        )
+    zero = data_parallel_stage(cfg, dims)
+    check_offload(cfg, device)
+    mp_policy = build_mp_policy(cfg, zero)  # checked before anything changes
     model = model.to(device)
-    modules = build_stage_modules(model, mesh, cfg)
-    for stage in modules:
-        if cfg.activation_checkpoint:
-            apply_ac(stage, cfg.activation_checkpoint, wrap)
-        if cfg.compile:
-            apply_compile(stage, wrap)
-        if cfg.zero >= 2 and dims.dp_shard > 1:
-            mp = build_mp_policy(cfg, cfg.zero)
-            apply_fsdp(
-                stage, fsdp_mesh(mesh), cfg.zero, cfg.cpu_offload, mp, wrap, cfg.fsdp_prefetch
-            )
+    modules = [
+        parallelize_stage(m, mesh, dims, cfg, device, zero, mp_policy, tp_plan, wrap)
+        for m in build_stage_modules(model, mesh, cfg)
+    ]
     log.info(
         "pipeline: %d stage(s) on this rank of %d, schedule %s, %d chunks per micro-batch",
         *(len(modules), dims.pp * len(modules), cfg.pp_schedule, cfg.pp_microbatches),
     )
-    return build_pipeline(modules, mesh, cfg, loss_fn, device)
+    return build_pipeline(modules, mesh, cfg, loss_fn, device, scaler)
+
+
+def parallelize_stage(
+    stage: nn.Module,
+    mesh: DeviceMesh,
+    dims: ParallelDims,
+    cfg: ParallelConfig,
+    device: torch.device,
+    zero: int,
+    mp_policy: MixedPrecisionPolicy,
+    tp_plan: TPPlan | None,
+    wrap: WrapPredicate,
+) -> nn.Module:
+    """One pipeline stage module, parallelized in place like a whole model by
+    :func:`parallelize`: TP, AC, compile, then FSDP2 (zero 2/3) or replication (zero 0/1, see
+    :func:`apply_replicate`) over the dp dims."""
+    maybe_apply_tp(stage, mesh, dims, cfg, tp_plan, None)
+    if cfg.activation_checkpoint:
+        apply_ac(stage, cfg.activation_checkpoint, wrap)
+    if cfg.compile:
+        apply_compile(stage, wrap)
+    if zero >= 2:
+        apply_fsdp(
+            stage, fsdp_mesh(mesh), zero, cfg.cpu_offload, mp_policy, wrap, cfg.fsdp_prefetch
+        )
+        return stage
+    apply_autocast(stage, cfg, device)
+    if dims.dp > 1:
+        apply_replicate(stage, mesh)
+    return stage

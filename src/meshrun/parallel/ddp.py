@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -21,6 +22,19 @@ def apply_ddp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, device: t
         static_graph=cfg.static_graph,
         find_unused_parameters=cfg.find_unused_parameters,
     )
+
+
+def apply_replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """DDP for a pipeline stage: gradients all-reduced over the ``dp`` dim, parameters whole.
+
+    Why not DDP: a pipeline stage runs several chunks' backwards per step, and DDP's reducer
+    rebuilds its buckets from the first step's gradient order; with the stage's no_sync chunks
+    that trips an internal assert at step 2 (torch 2.13: "rebuilt parameter indices size is
+    not same as original model parameters size", measured here). ``replicate`` is the FSDP2
+    machinery without sharding, the replication ``PipelineStage`` drives natively (it reduces
+    once, after the last chunk's backward), as torchtitan's PP x DDP does."""
+    replicate(model, mesh=mesh["dp"])  # in place, like fully_shard
+    return model
 
 
 # The accumulation switch for DDP and FSDP2 (set_grad_sync) lives in parallel/grads.py.

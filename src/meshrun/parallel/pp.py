@@ -8,6 +8,14 @@ the inputs, the last stage's ranks the targets); the schedule splits it into
 loss divided by the number of chunks, so the gradients equal those of one pass over the
 micro-batch and accumulate across micro-steps like ``run.backward``'s. The returned loss
 is the mean over the chunks, broadcast from the last stage to every rank of the pipeline.
+Under fp16 each chunk's loss is multiplied by the loss scaler's scale inside the schedule
+(the schedule runs the backward, so that is the only place the scaling can happen); the
+returned loss is the unscaled one.
+
+Each stage module is parallelized on the non-pp sub-mesh before the schedule is built
+(torchtitan's ``pipeline_llama`` + ``parallelize`` flow): tensor parallel over ``tp``, FSDP2
+or ``replicate`` over the dp dims. ``PipelineStage`` knows both (FSDPModules): it runs the
+chunks' backwards without gradient sync and reduces once, after the last chunk.
 
 Stages are built for GPT-2 shaped models (``tok_emb``, ``pos_emb``, ``drop``, a ``blocks``
 ModuleList, ``norm``, ``lm_head``, like ``meshrun.demo.model.GPT``); the stage modules keep the
@@ -18,7 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
@@ -34,6 +42,9 @@ from torch.distributed.pipelining.schedules import (
 )
 
 from meshrun.config import ConfigError, ParallelConfig
+
+if TYPE_CHECKING:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 GPT_PARTS = ("tok_emb", "pos_emb", "drop", "blocks", "norm", "lm_head")
 LossFn = Callable[[Tensor, Tensor], Tensor]
@@ -84,14 +95,16 @@ def stages_per_rank(cfg: ParallelConfig) -> int:
 
 @dataclass
 class Pipeline:
-    """This rank's stage modules and the schedule that drives them."""
+    """This rank's stage modules (StageModules, changed in place by TP / FSDP2 / replicate)
+    and the schedule that drives them."""
 
-    modules: list[StageModule]
+    modules: list[nn.Module]
     schedule: PipelineScheduleSingle | PipelineScheduleMulti
     is_first: bool
     is_last: bool
     group: dist.ProcessGroup
     last_rank: int  # global rank of the last stage in this rank's pipeline
+    scaler: ShardedGradScaler | None = None  # fp16: scales each chunk's loss (see build_pipeline)
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (all its stages), for the optimizer."""
@@ -116,13 +129,15 @@ def build_stage_modules(
 
 
 def build_pipeline(
-    modules: list[StageModule],
+    modules: list[nn.Module],
     mesh: DeviceMesh,
     cfg: ParallelConfig,
     loss_fn: LossFn,
     device: torch.device,
+    scaler: ShardedGradScaler | None = None,
 ) -> Pipeline:
-    """Wrap the (already data-parallel) stage modules in PipelineStages and a schedule."""
+    """Wrap the (already parallelized) stage modules in PipelineStages and a schedule; under
+    fp16 ``scaler`` scales each chunk's loss before the schedule's backward."""
     if cfg.pp_microbatches < cfg.pp:
         raise ConfigError(
             f"parallel.pp_microbatches = {cfg.pp_microbatches} is fewer than parallel.pp = "
@@ -134,10 +149,16 @@ def build_pipeline(
     ids = [me + k * cfg.pp for k in range(v)]
     chunks = cfg.pp_microbatches
 
+    if scaler is not None:
+        # The scale is created lazily by the first scale(); ranks without the last stage never
+        # call it in the schedule, yet their unscale_/step/update need it.
+        scaler.scale(torch.zeros((), device=device))
+
     def chunk_loss(output: Tensor, target: Tensor) -> Tensor:
         # 1/chunks here, not the schedule's scale_grads: that divides the whole .grad after the
         # step, so it would also divide what earlier accumulation micro-steps left there.
-        return loss_fn(output, target) / chunks
+        loss = loss_fn(output, target) / chunks
+        return loss if scaler is None else scaler.scale(loss)
 
     stages = [
         PipelineStage(m, i, n, device, group=group) for m, i in zip(modules, ids, strict=True)
@@ -151,7 +172,7 @@ def build_pipeline(
         schedule = cls(stages[0], chunks, loss_fn=chunk_loss, scale_grads=False)
     last_local = (n - 1) % cfg.pp
     last_rank = dist.get_global_rank(group, last_local)
-    return Pipeline(modules, schedule, 0 in ids, n - 1 in ids, group, last_rank)
+    return Pipeline(modules, schedule, 0 in ids, n - 1 in ids, group, last_rank, scaler)
 
 
 def pipeline_step(pipe: Pipeline, inputs: Tensor, targets: Tensor) -> Tensor:
@@ -164,6 +185,8 @@ def pipeline_step(pipe: Pipeline, inputs: Tensor, targets: Tensor) -> Tensor:
     else:
         pipe.schedule.step(**kwargs)
     # The chunks' losses carry 1/chunks already: their sum is the mean over the micro-batch.
-    loss = torch.stack(losses).sum().detach() if pipe.is_last else torch.zeros(())
+    loss = torch.stack(losses).sum().detach().float() if pipe.is_last else torch.zeros(())
+    if pipe.scaler is not None and pipe.is_last:
+        loss = loss / pipe.scaler.get_scale()  # a power of two: the division is exact
     dist.broadcast(loss, src=pipe.last_rank, group=pipe.group)
     return loss

@@ -36,6 +36,7 @@ COLWISE = {"q", "k", "v", "q_proj", "k_proj", "v_proj", "wq", "wk", "wv"}
 COLWISE |= {"up", "gate", "up_proj", "gate_proj", "w1", "w3", "fc1", "c_fc"}
 ROWWISE = {"proj", "o_proj", "wo", "out_proj", "down", "down_proj", "w2", "fc2"}
 HEAD_ATTRS = ("n_head", "num_heads", "n_heads", "n_kv_head", "num_key_value_heads")
+OUTPUT_HEADS = ("lm_head", "output", "head")  # the vocabulary projection, outside the blocks
 
 
 def default_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
@@ -92,6 +93,23 @@ class _BlockSequenceSplit(ParallelStyle):
             output_layouts=(Shard(1),), desired_output_layouts=(Replicate(),)
         )
         return gather._apply(split._apply(module, device_mesh), device_mesh)
+
+
+def loss_parallel_plan(model: nn.Module, plan: TPPlan) -> dict[str, ParallelStyle]:
+    """``plan`` plus the output head split column-wise over the vocabulary, its logits kept as
+    a DTensor sharded on the last dim (``use_local_output=False``): cross-entropy computed
+    under ``torch.distributed.tensor.parallel.loss_parallel()`` then never gathers the whole
+    (batch x sequence x vocabulary) logits on one rank (Megatron-LM's vocab-parallel loss)."""
+    heads = [n for n in OUTPUT_HEADS if isinstance(getattr(model, n, None), nn.Linear)]
+    if not heads:
+        raise ConfigError(
+            f"parallel.loss_parallel = true needs the output projection as a top-level nn.Linear "
+            f"named one of {list(OUTPUT_HEADS)}, but {type(model).__name__} has none; pass a "
+            "tp_plan with your head as ColwiseParallel(output_layouts=Shard(-1), "
+            "use_local_output=False), or set parallel.loss_parallel=false"
+        )
+    head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
+    return {**plan, heads[0]: head}
 
 
 def _inside_block(name: str) -> bool:

@@ -21,17 +21,19 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from meshrun.config import ConfigError, ParallelConfig
+from meshrun.parallel.pp import Pipeline
 
 
 def build_optimizer(
-    model: nn.Module,
+    model: nn.Module | Pipeline,
     optimizer_class: type[torch.optim.Optimizer],
     mesh: DeviceMesh | None,
     cfg: ParallelConfig,
     **kwargs: Any,
 ) -> torch.optim.Optimizer:
     """``optimizer_class(model.parameters(), **kwargs)``, with its state sharded over the
-    ``dp`` ranks when ``cfg.zero == 1`` (a ZeroRedundancyOptimizer, itself a torch Optimizer)."""
+    ``dp`` ranks when ``cfg.zero == 1`` (a ZeroRedundancyOptimizer, itself a torch Optimizer).
+    ``model`` may be a :class:`Pipeline`: its optimizer takes this rank's stages' parameters."""
     params = [p for p in model.parameters() if p.requires_grad]
     if cfg.zero != 1 or mesh is None or mesh.get_group("dp").size() == 1:
         return optimizer_class(params, **kwargs)
