@@ -1,22 +1,30 @@
-"""Predicted (``meshrun plan --calibration``) against measured model-state memory and step time
-of the demo GPT ("small") on this machine: CPU, Gloo, N processes, under DDP, ZeRO-2, ZeRO-3
-and TP 2.
+"""Predicted (the planner with a ``meshrun bench`` calibration) against measured model-state
+memory and step time of the demo GPT ("small", 3.3M parameters) on this machine: CPU, Gloo, N
+processes, under DDP, ZeRO-2, ZeRO-3 and TP 2 (on 4 ranks: TP 2 x ZeRO-3 over dp 2, since DDP
+cannot take tensor-parallel parameters).
 
-1. ``meshrun bench all`` on N processes writes the calibration file (matmul FLOP/s, the demo
-   GPT's achievable fraction, the all-reduce bus bandwidth).
-2. Each layout trains the demo GPT for a few steps through ``meshrun launch`` (fp32, AdamW,
-   micro-batch 8, no accumulation). Rank 0 records the model states: the parameters at their
-   largest (right after forward: FSDP2's ZeRO-2 keeps them gathered until backward) + the
-   gradients after backward + the optimizer states, in local bytes (DTensors: their shards),
-   the most loaded rank's; and the median step time of the slowest rank.
-3. The planner evaluates the same layout with the calibration and the table is printed.
+The machine is shared and its load moves from second to second, so calibration and measurement
+are interleaved: each round is one world started by ``meshrun launch`` that
 
-    .venv/bin/python benchmarks/plan_vs_cpu.py [--nproc 2] [--steps 8] [--skip 3]
+1. calibrates with ``meshrun bench``'s own functions (matmul and the demo GPT's FLOP/s, AdamW's
+   step, a copy, the all-reduce/all-gather/reduce-scatter sweep fitted to the alpha-beta model)
+   and writes the calibration file exactly as ``meshrun bench all`` does;
+2. trains each layout for a few steps, in an order rotated every round (fp32, AdamW, micro-batch
+   8, no accumulation), and records the model states (parameters at their largest, right after
+   forward; gradients after backward; optimizer states; local bytes of DTensors, the most loaded
+   rank's) and the median step time of the slowest rank.
+
+The parent then evaluates each layout with ``meshrun plan``'s cost model and reader
+(``read_calibration``) on that round's file, and prints per round and the median over rounds.
+
+    .venv/bin/python benchmarks/plan_vs_cpu.py [--nproc 2] [--rounds 5] [--steps 8] [--skip 3]
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import gc
 import json
 import os
 import statistics
@@ -27,13 +35,14 @@ import time
 from pathlib import Path
 from typing import Any
 
-LAYOUTS = {
-    "DDP": {"parallel.zero": "0"},
-    "ZeRO-2": {"parallel.zero": "2"},
-    "ZeRO-3": {"parallel.zero": "3"},
-    "TP 2": {"parallel.tp": "2", "parallel.zero": "0"},
-}
 MICRO_BATCH = 8
+# name -> (zero, tp) on 2 ranks; on 4 ranks "TP 2" runs tp 2 x dp 2 as FSDP2 ZeRO-3.
+LAYOUTS = {"DDP": (0, 1), "ZeRO-2": (2, 1), "ZeRO-3": (3, 1), "TP 2": (0, 2)}
+
+
+def _zero(name: str, nproc: int) -> int:
+    zero, tp = LAYOUTS[name]
+    return 3 if tp > 1 and nproc // tp > 1 else zero
 
 
 def _local_bytes(t: Any) -> int:
@@ -44,18 +53,53 @@ def _local_bytes(t: Any) -> int:
     return int(t.numel() * t.element_size())
 
 
-def worker(out: str, steps: int, skip: int, overrides: list[str]) -> None:
-    import torch
+# --- the workers (one world per round) -----------------------------------------------------
+
+
+def worker(
+    out: str, cal: str, steps: int, skip: int, seconds: float, order: list[str], argv: list[str]
+) -> None:
     import torch.distributed as dist
 
     import meshrun
-    from meshrun.demo.model import GPT, demo_config
+    from meshrun.diagnose.bench import (
+        _mean_over_ranks,
+        bench_comm,
+        bench_compute,
+        write_calibration,
+    )
 
-    run = meshrun.init(argv=overrides)
+    run = meshrun.init(argv=argv)
+    compute = _mean_over_ranks(bench_compute(run.device, "fp32", seconds), run.device)
+    comm = bench_comm(run.device, 16 * 2**20, seconds)
+    if run.is_main:
+        write_calibration(cal, {"compute": compute, "comm": comm}, run.world_size, run.device)
+    results = {name: _train(run, name, steps, skip) for name in order}
+    if run.is_main:
+        import torch
+
+        doc = {"measured": results, "load": os.getloadavg(), "threads": torch.get_num_threads()}
+        Path(out).write_text(json.dumps(doc))
+    dist.barrier()
+
+
+def _train(run: Any, name: str, steps: int, skip: int) -> dict[str, float]:
+    import torch
+    import torch.distributed as dist
+
+    from meshrun.demo.model import GPT, demo_config
+    from meshrun.mesh import ParallelDims, build_mesh
+    from meshrun.parallel import parallelize
+
+    zero, tp = LAYOUTS[name]
+    zero = _zero(name, run.world_size)
+    dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=run.world_size // tp, tp=tp)
+    pcfg = dataclasses.replace(run.config.parallel, zero=zero, tp=tp, dp_shard=dims.dp_shard)
     cfg = demo_config("small")
-    model = run.parallelize(GPT(cfg))
-    opt = run.optimizer(model, torch.optim.AdamW, lr=1e-4)
-    g = torch.Generator().manual_seed(run.dp_rank)
+    torch.manual_seed(0)
+    model = parallelize(GPT(cfg), build_mesh(dims, "cpu"), pcfg, run.device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    g = torch.Generator().manual_seed(dist.get_rank() // tp)  # one batch per tp group
     x = torch.randint(0, cfg.vocab_size, (MICRO_BATCH, cfg.seq_len), generator=g)
     times, states = [], (0, 0, 0)
     for step in range(steps):
@@ -73,17 +117,19 @@ def worker(out: str, steps: int, skip: int, overrides: list[str]) -> None:
             times.append(time.perf_counter() - start)
         states = (params, grads, optim)
     local = torch.tensor([statistics.median(times), *states], dtype=torch.float64)
-    gathered = [torch.zeros_like(local) for _ in range(run.world_size)]
+    gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
-    if run.is_main:
-        worst = max(gathered, key=lambda t: float(t[1:].sum()))
-        slowest = max(float(t[0]) for t in gathered)
-        result = {"step_s": slowest, "params": float(worst[1]), "grads": float(worst[2]),
-                  "optimizer": float(worst[3])}  # fmt: skip
-        Path(out).write_text(json.dumps(result))
+    del model, opt
+    gc.collect()
+    worst = max(gathered, key=lambda t: float(t[1:].sum()))
+    return {"step_s": max(float(t[0]) for t in gathered), "params": float(worst[1]),
+            "grads": float(worst[2]), "optimizer": float(worst[3])}  # fmt: skip
 
 
-def predict(layout: dict[str, str], nproc: int, calibration: str) -> dict[str, float]:
+# --- the parent ----------------------------------------------------------------------------
+
+
+def predict(name: str, nproc: int, calibration: str) -> dict[str, Any]:
     import torch
 
     from meshrun.demo.model import GPT, demo_config
@@ -97,64 +143,105 @@ def predict(layout: dict[str, str], nproc: int, calibration: str) -> dict[str, f
               seq=cfg.seq_len, ffn=cfg.ffn_mult * cfg.d_model,
               params=sum(p.numel() for p in meta.parameters()),
               layer_params=sum(p.numel() for p in meta.blocks[0].parameters()))  # fmt: skip
-    tp, zero = int(layout.get("parallel.tp", "1")), int(layout["parallel.zero"])
+    tp = LAYOUTS[name][1]
     dp = nproc // tp
     rates = read_calibration(calibration)
-    c = Cluster(nodes=1, gpus_per_node=nproc, **rates)  # type: ignore[arg-type]
-    lay = Layout(dp_shard=dp, tp=tp, zero=zero, micro_batch=MICRO_BATCH)
-    e = evaluate(m, lay, Training(global_batch=MICRO_BATCH * dp, precision="fp32"), c)
+    c = Cluster(nodes=1, gpus_per_node=nproc, **rates)
+    lay = Layout(dp_shard=dp, tp=tp, zero=_zero(name, nproc), micro_batch=MICRO_BATCH)
+    t = Training(global_batch=MICRO_BATCH * dp, precision="fp32", sequence_parallel=False)
+    e = evaluate(m, lay, t, c)
     assert e.time is not None
     mem = e.memory
     return {"step_s": e.time.total, "params": mem.params, "grads": mem.grads,
-            "optimizer": mem.optimizer}  # fmt: skip
+            "optimizer": mem.optimizer, "time": dataclasses.asdict(e.time)}  # fmt: skip
 
 
 def meshrun(*args: str, cwd: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "MESHRUN_CONFIG"}
     proc = subprocess.run([sys.executable, "-m", "meshrun", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=600)  # fmt: skip
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
     if proc.returncode:
         raise SystemExit(f"meshrun {' '.join(args[:3])} failed:\n{proc.stdout[-3000:]}"
                          f"\n{proc.stderr[-3000:]}")  # fmt: skip
 
 
+def _states(d: dict[str, Any]) -> float:
+    return float(sum(d[k] for k in ("params", "grads", "optimizer")))
+
+
+def run_round(a: argparse.Namespace, work: str, r: int) -> dict[str, Any]:
+    names = list(LAYOUTS)
+    order = names[r % len(names) :] + names[: r % len(names)]  # rotated: A B C D, B C D A, ...
+    cal, out = str(Path(work) / f"cal{r}.json"), str(Path(work) / f"round{r}.json")
+    batch = [f"--data.micro_batch={MICRO_BATCH}", f"--data.global_batch={MICRO_BATCH * a.nproc}",
+             f"--job.run_dir={Path(work) / f'round{r}'}", "--metrics.progress=false"]  # fmt: skip
+    meshrun("launch", "--nproc-per-node", str(a.nproc), __file__, "--worker", "--out", out,
+            "--cal", cal, "--steps", str(a.steps), "--skip", str(a.skip), "--seconds",
+            str(a.seconds), "--order", ",".join(order), *batch, cwd=work)  # fmt: skip
+    doc = json.loads(Path(out).read_text())
+    rows = {}
+    for name in names:
+        pred, meas = predict(name, a.nproc, cal), doc["measured"][name]
+        rows[name] = {"pred": pred, "meas": meas,
+                      "mem_err": _states(pred) / _states(meas) - 1,
+                      "time_err": pred["step_s"] / meas["step_s"] - 1}  # fmt: skip
+    rates = json.loads(Path(cal).read_text())["cluster"]
+    return {"order": order, "load": doc["load"], "threads": doc["threads"], "cluster": rates,
+            "rows": rows}  # fmt: skip
+
+
+def report(rounds: list[dict[str, Any]], nproc: int) -> dict[str, Any]:
+    print(f"\n{nproc} ranks, {len(rounds)} rounds; load average at the end of each round: "
+          + ", ".join(f"{r['load'][0]:.1f}" for r in rounds))  # fmt: skip
+    print(f"{'layout':>8} {'pred MB':>8} {'meas MB':>8} {'err':>6} | {'pred s':>7} {'meas s':>7}"
+          f" {'med err':>8} | per-round step-time error")  # fmt: skip
+    summary = {}
+    for name in LAYOUTS:
+        rows = [r["rows"][name] for r in rounds]
+        pm, mm = _states(rows[0]["pred"]), _states(rows[0]["meas"])
+        ps = statistics.median(r["pred"]["step_s"] for r in rows)
+        ms = statistics.median(r["meas"]["step_s"] for r in rows)
+        errs = [r["time_err"] for r in rows]
+        med = statistics.median(errs)
+        summary[name] = {"pred_mb": pm / 2**20, "meas_mb": mm / 2**20, "mem_err": pm / mm - 1,
+                         "pred_s": ps, "meas_s": ms, "median_time_err": med,
+                         "time_errs": errs}  # fmt: skip
+        print(f"{name:>8} {pm / 2**20:>8.2f} {mm / 2**20:>8.2f} {pm / mm - 1:>+6.1%} | "
+              f"{ps:>7.3f} {ms:>7.3f} {med:>+8.1%} | "
+              + " ".join(f"{e:+.0%}" for e in errs))  # fmt: skip
+    return summary
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--skip", type=int, default=3)
+    p.add_argument("--seconds", type=float, default=0.2, help="per calibration measurement")
+    p.add_argument("--json-out", help="write every round's figures here")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--cal", help=argparse.SUPPRESS)
+    p.add_argument("--order", help=argparse.SUPPRESS)
     a, rest = p.parse_known_args()
     if a.worker:
         from meshrun.entry import main as entry
 
-        entry(worker)(a.out, a.steps, a.skip, rest)
+        order = a.order.split(",")
+        entry(worker)(a.out, a.cal, a.steps, a.skip, a.seconds, order, rest)
         return
+    del rest
     work = tempfile.mkdtemp(prefix="plan_vs_cpu_")
-    cal = str(Path(work) / "cal.json")
-    meshrun("bench", "all", "--nproc-per-node", str(a.nproc), "--out", cal, "--run-dir",
-            str(Path(work) / "bench"), cwd=work)  # fmt: skip
-    print(f"calibration ({a.nproc} processes): {json.loads(Path(cal).read_text())['cluster']}")
-    print(f"{'layout':>8} {'pred MB':>8} {'meas MB':>8} {'err':>6} {'pred s':>8} {'meas s':>8} "
-          f"{'err':>6}")  # fmt: skip
-    for name, layout in LAYOUTS.items():
-        tp = int(layout.get("parallel.tp", "1"))
-        out = str(Path(work) / f"{name.replace(' ', '')}.json")
-        sets = [f"--{k}={v}" for k, v in layout.items()]
-        batch = [f"--data.micro_batch={MICRO_BATCH}",
-                 f"--data.global_batch={MICRO_BATCH * a.nproc // tp}",
-                 f"--job.run_dir={Path(work) / name.replace(' ', '')}",
-                 "--metrics.progress=false"]  # fmt: skip
-        meshrun("launch", "--nproc-per-node", str(a.nproc), __file__, "--worker", "--out", out,
-                "--steps", str(a.steps), "--skip", str(a.skip), *sets, *batch, cwd=work)  # fmt: skip
-        meas = json.loads(Path(out).read_text())
-        pred = predict(layout, a.nproc, cal)
-        pm = sum(pred[k] for k in ("params", "grads", "optimizer"))
-        mm = sum(meas[k] for k in ("params", "grads", "optimizer"))
-        print(f"{name:>8} {pm / 2**20:>8.2f} {mm / 2**20:>8.2f} {pm / mm - 1:>+6.1%} "
-              f"{pred['step_s']:>8.3f} {meas['step_s']:>8.3f} "
-              f"{pred['step_s'] / meas['step_s'] - 1:>+6.1%}")  # fmt: skip
+    rounds = []
+    for r in range(a.rounds):
+        rounds.append(run_round(a, work, r))
+        row = rounds[-1]["rows"]
+        print(f"round {r + 1}: " + ", ".join(f"{n} {row[n]['pred']['step_s']:.3f}/"
+              f"{row[n]['meas']['step_s']:.3f} s" for n in LAYOUTS), flush=True)  # fmt: skip
+    summary = report(rounds, a.nproc)
+    if a.json_out:
+        Path(a.json_out).write_text(json.dumps({"rounds": rounds, "summary": summary}, indent=1))
 
 
 if __name__ == "__main__":

@@ -86,7 +86,7 @@ def predict(cfg: GPTConfig, ac: bool, micro_batch: int, gpu_name: str) -> tuple[
               layer_params=layer)  # fmt: skip
     gpu = GPUS[gpu_name]
     c = Cluster(1, 1, gpu.memory_gb * GB, gpu.bf16_flops, gpu.intra_bw, gpu.inter_bw,
-                allowance_bytes=0.0, fragmentation=0.0)  # fmt: skip
+                allowance_bytes=0.0, fragmentation=0.0, mem_bw=gpu.mem_bw)  # fmt: skip
     lay = Layout(dp_shard=1, micro_batch=micro_batch,
                  activation_checkpointing="full" if ac else "none")  # fmt: skip
     e = evaluate(m, lay, Training(global_batch=micro_batch), c)

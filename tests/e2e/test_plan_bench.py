@@ -1,5 +1,5 @@
-"""``meshrun bench all`` through the real launcher (2 Gloo processes) writes a calibration file
-that ``meshrun plan --calibration`` reads."""
+"""``meshrun bench all --pairs`` through the real launcher (3 Gloo processes) writes a
+calibration file that ``meshrun plan --calibration`` reads, and the matrix of every rank pair."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,20 +22,32 @@ def meshrun(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_bench_writes_a_calibration_that_plan_reads(tmp_path: Path) -> None:
-    bench = meshrun("bench", "all", "--nproc-per-node", "2", "--max-mb", "0.25", "--seconds",
-                    "0.05", "--out", "cal.json", cwd=tmp_path)  # fmt: skip
+    bench = meshrun("bench", "all", "--pairs", "--nproc-per-node", "3", "--max-mb", "0.25",
+                    "--seconds", "0.05", "--pair-mb", "0.25", "--out", "cal.json",
+                    cwd=tmp_path)  # fmt: skip
     assert bench.returncode == 0, bench.stdout[-2000:] + bench.stderr[-2000:]
     doc = json.loads((tmp_path / "cal.json").read_text())
+    _check_pairs(doc["measured"]["pairs"], bench.stdout)
     ops = {row["op"] for row in doc["measured"]["comm"]}
     assert ops == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all", "send_recv"}
     rates = doc["cluster"]
     assert rates["peak_flops"] > 1e8 and 0 < rates["compute_efficiency"] <= 1
-    assert rates["intra_bw"] > 1e5
+    assert rates["intra_bw"] > 1e5 and rates["intra_latency"] >= 0
+    assert rates["all_gather_ratio"] > 0 and rates["reduce_scatter_ratio"] > 0
     print("calibration:", {k: f"{v:.3g}" for k, v in rates.items()})
     plan = meshrun("plan", "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "256",
-                   "--seq", "128", "--gpus-per-node", "2", "--global-batch", "32",
+                   "--seq", "128", "--gpus-per-node", "3", "--global-batch", "48",
                    "--calibration", "cal.json", "--json", cwd=tmp_path)  # fmt: skip
     assert plan.returncode == 0, plan.stderr
     result = json.loads(plan.stdout)
     assert result["cluster"]["peak_flops"] == rates["peak_flops"]
     assert result["layouts"][0]["fits"] and result["layouts"][0]["step_time_s"] > 0
+
+
+def _check_pairs(pairs: dict[str, Any], out: str) -> None:
+    bw = pairs["bw"]
+    assert pairs["labels"] == ["rank 0", "rank 1", "rank 2"] and pairs["ranks"] == [0, 1, 2]
+    assert all(bw[i][i] == 0 for i in range(3))
+    assert all(bw[i][j] == bw[j][i] > 1e5 for i in range(3) for j in range(3) if i != j)
+    print(out[out.index("send/recv bandwidth") :])
+    assert "rank 2" in out and ("no slow link" in out or "slow link:" in out)

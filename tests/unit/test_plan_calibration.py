@@ -9,7 +9,15 @@ from types import SimpleNamespace
 import pytest
 
 from meshrun.cli import main
-from meshrun.diagnose.bench import bus_bandwidth, calibration, message_sizes, write_calibration
+from meshrun.diagnose.bench import (
+    bus_bandwidth,
+    calibration,
+    fit_collectives,
+    message_sizes,
+    pairs_report,
+    slow_pairs,
+    write_calibration,
+)
 
 
 def test_bus_bandwidth_follows_nccl_tests() -> None:
@@ -21,12 +29,18 @@ def test_bus_bandwidth_follows_nccl_tests() -> None:
     assert message_sizes(2**20) == [4096, 16384, 65536, 262144, 1048576]
 
 
+def _row(op: str, size: int, steps: int, busbw: float) -> dict[str, object]:
+    # 2 ranks, 0.25 ms per ring step: t = steps * alpha + steps/2 * size / busbw
+    t = steps * 0.25e-3 + steps / 2 * size / busbw
+    return {"op": op, "bytes": size, "time_s": t, "algbw": size / t, "busbw": steps / 2 * size / t}
+
+
 MEASURED = {
     "compute": {"matmul_flops": 40e9, "model_flops": 20e9},
     "comm": [
-        {"op": "all_reduce", "bytes": 4096, "time_s": 1e-3, "algbw": 4e6, "busbw": 4e6},
-        {"op": "all_reduce", "bytes": 2**20, "time_s": 2e-3, "algbw": 5e8, "busbw": 5e8},
-        {"op": "all_gather", "bytes": 2**20, "time_s": 2e-3, "algbw": 5e8, "busbw": 2e8},
+        _row("all_reduce", 4096, 2, 5e8),
+        _row("all_reduce", 2**20, 2, 5e8),
+        _row("all_gather", 2**20, 1, 2e8),
     ],
 }
 
@@ -35,7 +49,10 @@ def test_calibration_maps_measurements_to_the_planner_rates(tmp_path: Path) -> N
     cpu = SimpleNamespace(type="cpu")
     rates = calibration(MEASURED, 2, cpu)
     assert rates["peak_flops"] == 40e9 and rates["compute_efficiency"] == 0.5
-    assert rates["intra_bw"] == rates["inter_bw"] == 5e8  # the largest all-reduce's busbw
+    # The alpha-beta fit: all-reduce bus bandwidth, latency per ring step, all-gather's ratio.
+    assert rates["intra_bw"] == rates["inter_bw"] == pytest.approx(5e8)
+    assert rates["intra_latency"] == pytest.approx(0.25e-3)
+    assert rates["all_gather_ratio"] == pytest.approx(0.4)
     assert rates["comm_efficiency"] == 1.0 and rates["memory_bytes"] > 0
     assert rates["overlap"] == 0.0  # CPU: Gloo's collectives share the cores with the math
     path = tmp_path / "cal.json"
@@ -43,7 +60,7 @@ def test_calibration_maps_measurements_to_the_planner_rates(tmp_path: Path) -> N
     write_calibration(str(path), {"comm": MEASURED["comm"]}, 2, cpu)  # merges, not replaces
     doc = json.loads(path.read_text())
     assert set(doc["measured"]) == {"compute", "comm"}
-    assert doc["cluster"]["peak_flops"] == 40e9 and doc["cluster"]["intra_bw"] == 5e8
+    assert doc["cluster"]["peak_flops"] == 40e9 and doc["cluster"]["intra_bw"] == pytest.approx(5e8)
 
 
 def test_plan_uses_the_calibration_and_flags_win(
@@ -56,7 +73,7 @@ def test_plan_uses_the_calibration_and_flags_win(
     assert main(["plan", *shape, "--calibration", str(path), "--overlap", "0"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["cluster"]["peak_flops"] == 40e9 and doc["cluster"]["compute_efficiency"] == 0.5
-    assert doc["cluster"]["intra_bw"] == 5e8 and doc["cluster"]["overlap"] == 0.0
+    assert doc["cluster"]["intra_bw"] == pytest.approx(5e8) and doc["cluster"]["overlap"] == 0.0
     ddp = [lay for lay in doc["layouts"] if lay["zero"] == 0 and lay["tp"] == 1]
     for lay in ddp:  # compute at 20 GFLOP/s per rank, all-reduce of 2P bytes at 0.5 GB/s
         assert lay["step_time_breakdown_s"]["compute"] == pytest.approx(
@@ -74,3 +91,33 @@ def test_bad_calibration_files_are_rejected(
     assert "unknown keys ['peak_flop']" in err and "peak_flops" in err
     assert main(["plan", "--params", "1e9", "--calibration", str(tmp_path / "none.json")]) == 2
     assert "meshrun bench" in capsys.readouterr().err
+
+
+def test_alpha_beta_fit_recovers_latency_and_per_op_bandwidths() -> None:
+    # Synthetic Gloo-like rates on 4 ranks: 50 us per ring step, all-reduce bus bandwidth
+    # 1 GB/s, all-gather 0.5 GB/s, reduce-scatter 0.25 GB/s.
+    n, alpha, rates = 4, 50e-6, {"all_reduce": 1e9, "all_gather": 0.5e9, "reduce_scatter": 0.25e9}
+    steps = {"all_reduce": 2 * (n - 1), "all_gather": n - 1, "reduce_scatter": n - 1}
+    rows = []
+    for op, bw in rates.items():
+        for size in message_sizes(16 * 2**20):
+            t = steps[op] * alpha + size * steps[op] / n / bw
+            rows.append({"op": op, "bytes": size, "time_s": t, "busbw": size / t})
+    fit = fit_collectives(rows, n)
+    assert fit["latency"] == pytest.approx(alpha, rel=1e-6)
+    for op, bw in rates.items():
+        assert fit[op] == pytest.approx(bw, rel=1e-6)
+    rates_out = calibration({"comm": rows}, n, SimpleNamespace(type="cpu"))
+    assert rates_out["intra_latency"] == pytest.approx(alpha, rel=1e-6)
+    assert rates_out["all_gather_ratio"] == pytest.approx(0.5)
+    assert rates_out["reduce_scatter_ratio"] == pytest.approx(0.25)
+
+
+def test_slow_link_is_named_in_the_pair_matrix() -> None:
+    bw = [[0, 1e9, 1e9, 1e9], [1e9, 0, 1e9, 0.2e9], [1e9, 1e9, 0, 1e9], [1e9, 0.2e9, 1e9, 0]]
+    assert slow_pairs(bw) == [(1, 3)]
+    lines = pairs_report({"labels": ["a", "b", "c", "d"], "bytes": 2**22, "bw": bw})
+    assert "4 MiB each way" in lines[0] and lines[3].split()[:2] == ["b", "1.000"]
+    assert lines[-1] == "slow link: b <-> d at 0.200 GB/s, 0.20x the median of all pairs"
+    even = pairs_report({"labels": ["a", "b"], "bytes": 2**20, "bw": [[0, 1e9], [1e9, 0]]})
+    assert even[-1].startswith("no slow link")

@@ -21,11 +21,15 @@ from meshrun.plan.cost import (
     Training,
     activation_bytes_per_layer,
     all_reduce_time,
+    ddp_buckets,
     flops_per_iteration,
+    fsdp_units,
     gather_time,
     gpt_params,
     group_bandwidth,
+    group_link,
     inflight_layers,
+    logits_flops,
     model_state_bytes,
     stage_params,
     step_time,
@@ -156,6 +160,54 @@ def test_collectives_follow_the_nccl_tests_conventions() -> None:
     assert group_bandwidth(c, 8, 1) == 400e9  # tp=8 inside a node
     assert group_bandwidth(c, 2, 8) == 50e9  # 2 replicas 8 GPUs apart: across nodes
     assert group_bandwidth(c, 16, 1) == 50e9
+
+
+def test_alpha_beta_adds_the_ring_steps_latency() -> None:
+    # Thakur et al. 2005: ring all-reduce 2(n-1) steps, reduce-scatter / all-gather n-1.
+    assert all_reduce_time(8, 1e9, 1e9, latency=1e-5) == pytest.approx(2 * 7 / 8 + 14e-5)
+    assert gather_time(8, 1e9, 1e9, latency=1e-5) == pytest.approx(7 / 8 + 7e-5)
+    c = Cluster(2, 8, 80 * GB, 1e15, 400e9, 50e9, comm_efficiency=1.0, intra_latency=2e-6,
+                inter_latency=9e-6, all_gather_ratio=0.5, reduce_scatter_ratio=0.25)  # fmt: skip
+    inside, across = group_link(c, 8, 1), group_link(c, 2, 8)
+    assert (inside.latency, across.latency) == (2e-6, 9e-6)
+    assert (inside.ag_bw, inside.rs_bw) == (200e9, 100e9)
+    # 10 calls of 1/10 of the bytes: the same bandwidth term, 10x the latency.
+    one, ten = inside.all_gather(8e9), inside.all_gather(8e9, calls=10)
+    assert ten - one == pytest.approx(9 * 7 * 2e-6)
+
+
+def test_collective_counts_of_ddp_and_fsdp2() -> None:
+    # DDP: a 1 MiB first bucket, then 25 MiB buckets (torch's defaults).
+    assert ddp_buckets(2**20) == 1 and ddp_buckets(2**20 + 1) == 2
+    assert ddp_buckets(51 * 2**20) == 3
+    m = Model(layers=8, hidden=512, heads=8, vocab=1000, seq=256)
+    assert fsdp_units(m, Layout(pp=2)) == 5  # 4 blocks on the stage + the root
+    lat = Cluster(1, 2, 80 * GB, 1e12, 1e9, 1e9, comm_efficiency=1.0, intra_latency=1e-3)
+    t = Training(global_batch=8, precision="fp32")
+
+    def dp(zero: int, c: Cluster) -> float:
+        return step_time(m, Layout(dp_shard=2, zero=zero, micro_batch=2), t, c, 2).dp_comm
+
+    # Latency alone (bandwidth term the same): DDP 2 steps per bucket; ZeRO-2 all-gathers
+    # 9 units per micro-batch (2) + 9 reduce-scatters; ZeRO-3 also 8 blocks per backward.
+    no_lat = replace(lat, intra_latency=0.0)
+    buckets = ddp_buckets(stage_params(m, Layout()) * 4)
+    assert buckets == 5  # 25.9M fp32 parameters: 1 MiB + 4 x 25 MiB
+    assert dp(0, lat) - dp(0, no_lat) == pytest.approx(buckets * 2e-3)
+    assert dp(2, lat) - dp(2, no_lat) == pytest.approx((2 * 9 + 9) * 1e-3)
+    assert dp(3, lat) - dp(3, no_lat) == pytest.approx((2 * (9 + 8) + 9) * 1e-3)
+
+
+def test_tp_ranks_each_compute_the_whole_output_layer() -> None:
+    m = Model(layers=4, hidden=256, heads=4, vocab=50000, seq=128)
+    c = Cluster(1, 2, 80 * GB, 1e12, 1e9, 1e9)
+    t = Training(global_batch=8)
+    dp2 = step_time(m, Layout(dp_shard=2, micro_batch=4), t, c, 1)
+    tp2 = step_time(m, Layout(tp=2, micro_batch=8), t, c, 1)
+    extra = logits_flops(m, 8) / (2 * 1e12 * c.compute_efficiency)
+    assert tp2.compute == pytest.approx(dp2.compute + extra)
+    vocab_split = step_time(m, Layout(tp=2, micro_batch=8), replace(t, tp_embeddings=True), c, 1)
+    assert vocab_split.compute == pytest.approx(dp2.compute)
 
 
 def test_bubble_and_step_time_add_up() -> None:

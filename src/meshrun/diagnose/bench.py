@@ -44,6 +44,43 @@ def bus_bandwidth(op: str, nbytes: float, seconds: float, n: int) -> tuple[float
     return alg, alg * BUS_FACTOR[op](n)
 
 
+# Ring steps per call (alpha-beta model): all-reduce 2(n-1), all-gather/reduce-scatter n-1.
+RING_STEPS: dict[str, Callable[[int], float]] = {
+    "all_reduce": lambda n: 2.0 * (n - 1),
+    "all_gather": lambda n: n - 1.0,
+    "reduce_scatter": lambda n: n - 1.0,
+}
+
+
+def fit_collectives(rows: Sequence[dict[str, Any]], n: int) -> dict[str, float]:
+    """Fit the alpha-beta model t = steps(n) * alpha + busbw_factor(n) * S / busbw_op to the
+    measured all-reduce, all-gather and reduce-scatter rows: one latency per ring step
+    (``latency``) and one bus bandwidth per op (``all_reduce``, ...), by least squares on the
+    relative error (so 4 KiB and 16 MiB weigh alike). A negative latency (noise) is refitted
+    as 0."""
+    import numpy as np
+
+    ops = [op for op in RING_STEPS if any(r["op"] == op for r in rows)]
+    used = [r for r in rows if r["op"] in ops and r["time_s"] > 0]
+    if "all_reduce" not in ops:
+        raise ValueError("fit_collectives: no all_reduce rows to fit")
+    a = np.zeros((len(used), 1 + len(ops)))
+    y = np.ones(len(used))  # t / t: every row weighted by its own time
+    for i, r in enumerate(used):
+        a[i, 0] = RING_STEPS[r["op"]](n) / r["time_s"]
+        a[i, 1 + ops.index(r["op"])] = r["bytes"] * BUS_FACTOR[r["op"]](n) / r["time_s"]
+    coef = np.linalg.lstsq(a, y, rcond=None)[0]
+    if coef[0] < 0:
+        coef = np.concatenate([[0.0], np.linalg.lstsq(a[:, 1:], y, rcond=None)[0]])
+    out = {"latency": float(coef[0])}
+    for i, op in enumerate(ops):
+        inv = float(coef[1 + i])
+        # No bandwidth signal (noise swamped it): the op's best measured bus bandwidth.
+        best = max(r["busbw"] for r in used if r["op"] == op)
+        out[op] = 1.0 / inv if inv > 0 else best
+    return out
+
+
 def message_sizes(max_bytes: int, min_bytes: int = 4096) -> list[int]:
     """Powers of 4 from ``min_bytes`` up to ``max_bytes`` (inclusive of the last power)."""
     sizes, size = [], min_bytes
@@ -72,6 +109,8 @@ def cmd_bench(a: argparse.Namespace) -> int:
     config_path = write_config(cfg, Path(a.run_dir) / "config.toml")
     args = ["--kind", a.kind, "--out", str(Path(a.out).resolve()), "--max-mb", str(a.max_mb),
             "--precision", a.precision, "--seconds", str(a.seconds)]  # fmt: skip
+    if getattr(a, "pairs", False):
+        args += ["--pairs", "--pair-mb", str(a.pair_mb)]
     spec = LaunchSpec(nproc_per_node=nproc, module=MODULE, script_args=args,
                       config_path=str(config_path), run_dir=a.run_dir)  # fmt: skip
     code = launch_local(spec)
@@ -97,7 +136,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     for kind, help in (("comm", "collectives over a sweep of message sizes"),
                        ("compute", "matmul and the demo GPT's step, FLOP/s"),
                        ("all", "comm and compute")):  # fmt: skip
-        kinds.add_parser(kind, help=help, parents=[common]).set_defaults(fn=cmd_bench)
+        k = kinds.add_parser(kind, help=help, parents=[common])
+        k.set_defaults(fn=cmd_bench)
+        if kind != "compute":
+            k.add_argument("--pairs", action="store_true", help="also measure every pair of "
+                           "nodes (of ranks on one node) alone: a matrix, to find a slow link")  # fmt: skip
+            k.add_argument("--pair-mb", type=float, default=4.0,
+                           help="message per pair and direction, MiB (4)")  # fmt: skip
     add_bench_data(kinds, "data")
 
 
@@ -204,6 +249,93 @@ def _send_recv(buf: Any, rank: int) -> None:
         dist.send(buf, 0)
 
 
+def bench_pairs(device: Any, nbytes: int, seconds: float) -> dict[str, Any]:
+    """Send/recv bandwidth of every pair of nodes (their lowest ranks), or of every pair of
+    ranks when all run on one node, one pair at a time while the others wait: a matrix in
+    which a slow link stands out. Entry [i][j] = bytes / (round trip / 2), bytes/s."""
+    import socket
+
+    import torch
+    import torch.distributed as dist
+
+    hosts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(hosts, socket.gethostname())
+    nodes = list(dict.fromkeys(hosts))
+    if len(nodes) > 1:
+        members, labels = [hosts.index(h) for h in nodes], nodes
+    else:
+        members, labels = list(range(len(hosts))), [f"rank {r}" for r in range(len(hosts))]
+    buf = torch.ones(max(nbytes // 4, 1), device=device)
+    matrix = [[0.0] * len(members) for _ in members]
+    for i, a in enumerate(members):
+        for j in range(i + 1, len(members)):
+            t = _ping_pong(buf, a, members[j], seconds, device)
+            matrix[i][j] = matrix[j][i] = buf.numel() * 4 / (t / 2)
+    return {"labels": labels, "ranks": members, "bytes": buf.numel() * 4, "bw": matrix}
+
+
+def _ping_pong(buf: Any, a: int, b: int, seconds: float, device: Any) -> float:
+    """Seconds per round trip between ranks ``a`` and ``b`` (every rank calls it; the others
+    only wait). The count is fixed from the warm-up round trip, agreed by all ranks."""
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+
+    def trip() -> None:
+        if rank == a:
+            dist.send(buf, b)
+            dist.recv(buf, b)
+        elif rank == b:
+            dist.recv(buf, a)
+            dist.send(buf, a)
+
+    dist.barrier()
+    start = time.perf_counter()
+    trip()
+    first = torch.tensor([time.perf_counter() - start if rank == a else 0.0], device=device)
+    dist.all_reduce(first, op=dist.ReduceOp.MAX)
+    calls = int(min(100, max(3, seconds / max(float(first), 1e-6))))
+    start = time.perf_counter()
+    for _ in range(calls):
+        trip()
+    took = torch.tensor([(time.perf_counter() - start) / calls if rank == a else 0.0],
+                        device=device)  # fmt: skip
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return float(took)
+
+
+def slow_pairs(bw: Sequence[Sequence[float]], factor: float = 0.5) -> list[tuple[int, int]]:
+    """The pairs whose bandwidth is below ``factor`` x the median of all pairs."""
+    values = [bw[i][j] for i in range(len(bw)) for j in range(i + 1, len(bw))]
+    if not values:
+        return []
+    median = statistics.median(values)
+    return [(i, j) for i in range(len(bw)) for j in range(i + 1, len(bw))
+            if bw[i][j] < factor * median]  # fmt: skip
+
+
+def pairs_report(pairs: dict[str, Any]) -> list[str]:
+    """The matrix in GB/s, then each slow link named (or a line saying there is none)."""
+    labels, bw = pairs["labels"], pairs["bw"]
+    width = max(8, *(len(x) for x in labels)) + 1
+    lines = [f"send/recv bandwidth between pairs, {pairs['bytes'] / 2**20:g} MiB each way, GB/s:",
+             " " * width + "".join(f"{x:>{width}}" for x in labels)]  # fmt: skip
+    for i, row in enumerate(bw):
+        cells = "".join(f"{'-':>{width}}" if i == j else f"{v / 1e9:>{width}.3f}"
+                        for j, v in enumerate(row))  # fmt: skip
+        lines.append(f"{labels[i]:>{width}}{cells}")
+    values = [bw[i][j] for i in range(len(bw)) for j in range(i + 1, len(bw))]
+    slow = slow_pairs(bw)
+    for i, j in slow:
+        lines.append(f"slow link: {labels[i]} <-> {labels[j]} at {bw[i][j] / 1e9:.3f} GB/s, "
+                     f"{bw[i][j] / statistics.median(values):.2f}x the median of all pairs")  # fmt: skip
+    if values and not slow:
+        lines.append(f"no slow link: every pair within 2x of the median "
+                     f"{statistics.median(values) / 1e9:.3f} GB/s")  # fmt: skip
+    return lines
+
+
 def bench_compute(device: Any, precision: str, seconds: float) -> dict[str, float]:
     """Matmul FLOP/s (the peak) and the demo GPT's training FLOP/s on this rank."""
     import torch
@@ -215,15 +347,32 @@ def bench_compute(device: Any, precision: str, seconds: float) -> dict[str, floa
     b = torch.randn(n, n, device=device, dtype=dtype)
     # Interleaved rounds, medians: a neighbour's load then hits both figures alike, and the
     # ratio (the achievable fraction) is steadier than either.
-    matmul, model = [], []
+    matmul, model, optim = [], [], []
     for _ in range(3):
         matmul.append(2.0 * n**3 / _timed(lambda: a @ b, seconds, sync))
         model.append(_model_flops(device, seconds, sync))
+        optim.append(_optimizer_bw(device, seconds, sync))
     big = torch.empty(2**24, device=device)  # 64 MiB: past every cache
     copy = torch.empty_like(big)
     mem_bw = 2.0 * big.numel() * 4 / _timed(lambda: copy.copy_(big), seconds, sync)
     return {"matmul_flops": statistics.median(matmul), "model_flops": statistics.median(model),
-            "mem_bw": mem_bw}  # fmt: skip
+            "mem_bw": mem_bw, "optimizer_bw": statistics.median(optim)}  # fmt: skip
+
+
+def _optimizer_bw(device: Any, seconds: float, sync: Callable[[], None]) -> float:
+    """AdamW's step over the demo GPT's parameters, as the bytes per second of the planner's
+    optimizer model (28 bytes per parameter): it includes the per-tensor launch costs."""
+    import torch
+
+    from meshrun.demo.model import GPT, demo_config
+
+    cfg = demo_config("small")
+    model = GPT(cfg).to(device)
+    for p in model.parameters():
+        p.grad = torch.randn_like(p)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    params = sum(p.numel() for p in model.parameters())
+    return 28.0 * params / _timed(opt.step, seconds, sync)
 
 
 def _model_flops(device: Any, seconds: float, sync: Callable[[], None]) -> float:
@@ -262,13 +411,18 @@ def calibration(results: dict[str, Any], world: int, device: Any) -> dict[str, A
         c = results["compute"]
         cluster["peak_flops"] = c["matmul_flops"]
         cluster["compute_efficiency"] = min(1.0, c["model_flops"] / c["matmul_flops"])
-        if "mem_bw" in c:
-            cluster["mem_bw"] = c["mem_bw"]
+        for key in ("mem_bw", "optimizer_bw"):
+            if key in c:
+                cluster[key] = c[key]
     if "comm" in results:
-        largest = max(r["bytes"] for r in results["comm"])
-        ar = [r for r in results["comm"] if r["op"] == "all_reduce" and r["bytes"] == largest]
-        # One node measured: the bus bandwidth of the largest all-reduce stands for both links.
-        cluster["intra_bw"] = cluster["inter_bw"] = ar[0]["busbw"]
+        fit = fit_collectives(results["comm"], world)
+        # One node measured: the fitted all-reduce bus bandwidth and latency stand for both
+        # links; all-gather and reduce-scatter keep their own rates as ratios to it.
+        cluster["intra_bw"] = cluster["inter_bw"] = fit["all_reduce"]
+        cluster["intra_latency"] = cluster["inter_latency"] = fit["latency"]
+        for op in ("all_gather", "reduce_scatter"):
+            if op in fit:
+                cluster[f"{op}_ratio"] = fit[op] / fit["all_reduce"]
         cluster["comm_efficiency"] = 1.0
         if device.type == "cpu":
             # Gloo runs collectives on the same cores as the math: nothing hides.
@@ -314,6 +468,8 @@ def worker(argv: Sequence[str] | None = None) -> None:
     p.add_argument("--max-mb", type=float, default=16.0)
     p.add_argument("--precision", default="fp32")
     p.add_argument("--seconds", type=float, default=0.3)
+    p.add_argument("--pairs", action="store_true")
+    p.add_argument("--pair-mb", type=float, default=4.0)
     a = p.parse_args(argv)
     run = meshrun.init(argv=[])
     results: dict[str, Any] = {}
@@ -323,9 +479,13 @@ def worker(argv: Sequence[str] | None = None) -> None:
         )
     if a.kind in ("comm", "all"):
         results["comm"] = bench_comm(run.device, int(a.max_mb * 2**20), a.seconds)
+        if a.pairs:
+            results["pairs"] = bench_pairs(run.device, int(a.pair_mb * 2**20), a.seconds)
     if run.is_main:
         if "comm" in results:
             _print_comm(results["comm"])
+        if "pairs" in results:
+            print("\n".join(pairs_report(results["pairs"])))
         if "compute" in results:
             print({k: f"{v / 1e9:.2f} GFLOP/s" for k, v in results["compute"].items()})
         write_calibration(a.out, results, run.world_size, run.device)

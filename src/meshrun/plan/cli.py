@@ -65,6 +65,8 @@ def _cluster(a: argparse.Namespace) -> Cluster:
         "intra_bw": gpu.intra_bw,
         "inter_bw": gpu.inter_bw,
         "mem_bw": gpu.mem_bw,
+        "intra_latency": gpu.intra_latency,
+        "inter_latency": gpu.inter_latency,
     }
     if a.calibration:
         values.update(read_calibration(a.calibration))
@@ -77,6 +79,8 @@ def _cluster(a: argparse.Namespace) -> Cluster:
         "comm_efficiency": a.comm_efficiency,
         "overlap": a.overlap,
         "allowance_bytes": _scaled(a.allowance_gb, GB),
+        "intra_latency": _scaled(a.intra_latency_us, 1e-6),
+        "inter_latency": _scaled(a.inter_latency_us, 1e-6),
     }
     values.update({k: v for k, v in flags.items() if v is not None})
     _check_cluster_values(values)
@@ -87,10 +91,14 @@ def _scaled(value: float | None, unit: float) -> float | None:
     return None if value is None else value * unit
 
 
+_ZERO_OK = ("overlap", "allowance_bytes", "fragmentation", "intra_latency", "inter_latency",
+            "optimizer_bw")  # fmt: skip
+
+
 def _check_cluster_values(values: dict[str, Any]) -> None:
     for key, value in values.items():
         fraction = key in ("compute_efficiency", "comm_efficiency", "overlap")
-        low_ok = value >= 0 if key in ("overlap", "allowance_bytes", "fragmentation") else value > 0
+        low_ok = value >= 0 if key in _ZERO_OK else value > 0
         if not low_ok or (fraction and value > 1):
             allowed = "in (0, 1]" if fraction else "> 0"
             raise PlanError(f"{key} = {value!r} is not allowed: must be {allowed}")
@@ -258,11 +266,11 @@ def cmd_plan(a: argparse.Namespace) -> int:
     training = Training(a.global_batch, a.precision, a.optimizer, a.attention == "fused")
     cluster = _cluster(a)
     start = time.perf_counter()
+    micro, recompute = _int_list(a.micro_batch, "--micro-batch"), _recompute_list(a.ac)
     if a.layout:
         plan = evaluate_one(model, parse_layout(a.layout, cluster), training, cluster)
     else:
-        micro = _int_list(a.micro_batch, "--micro-batch")
-        plan = search(model, training, cluster, micro, _recompute_list(a.ac))
+        plan = search(model, training, cluster, micro, recompute)
     advice = [] if plan.fitting else what_would_fit(model, training, cluster, plan)
     elapsed = time.perf_counter() - start
     if a.json:
@@ -273,7 +281,18 @@ def cmd_plan(a: argparse.Namespace) -> int:
         print_table(plan, cluster, a.top)
         for line in advice:
             print(f"nothing fits; {line}" if line is advice[0] else f"  - {line}")
+    if a.plot:
+        _plot(a.plot, plan, model, training, cluster, micro, recompute, a.json)
     return _maybe_emit(a, plan, training)
+
+
+def _plot(path: str, plan: Plan, m: Model, t: Training, c: Cluster, micro: list[int],
+          recompute: list[Recompute], quiet: bool) -> None:  # fmt: skip
+    from meshrun.plan.plot import check_plottable, plot_plan, scaling
+
+    check_plottable(plan)  # before the searches at every node count
+    plot_plan(path, plan, c, scaling(m, t, c, micro, recompute))
+    print(f"wrote {path}", file=sys.stderr if quiet else sys.stdout)
 
 
 def _maybe_emit(a: argparse.Namespace, plan: Plan, t: Training) -> int:
@@ -325,6 +344,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     o.add_argument("--top", type=int, default=5, help="layouts shown (0 = all; default 5)")
     o.add_argument("--json", action="store_true", help="JSON output (schema in docs/plan.md)")
     o.add_argument("--emit-config", metavar="FILE", help="write the best layout's meshrun config")
+    o.add_argument("--plot", metavar="FILE.png", help="draw the layouts' memory vs step time and "
+                   "the best layout's tokens/s and scaling efficiency vs nodes (matplotlib)")  # fmt: skip
     p.set_defaults(fn=cmd_plan)
 
 
@@ -337,6 +358,10 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--peak-tflops", type=float, help="peak dense TFLOP/s at --precision")
     c.add_argument("--intra-bw", type=float, help="GB/s per GPU inside a node")
     c.add_argument("--inter-bw", type=float, help="GB/s per GPU between nodes")
+    c.add_argument("--intra-latency-us", type=float, help="latency per ring step inside a node, "
+                   "microseconds (alpha of the alpha-beta model)")  # fmt: skip
+    c.add_argument("--inter-latency-us", type=float, help="latency per ring step between nodes, "
+                   "microseconds")  # fmt: skip
     c.add_argument("--compute-efficiency", type=float, help="achievable fraction of peak (0.5)")
     c.add_argument("--comm-efficiency", type=float, help="achievable fraction of link bw (0.7)")
     c.add_argument("--overlap", type=float, help="share of the hiding window DP comm uses (0.8)")

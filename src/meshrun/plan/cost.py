@@ -11,7 +11,10 @@ unit tests reproduce. Bytes are bytes, times are seconds, bandwidths bytes/s, FL
 - FLOPs and parameter count: Narayanan et al. 2021, "Efficient Large-Scale Language Model
   Training on GPU Clusters Using Megatron-LM", Sec. 5.1 and Appendix.
 - Collectives: the nccl-tests bus-bandwidth conventions (ring all-reduce moves 2(n-1)/n of the
-  message per GPU, reduce-scatter and all-gather (n-1)/n).
+  message per GPU, reduce-scatter and all-gather (n-1)/n), plus the ring's start-up cost in the
+  alpha-beta (latency-bandwidth) model: alpha per ring step, 2(n-1) steps for an all-reduce,
+  n-1 for a reduce-scatter or all-gather (Thakur, Rabenseifner and Gropp 2005, "Optimization of
+  Collective Communication Operations in MPICH", Sec. 2 and 4).
 """
 
 from __future__ import annotations
@@ -85,6 +88,9 @@ class Training:
     # output layer and the final norm stay whole on every tp rank (Megatron splits the
     # vocabulary too: set this to True for such a plan).
     tp_embeddings: bool = False
+    # Megatron sequence parallelism: TP's all-reduces become all-gathers + reduce-scatters
+    # (same bytes and ring steps, the rates of those ops); off = plain all-reduces.
+    sequence_parallel: bool = True
 
 
 @dataclass(frozen=True)
@@ -100,7 +106,16 @@ class Cluster:
     compute_efficiency: float = 0.5  # achievable fraction of peak for the whole step's math
     comm_efficiency: float = 0.7  # achievable fraction of the nominal link bandwidth
     overlap: float = 0.8  # fraction of the hiding window that DP communication can use
-    mem_bw: float = 0.0  # device memory bandwidth for the optimizer step; 0 = not modelled
+    mem_bw: float = 0.0  # device memory bandwidth (copies, the optimizer); 0 = not modelled
+    # alpha of the alpha-beta model: seconds per ring step of a collective (start-up and
+    # synchronisation), inside a node and between nodes; 0 = not modelled.
+    intra_latency: float = 0.0
+    inter_latency: float = 0.0
+    # All-gather / reduce-scatter bus bandwidth as a multiple of the all-reduce's on the same
+    # link: 1 for NCCL's rings; a backend whose ops differ (Gloo) is calibrated by bench.
+    all_gather_ratio: float = 1.0
+    reduce_scatter_ratio: float = 1.0
+    optimizer_bw: float = 0.0  # bytes/s the optimizer step streams its states at; 0 = mem_bw
     allowance_bytes: float = 1.0 * GB  # CUDA context, NCCL buffers, allocator reserve
     fragmentation: float = 0.05  # extra fraction of everything else
 
@@ -164,9 +179,14 @@ def flops_per_iteration(m: Model, batch: int, recompute: Recompute = "none") -> 
     b, s, h, l_ = batch, m.seq, m.hidden, m.layers
     linear = 6.0 * b * s * l_ * (m.params_per_layer() - _small_terms(m))
     attention = 12.0 * b * s * s * l_ * h * (2 if recompute == "selective" else 1)
-    logits = 4.5 * b * s * h * m.vocab
     factor = 4.0 / 3.0 if recompute == "full" else 1.0
-    return factor * (linear + attention + logits)
+    return factor * (linear + attention) + logits_flops(m, batch, recompute)
+
+
+def logits_flops(m: Model, batch: int, recompute: Recompute = "none") -> float:
+    """The output layer's part of :func:`flops_per_iteration`: the V/(16*l*h) term."""
+    factor = 4.0 / 3.0 if recompute == "full" else 1.0
+    return factor * 4.5 * batch * m.seq * m.hidden * m.vocab
 
 
 def model_flops_per_iteration(m: Model, batch: int) -> float:
@@ -316,21 +336,58 @@ def _gather_buffer(m: Model, lay: Layout, t: Training) -> float:
 # --- communication (nccl-tests conventions) ------------------------------------------------
 
 
-def all_reduce_time(n: int, nbytes: float, bw: float) -> float:
-    """Ring all-reduce: each GPU moves 2(n-1)/n of the message over its link."""
-    return 0.0 if n <= 1 else 2.0 * (n - 1) / n * nbytes / bw
+def all_reduce_time(n: int, nbytes: float, bw: float, latency: float = 0.0) -> float:
+    """Ring all-reduce: 2(n-1) steps of ``latency`` each, and each GPU moves 2(n-1)/n of the
+    message over its link (``bw``: the all-reduce's bus bandwidth)."""
+    return 0.0 if n <= 1 else 2.0 * (n - 1) * (latency + nbytes / (n * bw))
 
 
-def gather_time(n: int, nbytes: float, bw: float) -> float:
-    """Reduce-scatter or all-gather of a ``nbytes`` (full-size) message: (n-1)/n of it."""
-    return 0.0 if n <= 1 else (n - 1) / n * nbytes / bw
+def gather_time(n: int, nbytes: float, bw: float, latency: float = 0.0) -> float:
+    """Reduce-scatter or all-gather of a ``nbytes`` (full-size) message: n-1 steps, (n-1)/n of
+    the bytes (``bw``: that op's bus bandwidth)."""
+    return 0.0 if n <= 1 else (n - 1) * (latency + nbytes / (n * bw))
 
 
-def group_bandwidth(c: Cluster, size: int, stride: int) -> float:
+@dataclass(frozen=True)
+class Link:
+    """What one collective group reaches: the all-reduce bus bandwidth (bytes/s), the
+    all-gather/reduce-scatter ones, and the latency per ring step (s)."""
+
+    size: int
+    bw: float
+    latency: float
+    ag_bw: float
+    rs_bw: float
+
+    def all_reduce(self, nbytes: float, calls: float = 1.0) -> float:
+        """``calls`` all-reduces moving ``nbytes`` in all (split evenly between them)."""
+        if calls <= 0:
+            return 0.0
+        return calls * all_reduce_time(self.size, nbytes / calls, self.bw, self.latency)
+
+    def all_gather(self, nbytes: float, calls: float = 1.0) -> float:
+        if calls <= 0:
+            return 0.0
+        return calls * gather_time(self.size, nbytes / calls, self.ag_bw, self.latency)
+
+    def reduce_scatter(self, nbytes: float, calls: float = 1.0) -> float:
+        if calls <= 0:
+            return 0.0
+        return calls * gather_time(self.size, nbytes / calls, self.rs_bw, self.latency)
+
+
+def group_link(c: Cluster, size: int, stride: int) -> Link:
     """The link a group really crosses: ranks are placed tp-fastest on consecutive GPUs, so a
     group of ``size`` ranks ``stride`` apart stays inside a node iff size*stride <= GPUs/node."""
     inside = size * stride <= c.gpus_per_node
-    return (c.intra_bw if inside else c.inter_bw) * c.comm_efficiency
+    bw = (c.intra_bw if inside else c.inter_bw) * c.comm_efficiency
+    latency = c.intra_latency if inside else c.inter_latency
+    return Link(size, bw, latency, bw * c.all_gather_ratio, bw * c.reduce_scatter_ratio)
+
+
+def group_bandwidth(c: Cluster, size: int, stride: int) -> float:
+    """The all-reduce bus bandwidth of :func:`group_link`."""
+    return group_link(c, size, stride).bw
 
 
 @dataclass
@@ -357,6 +414,8 @@ class StepTime:
 def step_time(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) -> StepTime:
     """Step time of a layout: compute at the achievable rate, exposed communication, bubble."""
     hw_flops = flops_per_iteration(m, t.global_batch, lay.activation_checkpointing)
+    if not t.tp_embeddings:  # every tp rank computes the whole output layer
+        hw_flops += (lay.tp - 1) * logits_flops(m, t.global_batch, lay.activation_checkpointing)
     compute = hw_flops / (c.world * c.peak_flops * c.compute_efficiency)
     dp = _dp_comm(m, lay, t, c, microbatches)
     window = _hiding_window(lay, compute, microbatches)
@@ -370,12 +429,14 @@ def step_time(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int)
 def optimizer_time(m: Model, lay: Layout, t: Training, c: Cluster) -> float:
     """The optimizer step streams its shard's states through memory: Adam reads parameter,
     gradient and both moments and writes three of them back (28 bytes per parameter in fp32,
-    the same with mixed precision's master weights), SGD with momentum 20."""
-    if c.mem_bw <= 0:
+    the same with mixed precision's master weights), SGD with momentum 20; at the calibrated
+    ``optimizer_bw`` (which includes the per-tensor launch costs), else the memory bandwidth."""
+    bw = c.optimizer_bw or c.mem_bw
+    if bw <= 0:
         return 0.0
     local = stage_params(m, lay, t) / (lay.dp_shard if lay.zero >= 1 else 1)
     per_param = 28.0 if t.optimizer in ("adam", "adamw") else 20.0
-    return local * per_param / c.mem_bw
+    return local * per_param / bw
 
 
 def _hiding_window(lay: Layout, compute: float, microbatches: int) -> float:
@@ -384,30 +445,73 @@ def _hiding_window(lay: Layout, compute: float, microbatches: int) -> float:
     return compute if lay.zero >= 3 else compute / microbatches * 2.0 / 3.0
 
 
+# DDP's bucketing (torch defaults; meshrun's parallel.bucket_cap_mb): the gradients computed
+# last go into a small first bucket so that the first all-reduce starts early.
+DDP_BUCKET_BYTES = 25 * 2**20
+DDP_FIRST_BUCKET_BYTES = 2**20
+
+
+def ddp_buckets(grad_bytes: float) -> int:
+    """All-reduce calls DDP issues for ``grad_bytes`` of gradients."""
+    return 1 + math.ceil(max(0.0, grad_bytes - DDP_FIRST_BUCKET_BYTES) / DDP_BUCKET_BYTES)
+
+
+def fsdp_units(m: Model, lay: Layout) -> int:
+    """FSDP2 units on a GPU: meshrun shards each block, then the root (embeddings, head); each
+    unit is its own all-gather and reduce-scatter."""
+    return math.ceil(m.layers / lay.pp) + 1 if m.has_shape else 1
+
+
 def _dp_comm(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) -> float:
     grad_bytes = stage_params(m, lay, t) * state_bytes_per_param(t)[1]
-    shard_bw = group_bandwidth(c, lay.dp_shard, lay.tp)
-    rep_bw = group_bandwidth(c, lay.dp_replicate, lay.tp * lay.dp_shard)
-    if lay.zero == 0:  # DDP: one all-reduce over the whole data-parallel group
-        return all_reduce_time(lay.dp, grad_bytes, group_bandwidth(c, lay.dp, lay.tp))
-    # Across replicas only the 1/dp_shard shard is all-reduced (HSDP).
-    across = all_reduce_time(lay.dp_replicate, grad_bytes / lay.dp_shard, rep_bw)
-    if lay.zero <= 2:  # reduce-scatter gradients + all-gather updated parameters, once
-        return 2.0 * gather_time(lay.dp_shard, grad_bytes, shard_bw) + across
-    # ZeRO-3: all-gather in forward and backward, reduce-scatter, every micro-batch.
-    return 3.0 * microbatches * gather_time(lay.dp_shard, grad_bytes, shard_bw) + across
+    dp_link = group_link(c, lay.dp, lay.tp)
+    if lay.zero <= 1:  # DDP: bucketed all-reduces over the whole data-parallel group
+        ddp = dp_link.all_reduce(grad_bytes, ddp_buckets(grad_bytes))
+        # ZeRO-1 (ZeroRedundancyOptimizer): then every rank's updated shard is gathered.
+        return ddp + (dp_link.all_gather(grad_bytes) if lay.zero == 1 else 0.0)
+    return _fsdp_comm(m, lay, t, c, microbatches, grad_bytes)
+
+
+def _fsdp_comm(
+    m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int, total: float
+) -> float:
+    """FSDP2, one collective per unit: all-gather in every micro-batch's forward (ZeRO-3: again
+    in its backward, for the blocks; the root stays gathered), one reduce-scatter per step
+    (gradient sync only on the boundary micro-batch), across replicas (HSDP) an all-reduce of
+    the shard; plus FSDP2's copy-in/copy-out of each gathered and reduced buffer."""
+    units = fsdp_units(m, lay)
+    shard = group_link(c, lay.dp_shard, lay.tp)
+    blocks = _block_params(m, lay) * state_bytes_per_param(t)[1]  # the root is not regathered
+    gathered = microbatches * (total + (blocks if lay.zero >= 3 else 0.0))
+    calls = microbatches * (units + (units - 1 if lay.zero >= 3 else 0))
+    time = shard.all_gather(gathered, calls) + shard.reduce_scatter(total, units)
+    replicas = group_link(c, lay.dp_replicate, lay.tp * lay.dp_shard)
+    time += replicas.all_reduce(total / lay.dp_shard, units)
+    if c.mem_bw > 0:  # copy-in (shard or whole) and copy-out (whole or shard), read + write
+        time += 2.0 * (1.0 + 1.0 / lay.dp_shard) * (gathered + total) / c.mem_bw
+    return time
+
+
+def _block_params(m: Model, lay: Layout) -> float:
+    if not m.has_shape:
+        return stage_params(m, lay)
+    return math.ceil(m.layers / lay.pp) * m.params_per_layer() / lay.tp
 
 
 def _tp_comm(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) -> float:
-    """Megatron TP + sequence parallel: per layer 2 all-gathers + 2 reduce-scatters forward and
-    the same backward (= 4 all-reduces of s*b*h), 2 more with full recomputation; not hidden."""
+    """Megatron TP: per layer 2 all-reduces forward and 2 backward (with sequence parallel each
+    is an all-gather + a reduce-scatter: the same bytes and ring steps), 6 with full
+    recomputation; over the intra-node link; not hidden."""
     if lay.tp == 1 or not m.has_shape:
         return 0.0
     act = m.seq * lay.micro_batch * m.hidden * _act_elem_bytes(t)
-    per_layer = (6 if lay.activation_checkpointing == "full" else 4) * all_reduce_time(
-        lay.tp, act, group_bandwidth(c, lay.tp, 1)
-    )
-    return per_layer * math.ceil(m.layers / lay.pp) * microbatches
+    link = group_link(c, lay.tp, 1)
+    if t.sequence_parallel:
+        one = link.all_gather(act) + link.reduce_scatter(act)
+    else:
+        one = link.all_reduce(act)
+    calls = 6 if lay.activation_checkpointing == "full" else 4
+    return calls * one * math.ceil(m.layers / lay.pp) * microbatches
 
 
 def _pp_comm(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) -> float:
@@ -416,8 +520,8 @@ def _pp_comm(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) 
     if lay.pp == 1 or not m.has_shape:
         return 0.0
     act = m.seq * lay.micro_batch * m.hidden * _act_elem_bytes(t) / lay.tp
-    bw = group_bandwidth(c, 2, lay.tp * lay.dp)  # neighbouring stages are dp*tp ranks apart
-    return 2.0 * act / bw * lay.vpp * microbatches
+    link = group_link(c, 2, lay.tp * lay.dp)  # neighbouring stages are dp*tp ranks apart
+    return 2.0 * (link.latency + act / link.bw) * lay.vpp * microbatches
 
 
 def _act_elem_bytes(t: Training) -> int:

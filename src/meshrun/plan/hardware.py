@@ -30,6 +30,11 @@ class GPU:
     inter_bw: float  # between nodes (the GPU's share of the NICs)
     source: str
     mem_bw: float = 0.0  # device memory bandwidth, bytes/s (HBM/GDDR): the optimizer step
+    # Latency per ring step of a collective (alpha): rough defaults of the order NCCL's
+    # small-message all-reduce shows (a few microseconds per hop over NVLink/PCIe, more over
+    # the network); `meshrun bench comm` measures the real one.
+    intra_latency: float = 3e-6
+    inter_latency: float = 8e-6
 
     def peak_flops(self, precision: str) -> float:
         """Peak dense FLOP/s at a training precision, or an error naming what the GPU lacks."""
