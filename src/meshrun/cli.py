@@ -24,6 +24,12 @@ from meshrun.config import (
 )
 from meshrun.data.cli import add_parser as _add_data
 from meshrun.diagnose.bench import add_parser as _add_bench
+from meshrun.diagnose.doctor import add_parser as _add_doctor
+from meshrun.diagnose.doctor import use_doctor_worker
+from meshrun.launch.k8s import add_parser as _add_k8s
+from meshrun.launch.slurm_cli import add_parser as _add_slurm
+from meshrun.monitor.report_html import add_parser as _add_report
+from meshrun.monitor.scale import add_parser as _add_scale_test
 from meshrun.plan.cli import add_parser as _add_plan
 
 DEMO_MODULE = "meshrun.demo"
@@ -42,6 +48,10 @@ def _prepare(cfg: Config, nproc: int, nnodes: str) -> Path:
     """Validate for the world size and write the resolved config the workers will read."""
     world = nproc * _world_nodes(nnodes)
     validate_for_world(cfg, world)
+    from meshrun.checkpoint.layout import resume_path_error  # pure: no torch import
+
+    if why := resume_path_error(cfg.checkpoint.resume):  # before any process is spawned
+        raise ConfigError(why)
     return write_config(cfg, cfg.resolved_run_dir() / "config.toml")
 
 
@@ -49,6 +59,7 @@ def _launch(
     cfg: Config, nproc: int, script: str | None, module: str | None, script_args: list[str]
 ) -> int:
     from meshrun.launch.local import LaunchSpec, launch_local
+    from meshrun.launch.multinode import shared_digest, shared_settings
 
     config_path = _prepare(cfg, nproc, cfg.launch.nnodes)
     spec = LaunchSpec(
@@ -57,6 +68,14 @@ def _launch(
         module=module,
         script_args=script_args,
         nnodes=cfg.launch.nnodes,
+        node_rank=cfg.launch.node_rank,
+        rdzv_endpoint=cfg.launch.rdzv_endpoint,
+        rdzv_id=cfg.launch.rdzv_id,
+        interface=cfg.launch.interface,
+        join_timeout_s=cfg.launch.join_timeout_s,
+        config_digest=shared_digest(cfg),
+        shared_config=shared_settings(cfg),
+        rdzv_conf=cfg.launch.rdzv_conf,
         max_restarts=cfg.launch.max_restarts,
         omp_num_threads=cfg.launch.omp_num_threads,
         config_path=str(config_path),
@@ -78,6 +97,8 @@ def _nproc(flag: int | None, cfg: Config) -> int:
 
 
 def cmd_launch(a: argparse.Namespace) -> int:
+    if a.doctor:
+        use_doctor_worker(a)
     target = a.target
     if not target:
         raise ConfigError("meshrun launch needs a script (train.py) or -m MODULE")
@@ -88,18 +109,44 @@ def cmd_launch(a: argparse.Namespace) -> int:
     overrides, _ = split_overrides(args)
     default = DEMO_CONFIG if module == DEMO_MODULE else None
     cfg = load_config(a.config or default, [*a.set, *overrides])
-    if a.nnodes:
-        cfg.launch.nnodes = a.nnodes
-    if cfg.launch.nnodes != "1":
-        raise ConfigError(
-            f"launch.nnodes = {cfg.launch.nnodes!r}: multi-node launch is not available in this "
-            "version yet; run one node (--nnodes 1), or torchrun on each node with a rendezvous "
-            "endpoint"
-        )
-    if a.max_restarts is not None:
-        cfg.launch.max_restarts = a.max_restarts
+    if a.hostfile:  # one meshrun launch per listed host, over ssh (docs/hostfile.md)
+        from meshrun.launch.remote import launch_from_args
+
+        return launch_from_args(a, cfg)
+    if a.ssh_opt:
+        raise ConfigError("--ssh-opt configures the ssh to each host: it needs --hostfile FILE")
+    _maybe_from_slurm(cfg, a)  # inside an allocation: unset topology flags from SLURM
+    _apply_launch_flags(cfg, a)
     script = None if module else target
     return _launch(cfg, _nproc(a.nproc_per_node, cfg), script, module, args)
+
+
+def _maybe_from_slurm(cfg: Config, a: argparse.Namespace) -> None:
+    import os
+
+    from meshrun.launch.slurm import apply_to_launch
+
+    apply_to_launch(a, cfg.launch, os.environ)
+
+
+# `meshrun launch` flags that override [launch] keys of the same name (flag given = wins).
+LAUNCH_FLAGS = (
+    "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "max_restarts", "interface",
+    ("join_timeout", "join_timeout_s"),
+)  # fmt: skip
+
+
+def _apply_launch_flags(cfg: Config, a: argparse.Namespace) -> None:
+    """Flags over config keys, then the multi-node checks (before anything starts)."""
+    from meshrun.launch import multinode
+
+    for entry in LAUNCH_FLAGS:
+        flag, key = entry if isinstance(entry, tuple) else (entry, entry)
+        value = getattr(a, flag, None)
+        if value is not None:
+            setattr(cfg.launch, key, value)
+    lc = cfg.launch
+    multinode.validate(lc.nnodes, lc.node_rank, lc.rdzv_endpoint, lc.rdzv_id, lc.rdzv_conf)
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -164,8 +211,40 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--nproc-per-node", type=int, help="processes (default: GPUs, else 2)")
     p.add_argument("--nnodes", help="nodes: N or MIN:MAX (default 1)")
     p.add_argument("--max-restarts", type=int, help="restarts after a failure (default 0)")
+    p.add_argument("--node-rank", type=int, help="multi-node: this node's rank (default 0)")
+    p.add_argument(
+        "--rdzv-endpoint", help="multi-node: HOST:PORT of one node, the same on every node"
+    )
+    p.add_argument("--rdzv-id", help="multi-node: job id, the same on every node")
+    p.add_argument(
+        "--rdzv-conf", help="multi-node: extra torchrun rendezvous settings KEY=VALUE,..."
+    )
+    p.add_argument(
+        "--interface", help="multi-node: network interface (default: the route to the endpoint)"
+    )
+    p.add_argument(
+        "--join-timeout",
+        type=float,
+        help="multi-node: seconds to wait for all nodes to join (default 300)",
+    )
+    p.add_argument(
+        "--hostfile",
+        metavar="FILE",
+        help="start this launch on every host of FILE over ssh (docs/hostfile.md)",
+    )
+    p.add_argument(
+        "--ssh-opt",
+        action="append",
+        metavar="KEY=VALUE",
+        help="with --hostfile: an ssh -o option (repeatable); more ssh arguments: $MESHRUN_SSH",
+    )
     p.add_argument("--config", help="TOML config file")
     p.add_argument("--set", action="append", default=[], type=_kv, help="SECTION.KEY=VALUE")
+    p.add_argument(
+        "--doctor",
+        action="store_true",
+        help="run meshrun doctor on every rank of this launch instead of the script",
+    )
     p.add_argument("-m", "--module", action="store_true", help="TARGET is a module (python -m)")
     p.add_argument("target", nargs="?", help="script path, or module name with -m")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
@@ -210,7 +289,8 @@ def _add_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 
 # Each subsystem contributes one `add_*(sub)` function; the order is the order of --help.
-SUBCOMMANDS = [_add_demo, _add_launch, _add_config, _add_data, _add_plan, _add_bench, _add_ckpt]
+SUBCOMMANDS = [_add_demo, _add_launch, _add_config, _add_data, _add_plan, _add_bench, _add_ckpt,
+               _add_doctor, _add_slurm, _add_k8s, _add_report, _add_scale_test]  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

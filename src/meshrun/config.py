@@ -115,7 +115,9 @@ class ParallelConfig:
         False, "torch.compile each block (after TP and AC, before FSDP/DDP); needs a C++ compiler."
     )
     loss_parallel: bool = _f(
-        False, "With tp > 1: cross-entropy on the vocab-sharded logits (not available yet)."
+        False,
+        "With tp > 1: the output head split over the vocabulary and cross-entropy on the "
+        "sharded logits; compute the loss inside run.loss_parallel() (docs/parallel.md).",
     )
 
 
@@ -181,6 +183,15 @@ class MetricsConfig:
     log_every: int = _f(1, "Write metrics every N optimizer steps.", min=1)
     progress: bool = _f(True, "Progress bar on a terminal (plain lines otherwise).")
     jsonl: bool = _f(True, "Write <run_dir>/metrics.jsonl.")
+    tensorboard: bool = _f(
+        False, "Also write the step metrics as TensorBoard scalars (pip install tensorboard)."
+    )
+    peak_flops: float = _f(
+        0.0,
+        "Peak FLOP/s of one device, for MFU; 0 = the planner's datasheet figure on a known GPU "
+        "(none on CPU).",
+        min=0,
+    )
 
 
 @dataclass
@@ -205,6 +216,9 @@ class MonitorConfig:
     phase_timeout_s: float = _f(
         1800.0, "Watchdog limit inside run.phase(...), checkpoint saves and the first step.", min=0
     )
+    comm_timing: bool = _f(
+        True, "Time DDP's gradient all-reduce (comm hook) to split exposed from hidden comm."
+    )
 
 
 @dataclass
@@ -227,6 +241,11 @@ class LaunchConfig:
     )
     join_timeout_s: float = _f(
         300.0, "Multi-node: give up when the nodes have not all joined after this long.", min=1
+    )
+    rdzv_conf: str = _f(
+        "",
+        "Multi-node: extra torchrun --rdzv-conf KEY=VALUE,... (e.g. last_call_timeout=5); "
+        "they win over meshrun's own (is_host, join_timeout).",
     )
 
 
@@ -516,13 +535,22 @@ def grad_accumulation(data: DataConfig, dp_size: int) -> int:
 
 
 def check_pipeline(p: ParallelConfig, dims: Mapping[str, int], shown: str) -> None:
-    """What pipeline parallel composes with in this version, and its micro-batch chunks."""
+    """What pipeline parallel cannot compose with, and its micro-batch chunks. (TP, DDP and
+    FSDP2 on the other dims compose: each stage module is parallelized on the sub-mesh.)"""
     dp = dims["dp_replicate"] * dims["dp_shard"]
-    if p.tp > 1 or p.zero == 1 or (dp > 1 and p.zero == 0):
+    if p.zero == 1 and dp > 1:
+        # Stages replicate with FSDP2's replicate() (DDP's reducer breaks under a schedule's
+        # several backwards); ZeroRedundancyOptimizer cannot broadcast its DTensor parameters.
         raise ConfigError(
-            f"parallel.pp = {p.pp} composes with FSDP2 (zero 2 or 3) on the dp dims; tensor "
-            f"parallel, DDP and ZeRO-1 with pp are not available yet (mesh {shown}, zero = "
-            f"{p.zero}); set parallel.zero=3 and parallel.tp=1"
+            f"parallel.pp = {p.pp} with parallel.zero = 1 (mesh {shown}) is not available: "
+            "ZeroRedundancyOptimizer cannot step a pipeline stage's replicated DTensor "
+            "parameters; set parallel.zero=2 (optimizer state and gradients sharded) or 0"
+        )
+    if p.loss_parallel:
+        raise ConfigError(
+            f"parallel.pp = {p.pp} with parallel.loss_parallel = true (mesh {shown}): the "
+            "pipeline schedule computes the loss outside any loss_parallel() context; set "
+            "parallel.loss_parallel=false with pp"
         )
     if p.pp_microbatches < p.pp:
         raise ConfigError(
@@ -570,6 +598,11 @@ def check_layout(p: ParallelConfig, dims: Mapping[str, int]) -> None:
         raise ConfigError(
             f"parallel.sequence_parallel = true splits along the sequence over the tp dim, but "
             f"the mesh {shown} has tp=1; set parallel.tp > 1 or parallel.sequence_parallel=false"
+        )
+    if p.loss_parallel and p.tp == 1:
+        raise ConfigError(
+            f"parallel.loss_parallel = true splits the logits over the tp dim, but the mesh "
+            f"{shown} has tp=1; set parallel.tp > 1 or parallel.loss_parallel=false"
         )
 
 

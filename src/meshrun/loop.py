@@ -23,6 +23,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ProcessGroup
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.distributed.tensor import DTensor
 
 from meshrun.config import MonitorConfig
 from meshrun.data.iterable import ResumableIterable
@@ -107,6 +108,7 @@ class StepLoop:
             hostname=socket.gethostname(),
             metrics=metrics,
         )
+        self.monitor.models = self.models  # DDP models get their all-reduce timed
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -196,6 +198,8 @@ class StepLoop:
     def record_loss(self, loss: torch.Tensor) -> None:
         """Count a micro-step's loss in the metrics (the pipeline step's backward is its own)."""
         detached = loss.detach().float()
+        if isinstance(detached, DTensor):  # loss parallel: a replicated DTensor scalar
+            detached = detached.full_tensor()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
@@ -252,7 +256,11 @@ class StepLoop:
             step_time_s=step_time,
             samples=self.global_batch,
             tokens=self.global_batch * self._tokens_per_sample,
-            extra={**(memory_stats(self.device) if logged else {}), **wait, **phases},
+            extra={
+                **(memory_stats(self.device) | self.monitor.host.sample() if logged else {}),
+                **wait,
+                **phases,
+            },
         )
         self.monitor.add("loop_s", now)  # metrics and monitoring: the next step's time
 

@@ -43,11 +43,13 @@ from meshrun.logs import setup_logging
 from meshrun.loop import StepLoop
 from meshrun.mesh import ParallelDims, build_mesh
 from meshrun.monitor import MetricsLogger
+from meshrun.monitor.mfu import peak_flops, precision_of
 from meshrun.parallel import (
     Pipeline,
     build_grad_scaler,
     build_optimizer,
     check_optimizer,
+    maybe_loss_parallel,
     parallelize,
     parallelize_pipeline,
     pipeline_step,
@@ -148,6 +150,8 @@ class Run:
             log_every=cfg.metrics.log_every,
             total_steps=cfg.optim.steps,
             progress=cfg.metrics.progress,
+            world_size=self.world_size,
+            tensorboard=cfg.metrics.tensorboard,
         )
         self.loop = StepLoop(
             accum=self.accum,
@@ -166,6 +170,18 @@ class Run:
         if self.is_main:
             write_config(cfg, self.run_dir / "config.toml")
             self._announce()
+        # One line per process start: `meshrun report` reads the world size, the batch
+        # arithmetic and the restarts (a second start in the same file) from it.
+        self.metrics.log_event(
+            "start",
+            world_size=self.world_size,
+            dp=self.dp_size,
+            global_batch=cfg.data.global_batch,
+            micro_batch=cfg.data.micro_batch,
+            accum=self.accum,
+            device=self.device.type,
+            host=self.cluster.hostname,
+        )
 
     def _announce(self) -> None:
         c = self.config
@@ -196,6 +212,7 @@ class Run:
         """Apply the configured layout (see ``meshrun.parallel.parallelize`` for ``options``:
         ``tp_plan``, ``parallelize_fn``, ``wrap``); returns a real torch module: the model,
         changed in place, or its DDP wrapper."""
+        options.setdefault("comm_hook_wrap", self.loop.monitor.comm_hook_wrap())
         out = parallelize(model, self.mesh, self.config.parallel, self.device, **options)
         self.loop.models.append(out)
         if self.loop.scaler is None:
@@ -221,7 +238,11 @@ class Run:
         def scaled(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             return loss_fn(output, target) / accum  # what run.backward does, per chunk
 
-        pipe = parallelize_pipeline(model, self.mesh, self.config.parallel, self.device, scaled)
+        if self.loop.scaler is None:  # fp16: the schedule scales each chunk's loss
+            self.loop.scaler = build_grad_scaler(self.config.parallel, self.device)
+        pipe = parallelize_pipeline(
+            model, self.mesh, self.config.parallel, self.device, scaled, scaler=self.loop.scaler
+        )
         self.loop.models.extend(pipe.modules)
         self.loop.pp_group = pipe.group
         return pipe
@@ -236,7 +257,10 @@ class Run:
         return loss
 
     def optimizer(
-        self, model: nn.Module, optimizer_class: type[torch.optim.Optimizer], **kwargs: Any
+        self,
+        model: nn.Module | Pipeline,
+        optimizer_class: type[torch.optim.Optimizer],
+        **kwargs: Any,
     ) -> torch.optim.Optimizer:
         """``optimizer_class(model.parameters(), **kwargs)``; under ``parallel.zero = 1`` its
         state is sharded over the data-parallel ranks (a ZeroRedundancyOptimizer)."""
@@ -312,12 +336,33 @@ class Run:
         """Micro-batches on the device until ``optim.steps`` optimizer steps (see loop.py)."""
         return self.loop.steps(loader, steps, tokens_per_sample)
 
+    def set_flops_per_token(self, flops_per_token: float) -> None:
+        """Report MFU in the metrics. ``flops_per_token``: the model's training FLOPs per token
+        (forward + backward, e.g. the planner's formula: docs/plan.md); the peak comes from
+        ``metrics.peak_flops`` or the planner's GPU table (monitor/mfu.py)."""
+        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
+        precision = precision_of(self.config.parallel.param_dtype)
+        peak, source = peak_flops(self.config.metrics.peak_flops, self.device.type, name, precision)
+        if peak > 0:
+            self.metrics.set_flops_per_token(flops_per_token, peak)
+        if self.is_main:
+            self.log.info("MFU: %s", f"against {source}" if peak > 0 else f"not reported: {source}")
+
     def backward(self, loss: torch.Tensor) -> None:
-        """``(loss / accumulation).backward()``; see loop.py for why this is the right scale."""
-        self.loop.backward(loss)
+        """``(loss / accumulation).backward()``; see loop.py for why this is the right scale.
+        Under ``parallel.loss_parallel`` the backward runs inside ``loss_parallel()`` too."""
+        with maybe_loss_parallel(self.config.parallel):
+            self.loop.backward(loss)
+
+    def loss_parallel(self) -> AbstractContextManager[None]:
+        """Compute the loss inside this (``with run.loss_parallel(): loss = ...``): with
+        ``parallel.loss_parallel`` the logits are sharded over the vocabulary and cross-entropy
+        must run under ``torch.distributed.tensor.parallel.loss_parallel()``; else a no-op."""
+        return maybe_loss_parallel(self.config.parallel)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         check_optimizer(optimizer, self.config.parallel, self.dp_size)
+        self.checkpointer.before_update()  # an async save's background copy must end first
         stepped = self.loop.optimizer_step(optimizer)
         if stepped:  # every `checkpoint.interval` steps, at the step boundary
             self.checkpointer.note_optimizer(optimizer)
@@ -334,7 +379,7 @@ class Run:
 
     def resume(
         self,
-        model: nn.Module,
+        model: nn.Module | Pipeline,
         optimizer: torch.optim.Optimizer,
         loader: Any = None,
         **named: Stateful,
@@ -346,7 +391,10 @@ class Run:
             scaler = cast(Stateful, self.loop.scaler)  # its scale must survive restarts
             named = {**named, "grad_scaler": scaler}
         self.checkpointer.register(model, optimizer, loader, named)
-        return self.checkpointer.resume()
+        step = self.checkpointer.resume()
+        if step:
+            self.metrics.log_event("resume", from_step=step)  # later steps are redone
+        return step
 
     def save_checkpoint(self) -> Path:
         """Checkpoint the current step now (collective: call on every rank)."""

@@ -18,12 +18,14 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import meshrun
 from meshrun.data import TokenDataset
 from meshrun.demo.corpus import decode, demo_tokens_dir, prepare_demo_tokens
-from meshrun.demo.model import GPT, demo_config
+from meshrun.demo.model import GPT, GPTConfig, demo_config
+from meshrun.plan.cost import Model, model_flops_per_iteration
 
 DEFAULT_CONFIG = Path(__file__).with_name("demo.toml")
 
@@ -43,7 +45,26 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     return args, rest
 
 
+def plan_flops_per_token(cfg: GPTConfig) -> float:
+    """Training FLOPs per token of this shape by the planner's formula (docs/plan.md)."""
+    shape = Model(
+        layers=cfg.n_layer,
+        hidden=cfg.d_model,
+        heads=cfg.n_head,
+        vocab=cfg.vocab_size,
+        seq=cfg.seq_len,
+        ffn=cfg.ffn_mult * cfg.d_model,
+    )
+    return model_flops_per_iteration(shape, batch=1) / cfg.seq_len
+
+
 @torch.no_grad()
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """Loss parallel keeps logits (and so the loss) as DTensors sharded over the vocabulary:
+    the whole tensor where the demo reads it (a collective: every rank calls it)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
 def evaluate(run: meshrun.Run, model: nn.Module, val: TokenDataset) -> float:
     """Exact mean loss over the validation windows: each window once across ranks."""
     net = model.module if isinstance(model, DDP) else model  # no DDP sync in eval
@@ -51,7 +72,8 @@ def evaluate(run: meshrun.Run, model: nn.Module, val: TokenDataset) -> float:
     totals = torch.zeros(2, device=run.device)  # [sum of losses, count]
     for batch in run.dataloader(val, mode="eval"):
         x, y = batch["input"].to(run.device), batch["target"].to(run.device)
-        totals[0] += net(x, y) * x.shape[0]
+        with run.loss_parallel():  # parallel.loss_parallel: cross-entropy on sharded logits
+            totals[0] += whole(net(x, y)) * x.shape[0]
         totals[1] += x.shape[0]
     net.train()
     run.all_reduce_sum(totals)  # once, at the end: ranks may hold one window more or less
@@ -80,7 +102,7 @@ def sample(model: nn.Module, prompt: bytes, n: int, seq_len: int, device: torch.
     gen = torch.Generator(device=device).manual_seed(0)
     ids = torch.tensor(list(prompt), dtype=torch.long, device=device)[None]
     for _ in range(n):
-        logits = net(ids[:, -seq_len:])[:, -1] / 0.8  # temperature < 1: fewer odd bytes
+        logits = whole(net(ids[:, -seq_len:]))[:, -1] / 0.8  # temperature < 1: fewer odd bytes
         top = torch.topk(logits, k=10)
         choice = torch.multinomial(top.values.softmax(-1), 1, generator=gen)
         ids = torch.cat([ids, top.indices.gather(-1, choice)], dim=1)
@@ -106,6 +128,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         weight_decay=cfg.optim.weight_decay,
     )
     run.lr_scheduler(opt)
+    run.set_flops_per_token(plan_flops_per_token(model_cfg))  # MFU in the metrics
     if run.is_main:
         run.log.info(
             "model: %.2fM parameters | corpus: %d train / %d val samples of %d tokens",
@@ -118,7 +141,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     loader = run.dataloader(train)
     run.resume(model, opt, loader)  # newest valid checkpoint under [checkpoint] dir, if any
     for batch in run.steps(loader):
-        loss = model(batch["input"], batch["target"])
+        with run.loss_parallel():  # a no-op unless parallel.loss_parallel = true
+            loss = model(batch["input"], batch["target"])
         run.backward(loss)
         run.optimizer_step(opt)
 
