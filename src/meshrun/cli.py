@@ -13,6 +13,7 @@ from pathlib import Path
 
 from meshrun import __version__
 from meshrun.checkpoint.cli import add_parser as _add_ckpt
+from meshrun.cliargs import add_set, add_target
 from meshrun.config import (
     Config,
     ConfigError,
@@ -239,23 +240,14 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="with --hostfile: an ssh -o option (repeatable); more ssh arguments: $MESHRUN_SSH",
     )
     p.add_argument("--config", help="TOML config file")
-    p.add_argument("--set", action="append", default=[], type=_kv, help="SECTION.KEY=VALUE")
+    add_set(p)
     p.add_argument(
         "--doctor",
         action="store_true",
         help="run meshrun doctor on every rank of this launch instead of the script",
     )
-    p.add_argument("-m", "--module", action="store_true", help="TARGET is a module (python -m)")
-    p.add_argument("target", nargs="?", help="script path, or module name with -m")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    add_target(p)
     p.set_defaults(fn=cmd_launch)
-
-
-def _kv(text: str) -> tuple[str, str]:
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"--set {text!r}: expected SECTION.KEY=VALUE")
-    key, value = text.split("=", 1)
-    return key, value
 
 
 def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from meshrun.cliargs import add_target
 from meshrun.config import ConfigError, load_config, split_overrides, validate_for_world
 from meshrun.launch.yamlout import dump_documents
 
@@ -553,7 +554,5 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     r.add_argument(
         "--output", metavar="DIR", help="directory for <kind>.yaml (default: print to stdout)"
     )
-    r.add_argument("-m", "--module", action="store_true", help="TARGET is a module (python -m)")
-    r.add_argument("target", nargs="?", help="script path in the image, or module name with -m")
-    r.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    add_target(r, "script path in the image, or module name with -m")
     r.set_defaults(fn=cmd_render)

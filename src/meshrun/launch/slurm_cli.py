@@ -8,6 +8,7 @@ import re
 import sys
 from pathlib import Path
 
+from meshrun.cliargs import add_set, add_target
 from meshrun.config import Config, ConfigError, load_config, split_overrides, validate_for_world
 from meshrun.launch.slurm import DEFAULT_SIGNAL_BEFORE_S, SubmitSpec, render_sbatch, submit
 
@@ -85,13 +86,6 @@ def _checked_config(a: argparse.Namespace, world: int) -> Config:
     return cfg
 
 
-def _kv(text: str) -> tuple[str, str]:
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"--set {text!r}: expected SECTION.KEY=VALUE")
-    key, value = text.split("=", 1)
-    return key, value
-
-
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("slurm", help="write and submit SLURM batch jobs")
     ssub = p.add_subparsers(dest="slurm_cmd", required=True)
@@ -122,8 +116,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     s.add_argument("--output", metavar="DIR", help="output files (default RUN_DIR/slurm)")
     s.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
     s.add_argument("--config", help="TOML config file for the job")
-    s.add_argument("--set", action="append", default=[], type=_kv, help="SECTION.KEY=VALUE")
-    s.add_argument("-m", "--module", action="store_true", help="TARGET is a module (python -m)")
-    s.add_argument("target", nargs="?", help="script path, or module name with -m")
-    s.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    add_set(s)
+    add_target(s)
     s.set_defaults(fn=cmd_slurm_submit)

@@ -14,6 +14,7 @@ import argparse
 import sys
 from pathlib import Path
 
+from meshrun.cliargs import add_set, add_target
 from meshrun.config import Config, ConfigError, load_config, split_overrides, validate_for_world
 from meshrun.monitor.report import ReportError
 from meshrun.monitor.report_html import summary_lines, write_report
@@ -133,15 +134,6 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "--out", default="runs/scale-test", help="parent folder (default runs/scale-test)"
     )
     p.add_argument("--config", help="TOML config file")
-    p.add_argument("--set", action="append", default=[], type=_kv, help="SECTION.KEY=VALUE")
-    p.add_argument("-m", "--module", action="store_true", help="TARGET is a module (python -m)")
-    p.add_argument("target", nargs="?", help="script path, or module name with -m")
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    add_set(p)
+    add_target(p)
     p.set_defaults(fn=cmd_scale_test)
-
-
-def _kv(text: str) -> tuple[str, str]:
-    if "=" not in text:
-        raise argparse.ArgumentTypeError(f"--set {text!r}: expected SECTION.KEY=VALUE")
-    key, value = text.split("=", 1)
-    return key, value

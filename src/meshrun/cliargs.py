@@ -1,0 +1,31 @@
+"""Arguments several subcommands share (launch, scale-test, slurm submit, k8s render).
+
+Its own module so the subsystems' ``add_parser`` functions can use it without importing
+``meshrun.cli``, which imports them.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def key_value(text: str) -> tuple[str, str]:
+    """``--set SECTION.KEY=VALUE`` as a (key, value) pair."""
+    if "=" not in text:
+        raise argparse.ArgumentTypeError(f"--set {text!r}: expected SECTION.KEY=VALUE")
+    key, value = text.split("=", 1)
+    return key, value
+
+
+def add_set(p: argparse.ArgumentParser) -> None:
+    """``--set SECTION.KEY=VALUE`` (repeatable) into ``a.set`` as (key, value) pairs."""
+    p.add_argument("--set", action="append", default=[], type=key_value, help="SECTION.KEY=VALUE")
+
+
+def add_target(
+    p: argparse.ArgumentParser, target_help: str = "script path, or module name with -m"
+) -> None:
+    """``[-m] TARGET ARGS...``: a script (or module) and everything after it, for the script."""
+    p.add_argument("-m", "--module", action="store_true", help="TARGET is a module (python -m)")
+    p.add_argument("target", nargs="?", help=target_help)
+    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
