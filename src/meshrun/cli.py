@@ -13,7 +13,7 @@ from pathlib import Path
 
 from meshrun import __version__
 from meshrun.checkpoint.cli import add_parser as _add_ckpt
-from meshrun.cliargs import add_set, add_target
+from meshrun.cliargs import DEMO_CONFIG, DEMO_MODULE, add_set, add_target, default_config
 from meshrun.config import (
     Config,
     ConfigError,
@@ -32,9 +32,6 @@ from meshrun.launch.slurm_cli import add_parser as _add_slurm
 from meshrun.monitor.report_html import add_parser as _add_report
 from meshrun.monitor.scale import add_parser as _add_scale_test
 from meshrun.plan.cli import add_parser as _add_plan
-
-DEMO_MODULE = "meshrun.demo"
-DEMO_CONFIG = Path(__file__).parent / "demo" / "demo.toml"
 
 
 def _world_nodes(nnodes: str) -> int:
@@ -108,8 +105,7 @@ def cmd_launch(a: argparse.Namespace) -> int:
         raise ConfigError(f"script {target!r} does not exist")
     args = list(a.args)
     overrides, _ = split_overrides(args)
-    default = DEMO_CONFIG if module == DEMO_MODULE else None
-    cfg = load_config(a.config or default, [*a.set, *overrides])
+    cfg = load_config(a.config or default_config(module), [*a.set, *overrides])
     if a.hostfile:  # one meshrun launch per listed host, over ssh (docs/hostfile.md)
         from meshrun.launch.remote import launch_from_args
 

@@ -7,6 +7,10 @@ Its own module so the subsystems' ``add_parser`` functions can use it without im
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
+
+DEMO_MODULE = "meshrun.demo"
+DEMO_CONFIG = Path(__file__).parent / "demo" / "demo.toml"
 
 
 def key_value(text: str) -> tuple[str, str]:
@@ -29,3 +33,9 @@ def add_target(
     p.add_argument("-m", "--module", action="store_true", help="TARGET is a module (python -m)")
     p.add_argument("target", nargs="?", help=target_help)
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+
+
+def default_config(module: str | None) -> Path | None:
+    """The config a target uses when no --config is given: the demo's own for ``-m
+    meshrun.demo`` (so its settings hold under launch, scale-test and slurm), else none."""
+    return DEMO_CONFIG if module == DEMO_MODULE else None

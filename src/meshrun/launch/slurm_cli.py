@@ -8,12 +8,9 @@ import re
 import sys
 from pathlib import Path
 
-from meshrun.cliargs import add_set, add_target
+from meshrun.cliargs import add_set, add_target, default_config
 from meshrun.config import Config, ConfigError, load_config, split_overrides, validate_for_world
 from meshrun.launch.slurm import DEFAULT_SIGNAL_BEFORE_S, SubmitSpec, render_sbatch, submit
-
-DEMO_MODULE = "meshrun.demo"
-DEMO_CONFIG = Path(__file__).parent.parent / "demo" / "demo.toml"
 
 
 def cmd_slurm_submit(a: argparse.Namespace) -> int:
@@ -80,8 +77,8 @@ def build_spec(a: argparse.Namespace) -> tuple[SubmitSpec, Path]:
 def _checked_config(a: argparse.Namespace, world: int) -> Config:
     """The config the job will run with, validated for its world size now, not on the nodes."""
     overrides, _ = split_overrides(list(a.args))
-    default = DEMO_CONFIG if a.module and a.target == DEMO_MODULE else None
-    cfg = load_config(a.config or default, [*a.set, *overrides])
+    module = a.target if a.module else None
+    cfg = load_config(a.config or default_config(module), [*a.set, *overrides])
     validate_for_world(cfg, world)
     return cfg
 

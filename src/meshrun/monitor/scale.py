@@ -14,15 +14,12 @@ import argparse
 import sys
 from pathlib import Path
 
-from meshrun.cliargs import add_set, add_target
+from meshrun.cliargs import add_set, add_target, default_config
 from meshrun.config import Config, ConfigError, load_config, split_overrides, validate_for_world
 from meshrun.monitor.report import ReportError
 from meshrun.monitor.report_html import summary_lines, write_report
 
 __all__ = ["add_parser", "parse_sizes", "run_dirs"]
-
-DEMO_MODULE = "meshrun.demo"
-DEMO_CONFIG = Path(__file__).parents[1] / "demo" / "demo.toml"
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -54,7 +51,7 @@ def _configs(a: argparse.Namespace, module: str | None, sizes: list[int]) -> dic
         )
     if a.steps is not None and "optim.steps" in keys:
         raise ConfigError("--steps and --optim.steps both given; pass one of them")
-    default = DEMO_CONFIG if module == DEMO_MODULE else None
+    default = default_config(module)
     out: dict[int, Config] = {}
     for n, run_dir in run_dirs(Path(a.out), sizes).items():
         steps = [] if a.steps is None else [("optim.steps", str(a.steps))]
