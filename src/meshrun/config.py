@@ -15,6 +15,7 @@ import json
 import math
 import sys
 import types
+import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -634,10 +635,14 @@ def to_toml(cfg: Config, comments: bool = False) -> str:
 
 
 def write_config(cfg: Config, path: str | Path) -> Path:
-    """Write the resolved config atomically (workers read it while the launcher may rewrite)."""
+    """Write the resolved config atomically (workers read it while the launcher may rewrite).
+
+    The temporary file's name is unique to this writer: on a multi-node job every node's
+    launcher writes the same file in a shared run directory, and with one fixed temporary name
+    one node's rename would take the file another node was about to rename."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
-    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp = p.with_name(f".{p.name}.{uuid.uuid4().hex}.tmp")
     tmp.write_text(to_toml(cfg))
     tmp.replace(p)
     return p
