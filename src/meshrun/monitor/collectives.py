@@ -9,8 +9,8 @@ they are enqueued, so only the enqueued position is trusted); the launcher's rep
 ranks: "collective #42 (gloo:all_reduce) on group 0 (default_pg): rank 0 at #42, rank 1 at
 #41", i.e. rank 1 never called the collective the others wait in.
 
-Point-to-point operations (pipeline sends/receives) are left out: they are numbered per peer
-pair, not per group.
+Point-to-point operations (pipeline sends/receives) are numbered per peer pair, not per group,
+and the recorder does not record them on Gloo: monitor/p2p.py counts them for the report.
 """
 
 from __future__ import annotations
@@ -48,13 +48,20 @@ def positions_from_json(text: str) -> dict[str, Position]:
         seq = int(status.get("last_enqueued_collective", -1))
         if seq > 0:
             out[str(pg)] = Position(seq, "?", "")
+    # The newest recorded collective of a group is its position. pg_status alone is not: on
+    # Gloo its counter also counts point-to-point operations, which the recorder does not
+    # record (torch 2.13, measured: 3 collectives + 3 sends read 6), so under a pipeline it
+    # names no recorded collective and differs between stages. It stays the position of a
+    # group whose entries have all left the buffer.
+    newest: dict[str, Position] = {}
     for e in dump.get("entries") or []:
-        pos = out.get(str(e.get("pg_id")))
-        if pos is None or e.get("is_p2p") or int(e.get("collective_seq_id", -1)) != pos.seq:
+        pg, seq = str(e.get("pg_id")), int(e.get("collective_seq_id", -1))
+        if pg not in out or e.get("is_p2p") or seq <= 0:
             continue
-        group = e.get("process_group") or ["", ""]
-        out[str(e["pg_id"])] = Position(pos.seq, str(e.get("profiling_name", "?")), group[-1])
-    return out
+        if pg not in newest or seq > newest[pg].seq:
+            group = e.get("process_group") or ["", ""]
+            newest[pg] = Position(seq, str(e.get("profiling_name", "?")), group[-1])
+    return out | newest
 
 
 def _read_recorders() -> dict[str, Position]:

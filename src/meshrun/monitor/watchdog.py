@@ -32,6 +32,7 @@ from meshrun.monitor.collectives import (
     last_collectives,
     parse_positions,
 )
+from meshrun.monitor.p2p import P2PState, p2p_lines, p2p_snapshot, parse_p2p, record_pipeline_p2p
 
 __all__ = ["EXIT_HANG", "HANG_DIR", "Watchdog", "hang_report", "watch_for_hangs"]
 
@@ -51,6 +52,8 @@ class Watchdog:
         self._phase = "train"
         self._step = 0
         self._thread: threading.Thread | None = None
+        if self.enabled:  # before any pipeline exists, so every rank counts from the same op
+            record_pipeline_p2p()
 
     @property
     def enabled(self) -> bool:
@@ -118,6 +121,7 @@ class Watchdog:
             "main_thread": threading.main_thread().ident,
             "time": time.time(),
             "collectives": last_collectives(),
+            "p2p": p2p_snapshot(),  # pipeline sends/receives (monitor/p2p.py)
         }
         with open(self.path, "w", encoding="utf-8") as f:
             f.write(json.dumps(header) + "\n")
@@ -147,6 +151,7 @@ class RankDump:
     innermost: str  # file:line in function
     user: str  # the innermost frame outside torch and meshrun (the user's line)
     positions: dict[str, Position] | None = None  # per process group (flight recorder)
+    p2p: P2PState | None = None  # pipeline sends/receives (monitor/p2p.py)
 
 
 def parse_dump(text: str) -> RankDump:
@@ -172,6 +177,7 @@ def parse_dump(text: str) -> RankDump:
         where[0] if where else "?",
         user,
         parse_positions(info),
+        parse_p2p(info),
     )
 
 
@@ -223,6 +229,8 @@ def hang_report(run_dir: str | Path, since: float) -> str | None:
     positions = {d.rank: d.positions for d in dumps if d.positions is not None}
     if positions:
         lines += collective_lines(positions, silent)
+    p2p = {d.rank: d.p2p for d in dumps if d.p2p is not None}
+    lines += p2p_lines(p2p, {d.rank: d.innermost for d in dumps}, silent)
     lines.append(f"  stacks: {folder}/rank*.txt")
     return "\n".join(lines)
 
