@@ -193,6 +193,7 @@ def test_guard_stragglers_and_breakdown_in_one_world(tmp_path: Path) -> None:
     # (waited-for) time of at least that size, inside backward, and its share of the step rises.
     for r in rows:
         if "comm_exposed_s" in r:
+            assert r["comm_method"] == "ddp_hook", r  # DDP keeps its hook (no profiler)
             r["comm_exposed_share"] = r["comm_exposed_s"] / r["step_time_s"]
 
     def median_of(key: str, lo: int, hi: int) -> float:

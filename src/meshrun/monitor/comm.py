@@ -100,8 +100,9 @@ class CommTimer:
             self._seen.add(id(m))
             if isinstance(m, FSDPModule):
                 log.info(
-                    "exposed communication is measured under DDP only: FSDP2's all-gathers "
-                    "and reduce-scatters are inside forward_s/backward_s (docs/monitor.md)"
+                    "FSDP2's all-gathers and reduce-scatters have no comm hook: their exposed "
+                    "time is measured by the profiler every monitor.comm_sample_every steps "
+                    "(docs/monitor.md)"
                 )
             if not isinstance(m, DDP):
                 continue

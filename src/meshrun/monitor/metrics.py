@@ -87,9 +87,17 @@ class _Totals:
     times: array[float] = field(default_factory=lambda: array("d"))
     mem_peaks: dict[str, float] = field(default_factory=dict)
     sums: dict[str, float] = field(default_factory=dict)  # _SHARES, steady steps only
+    # Step time of the steady steps that carry comm figures (every step under DDP's hook, the
+    # sampled ones under the profiler): the comm shares are of those steps.
+    comm_time: float = 0.0
 
     def add(
-        self, loss: float, step_time_s: float, samples: int, tokens: int, extra: Mapping[str, float]
+        self,
+        loss: float,
+        step_time_s: float,
+        samples: int,
+        tokens: int,
+        extra: Mapping[str, float | str],
     ) -> None:
         if self.steps == 0:
             self.first_samples, self.first_tokens = samples, tokens
@@ -103,7 +111,11 @@ class _Totals:
         self.samples += samples
         self.tokens += tokens
         self.times.append(step_time_s)
+        if "comm_s" in extra and self.steps > 1:
+            self.comm_time += step_time_s
         for key, value in extra.items():
+            if isinstance(value, str):  # e.g. comm_method: a label, not a figure
+                continue
             if key in _SHARES and self.steps > 1:  # the first step is warm-up (as medians)
                 self.sums[key] = self.sums.get(key, 0.0) + value
             if key.startswith("mem_"):
@@ -144,8 +156,9 @@ class _Totals:
         }
         steady_time = math.fsum(steady)
         for key, total in self.sums.items():
-            if steady_time > 0 and len(steady) < len(self.times):
-                out[key.removesuffix("_s") + "_share"] = total / steady_time
+            over = self.comm_time if key.startswith("comm_") else steady_time
+            if over > 0 and len(steady) < len(self.times):
+                out[key.removesuffix("_s") + "_share"] = total / over
         if self.mem_peaks:
             out["mem_peak_mb"] = max(self.mem_peaks.values())
             out |= self.mem_peaks
@@ -275,7 +288,7 @@ def _summary_table(summary: Mapping[str, float]) -> Table:
         ("tokens_per_s_per_rank", "tokens/s per rank", lambda v: f"{v:,.0f}"),
         ("mfu", "MFU", lambda v: f"{100 * v:.2f}%"),
         ("data_wait_share", "data-loader stall", lambda v: f"{100 * v:.1f}% of step"),
-        ("comm_share", "gradient all-reduce", lambda v: f"{100 * v:.1f}% of step"),
+        ("comm_share", "communication", lambda v: f"{100 * v:.1f}% of step"),
         ("comm_exposed_share", "  exposed (not hidden)", lambda v: f"{100 * v:.1f}% of step"),
         ("loss_first", "first loss", lambda v: f"{v:.4f}"),
         ("loss_last", "last loss", lambda v: f"{v:.4f}"),
@@ -369,9 +382,10 @@ class MetricsLogger:
         step_time_s: float,
         samples: int,
         tokens: int,
-        extra: Mapping[str, float] | None = None,
+        extra: Mapping[str, float | str] | None = None,
     ) -> None:
-        """Record one optimizer step (call it on every rank, every step)."""
+        """Record one optimizer step (call it on every rank, every step). ``extra``: more
+        figures for the line; a string value is a label (``comm_method``), not summed."""
         if self._closed:
             raise RuntimeError("MetricsLogger.log_step() called after close()")
         extra = extra or {}

@@ -7,7 +7,9 @@ includes the gradient all-reduce not hidden behind compute); ``optimizer_s`` is 
 ``optimizer.step``; ``sync_s`` the guard collective; ``data_wait_s`` comes from the loader
 clock. On CUDA these are host times of asynchronous launches (see docs/monitor.md).
 Under DDP, ``comm_exposed_s`` (part of ``backward_s``) and ``comm_hidden_s`` split the gradient
-all-reduce into waited-for and overlapped time (monitor/comm.py).
+all-reduce into waited-for and overlapped time (monitor/comm.py). Without DDP's hook (FSDP2,
+TP, PP), every ``monitor.comm_sample_every``-th step runs under the profiler and carries the
+same figures (monitor/comm_profile.py); ``comm_method`` says which.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from torch import nn
 
 from meshrun.config import MonitorConfig
 from meshrun.monitor.comm import CommHook, CommTimer
+from meshrun.monitor.comm_profile import CommSampler
 from meshrun.monitor.host import HostStats
 from meshrun.monitor.metrics import MetricsLogger
 from meshrun.monitor.numerics import GuardResult, NonFiniteLossError, check_loss, describe
@@ -73,6 +76,8 @@ class StepMonitor:
         self._t_batch: float | None = None
         self._window = _Window()
         self.comm = CommTimer(device)
+        self.sampler = CommSampler(settings.comm_sample_every, device)
+        self._step = 0  # optimizer steps done, for choosing the sampled ones
         self.host = HostStats(device)  # network bytes/s, NVML: sampled on logged steps
         self.models: list[nn.Module] = []  # the loop's models (run.parallelize appends)
         distributed_now = dist.is_initialized()
@@ -88,9 +93,11 @@ class StepMonitor:
     def loop_starts(self, step: int) -> None:
         """Arm the watchdog; the first step gets the phase timeout (warm-up, compilation)."""
         self.watchdog.beat(step, timeout_s=self.settings.phase_timeout_s)
+        self._step = step
 
     def loop_ends(self) -> None:
         self.watchdog.disarm()
+        self.sampler.close()
 
     @contextmanager
     def phase(self, name: str, timeout_s: float | None = None) -> Iterator[None]:
@@ -102,6 +109,11 @@ class StepMonitor:
     def batch_ready(self) -> None:
         if self.settings.comm_timing:
             self.comm.maybe_attach(self.models)
+        # DDP's hook measures every step; the profiler is for the layouts it cannot time.
+        if self.distributed and not self.comm.installed and self.sampler.wants(self._step + 1):
+            t0 = time.perf_counter()
+            self.sampler.start()
+            self._phase["loop_s"] += time.perf_counter() - t0  # monitoring's own cost
         self._t_batch = time.perf_counter()
 
     def backward_starts(self) -> float:
@@ -130,7 +142,8 @@ class StepMonitor:
         if self._t_batch is not None:  # no run.backward (pipeline step): count it as forward
             self.backward_starts()
         t0 = time.perf_counter()
-        result = check_loss(loss_sum, accum, self.device, self.distributed)
+        with self.sampler.guard():
+            result = check_loss(loss_sum, accum, self.device, self.distributed)
         self.add("sync_s", t0)
         if result.finite:
             return result
@@ -147,12 +160,15 @@ class StepMonitor:
 
     # --- per-step figures and stragglers --------------------------------------------------
 
-    def end_step(self, step: int, step_time_s: float, data_wait_s: float) -> dict[str, float]:
+    def end_step(self, step: int, step_time_s: float, data_wait_s: float) -> dict[str, float | str]:
         """The step's breakdown (for the metrics line); every ``straggler_every`` steps, the
         straggler check (a collective: every rank calls this every step)."""
         self.watchdog.beat(step)
+        self._step = step
+        sampled = self.sampler.stop()
         phases, self._phase = self._phase, dict.fromkeys(_PHASES, 0.0)
-        comm = self.comm.take()
+        hooked = self.comm.take()
+        comm: dict[str, float | str] = {**hooked, "comm_method": "ddp_hook"} if hooked else sampled
         own = step_time_s - phases["backward_s"] - phases["sync_s"]
         w = self._window
         w.steps += 1
@@ -160,7 +176,7 @@ class StepMonitor:
             ("step_time_s", step_time_s),
             ("data_wait_s", data_wait_s),
             ("own_s", own),
-            ("comm_exposed_s", comm.get("comm_exposed_s", 0.0)),
+            ("comm_exposed_s", hooked.get("comm_exposed_s", 0.0)),  # sampled: step lines only
         ):
             w.sums[key] += value
         every = self.settings.straggler_every
