@@ -63,6 +63,7 @@ LAYOUTS: dict[int, dict[str, dict[str, Any]]] = {
         "ZeRO-3": {"zero": 3},
         "FSDP 2 x TP 2": {"zero": 3, "tp": 2},
         "PP 2 x ZeRO-3 2": {"pp": 2, "zero": 3, "pp_microbatches": 2},
+        "PP 2 x ZeRO-1 2": {"pp": 2, "zero": 1, "pp_microbatches": 2},
     },
 }
 
@@ -99,7 +100,7 @@ def train(rank: int, layout: dict[str, Any], args: argparse.Namespace) -> dict[s
     if dims.pp > 1:
         pipe = parallelize_pipeline(model, mesh, cfg, torch.device("cpu"), lm_loss)
         params = pipe.parameters()
-        opt: torch.optim.Optimizer = torch.optim.AdamW(params, lr=1e-3)
+        opt = build_optimizer(pipe, torch.optim.AdamW, mesh, cfg, lr=1e-3)  # ZeRO-1 when zero=1
     else:
         model = parallelize(model, mesh, cfg, torch.device("cpu"))
         params = list(model.parameters())

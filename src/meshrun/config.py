@@ -112,13 +112,20 @@ class ParallelConfig:
         "one-block implicit prefetch.",
         min=0,
     )
+    fsdp_blocks_per_unit: int = _f(
+        1,
+        "FSDP2: consecutive blocks sharded as one unit (one all-gather and one reduce-scatter "
+        "per group): fewer, larger collectives for more unsharded memory at a time.",
+        min=1,
+    )
     compile: bool = _f(
         False, "torch.compile each block (after TP and AC, before FSDP/DDP); needs a C++ compiler."
     )
     loss_parallel: bool = _f(
         False,
         "With tp > 1: the output head split over the vocabulary and cross-entropy on the "
-        "sharded logits; compute the loss inside run.loss_parallel() (docs/parallel.md).",
+        "sharded logits; compute the loss inside run.loss_parallel() (under pp > 1 "
+        "run.pipeline_step does it on the last stage; docs/parallel.md).",
     )
 
 
@@ -219,6 +226,11 @@ class MonitorConfig:
     )
     comm_timing: bool = _f(
         True, "Time DDP's gradient all-reduce (comm hook) to split exposed from hidden comm."
+    )
+    comm_sample_every: int = _f(
+        200,
+        "FSDP2/TP/PP (no DDP hook): profile every N-th step for its exposed comm; 0 = off.",
+        min=0,
     )
 
 
@@ -538,21 +550,9 @@ def grad_accumulation(data: DataConfig, dp_size: int) -> int:
 def check_pipeline(p: ParallelConfig, dims: Mapping[str, int], shown: str) -> None:
     """What pipeline parallel cannot compose with, and its micro-batch chunks. (TP, DDP and
     FSDP2 on the other dims compose: each stage module is parallelized on the sub-mesh.)"""
-    dp = dims["dp_replicate"] * dims["dp_shard"]
-    if p.zero == 1 and dp > 1:
-        # Stages replicate with FSDP2's replicate() (DDP's reducer breaks under a schedule's
-        # several backwards); ZeroRedundancyOptimizer cannot broadcast its DTensor parameters.
-        raise ConfigError(
-            f"parallel.pp = {p.pp} with parallel.zero = 1 (mesh {shown}) is not available: "
-            "ZeroRedundancyOptimizer cannot step a pipeline stage's replicated DTensor "
-            "parameters; set parallel.zero=2 (optimizer state and gradients sharded) or 0"
-        )
-    if p.loss_parallel:
-        raise ConfigError(
-            f"parallel.pp = {p.pp} with parallel.loss_parallel = true (mesh {shown}): the "
-            "pipeline schedule computes the loss outside any loss_parallel() context; set "
-            "parallel.loss_parallel=false with pp"
-        )
+    # ZeRO-1 composes: its optimizer steps plain aliases of the replicated stage parameters
+    # (Pipeline.local_parameters); loss parallel too: the last stage's schedule step runs in
+    # loss_parallel() (parallel/pp.py).
     if p.pp_microbatches < p.pp:
         raise ConfigError(
             f"parallel.pp_microbatches = {p.pp_microbatches} is fewer than the pp = {p.pp} "

@@ -185,7 +185,7 @@ FOUR_RANKS: dict[str, Layout] = {
     "ZeRO-1 4": {"zero": 1},
     "ZeRO-2 4": {"zero": 2},
     "ZeRO-3 4 accum 2": {"zero": 3, "accum": 2},
-    "ZeRO-3 4 prefetch 2": {"zero": 3, "fsdp_prefetch": 2},
+    "ZeRO-3 4 prefetch 2": {"zero": 3, "fsdp_prefetch": 2},  # on CPU: async all-gathers
     "HSDP 2x2": {"zero": 3, "dp_replicate": 2},
     "FSDP 2 x TP 2": {"zero": 3, "tp": 2},
     "FSDP 2 x TP 2 + SP": {"zero": 3, "tp": 2, "sequence_parallel": True},
@@ -201,6 +201,7 @@ TWO_RANKS: dict[str, Layout] = {
     "ZeRO-3 2 + AC all": {"zero": 3, "activation_checkpoint": 1},
     "TP 2 + AC every 2nd": {"tp": 2, "activation_checkpoint": 2},
     "ZeRO-3 2 bf16 params": {"zero": 3, "param_dtype": "bfloat16"},
+    "ZeRO-2 2, both blocks one unit": {"zero": 2, "fsdp_blocks_per_unit": 2},
 }
 # Compressed gradients: not equal to the reference by design; each has its own tolerance.
 HOOKS: dict[str, Layout] = {

@@ -10,13 +10,25 @@ user's loop under ``meshrun.init`` with ``run.pipeline`` and accumulation 2.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from test_layouts import CLIP, LR, STEPS, Layout, build_data, build_model, check_numerics, reference
+from test_layouts import (
+    CLIP,
+    LR,
+    STEPS,
+    Layout,
+    build_data,
+    build_model,
+    check_numerics,
+    local_bytes,
+    reference,
+    state_bytes,
+)
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -40,7 +52,11 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
 
 
 def train_pp(
-    rank: int, layout: Layout, data: torch.Tensor, n_layer: int = N_LAYER
+    rank: int,
+    layout: Layout,
+    data: torch.Tensor,
+    n_layer: int = N_LAYER,
+    loss_fn: Callable[[Tensor, Tensor], Tensor] = lm_loss,
 ) -> dict[str, Any]:
     """5 steps of ``layout`` the way run.pipeline_step / run.optimizer_step do them (scaler,
     clipping over the stages, the ZeRO-1 optimizer from build_optimizer)."""
@@ -50,7 +66,7 @@ def train_pp(
     mesh, cpu = build_mesh(dims, "cpu"), torch.device("cpu")
     scaler = build_grad_scaler(cfg, cpu)
     model = build_model(n_layer=n_layer)
-    pipe = parallelize_pipeline(model, mesh, cfg, cpu, lm_loss, scaler=scaler)
+    pipe = parallelize_pipeline(model, mesh, cfg, cpu, loss_fn, scaler=scaler)
     opt = build_optimizer(pipe, torch.optim.SGD, mesh, cfg, lr=LR, momentum=0.9)
     params = pipe.parameters()
     per_rank = data.shape[1] // dims.dp
@@ -86,6 +102,10 @@ def train_pp(
         "stage_types": sorted({type(m).__name__ for m in pipe.modules}),
         "optim_type": type(opt).__name__,
         "dtensor_params": sum(isinstance(p, DTensor) for p in params),
+        "optim_bytes": state_bytes(pipe.modules[0], opt)["optim"],  # this rank's state
+        "stage_bytes": local_bytes(
+            [p for p in params]
+        ),  # what an unsharded optimizer's state would take
     }
 
 

@@ -320,12 +320,9 @@ def test_validate_for_world_returns_the_dims() -> None:
     assert dims == {"pp": 1, "dp_replicate": 1, "dp_shard": 4, "tp": 1}
 
 
-@pytest.mark.parametrize(("key", "value"), [("parallel.pp", "2")])  # zero, tp: issue 3
-def test_validate_for_world_rejects_what_is_not_available_yet(key: str, value: str) -> None:
-    cfg = load_config(None, [(key, value), ("parallel.zero", "1")])  # pp x ZeRO-1
-    with pytest.raises(ConfigError, match="not available") as info:
-        validate_for_world(cfg, 4)
-    assert f"{key} = {value}" in str(info.value)
+def test_validate_for_world_accepts_pp_with_zero1() -> None:
+    cfg = load_config(None, [("parallel.pp", "2"), ("parallel.zero", "1")])  # pp x ZeRO-1
+    assert validate_for_world(cfg, 4) == {"pp": 2, "dp_replicate": 1, "dp_shard": 2, "tp": 1}
 
 
 def test_validate_for_world_checks_the_batch_arithmetic() -> None:

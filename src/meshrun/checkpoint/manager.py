@@ -426,6 +426,8 @@ class Checkpointer:
             tensors, plain = split_state({"model": get_model_state_dict(model), "user": user})
             tensors.update({"optim": ot} if ot else {})
             plain["optim"] = op
+            if isinstance(model, PipelineView) and self.loop.pp_group is not None:
+                plain["optim"] = gather_optim_plain(plain["optim"], self.loop.pp_group)
         else:
             msd, osd = get_state_dict(model, optimizer)
             tensors, plain = split_state({"model": msd, "optim": osd, "user": user})
@@ -613,13 +615,14 @@ class Checkpointer:
             return full
         # ZeRO-1: each rank loads the optimizer state of the parameters it owns now.
         meta = dcp.FileSystemReader(str(path)).read_metadata()
-        template, seen = zero1_load_template(model, optimizer, meta)
+        stage = isinstance(model, PipelineView)  # pp x ZeRO-1: this rank's stages only
+        template, seen = zero1_load_template(model, optimizer, meta, partial=stage)
         tensors, _ = split_state({"model": get_model_state_dict(model), "user": user})
-        check_keys(path, tensors, known=seen)
+        check_keys(path, tensors, known=seen | self._other_stages_keys(model, tensors))
         dcp.load({**tensors, "optim": {"state": template}}, checkpoint_id=str(path))
         full = merge_state(tensors, plain)
         set_model_state_dict(model, full["model"])
-        zero1_load(model, optimizer, template, plain["optim"])
+        zero1_load(model, optimizer, template, plain["optim"], partial=stage)
         return full
 
     def _other_stages_keys(self, model: nn.Module, tensors: dict[str, Any]) -> set[str]:

@@ -11,6 +11,11 @@ writes each entry from its owner only. The checkpoint is therefore the same as a
 it resumes under ZeRO-1 on any number of ranks (each rank loads only what it now owns), under
 DDP, FSDP2 or on one process, and a DDP/FSDP2 checkpoint resumes under ZeRO-1. Non-tensor
 per-parameter values (rare) are gathered to rank 0's JSON with one small all-gather.
+
+Under pipeline parallelism ZeRO steps plain aliases of the stage parameters (marked
+``meshrun_view_of``, see ``Pipeline.local_parameters``), named here by the parameter they alias;
+each rank's param groups name only its stages' parameters, so the manager joins them over the
+stages (``gather_optim_plain``) and each rank loads back its own (``partial``).
 """
 
 from __future__ import annotations
@@ -36,6 +41,12 @@ def is_zero1(optimizer: torch.optim.Optimizer) -> TypeGuard[ZeroRedundancyOptimi
     return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
+def _id(p: torch.Tensor) -> int:
+    """The id a parameter is named by: a pipeline's ZeRO-1 optimizer steps plain aliases of
+    the stage parameters (``Pipeline.local_parameters``), each marked with its parameter."""
+    return id(getattr(p, "meshrun_view_of", p))
+
+
 def _fqns(model: nn.Module) -> dict[int, str]:
     """``id(param) -> FQN`` with DDP's ``module.`` and compile's prefixes removed, as
     ``get_state_dict`` names them."""
@@ -50,7 +61,7 @@ def _groups(zero: ZeroRedundancyOptimizer, fqn: dict[int, str]) -> list[dict[str
     return [
         {
             **{k: v for k, v in g.items() if k != "params"},
-            "params": [fqn[id(p)] for p in g["params"]],
+            "params": [fqn[_id(p)] for p in g["params"]],
         }
         for g in zero.param_groups
     ]
@@ -63,7 +74,7 @@ def zero1_state_dict(
     only the state of the parameters this rank owns; ``plain`` (identical on every rank: it is
     all-gathered) the param groups and every rank's non-tensor per-parameter values."""
     fqn = _fqns(model)
-    owned = {fqn[id(p)]: dict(zero.optim.state[p]) for p in zero.optim.state}
+    owned = {fqn[_id(p)]: dict(zero.optim.state[p]) for p in zero.optim.state}
     tensors, plain = split_state({"state": owned})
     every: list[Any] = [plain.get("state", {})]
     if dist.is_initialized():
@@ -77,14 +88,18 @@ def zero1_state_dict(
 
 
 def zero1_load_template(
-    model: nn.Module, zero: ZeroRedundancyOptimizer, meta: Metadata
+    model: nn.Module, zero: ZeroRedundancyOptimizer, meta: Metadata, partial: bool = False
 ) -> tuple[dict[str, Any], set[str]]:
     """What this rank loads from a checkpoint: empty tensors (shape and dtype from DCP's
     metadata) for the state of the parameters it owns now, nested as saved; and the flat keys
-    of every parameter's state (owned or not), which this run knows about."""
+    of every parameter's state (owned or not), which this run knows about. ``partial``: the
+    model is one pipeline stage's part, so the state of any parameter the checkpoint's model
+    holds is known (a parameter no stage knows fails the model-key check instead)."""
     fqn = _fqns(model)
-    mine = {fqn[id(p)] for g in zero.optim.param_groups for p in g["params"]}  # its partition
+    mine = {fqn[_id(p)] for g in zero.optim.param_groups for p in g["params"]}  # its partition
     known = set(fqn.values())
+    if partial:
+        known |= {k[len("model.") :] for k in meta.state_dict_metadata if k.startswith("model.")}
     template: dict[str, dict[str, torch.Tensor]] = {}
     seen: set[str] = set()
     for key, md in meta.state_dict_metadata.items():
@@ -104,21 +119,25 @@ def zero1_load(
     zero: ZeroRedundancyOptimizer,
     tensors: Mapping[str, Any],
     plain: Mapping[str, Any],
+    partial: bool = False,
 ) -> None:
     """Load the optimizer from FQN-keyed ``tensors`` (this rank's owned entries, loaded by DCP)
     and ``plain`` (param groups, non-tensor values): ZeRO's own ``load_state_dict`` takes the
-    index-keyed form and keeps what this rank owns."""
+    index-keyed form and keeps what this rank owns. ``partial`` (a pipeline stage): the saved
+    groups name every stage's parameters; this rank takes its own."""
     from meshrun.checkpoint.state import merge_state
 
     full = merge_state({"state": dict(tensors)}, plain)
     index = {
         fqn: i
-        for i, fqn in enumerate(_fqns(model)[id(p)] for g in zero.param_groups for p in g["params"])
+        for i, fqn in enumerate(
+            _fqns(model)[_id(p)] for g in zero.param_groups for p in g["params"]
+        )
     }
     groups = full["param_groups"]
     saved = [n for g in groups for n in g["params"]]
-    if sorted(saved) != sorted(index):
-        missing, extra = sorted(set(index) - set(saved)), sorted(set(saved) - set(index))
+    missing, extra = sorted(set(index) - set(saved)), sorted(set(saved) - set(index))
+    if missing or (extra and not partial):
         raise ValueError(
             f"optimizer parameters differ from the checkpoint's: missing {missing[:3]}, "
             f"extra {extra[:3]}"
@@ -127,6 +146,9 @@ def zero1_load(
     zero.load_state_dict(
         {
             "state": state,
-            "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in groups],
+            # In this optimizer's order (ZeRO zips saved and current ids by position).
+            "param_groups": [
+                {**g, "params": sorted(index[n] for n in g["params"] if n in index)} for g in groups
+            ],
         }
     )

@@ -24,6 +24,7 @@ A model built on the meta device is allocated after sharding and initialised wit
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
@@ -135,7 +136,14 @@ def parallelize(
         log.info("torch.compile: %d blocks", apply_compile(model, wrap))
     if mesh is not None and zero >= 2:
         apply_fsdp(
-            model, fsdp_mesh(mesh), zero, cfg.cpu_offload, mp_policy, wrap, cfg.fsdp_prefetch
+            model,
+            fsdp_mesh(mesh),
+            zero,
+            cfg.cpu_offload,
+            mp_policy,
+            wrap,
+            cfg.fsdp_prefetch,
+            cfg.fsdp_blocks_per_unit,
         )
         log.info(
             "FSDP2 ZeRO-%d over %s (params %s, reduce %s)",
@@ -241,7 +249,7 @@ def parallelize_pipeline(
     calls :func:`pipeline_step` instead of the model (see ``parallel/pp.py``); under fp16
     ``scaler`` (:func:`build_grad_scaler`) scales each chunk's loss inside the schedule."""
     dims = ParallelDims.from_mesh(mesh)
-    check_layout(cfg, vars(dims))  # what pp cannot compose with (loss parallel, ZeRO-1)
+    check_layout(cfg, vars(dims))  # e.g. tp x ZeRO-1, pp_microbatches < pp
     if cfg.param_dtype == "float16" and scaler is None:
         raise ConfigError(
             f"parallel.pp = {dims.pp} with parallel.param_dtype = 'float16' needs a loss scaler "
@@ -277,6 +285,8 @@ def parallelize_stage(
     """One pipeline stage module, parallelized in place like a whole model by
     :func:`parallelize`: TP, AC, compile, then FSDP2 (zero 2/3) or replication (zero 0/1, see
     :func:`apply_replicate`) over the dp dims."""
+    if cfg.loss_parallel and getattr(stage, "lm_head", None) is None:
+        cfg = dataclasses.replace(cfg, loss_parallel=False)  # only the last stage has the head
     maybe_apply_tp(stage, mesh, dims, cfg, tp_plan, None)
     if cfg.activation_checkpoint:
         apply_ac(stage, cfg.activation_checkpoint, wrap)
@@ -284,7 +294,14 @@ def parallelize_stage(
         apply_compile(stage, wrap)
     if zero >= 2:
         apply_fsdp(
-            stage, fsdp_mesh(mesh), zero, cfg.cpu_offload, mp_policy, wrap, cfg.fsdp_prefetch
+            stage,
+            fsdp_mesh(mesh),
+            zero,
+            cfg.cpu_offload,
+            mp_policy,
+            wrap,
+            cfg.fsdp_prefetch,
+            cfg.fsdp_blocks_per_unit,
         )
         return stage
     apply_autocast(stage, cfg, device)

@@ -9,6 +9,7 @@ reduce-scatter gradients, so gradients and optimizer state are sharded in both. 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import cast
 
 import torch
 from torch import nn
@@ -41,34 +42,48 @@ def apply_fsdp(
     mp_policy: MixedPrecisionPolicy | None = None,
     wrap: WrapPredicate = is_block,
     prefetch: int = 0,
+    blocks_per_unit: int = 1,
 ) -> FSDPModule:
-    """Shard ``model`` in place: ``fully_shard`` each unit chosen by ``wrap``, then the root."""
+    """Shard ``model`` in place: ``fully_shard`` each unit chosen by ``wrap`` (``blocks_per_unit``
+    consecutive ones together), then the root."""
     if zero not in (2, 3):
         raise ValueError(f"apply_fsdp: zero = {zero}; FSDP2 runs ZeRO stages 2 and 3")
     offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     mp = mp_policy or MixedPrecisionPolicy()
-    units = [m for n, m in model.named_modules() if n and wrap(n, m)]
-    for unit in units:
+    blocks = [m for n, m in model.named_modules() if n and wrap(n, m)]
+    groups = [blocks[i : i + blocks_per_unit] for i in range(0, len(blocks), blocks_per_unit)]
+    units: list[FSDPModule] = []
+    for group in groups:
+        # A list makes one FSDP unit of several modules: one all-gather and one reduce-scatter.
+        target: nn.Module | list[nn.Module] = group[0] if len(group) == 1 else group
         fully_shard(
-            unit, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=mp, offload_policy=offload
+            target, mesh=mesh, reshard_after_forward=zero == 3, mp_policy=mp, offload_policy=offload
         )
+        units.append(cast(FSDPModule, group[0]))  # the group's modules share one FSDP state
     # The root's parameters (embeddings, head) are used at both ends of the step; keeping them
     # unsharded after the forward saves one all-gather for little memory.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
     assert isinstance(model, FSDPModule)
     if prefetch:
-        apply_prefetch([u for u in units if isinstance(u, FSDPModule)], prefetch)
+        apply_prefetch(units, prefetch, async_unshard=mesh.device_type == "cpu")
     return model
 
 
-def apply_prefetch(units: list[FSDPModule], depth: int) -> None:
+def apply_prefetch(units: list[FSDPModule], depth: int, async_unshard: bool = False) -> None:
     """Explicit prefetch: each unit starts the all-gathers of the next ``depth`` units (in
     forward order, and in reverse order for the backward), so more communication overlaps
-    compute, for ``depth`` units' worth of extra unsharded memory."""
+    compute, for ``depth`` units' worth of extra unsharded memory.
+
+    ``async_unshard`` (CPU): without CUDA streams FSDP2 waits for every all-gather where it is
+    issued, so a prefetch overlaps nothing unless it is issued with ``async_op=True``; the
+    all-gather then runs on Gloo's thread while this one computes, and FSDP2 waits for it
+    just before the unit's forward (``_set_unshard_async_op``, private in torch 2.13)."""
     for i, unit in enumerate(units):
         unit.set_modules_to_forward_prefetch(units[i + 1 : i + 1 + depth])
         earlier = units[max(0, i - depth) : i]
         unit.set_modules_to_backward_prefetch(earlier[::-1])
+        if async_unshard:
+            unit._set_unshard_async_op(True)
 
 
 def has_meta_params(model: nn.Module) -> bool:

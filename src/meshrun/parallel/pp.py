@@ -17,6 +17,11 @@ Each stage module is parallelized on the non-pp sub-mesh before the schedule is 
 or ``replicate`` over the dp dims. ``PipelineStage`` knows both (FSDPModules): it runs the
 chunks' backwards without gradient sync and reduces once, after the last chunk.
 
+ZeRO-1 (``zero = 1``): the stages are replicated as for DDP, and the ZeroRedundancyOptimizer
+steps plain aliases of their DTensor parameters (:meth:`Pipeline.local_parameters`), which
+``pipeline_step`` keeps in step. Loss parallel: only the last stage holds the head, and its
+``schedule.step`` (which computes the loss and runs the backward) runs in ``loss_parallel()``.
+
 Stages are built for GPT-2 shaped models (``tok_emb``, ``pos_emb``, ``drop``, a ``blocks``
 ModuleList, ``norm``, ``lm_head``, like ``meshrun.demo.model.GPT``); the stage modules keep the
 original parameter names (``blocks.3.attn.q.weight``), so checkpoints stay comparable.
@@ -25,7 +30,8 @@ original parameter names (``blocks.3.attn.q.weight``), so checkpoints stay compa
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -40,6 +46,8 @@ from torch.distributed.pipelining.schedules import (
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
 )
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import loss_parallel
 
 from meshrun.config import ConfigError, ParallelConfig
 
@@ -105,10 +113,56 @@ class Pipeline:
     group: dist.ProcessGroup
     last_rank: int  # global rank of the last stage in this rank's pipeline
     scaler: ShardedGradScaler | None = None  # fp16: scales each chunk's loss (see build_pipeline)
+    loss_parallel: bool = False  # the last stage's loss runs inside loss_parallel()
+    # (stage parameter, plain alias of its local data): see local_parameters
+    local_views: list[tuple[nn.Parameter, nn.Parameter]] = field(default_factory=list)
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (all its stages), for the optimizer."""
         return [p for m in self.modules for p in m.parameters()]
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        """Plain-tensor parameters sharing storage with this rank's stage parameters, for an
+        optimizer that cannot take DTensors (ZeRO-1's ZeroRedundancyOptimizer broadcasts each
+        updated parameter with a plain c10d broadcast). Under ``replicate`` each DTensor's
+        local tensor is the whole parameter, so stepping the alias steps the parameter.
+
+        :func:`pipeline_step` keeps the pairs in step: after the schedule each alias's
+        ``.grad`` is the (already all-reduced) local gradient, and an alias whose gradient
+        the optimizer set to None clears its parameter's before the next backward (else
+        FSDP2's reduce would accumulate into the stale gradient)."""
+        if not self.local_views:
+            self.local_views = [(p, _alias(p)) for p in self.parameters() if p.requires_grad]
+        return [alias for _, alias in self.local_views]
+
+
+def _local(t: Tensor) -> Tensor:
+    with torch.no_grad():  # without grad mode to_local() returns the local tensor itself
+        return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _alias(p: nn.Parameter) -> nn.Parameter:
+    if isinstance(p, DTensor) and not all(pl.is_replicate() for pl in p.placements):
+        raise ConfigError(
+            f"Pipeline.local_parameters: a stage parameter is split ({p.placements}), so its "
+            "local tensor is not the whole parameter; it needs replicated stages (parallel.zero"
+            " 0 or 1 without tp), or use pipe.parameters()"
+        )
+    alias = nn.Parameter(_local(p), requires_grad=p.requires_grad)  # shares the storage
+    alias.meshrun_view_of = p  # type: ignore[attr-defined]  # checkpoints name it by p's FQN
+    return alias
+
+
+def _views_before_step(pipe: Pipeline) -> None:
+    for p, alias in pipe.local_views:
+        if alias.grad is None:
+            p.grad = None  # optimizer.zero_grad(set_to_none=True) went through the alias
+        alias.data = _local(p)  # the same storage, unless a load replaced the tensor
+
+
+def _views_after_step(pipe: Pipeline) -> None:
+    for p, alias in pipe.local_views:
+        alias.grad = None if p.grad is None else _local(p.grad)
 
 
 def build_stage_modules(
@@ -172,7 +226,9 @@ def build_pipeline(
         schedule = cls(stages[0], chunks, loss_fn=chunk_loss, scale_grads=False)
     last_local = (n - 1) % cfg.pp
     last_rank = dist.get_global_rank(group, last_local)
-    return Pipeline(modules, schedule, 0 in ids, n - 1 in ids, group, last_rank, scaler)
+    is_last = n - 1 in ids
+    lp = cfg.loss_parallel and is_last
+    return Pipeline(modules, schedule, 0 in ids, is_last, group, last_rank, scaler, lp)
 
 
 def pipeline_step(pipe: Pipeline, inputs: Tensor, targets: Tensor) -> Tensor:
@@ -180,13 +236,25 @@ def pipeline_step(pipe: Pipeline, inputs: Tensor, targets: Tensor) -> Tensor:
     every rank of the pipeline (see the module docstring)."""
     losses: list[Tensor] = []
     kwargs: dict[str, Any] = {"target": targets, "losses": losses} if pipe.is_last else {}
-    if pipe.is_first:
-        pipe.schedule.step(inputs, **kwargs)
-    else:
-        pipe.schedule.step(**kwargs)
+    args = (inputs,) if pipe.is_first else ()
+    _views_before_step(pipe)
+    # Loss parallel: the schedule computes the loss on the vocab-sharded logits and runs its
+    # backward inside step(), so the whole step runs in the context (it only changes DTensor
+    # log-softmax / nll-loss, which nothing but the loss uses).
+    with loss_parallel() if pipe.loss_parallel else nullcontext():
+        pipe.schedule.step(*args, **kwargs)
+    _views_after_step(pipe)
     # The chunks' losses carry 1/chunks already: their sum is the mean over the micro-batch.
-    loss = torch.stack(losses).sum().detach().float() if pipe.is_last else torch.zeros(())
+    loss = (
+        torch.stack([_full(x) for x in losses]).sum().float() if pipe.is_last else torch.zeros(())
+    )
     if pipe.scaler is not None and pipe.is_last:
         loss = loss / pipe.scaler.get_scale()  # a power of two: the division is exact
     dist.broadcast(loss, src=pipe.last_rank, group=pipe.group)
     return loss
+
+
+def _full(loss: Tensor) -> Tensor:
+    """A chunk's loss as a plain tensor (under loss parallel a replicated DTensor)."""
+    loss = loss.detach()
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss

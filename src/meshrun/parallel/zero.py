@@ -21,6 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from meshrun.config import ConfigError, ParallelConfig
+from meshrun.parallel.foreach import with_foreach_default
 from meshrun.parallel.pp import Pipeline
 
 
@@ -33,10 +34,17 @@ def build_optimizer(
 ) -> torch.optim.Optimizer:
     """``optimizer_class(model.parameters(), **kwargs)``, with its state sharded over the
     ``dp`` ranks when ``cfg.zero == 1`` (a ZeroRedundancyOptimizer, itself a torch Optimizer).
-    ``model`` may be a :class:`Pipeline`: its optimizer takes this rank's stages' parameters."""
+    ``model`` may be a :class:`Pipeline`: its optimizer takes this rank's stages' parameters
+    (under ZeRO-1 through :meth:`Pipeline.local_parameters`)."""
     params = [p for p in model.parameters() if p.requires_grad]
+    kwargs = with_foreach_default(optimizer_class, params, kwargs)
     if cfg.zero != 1 or mesh is None or mesh.get_group("dp").size() == 1:
         return optimizer_class(params, **kwargs)
+    if isinstance(model, Pipeline):
+        # The stages are replicated over dp with FSDP2's replicate (parallel/ddp.py), so their
+        # parameters are DTensors, which ZeRO's plain broadcast cannot take: it steps plain
+        # aliases of their (whole) local tensors instead, kept in step by pipeline_step.
+        params = model.local_parameters()
     return ZeroRedundancyOptimizer(
         params, optimizer_class=optimizer_class, process_group=mesh.get_group("dp"), **kwargs
     )
