@@ -6,13 +6,16 @@ cannot take tensor-parallel parameters).
 The machine is shared and its load moves from second to second, so calibration and measurement
 are interleaved: each round is one world started by ``meshrun launch`` that
 
-1. calibrates with ``meshrun bench``'s own functions (matmul and the demo GPT's FLOP/s, AdamW's
-   step, a copy, the all-reduce/all-gather/reduce-scatter sweep fitted to the alpha-beta model)
-   and writes the calibration file exactly as ``meshrun bench all`` does;
-2. trains each layout for a few steps, in an order rotated every round (fp32, AdamW, micro-batch
-   8, no accumulation), and records the model states (parameters at their largest, right after
-   forward; gradients after backward; optimizer states; local bytes of DTensors, the most loaded
-   rank's) and the median step time of the slowest rank.
+1. calibrates the links with ``meshrun bench``'s own functions (the all-reduce/all-gather/
+   reduce-scatter sweep fitted to the alpha-beta model, and ``bench_tp``: DTensor's dispatch
+   per tensor-parallel linear layer);
+2. builds every layout (fp32, AdamW, micro-batch 8, no accumulation) and runs them interleaved:
+   each cycle one step of every layout (order rotated per cycle) and, after the warm-up cycles,
+   ``bench_compute`` (matmul and the demo GPT's FLOP/s, AdamW's step, a copy) between cycles,
+   whose medians go into the calibration file, written exactly as ``meshrun bench all`` does;
+3. records the model states (parameters at their largest, right after forward; gradients
+   after backward; optimizer states; local bytes of DTensors, the most loaded rank's) and the
+   median step time of the slowest rank.
 
 The parent then evaluates each layout with ``meshrun plan``'s cost model and reader
 (``read_calibration``) on that round's file, and prints per round and the median over rounds.
@@ -63,27 +66,47 @@ def worker(
 
     import meshrun
     from meshrun.diagnose.bench import (
-        _mean_over_ranks,
         bench_comm,
         bench_compute,
+        bench_tp,
+        slowest_rank_rates,
         write_calibration,
     )
 
     run = meshrun.init(argv=argv)
-    compute = _mean_over_ranks(bench_compute(run.device, "fp32", seconds), run.device)
     comm = bench_comm(run.device, 16 * 2**20, seconds)
+    tp = bench_tp(run.device, seconds)
+    built = {name: _build(run, name) for name in order}
+    times: dict[str, list[float]] = {name: [] for name in order}
+    states: dict[str, tuple[int, int, int]] = {}
+    computes = []
+    for step in range(steps):
+        # Interleaved: one step of every layout per cycle (order rotated) and, once warm, the
+        # compute calibration between cycles, so that the load of a shared machine, which
+        # moves from second to second, falls on the calibration and on every layout alike.
+        if step >= skip:
+            rates = bench_compute(run.device, "fp32", seconds)
+            computes.append(slowest_rank_rates(rates, run.device))
+        for name in order[step % len(order) :] + order[: step % len(order)]:
+            took, states[name] = _step(*built[name])
+            if step >= skip:
+                times[name].append(took)
+    compute = {k: statistics.median(c[k] for c in computes) for k in computes[0]}
     if run.is_main:
-        write_calibration(cal, {"compute": compute, "comm": comm}, run.world_size, run.device)
-    results = {name: _train(run, name, steps, skip) for name in order}
+        results = {"compute": compute, "comm": comm, "tp": tp}
+        write_calibration(cal, results, run.world_size, run.device)
+    measured = {name: _summary(times[name], states[name]) for name in order}
     if run.is_main:
         import torch
 
-        doc = {"measured": results, "load": os.getloadavg(), "threads": torch.get_num_threads()}
+        doc = {"measured": measured, "load": os.getloadavg(), "threads": torch.get_num_threads()}
         Path(out).write_text(json.dumps(doc))
+    del built
+    gc.collect()
     dist.barrier()
 
 
-def _train(run: Any, name: str, steps: int, skip: int) -> dict[str, float]:
+def _build(run: Any, name: str) -> tuple[Any, Any, Any]:
     import torch
     import torch.distributed as dist
 
@@ -101,26 +124,36 @@ def _train(run: Any, name: str, steps: int, skip: int) -> dict[str, float]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     g = torch.Generator().manual_seed(dist.get_rank() // tp)  # one batch per tp group
     x = torch.randint(0, cfg.vocab_size, (MICRO_BATCH, cfg.seq_len), generator=g)
-    times, states = [], (0, 0, 0)
-    for step in range(steps):
-        dist.barrier()
-        start = time.perf_counter()
-        loss = model(x, x)
-        params = sum(_local_bytes(p) for p in model.parameters())
-        loss.backward()
-        grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
-        opt.step()
-        optim = sum(_local_bytes(v) for s in opt.state.values() for v in s.values()
-                    if torch.is_tensor(v) and v.dim() > 0)  # fmt: skip
-        opt.zero_grad(set_to_none=True)
-        if step >= skip:
-            times.append(time.perf_counter() - start)
-        states = (params, grads, optim)
+    return model, opt, x
+
+
+def _step(model: Any, opt: Any, x: Any) -> tuple[float, tuple[int, int, int]]:
+    """One training step: its seconds and the model states (params at their largest, right
+    after forward; gradients; optimizer states), local bytes."""
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    start = time.perf_counter()
+    loss = model(x, x)
+    params = sum(_local_bytes(p) for p in model.parameters())
+    loss.backward()
+    grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
+    opt.step()
+    optim = sum(_local_bytes(v) for s in opt.state.values() for v in s.values()
+                if torch.is_tensor(v) and v.dim() > 0)  # fmt: skip
+    opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - start, (params, grads, optim)
+
+
+def _summary(times: list[float], states: tuple[int, int, int]) -> dict[str, float]:
+    """The slowest rank's median step time; the most loaded rank's model states."""
+    import torch
+    import torch.distributed as dist
+
     local = torch.tensor([statistics.median(times), *states], dtype=torch.float64)
     gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
-    del model, opt
-    gc.collect()
     worst = max(gathered, key=lambda t: float(t[1:].sum()))
     return {"step_s": max(float(t[0]) for t in gathered), "params": float(worst[1]),
             "grads": float(worst[2]), "optimizer": float(worst[3])}  # fmt: skip
@@ -142,7 +175,8 @@ def predict(name: str, nproc: int, calibration: str) -> dict[str, Any]:
     m = Model(layers=cfg.n_layer, hidden=cfg.d_model, heads=cfg.n_head, vocab=cfg.vocab_size,
               seq=cfg.seq_len, ffn=cfg.ffn_mult * cfg.d_model,
               params=sum(p.numel() for p in meta.parameters()),
-              layer_params=sum(p.numel() for p in meta.blocks[0].parameters()))  # fmt: skip
+              layer_params=sum(p.numel() for p in meta.blocks[0].parameters()),
+              separate_qkv=True)  # fmt: skip
     tp = LAYOUTS[name][1]
     dp = nproc // tp
     rates = read_calibration(calibration)
@@ -150,10 +184,14 @@ def predict(name: str, nproc: int, calibration: str) -> dict[str, Any]:
     lay = Layout(dp_shard=dp, tp=tp, zero=_zero(name, nproc), micro_batch=MICRO_BATCH)
     t = Training(global_batch=MICRO_BATCH * dp, precision="fp32", sequence_parallel=False)
     e = evaluate(m, lay, t, c)
-    assert e.time is not None
+    # Session 2's model, for comparison: no DTensor dispatch term, q/k/v counted as one.
+    before = evaluate(dataclasses.replace(m, separate_qkv=False), lay, t,
+                      dataclasses.replace(c, tp_layer_overhead=0.0)).time  # fmt: skip
+    assert e.time is not None and before is not None
     mem = e.memory
     return {"step_s": e.time.total, "params": mem.params, "grads": mem.grads,
-            "optimizer": mem.optimizer, "time": dataclasses.asdict(e.time)}  # fmt: skip
+            "optimizer": mem.optimizer, "time": dataclasses.asdict(e.time),
+            "step_s_before": before.total}  # fmt: skip
 
 
 def meshrun(*args: str, cwd: str) -> None:
@@ -184,7 +222,8 @@ def run_round(a: argparse.Namespace, work: str, r: int) -> dict[str, Any]:
         pred, meas = predict(name, a.nproc, cal), doc["measured"][name]
         rows[name] = {"pred": pred, "meas": meas,
                       "mem_err": _states(pred) / _states(meas) - 1,
-                      "time_err": pred["step_s"] / meas["step_s"] - 1}  # fmt: skip
+                      "time_err": pred["step_s"] / meas["step_s"] - 1,
+                      "time_err_before": pred["step_s_before"] / meas["step_s"] - 1}  # fmt: skip
     rates = json.loads(Path(cal).read_text())["cluster"]
     return {"order": order, "load": doc["load"], "threads": doc["threads"], "cluster": rates,
             "rows": rows}  # fmt: skip
@@ -194,7 +233,7 @@ def report(rounds: list[dict[str, Any]], nproc: int) -> dict[str, Any]:
     print(f"\n{nproc} ranks, {len(rounds)} rounds; load average at the end of each round: "
           + ", ".join(f"{r['load'][0]:.1f}" for r in rounds))  # fmt: skip
     print(f"{'layout':>8} {'pred MB':>8} {'meas MB':>8} {'err':>6} | {'pred s':>7} {'meas s':>7}"
-          f" {'med err':>8} | per-round step-time error")  # fmt: skip
+          f" {'med err':>8} {'before':>7} | per-round step-time error")  # fmt: skip
     summary = {}
     for name in LAYOUTS:
         rows = [r["rows"][name] for r in rounds]
@@ -203,11 +242,12 @@ def report(rounds: list[dict[str, Any]], nproc: int) -> dict[str, Any]:
         ms = statistics.median(r["meas"]["step_s"] for r in rows)
         errs = [r["time_err"] for r in rows]
         med = statistics.median(errs)
+        before = statistics.median(r["time_err_before"] for r in rows)
         summary[name] = {"pred_mb": pm / 2**20, "meas_mb": mm / 2**20, "mem_err": pm / mm - 1,
                          "pred_s": ps, "meas_s": ms, "median_time_err": med,
-                         "time_errs": errs}  # fmt: skip
+                         "time_errs": errs, "median_time_err_before": before}  # fmt: skip
         print(f"{name:>8} {pm / 2**20:>8.2f} {mm / 2**20:>8.2f} {pm / mm - 1:>+6.1%} | "
-              f"{ps:>7.3f} {ms:>7.3f} {med:>+8.1%} | "
+              f"{ps:>7.3f} {ms:>7.3f} {med:>+8.1%} {before:>+7.1%} | "
               + " ".join(f"{e:+.0%}" for e in errs))  # fmt: skip
     return summary
 

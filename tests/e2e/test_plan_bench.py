@@ -34,6 +34,12 @@ def test_bench_writes_a_calibration_that_plan_reads(tmp_path: Path) -> None:
     assert rates["peak_flops"] > 1e8 and 0 < rates["compute_efficiency"] <= 1
     assert rates["intra_bw"] > 1e5 and rates["intra_latency"] >= 0
     assert rates["all_gather_ratio"] > 0 and rates["reduce_scatter_ratio"] > 0
+    # bench_tp: the DTensor-split stack (8 linear layers, 8 all-reduces) is slower than its
+    # plain local shards; what is left after the all-reduces is the per-layer dispatch (>= 0).
+    tp = doc["measured"]["tp"]
+    assert tp["tp_stack_s"] > tp["local_stack_s"] > 0 and tp["all_reduce_s"] > 0
+    assert rates["tp_layer_overhead"] == tp["tp_layer_overhead"] >= 0
+    assert "of DTensor dispatch per linear layer" in bench.stdout
     print("calibration:", {k: f"{v:.3g}" for k, v in rates.items()})
     plan = meshrun("plan", "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "256",
                    "--seq", "128", "--gpus-per-node", "3", "--global-batch", "48",

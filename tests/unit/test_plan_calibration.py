@@ -55,6 +55,11 @@ def test_calibration_maps_measurements_to_the_planner_rates(tmp_path: Path) -> N
     assert rates["all_gather_ratio"] == pytest.approx(0.4)
     assert rates["comm_efficiency"] == 1.0 and rates["memory_bytes"] > 0
     assert rates["overlap"] == 0.0  # CPU: Gloo's collectives share the cores with the math
+    assert "tp_layer_overhead" not in rates  # not measured: the planner's default stays
+    tp = {"tp_layer_overhead": 0.0, "tp_stack_s": 1e-3, "local_stack_s": 1e-3}
+    assert calibration({**MEASURED, "tp": tp}, 2, cpu)["tp_layer_overhead"] == 0.0
+    with_tp = {**MEASURED, "tp": {**tp, "tp_layer_overhead": 1e-3}}
+    assert "tp_layer_overhead" not in calibration(with_tp, 2, SimpleNamespace(type="meta"))
     path = tmp_path / "cal.json"
     write_calibration(str(path), {"compute": MEASURED["compute"]}, 2, cpu)
     write_calibration(str(path), {"comm": MEASURED["comm"]}, 2, cpu)  # merges, not replaces
@@ -79,6 +84,22 @@ def test_plan_uses_the_calibration_and_flags_win(
         assert lay["step_time_breakdown_s"]["compute"] == pytest.approx(
             72 * 16 * 128 * 4 * 256**2 * (1 + 128 / (6 * 256) + 256 / (16 * 4 * 256)) / 2 / 20e9
         )
+
+
+def test_plan_reads_the_measured_tp_dispatch_cost(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "cal.json"
+    for per_layer in (0.0, 1e-3):  # 0 (nothing measured above the all-reduces) is allowed
+        tp = {"tp_layer_overhead": per_layer, "tp_stack_s": 1e-2, "local_stack_s": 1e-3}
+        write_calibration(str(path), {**MEASURED, "tp": tp}, 2, SimpleNamespace(type="cpu"))
+        shape = ["--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "256",
+                 "--seq", "128", "--gpus-per-node", "2", "--global-batch", "16", "--json",
+                 "--top", "0", "--layout", "tp=2,micro_batch=8"]  # fmt: skip
+        assert main(["plan", *shape, "--calibration", str(path)]) == 0
+        lay = json.loads(capsys.readouterr().out)["layouts"][0]
+        # 4 TP linear layers per block (fused qkv, plain MLP) x 4 blocks x 2 micro-batches
+        assert lay["step_time_breakdown_s"]["tp_overhead"] == pytest.approx(per_layer * 32)
 
 
 def test_bad_calibration_files_are_rejected(

@@ -231,3 +231,27 @@ def test_fused_attention_stores_no_scores() -> None:
     fused = activation_bytes_per_layer(m, 1, 1, "none", fused=True)
     assert fused == activation_bytes_per_layer(m, 1, 1, "selective")
     assert fused < activation_bytes_per_layer(m, 1, 1, "none") / 3  # 34 vs 34 + 320
+
+
+def test_tp_counts_separate_qkv_all_reduces_and_dtensor_dispatch() -> None:
+    # meshrun's demo GPT has q, k, v as three layers: under TP each all-reduces its own input
+    # gradient (24 all-reduces per step measured for its 4 blocks: 6 per block), and DTensor's
+    # dispatch costs host time per TP linear layer and micro-batch.
+    fused = Model(layers=4, hidden=256, heads=4, vocab=256, seq=128)
+    separate = replace(fused, separate_qkv=True)
+    assert (fused.tp_linears(), separate.tp_linears()) == (4, 6)
+    assert replace(fused, gated_mlp=True).tp_linears() == 5
+    c = Cluster(1, 2, 80 * GB, 1e12, 1e9, 1e9, comm_efficiency=1.0, intra_latency=1e-4)
+    t = Training(global_batch=16, precision="fp32", sequence_parallel=False)
+    lay = Layout(tp=2, micro_batch=8)
+    one = all_reduce_time(2, 128 * 8 * 256 * 4, 1e9, 1e-4)
+    base, more = step_time(fused, lay, t, c, 2), step_time(separate, lay, t, c, 2)
+    assert base.tp_comm == pytest.approx(4 * one * 4 * 2)
+    assert more.tp_comm == pytest.approx(6 * one * 4 * 2)
+    assert base.tp_overhead == 0.0  # the default: a GPU's host dispatch runs ahead and hides
+    slow = step_time(separate, lay, t, replace(c, tp_layer_overhead=2e-3), 2)
+    assert slow.tp_overhead == pytest.approx(2e-3 * 6 * 4 * 2)
+    assert slow.total == pytest.approx(more.total + slow.tp_overhead)
+    no_tp = step_time(separate, Layout(dp_shard=2, micro_batch=8), t,
+                      replace(c, tp_layer_overhead=2e-3), 1)  # fmt: skip
+    assert no_tp.tp_overhead == 0.0 and no_tp.tp_comm == 0.0

@@ -336,6 +336,67 @@ def pairs_report(pairs: dict[str, Any]) -> list[str]:
     return lines
 
 
+TP_BENCH_BLOCKS = 4  # MLP pairs in the stack bench_tp splits
+# Its input: the demo GPT's micro-batch of bench_compute (8 x 128 tokens, hidden 256), so that
+# the ranks compute as long between two all-reduces as in a real block (and drift as far).
+TP_BENCH_TOKENS = 8 * 128
+TP_BENCH_HIDDEN = 256
+
+
+def bench_tp(device: Any, seconds: float) -> dict[str, float]:
+    """The cost per tensor-parallel linear layer, forward + backward, beyond its math and its
+    all-reduce.
+
+    A stack of MLP pairs (up ColwiseParallel, down RowwiseParallel: Megatron's layout, as
+    meshrun's default plan) split over all ranks by ``parallelize_module``, at the demo GPT's
+    size (as bench_compute's model), against the same local shards as plain modules; each pair
+    issues two all-reduces (its output forward, its input gradient backward), timed alone
+    (back to back) and taken out, so ``tp_layer_overhead`` = (t_tp - t_local - 2 x pairs x
+    t_all_reduce) / (2 x pairs) is DTensor's dispatch (from_local/to_local, redistribute,
+    autograd wrappers) plus the waiting at each all-reduce for the partner that drifted (on a
+    CPU, a process woken after the others). Also returned: the three times, for the record."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    n = dist.get_world_size()
+    h = -(-TP_BENCH_HIDDEN // n) * n  # divisible by the group
+    plan: dict[str, Any] = {}
+    for i in range(TP_BENCH_BLOCKS):
+        plan[f"{i}.0"], plan[f"{i}.1"] = ColwiseParallel(), RowwiseParallel()
+    mesh = init_device_mesh(device.type, (n,))
+    split = parallelize_module(_mlp_stack(h, 4 * h, device), mesh, plan)
+    local = _mlp_stack(h, 4 * h // n, device)
+    # The input wants a gradient, so the first pair also all-reduces its input's, as in a block.
+    x = torch.randn(TP_BENCH_TOKENS, h, device=device, requires_grad=True)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    buf = torch.ones(TP_BENCH_TOKENS * h, device=device)
+    rounds = []
+    for _ in range(3):  # interleaved rounds, medians (as bench_compute): the load moves
+        t_tp = _timed_collective(lambda: split(x).sum().backward(), seconds, device)
+        t_local = _timed(lambda: local(x).sum().backward(), seconds, sync)
+        t_ar = _timed_collective(lambda: dist.all_reduce(buf), seconds, device)
+        rounds.append((t_tp, t_local, t_ar))
+    linears = 2 * TP_BENCH_BLOCKS
+    extra = statistics.median((tp - lo - linears * ar) / linears for tp, lo, ar in rounds)
+    t_tp, t_local, t_ar = (statistics.median(r[i] for r in rounds) for i in range(3))
+    return {"tp_layer_overhead": max(0.0, extra), "tp_stack_s": t_tp, "local_stack_s": t_local,
+            "all_reduce_s": t_ar}  # fmt: skip
+
+
+def _mlp_stack(h: int, inner: int, device: Any) -> Any:
+    from torch import nn
+
+    blocks = [nn.Sequential(nn.Linear(h, inner, bias=False), nn.Linear(inner, h, bias=False))
+              for _ in range(TP_BENCH_BLOCKS)]  # fmt: skip
+    return nn.Sequential(*blocks).to(device)
+
+
 def bench_compute(device: Any, precision: str, seconds: float) -> dict[str, float]:
     """Matmul FLOP/s (the peak) and the demo GPT's training FLOP/s on this rank."""
     import torch
@@ -395,13 +456,15 @@ def _model_flops(device: Any, seconds: float, sync: Callable[[], None]) -> float
     return flops_per_iteration(shape, batch) / _timed(step, seconds, sync)
 
 
-def _mean_over_ranks(values: dict[str, float], device: Any) -> dict[str, float]:
+def slowest_rank_rates(values: dict[str, float], device: Any) -> dict[str, float]:
+    """Each rate (FLOP/s, bytes/s) of the slowest rank: a synchronous step, whose collectives
+    wait for every rank, goes at that rank's pace, not at the mean's."""
     import torch
     import torch.distributed as dist
 
     t = torch.tensor(list(values.values()), dtype=torch.float64, device=device)
-    dist.all_reduce(t)
-    return {k: float(v) / dist.get_world_size() for k, v in zip(values, t.tolist(), strict=True)}
+    dist.all_reduce(t, op=dist.ReduceOp.MIN)
+    return dict(zip(values, t.tolist(), strict=True))
 
 
 def calibration(results: dict[str, Any], world: int, device: Any) -> dict[str, Any]:
@@ -427,6 +490,10 @@ def calibration(results: dict[str, Any], world: int, device: Any) -> dict[str, A
         if device.type == "cpu":
             # Gloo runs collectives on the same cores as the math: nothing hides.
             cluster["overlap"] = 0.0
+    if "tp" in results and device.type == "cpu":
+        # On a CPU DTensor's dispatch takes the cores the math needs; a GPU's host runs ahead
+        # of its kernels, so there it stays in `measured` only (the planner's default is 0).
+        cluster["tp_layer_overhead"] = results["tp"]["tp_layer_overhead"]
     cluster["memory_bytes"] = _device_memory(device, world)
     return cluster
 
@@ -474,11 +541,12 @@ def worker(argv: Sequence[str] | None = None) -> None:
     run = meshrun.init(argv=[])
     results: dict[str, Any] = {}
     if a.kind in ("compute", "all"):
-        results["compute"] = _mean_over_ranks(
+        results["compute"] = slowest_rank_rates(
             bench_compute(run.device, a.precision, a.seconds), run.device
         )
     if a.kind in ("comm", "all"):
         results["comm"] = bench_comm(run.device, int(a.max_mb * 2**20), a.seconds)
+        results["tp"] = bench_tp(run.device, a.seconds)
         if a.pairs:
             results["pairs"] = bench_pairs(run.device, int(a.pair_mb * 2**20), a.seconds)
     if run.is_main:
@@ -486,6 +554,9 @@ def worker(argv: Sequence[str] | None = None) -> None:
             _print_comm(results["comm"])
         if "pairs" in results:
             print("\n".join(pairs_report(results["pairs"])))
+        if "tp" in results:
+            print(f"tensor parallel: {results['tp']['tp_layer_overhead'] * 1e3:.3f} ms of DTensor "
+                  "dispatch per linear layer (forward + backward)")  # fmt: skip
         if "compute" in results:
             print({k: f"{v / 1e9:.2f} GFLOP/s" for k, v in results["compute"].items()})
         write_calibration(a.out, results, run.world_size, run.device)

@@ -54,6 +54,10 @@ class Model:
     gated_mlp: bool = False  # SwiGLU/GeGLU: three h x ffn matrices instead of two
     params: int = 0  # exact total, 0 = gpt_params()
     layer_params: int = 0  # exact per-layer count, 0 = from the shape
+    # q, k and v as three nn.Linear layers (meshrun's demo GPT, Hugging Face's q_proj/k_proj/
+    # v_proj) rather than one fused qkv (Megatron): under TP each column-parallel layer
+    # all-reduces its own input gradient, so the attention's backward takes 3 all-reduces, not 1.
+    separate_qkv: bool = False
 
     @property
     def has_shape(self) -> bool:
@@ -72,6 +76,11 @@ class Model:
 
     def params_per_layer(self) -> int:
         return self.layer_params or _layer_params(self)
+
+    def tp_linears(self) -> int:
+        """Tensor-parallel linear layers per block: q, k, v (or one fused qkv) and the
+        attention output; the MLP's up (and gate) and down projections."""
+        return (4 if self.separate_qkv else 2) + (3 if self.gated_mlp else 2)
 
 
 @dataclass(frozen=True)
@@ -116,6 +125,12 @@ class Cluster:
     all_gather_ratio: float = 1.0
     reduce_scatter_ratio: float = 1.0
     optimizer_bw: float = 0.0  # bytes/s the optimizer step streams its states at; 0 = mem_bw
+    # Time per tensor-parallel linear layer and micro-batch (forward + backward) beyond its
+    # math and its all-reduce: DTensor's Python dispatch (from_local/to_local, redistribute,
+    # the autograd wrappers) and the waiting at the all-reduce for a partner that drifted.
+    # On a GPU the host runs ahead of the kernels and hides it (0, the default); on a CPU it
+    # takes the same cores: `meshrun bench comm` measures it (bench_tp).
+    tp_layer_overhead: float = 0.0
     allowance_bytes: float = 1.0 * GB  # CUDA context, NCCL buffers, allocator reserve
     fragmentation: float = 0.05  # extra fraction of everything else
 
@@ -401,6 +416,7 @@ class StepTime:
     pp_comm: float
     bubble: float
     optimizer: float = 0.0  # the update: memory-bound, not hidden
+    tp_overhead: float = 0.0  # DTensor's dispatch and waiting per TP layer (Cluster's)
 
     @property
     def exposed_comm(self) -> float:
@@ -408,7 +424,8 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return self.compute + self.exposed_comm + self.bubble + self.optimizer
+        return (self.compute + self.exposed_comm + self.bubble + self.optimizer
+                + self.tp_overhead)  # fmt: skip
 
 
 def step_time(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) -> StepTime:
@@ -423,7 +440,17 @@ def step_time(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int)
     bubble = compute * (lay.pp - 1) / (lay.vpp * microbatches)
     return StepTime(compute, dp, dp_exposed, _tp_comm(m, lay, t, c, microbatches),
                     _pp_comm(m, lay, t, c, microbatches), bubble,
-                    optimizer_time(m, lay, t, c))  # fmt: skip
+                    optimizer_time(m, lay, t, c), tp_overhead(m, lay, c, microbatches))  # fmt: skip
+
+
+def tp_overhead(m: Model, lay: Layout, c: Cluster, microbatches: int) -> float:
+    """``tp_layer_overhead`` (DTensor's dispatch and the waiting at its all-reduces) per
+    tensor-parallel linear layer of the GPU's blocks, per micro-batch (forward + backward); 0
+    without TP or a shape."""
+    if lay.tp == 1 or not m.has_shape:
+        return 0.0
+    blocks = math.ceil(m.layers / lay.pp)
+    return c.tp_layer_overhead * m.tp_linears() * blocks * microbatches
 
 
 def optimizer_time(m: Model, lay: Layout, t: Training, c: Cluster) -> float:
@@ -501,7 +528,8 @@ def _block_params(m: Model, lay: Layout) -> float:
 def _tp_comm(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) -> float:
     """Megatron TP: per layer 2 all-reduces forward and 2 backward (with sequence parallel each
     is an all-gather + a reduce-scatter: the same bytes and ring steps), 6 with full
-    recomputation; over the intra-node link; not hidden."""
+    recomputation; over the intra-node link; not hidden. Separate q/k/v layers all-reduce
+    their input gradients one by one: 2 more all-reduces of the same size in backward."""
     if lay.tp == 1 or not m.has_shape:
         return 0.0
     act = m.seq * lay.micro_batch * m.hidden * _act_elem_bytes(t)
@@ -511,7 +539,8 @@ def _tp_comm(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) 
     else:
         one = link.all_reduce(act)
     calls = 6 if lay.activation_checkpointing == "full" else 4
-    return calls * one * math.ceil(m.layers / lay.pp) * microbatches
+    extra = 2 * link.all_reduce(act) if m.separate_qkv else 0.0
+    return (calls * one + extra) * math.ceil(m.layers / lay.pp) * microbatches
 
 
 def _pp_comm(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) -> float:
