@@ -52,8 +52,13 @@ def _inspected_model(spec: str, shape: dict[str, int], a_mlp: str) -> Model:
                         + " ".join(f"--{k}" for k in missing))  # fmt: skip
     merged["layers"] = merged.get("layers") or found.layers
     gated = a_mlp == "gated"
-    return Model(**merged, gated_mlp=gated, params=found.params, layer_params=found.layer_params,
-                 separate_qkv=False)  # not detected yet: docs/plan.md, "Known limits"
+    return Model(
+        **merged,
+        gated_mlp=gated,
+        params=found.params,
+        layer_params=found.layer_params,
+        separate_qkv=False,
+    )  # not detected yet: docs/plan.md, "Known limits"
 
 
 def _cluster(a: argparse.Namespace) -> Cluster:
