@@ -37,6 +37,7 @@ from torch.distributed.tensor import DTensor
 
 from meshrun.config import ParallelConfig, check_layout
 from meshrun.demo.model import GPT, demo_config
+from meshrun.hostmem import set_mmap_threshold
 from meshrun.mesh import ParallelDims, build_mesh
 from meshrun.parallel import (
     build_optimizer,
@@ -131,6 +132,7 @@ def worker(rank: int, world: int, port: int, layout: dict[str, Any], args: Any, 
     )
     os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
     torch.set_num_threads(1)
+    set_mmap_threshold(args.mmap_threshold_kib)  # job.cpu_mmap_threshold_kib, as meshrun.init()
     dist.init_process_group("gloo")
     result = train(rank, layout, args)
     Path(f"{out}.{rank}").write_text(json.dumps(result))
@@ -165,6 +167,12 @@ def main() -> None:
     p.add_argument("--skip", type=int, default=3)
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--out", default="")
+    p.add_argument(
+        "--mmap-threshold-kib",
+        type=int,
+        default=0,
+        help="job.cpu_mmap_threshold_kib for every layout (0: glibc's default)",
+    )
     args = p.parse_args()
     os.environ["OMP_NUM_THREADS"] = "1"
     worlds = [int(w) for w in args.worlds.split(",")]

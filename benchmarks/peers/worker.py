@@ -69,11 +69,13 @@ def adamw(params: Iterator[nn.Parameter] | list[nn.Parameter]) -> torch.optim.Ad
 
 
 def setup_meshrun(model: nn.Module, zero: int) -> Trainer:
-    from meshrun.config import ParallelConfig
+    from meshrun.config import JobConfig, ParallelConfig
+    from meshrun.hostmem import set_mmap_threshold
     from meshrun.mesh import ParallelDims, build_mesh
     from meshrun.parallel import build_optimizer, parallelize
     from meshrun.parallel.grads import clip_grad_norm_
 
+    set_mmap_threshold(JobConfig().cpu_mmap_threshold_kib)  # meshrun.init()'s default on CPU
     cfg = ParallelConfig(zero=zero)
     mesh = build_mesh(ParallelDims.from_config(cfg, dist.get_world_size()), "cpu")
     model = parallelize(model, mesh, cfg, torch.device("cpu"))

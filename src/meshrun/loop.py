@@ -31,6 +31,7 @@ from meshrun.data.loader import WaitClock
 from meshrun.data.sampler import ResumableSampler
 from meshrun.monitor import MetricsLogger, StepMonitor, memory_stats
 from meshrun.parallel import clip_grad_norm_, set_grad_sync
+from meshrun.parallel.report import log_state_table
 
 log = logging.getLogger("meshrun")
 
@@ -80,6 +81,7 @@ class StepLoop:
         self.micro_batch = micro_batch
         self.total_steps = total_steps
         self.grad_clip = grad_clip
+        self._state_reported = False  # the per-rank model-state table, once per process
         self.log_every = log_every
         self.device = device
         self.dp_group = dp_group
@@ -212,6 +214,9 @@ class StepLoop:
         t0 = time.perf_counter()
         if guard.finite:
             self._apply_update(optimizer)
+        if not self._state_reported:  # the state exists now: which rank holds how much of it
+            self._state_reported = True
+            log_state_table(optimizer, log)
         lr = float(optimizer.param_groups[0]["lr"])
         optimizer.zero_grad(set_to_none=True)
         self.monitor.add("optimizer_s", t0)

@@ -39,6 +39,7 @@ from meshrun.config import (
     write_config,
 )
 from meshrun.data import ResumableSampler, build_dataloader
+from meshrun.hostmem import set_mmap_threshold
 from meshrun.logs import setup_logging
 from meshrun.loop import StepLoop
 from meshrun.mesh import ParallelDims, build_mesh
@@ -128,6 +129,8 @@ class Run:
         self.cluster = env
         self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
         self.device, self.backend = _pick_device(cfg, env)
+        if self.device.type == "cpu":  # host memory holds the model: see meshrun/hostmem.py
+            set_mmap_threshold(cfg.job.cpu_mmap_threshold_kib)
         # One pass resolves the mesh dims and runs every world-size check (as the launcher did).
         self.dims = ParallelDims(**validate_for_world(cfg, env.world_size))
         if env.distributed:

@@ -46,6 +46,14 @@ def test_demo_runs_fsdp2_x_tp2_from_overrides(tmp_path: Path) -> None:
     assert "rank groups: dp_shard: [0, 2] [1, 3] | tp: [0, 1] [2, 3]" in out
     # Block matmuls and (loss parallel) the head over 4 ranks, embeddings and norms over 2.
     assert "this rank holds 0.15 MiB of 0.51 MiB parameters" in out
+    # After the first step, every rank's measured bytes: the same split on each of the 4 ranks,
+    # gradients as the parameters, AdamW's two buffers twice the parameters (2-digit MiB).
+    table = out[out.index("model state per rank after the first step") :].splitlines()[2:6]
+    cells = [line.split()[-5:] for line in table]  # after the launcher's "[default0]:" prefix
+    assert [c[0] for c in cells] == ["0", "1", "2", "3"], table
+    for c in cells:
+        params, grads, optim = (float(x) for x in c[-3:])
+        assert params == 0.15 and grads == params and abs(optim - 2 * params) <= 0.02, table
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in rows if "step" in r]
     assert len(losses) == 3 and all(5.0 < x < 6.0 for x in losses), losses  # ~ln(256) at start

@@ -3,8 +3,15 @@ model state this rank holds (measured from its local tensors, not predicted)."""
 
 from __future__ import annotations
 
-from torch import nn
+import logging
+import socket
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor
 
 from meshrun.config import ParallelConfig
@@ -50,3 +57,45 @@ def describe_layout(
     if mesh is not None:
         lines += ["rank groups: " + " | ".join(rank_groups(mesh))]
     return "\n  ".join(lines)
+
+
+def _local_bytes(t: Tensor) -> int:
+    local = t.to_local() if isinstance(t, DTensor) else t
+    return local.numel() * local.element_size()
+
+
+def state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
+    """(parameter, gradient, optimizer-state) bytes this rank holds for ``optimizer``'s
+    parameters, measured from its local tensors (DTensor shards); call it between the
+    optimizer's step and ``zero_grad``, when the gradients and the state both exist."""
+    params = {id(p): p for g in optimizer.param_groups for p in g["params"]}.values()
+    inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    state = [t for s in inner.state.values() for t in s.values() if isinstance(t, Tensor)]
+    grads = [p.grad for p in params if p.grad is not None]
+    return (
+        sum(_local_bytes(p) for p in params),
+        sum(_local_bytes(g) for g in grads),
+        sum(_local_bytes(t) for t in state),
+    )
+
+
+def state_table(rows: list[tuple[str, int, int, int]]) -> str:
+    """The start-up table: one line per rank (``(host, params, grads, optimizer)`` bytes)."""
+    mib = 2**20
+    lines = ["model state per rank after the first step (MiB; measured from local tensors):"]
+    lines.append(f"  {'rank':>4} {'host':<16} {'params':>9} {'grads':>9} {'optimizer':>9}")
+    for rank, (host, p, g, o) in enumerate(rows):
+        lines.append(f"  {rank:>4} {host[:16]:<16} {p / mib:>9.2f} {g / mib:>9.2f} {o / mib:>9.2f}")
+    return "\n".join(lines)
+
+
+def log_state_table(optimizer: torch.optim.Optimizer, log: logging.Logger) -> None:
+    """Gather every rank's :func:`state_bytes` (once, at the first step) and log the table on
+    rank 0: which rank holds what, as the layout really placed it."""
+    mine = (socket.gethostname(), *state_bytes(optimizer))
+    rows: list[Any] = [mine]
+    if dist.is_initialized():
+        rows = [None] * dist.get_world_size()
+        dist.all_gather_object(rows, mine)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        log.info(state_table(rows))
