@@ -7,8 +7,8 @@ The machine is shared and its load moves from second to second, so calibration a
 are interleaved: each round is one world started by ``meshrun launch`` that
 
 1. calibrates the links with ``meshrun bench``'s own functions (the all-reduce/all-gather/
-   reduce-scatter sweep fitted to the alpha-beta model, and ``bench_tp``: DTensor's dispatch
-   per tensor-parallel linear layer);
+   reduce-scatter sweep fitted to the alpha-beta model, ``bench_tp``: DTensor's dispatch
+   per tensor-parallel linear layer, and ``bench_fsdp``: FSDP2's cost per unit collective);
 2. builds every layout (fp32, AdamW, micro-batch 8, no accumulation) and runs them interleaved:
    each cycle one step of every layout (order rotated per cycle) and, after the warm-up cycles,
    ``bench_compute`` (matmul and the demo GPT's FLOP/s, AdamW's step, a copy) between cycles,
@@ -18,7 +18,9 @@ are interleaved: each round is one world started by ``meshrun launch`` that
    median step time of the slowest rank.
 
 The parent then evaluates each layout with ``meshrun plan``'s cost model and reader
-(``read_calibration``) on that round's file, and prints per round and the median over rounds.
+(``read_calibration``) on that round's file, and prints per round and the median over rounds;
+"before" is the same calibration without ``fsdp_unit_overhead`` (session 3's model). The
+temporary folder (configs, calibration files, logs) is removed at the end.
 
     .venv/bin/python benchmarks/plan_vs_cpu.py [--nproc 2] [--rounds 5] [--steps 8] [--skip 3]
 """
@@ -68,6 +70,7 @@ def worker(
     from meshrun.diagnose.bench import (
         bench_comm,
         bench_compute,
+        bench_fsdp,
         bench_tp,
         slowest_rank_rates,
         write_calibration,
@@ -76,6 +79,7 @@ def worker(
     run = meshrun.init(argv=argv)
     comm = bench_comm(run.device, 16 * 2**20, seconds)
     tp = bench_tp(run.device, seconds)
+    fsdp = bench_fsdp(run.device, seconds)
     built = {name: _build(run, name) for name in order}
     times: dict[str, list[float]] = {name: [] for name in order}
     states: dict[str, tuple[int, int, int]] = {}
@@ -93,7 +97,7 @@ def worker(
                 times[name].append(took)
     compute = {k: statistics.median(c[k] for c in computes) for k in computes[0]}
     if run.is_main:
-        results = {"compute": compute, "comm": comm, "tp": tp}
+        results = {"compute": compute, "comm": comm, "tp": tp, "fsdp": fsdp}
         write_calibration(cal, results, run.world_size, run.device)
     measured = {name: _summary(times[name], states[name]) for name in order}
     if run.is_main:
@@ -184,9 +188,8 @@ def predict(name: str, nproc: int, calibration: str) -> dict[str, Any]:
     lay = Layout(dp_shard=dp, tp=tp, zero=_zero(name, nproc), micro_batch=MICRO_BATCH)
     t = Training(global_batch=MICRO_BATCH * dp, precision="fp32", sequence_parallel=False)
     e = evaluate(m, lay, t, c)
-    # Session 2's model, for comparison: no DTensor dispatch term, q/k/v counted as one.
-    before = evaluate(dataclasses.replace(m, separate_qkv=False), lay, t,
-                      dataclasses.replace(c, tp_layer_overhead=0.0)).time  # fmt: skip
+    # Session 3's model, for comparison: no FSDP2 per-unit term.
+    before = evaluate(m, lay, t, dataclasses.replace(c, fsdp_unit_overhead=0.0)).time
     assert e.time is not None and before is not None
     mem = e.memory
     return {"step_s": e.time.total, "params": mem.params, "grads": mem.grads,
@@ -272,13 +275,13 @@ def main() -> None:
         entry(worker)(a.out, a.cal, a.steps, a.skip, a.seconds, order, rest)
         return
     del rest
-    work = tempfile.mkdtemp(prefix="plan_vs_cpu_")
     rounds = []
-    for r in range(a.rounds):
-        rounds.append(run_round(a, work, r))
-        row = rounds[-1]["rows"]
-        print(f"round {r + 1}: " + ", ".join(f"{n} {row[n]['pred']['step_s']:.3f}/"
-              f"{row[n]['meas']['step_s']:.3f} s" for n in LAYOUTS), flush=True)  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="plan_vs_cpu_") as work:
+        for r in range(a.rounds):
+            rounds.append(run_round(a, work, r))
+            row = rounds[-1]["rows"]
+            print(f"round {r + 1}: " + ", ".join(f"{n} {row[n]['pred']['step_s']:.3f}/"
+                  f"{row[n]['meas']['step_s']:.3f} s" for n in LAYOUTS), flush=True)  # fmt: skip
     summary = report(rounds, a.nproc)
     if a.json_out:
         Path(a.json_out).write_text(json.dumps({"rounds": rounds, "summary": summary}, indent=1))

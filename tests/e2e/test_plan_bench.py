@@ -40,6 +40,12 @@ def test_bench_writes_a_calibration_that_plan_reads(tmp_path: Path) -> None:
     assert tp["tp_stack_s"] > tp["local_stack_s"] > 0 and tp["all_reduce_s"] > 0
     assert rates["tp_layer_overhead"] == tp["tp_layer_overhead"] >= 0
     assert "of DTensor dispatch per linear layer" in bench.stdout
+    # bench_fsdp: the FSDP2-sharded blocks are slower than the same blocks unsharded; what is
+    # left after their collectives and copies is the per-unit-collective cost (>= 0).
+    fsdp = doc["measured"]["fsdp"]
+    assert fsdp["fsdp_stack_s"] > fsdp["local_stack_s"] > 0 and fsdp["all_gather_s"] > 0
+    assert rates["fsdp_unit_overhead"] == fsdp["fsdp_unit_overhead"] >= 0
+    assert "per unit collective" in bench.stdout
     print("calibration:", {k: f"{v:.3g}" for k, v in rates.items()})
     plan = meshrun("plan", "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "256",
                    "--seq", "128", "--gpus-per-node", "3", "--global-batch", "48",

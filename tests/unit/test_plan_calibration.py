@@ -60,6 +60,13 @@ def test_calibration_maps_measurements_to_the_planner_rates(tmp_path: Path) -> N
     assert calibration({**MEASURED, "tp": tp}, 2, cpu)["tp_layer_overhead"] == 0.0
     with_tp = {**MEASURED, "tp": {**tp, "tp_layer_overhead": 1e-3}}
     assert "tp_layer_overhead" not in calibration(with_tp, 2, SimpleNamespace(type="meta"))
+    # bench_fsdp's per-collective cost: carried on a CPU only (GPU streams hide it).
+    fsdp = {"fsdp_unit_overhead": 4e-3, "fsdp_stack_s": 0.2, "local_stack_s": 0.1}
+    assert calibration({**MEASURED, "fsdp": fsdp}, 2, cpu)["fsdp_unit_overhead"] == 4e-3
+    assert "fsdp_unit_overhead" not in rates
+    assert "fsdp_unit_overhead" not in calibration(
+        {**MEASURED, "fsdp": fsdp}, 2, SimpleNamespace(type="meta")
+    )
     path = tmp_path / "cal.json"
     write_calibration(str(path), {"compute": MEASURED["compute"]}, 2, cpu)
     write_calibration(str(path), {"comm": MEASURED["comm"]}, 2, cpu)  # merges, not replaces
@@ -100,6 +107,22 @@ def test_plan_reads_the_measured_tp_dispatch_cost(
         lay = json.loads(capsys.readouterr().out)["layouts"][0]
         # 4 TP linear layers per block (fused qkv, plain MLP) x 4 blocks x 2 micro-batches
         assert lay["step_time_breakdown_s"]["tp_overhead"] == pytest.approx(per_layer * 32)
+
+
+def test_plan_reads_the_measured_fsdp_unit_cost(
+    capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    path = tmp_path / "cal.json"
+    fsdp = {"fsdp_unit_overhead": 4e-3, "fsdp_stack_s": 0.2, "local_stack_s": 0.1}
+    write_calibration(str(path), {**MEASURED, "fsdp": fsdp}, 2, SimpleNamespace(type="cpu"))
+    shape = ["--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "256", "--seq",
+             "128", "--gpus-per-node", "2", "--global-batch", "32", "--json", "--top", "0"]  # fmt: skip
+    for layout, calls in (("zero=3", 18 + 5), ("zero=2", 10 + 5), ("zero=0", 0)):
+        lay_arg = ["--layout", f"dp_shard=2,{layout},micro_batch=8"]
+        assert main(["plan", *shape, *lay_arg, "--calibration", str(path)]) == 0
+        lay = json.loads(capsys.readouterr().out)["layouts"][0]
+        # 4 blocks + root, 2 micro-batches: ZeRO-3 gathers 9 per micro-batch, ZeRO-2 5; 5 RS
+        assert lay["step_time_breakdown_s"]["fsdp_overhead"] == pytest.approx(4e-3 * calls)
 
 
 def test_bad_calibration_files_are_rejected(

@@ -23,6 +23,7 @@ from meshrun.plan.cost import (
     all_reduce_time,
     ddp_buckets,
     flops_per_iteration,
+    fsdp_collectives,
     fsdp_units,
     gather_time,
     gpt_params,
@@ -255,3 +256,24 @@ def test_tp_counts_separate_qkv_all_reduces_and_dtensor_dispatch() -> None:
     no_tp = step_time(separate, Layout(dp_shard=2, micro_batch=8), t,
                       replace(c, tp_layer_overhead=2e-3), 1)  # fmt: skip
     assert no_tp.tp_overhead == 0.0 and no_tp.tp_comm == 0.0
+
+
+def test_fsdp2_per_unit_collective_overhead() -> None:
+    # FSDP2 on a CPU waits at every unit's all-gather and reduce-scatter (no streams) and runs
+    # its per-unit hooks: fsdp_unit_overhead per collective. The demo GPT's 4 blocks + root
+    # and 2 micro-batches: ZeRO-3 gathers 5 + 4 per micro-batch, ZeRO-2 5, both scatter 5.
+    m = Model(layers=4, hidden=256, heads=4, vocab=256, seq=128)
+    t = Training(global_batch=32, precision="fp32")
+    c = Cluster(1, 2, 80 * GB, 1e12, 1e9, 1e9, comm_efficiency=1.0, intra_latency=1e-4)
+    slow = replace(c, fsdp_unit_overhead=2e-3)
+    z2, z3 = Layout(dp_shard=2, zero=2, micro_batch=8), Layout(dp_shard=2, zero=3, micro_batch=8)
+    assert fsdp_collectives(m, z3, 2) == (18, 5) and fsdp_collectives(m, z2, 2) == (10, 5)
+    assert fsdp_collectives(m, Layout(dp_shard=2, micro_batch=8), 2) == (0, 0)
+    for lay, calls in ((z3, 23), (z2, 15)):
+        base, more = step_time(m, lay, t, c, 2), step_time(m, lay, t, slow, 2)
+        assert base.fsdp_overhead == 0.0  # the default (GPUs): predictions unchanged
+        assert more.fsdp_overhead == pytest.approx(2e-3 * calls)
+        assert more.total == pytest.approx(base.total + 2e-3 * calls)
+    ddp = step_time(m, Layout(dp_shard=2, micro_batch=8), t, slow, 2)
+    one_shard = step_time(m, Layout(zero=3, micro_batch=8), t, slow, 4)
+    assert ddp.fsdp_overhead == 0.0 and one_shard.fsdp_overhead == 0.0

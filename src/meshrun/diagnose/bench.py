@@ -5,6 +5,8 @@ loader alone, is mounted here from data/cli.py.)
 - ``comm``: all-reduce, all-gather, reduce-scatter, all-to-all and send/recv (ranks 0 <-> 1)
   over a sweep of message sizes; algorithm bandwidth S/t and bus bandwidth by the nccl-tests
   formulas (all-reduce x 2(n-1)/n, all-gather/reduce-scatter/all-to-all x (n-1)/n).
+  Then two layer-level cases: ``bench_tp`` (DTensor's cost per tensor-parallel linear layer)
+  and ``bench_fsdp`` (FSDP2's cost per unit collective), beyond what the sweep predicts.
 - ``compute``: square matmul FLOP/s at the chosen precision (the peak), and the demo GPT's
   forward + backward FLOP/s (Megatron formula FLOPs / time), whose ratio to the peak is the
   achievable fraction the planner calls ``compute_efficiency``.
@@ -397,6 +399,73 @@ def _mlp_stack(h: int, inner: int, device: Any) -> Any:
     return nn.Sequential(*blocks).to(device)
 
 
+FSDP_BENCH_BLOCKS = 2  # demo-GPT blocks in the stack bench_fsdp shards (cost: per collective)
+
+
+def bench_fsdp(device: Any, seconds: float) -> dict[str, float]:
+    """The cost per collective FSDP2 issues (a unit's all-gather or reduce-scatter), forward +
+    backward, beyond its bytes and ring steps, its modelled copies and the math.
+
+    A stack of demo-GPT blocks ("small") with ``fully_shard`` on each (ZeRO-3: resharded after
+    forward, so every block all-gathers in forward and in backward and reduce-scatters: 3
+    collectives per block), over all ranks, on bench_compute's micro-batch (8 x 128 tokens),
+    against the same blocks unsharded as plain modules; one block's all-gather and
+    reduce-scatter timed alone (back to back) and a 64 MiB copy (the planner's ``mem_bw``)
+    taken out, so ``fsdp_unit_overhead`` = (t_fsdp - t_local - blocks x (2 t_ag + t_rs) -
+    copies) / (3 x blocks), copies = 2 (1 + 1/n) x the gathered and reduced bytes / mem_bw as
+    in the planner. What is left: FSDP2's per-unit hooks and DTensor bookkeeping and, on a
+    CPU, the wait at each blocking collective for the slower rank. Also returned: the times."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    n = dist.get_world_size()
+    torch.manual_seed(0)  # the same blocks on every rank (fully_shard shards what it is given)
+    sharded, local = _block_stack(device), _block_stack(device)
+    block_bytes = sum(p.numel() * p.element_size() for p in local[0].parameters())
+    mesh = init_device_mesh(device.type, (n,))
+    for block in sharded:
+        fully_shard(block, mesh=mesh, reshard_after_forward=True)
+    fully_shard(sharded, mesh=mesh)
+    x = torch.randn(8, 128, local[0].mlp_norm.normalized_shape[0], device=device)
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    numel = -(-block_bytes // 4 // n) * n  # one block's fp32 elements, divisible by n
+    full, part = torch.ones(numel, device=device), torch.empty(numel // n, device=device)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    big = torch.empty(2**24, device=device)
+    copy = torch.empty_like(big)
+    rounds = []
+    for _ in range(3):  # interleaved rounds, medians (as bench_tp): the load moves
+        t_fsdp = _timed_collective(lambda: sharded(x).sum().backward(), seconds, device)
+        t_local = _timed(lambda: local(x).sum().backward(), seconds, sync)
+        t_ag = _timed_collective(lambda: gather(full, part), seconds, device)
+        t_rs = _timed_collective(lambda: scatter(part, full), seconds, device)
+        mem_bw = 2.0 * big.numel() * 4 / _timed(lambda: copy.copy_(big), seconds, sync)
+        rounds.append((t_fsdp, t_local, t_ag, t_rs, mem_bw))
+    blocks, bytes_ = FSDP_BENCH_BLOCKS, float(numel * 4)
+
+    def per_collective(r: tuple[float, ...]) -> float:
+        t_fsdp, t_local, t_ag, t_rs, mem_bw = r
+        copies = 2.0 * (1.0 + 1.0 / n) * 3 * blocks * bytes_ / mem_bw
+        return (t_fsdp - t_local - blocks * (2 * t_ag + t_rs) - copies) / (3 * blocks)
+
+    extra = statistics.median(per_collective(r) for r in rounds)
+    keys = ("fsdp_stack_s", "local_stack_s", "all_gather_s", "reduce_scatter_s", "mem_bw")
+    out = {k: statistics.median(r[i] for r in rounds) for i, k in enumerate(keys)}
+    return {"fsdp_unit_overhead": max(0.0, extra), **out}
+
+
+def _block_stack(device: Any) -> Any:
+    from torch import nn
+
+    from meshrun.demo.model import Block, demo_config
+
+    cfg = demo_config("small")
+    return nn.Sequential(*(Block(cfg) for _ in range(FSDP_BENCH_BLOCKS))).to(device)
+
+
 def bench_compute(device: Any, precision: str, seconds: float) -> dict[str, float]:
     """Matmul FLOP/s (the peak) and the demo GPT's training FLOP/s on this rank."""
     import torch
@@ -494,6 +563,10 @@ def calibration(results: dict[str, Any], world: int, device: Any) -> dict[str, A
         # On a CPU DTensor's dispatch takes the cores the math needs; a GPU's host runs ahead
         # of its kernels, so there it stays in `measured` only (the planner's default is 0).
         cluster["tp_layer_overhead"] = results["tp"]["tp_layer_overhead"]
+    if "fsdp" in results and device.type == "cpu":
+        # The same on a CPU for FSDP2's per-unit hooks and blocking collectives; a GPU's
+        # streams and host running ahead hide them (the planner's default, 0, stays).
+        cluster["fsdp_unit_overhead"] = results["fsdp"]["fsdp_unit_overhead"]
     cluster["memory_bytes"] = _device_memory(device, world)
     return cluster
 
@@ -547,6 +620,7 @@ def worker(argv: Sequence[str] | None = None) -> None:
     if a.kind in ("comm", "all"):
         results["comm"] = bench_comm(run.device, int(a.max_mb * 2**20), a.seconds)
         results["tp"] = bench_tp(run.device, a.seconds)
+        results["fsdp"] = bench_fsdp(run.device, a.seconds)
         if a.pairs:
             results["pairs"] = bench_pairs(run.device, int(a.pair_mb * 2**20), a.seconds)
     if run.is_main:
@@ -557,6 +631,9 @@ def worker(argv: Sequence[str] | None = None) -> None:
         if "tp" in results:
             print(f"tensor parallel: {results['tp']['tp_layer_overhead'] * 1e3:.3f} ms of DTensor "
                   "dispatch per linear layer (forward + backward)")  # fmt: skip
+        if "fsdp" in results:
+            print(f"FSDP2: {results['fsdp']['fsdp_unit_overhead'] * 1e3:.3f} ms per unit "
+                  "collective beyond its bytes (hooks, waiting for the slower rank)")  # fmt: skip
         if "compute" in results:
             print({k: f"{v / 1e9:.2f} GFLOP/s" for k, v in results["compute"].items()})
         write_calibration(a.out, results, run.world_size, run.device)

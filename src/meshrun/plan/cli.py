@@ -98,7 +98,7 @@ def _scaled(value: float | None, unit: float) -> float | None:
 
 
 _ZERO_OK = ("overlap", "allowance_bytes", "fragmentation", "intra_latency", "inter_latency",
-            "optimizer_bw", "tp_layer_overhead")  # fmt: skip
+            "optimizer_bw", "tp_layer_overhead", "fsdp_unit_overhead")  # fmt: skip
 
 
 def _check_cluster_values(values: dict[str, Any]) -> None:
@@ -163,6 +163,7 @@ def estimate_json(e: Estimate) -> dict[str, Any]:
         "compute": t.compute, "exposed_comm": t.exposed_comm, "bubble": t.bubble,
         "dp_comm": t.dp_comm, "dp_exposed": t.dp_exposed, "tp_comm": t.tp_comm,
         "pp_comm": t.pp_comm, "optimizer": t.optimizer, "tp_overhead": t.tp_overhead,
+        "fsdp_overhead": t.fsdp_overhead,
     }  # fmt: skip
     out["tokens_per_s"] = None if t is None else e.tokens_per_s
     out["mfu"] = None if t is None else e.mfu

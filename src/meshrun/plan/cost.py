@@ -131,6 +131,12 @@ class Cluster:
     # On a GPU the host runs ahead of the kernels and hides it (0, the default); on a CPU it
     # takes the same cores: `meshrun bench comm` measures it (bench_tp).
     tp_layer_overhead: float = 0.0
+    # Time per collective FSDP2 issues (a unit's all-gather in forward, again in backward under
+    # ZeRO-3, its reduce-scatter) beyond its bytes and ring steps and the modelled copies: the
+    # unit's pre/post hooks, DTensor bookkeeping, and on a CPU the wait for the slower rank at
+    # each blocking collective. A GPU's host runs ahead and its streams hide it (0, the
+    # default); on a CPU `meshrun bench comm` measures it (bench_fsdp).
+    fsdp_unit_overhead: float = 0.0
     allowance_bytes: float = 1.0 * GB  # CUDA context, NCCL buffers, allocator reserve
     fragmentation: float = 0.05  # extra fraction of everything else
 
@@ -417,6 +423,7 @@ class StepTime:
     bubble: float
     optimizer: float = 0.0  # the update: memory-bound, not hidden
     tp_overhead: float = 0.0  # DTensor's dispatch and waiting per TP layer (Cluster's)
+    fsdp_overhead: float = 0.0  # FSDP2's hooks and waiting per unit collective (Cluster's)
 
     @property
     def exposed_comm(self) -> float:
@@ -425,7 +432,7 @@ class StepTime:
     @property
     def total(self) -> float:
         return (self.compute + self.exposed_comm + self.bubble + self.optimizer
-                + self.tp_overhead)  # fmt: skip
+                + self.tp_overhead + self.fsdp_overhead)  # fmt: skip
 
 
 def step_time(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) -> StepTime:
@@ -440,7 +447,8 @@ def step_time(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int)
     bubble = compute * (lay.pp - 1) / (lay.vpp * microbatches)
     return StepTime(compute, dp, dp_exposed, _tp_comm(m, lay, t, c, microbatches),
                     _pp_comm(m, lay, t, c, microbatches), bubble,
-                    optimizer_time(m, lay, t, c), tp_overhead(m, lay, c, microbatches))  # fmt: skip
+                    optimizer_time(m, lay, t, c), tp_overhead(m, lay, c, microbatches),
+                    fsdp_overhead(m, lay, c, microbatches))  # fmt: skip
 
 
 def tp_overhead(m: Model, lay: Layout, c: Cluster, microbatches: int) -> float:
@@ -451,6 +459,25 @@ def tp_overhead(m: Model, lay: Layout, c: Cluster, microbatches: int) -> float:
         return 0.0
     blocks = math.ceil(m.layers / lay.pp)
     return c.tp_layer_overhead * m.tp_linears() * blocks * microbatches
+
+
+def fsdp_collectives(m: Model, lay: Layout, microbatches: int) -> tuple[int, int]:
+    """(all-gathers, reduce-scatters) FSDP2 issues per optimizer step on a GPU: every unit
+    gathers in every micro-batch's forward, ZeRO-3 regathers the blocks in its backward (the
+    root stays gathered), and every unit reduce-scatters once per step (gradient sync only on
+    the boundary micro-batch); (0, 0) below ZeRO-2."""
+    if lay.zero < 2:
+        return 0, 0
+    units = fsdp_units(m, lay)
+    return microbatches * (units + (units - 1 if lay.zero >= 3 else 0)), units
+
+
+def fsdp_overhead(m: Model, lay: Layout, c: Cluster, microbatches: int) -> float:
+    """``fsdp_unit_overhead`` per collective FSDP2 issues (:func:`fsdp_collectives`); 0
+    below ZeRO-2 or with one shard (FSDP2 then issues no collective)."""
+    if lay.dp_shard == 1:
+        return 0.0
+    return c.fsdp_unit_overhead * sum(fsdp_collectives(m, lay, microbatches))
 
 
 def optimizer_time(m: Model, lay: Layout, t: Training, c: Cluster) -> float:
@@ -506,11 +533,10 @@ def _fsdp_comm(
     in its backward, for the blocks; the root stays gathered), one reduce-scatter per step
     (gradient sync only on the boundary micro-batch), across replicas (HSDP) an all-reduce of
     the shard; plus FSDP2's copy-in/copy-out of each gathered and reduced buffer."""
-    units = fsdp_units(m, lay)
+    calls, units = fsdp_collectives(m, lay, microbatches)
     shard = group_link(c, lay.dp_shard, lay.tp)
     blocks = _block_params(m, lay) * state_bytes_per_param(t)[1]  # the root is not regathered
     gathered = microbatches * (total + (blocks if lay.zero >= 3 else 0.0))
-    calls = microbatches * (units + (units - 1 if lay.zero >= 3 else 0))
     time = shard.all_gather(gathered, calls) + shard.reduce_scatter(total, units)
     replicas = group_link(c, lay.dp_replicate, lay.tp * lay.dp_shard)
     time += replicas.all_reduce(total / lay.dp_shard, units)
