@@ -90,6 +90,27 @@ log = logging.getLogger("meshrun")
 ParallelizeFn = Callable[[nn.Module, DeviceMesh], object]
 
 
+def _shard(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    cfg: ParallelConfig,
+    zero: int,
+    mp_policy: MixedPrecisionPolicy,
+    wrap: WrapPredicate,
+) -> None:
+    """FSDP2 over the data-parallel dims of ``mesh``, with the ``[parallel]`` FSDP settings."""
+    apply_fsdp(
+        module,
+        fsdp_mesh(mesh),
+        zero,
+        cfg.cpu_offload,
+        mp_policy,
+        wrap,
+        cfg.fsdp_prefetch,
+        cfg.fsdp_blocks_per_unit,
+    )
+
+
 def parallelize(
     model: nn.Module,
     mesh: DeviceMesh | None,
@@ -135,16 +156,7 @@ def parallelize(
     if cfg.compile:
         log.info("torch.compile: %d blocks", apply_compile(model, wrap))
     if mesh is not None and zero >= 2:
-        apply_fsdp(
-            model,
-            fsdp_mesh(mesh),
-            zero,
-            cfg.cpu_offload,
-            mp_policy,
-            wrap,
-            cfg.fsdp_prefetch,
-            cfg.fsdp_blocks_per_unit,
-        )
+        _shard(model, mesh, cfg, zero, mp_policy, wrap)
         log.info(
             "FSDP2 ZeRO-%d over %s (params %s, reduce %s)",
             *(zero, dims.describe(), cfg.param_dtype, cfg.reduce_dtype),
@@ -293,16 +305,7 @@ def parallelize_stage(
     if cfg.compile:
         apply_compile(stage, wrap)
     if zero >= 2:
-        apply_fsdp(
-            stage,
-            fsdp_mesh(mesh),
-            zero,
-            cfg.cpu_offload,
-            mp_policy,
-            wrap,
-            cfg.fsdp_prefetch,
-            cfg.fsdp_blocks_per_unit,
-        )
+        _shard(stage, mesh, cfg, zero, mp_policy, wrap)
         return stage
     apply_autocast(stage, cfg, device)
     if dims.dp > 1:
