@@ -37,14 +37,17 @@ def build_optimizer(
     ``model`` may be a :class:`Pipeline`: its optimizer takes this rank's stages' parameters
     (under ZeRO-1 through :meth:`Pipeline.local_parameters`)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    kwargs = with_foreach_default(optimizer_class, params, kwargs)
-    if cfg.zero != 1 or mesh is None or mesh.get_group("dp").size() == 1:
-        return optimizer_class(params, **kwargs)
-    if isinstance(model, Pipeline):
+    zero1 = cfg.zero == 1 and mesh is not None and mesh.get_group("dp").size() > 1
+    if zero1 and isinstance(model, Pipeline):
         # The stages are replicated over dp with FSDP2's replicate (parallel/ddp.py), so their
         # parameters are DTensors, which ZeRO's plain broadcast cannot take: it steps plain
         # aliases of their (whole) local tensors instead, kept in step by pipeline_step.
         params = model.local_parameters()
+    # Decided on the tensors the optimizer really steps (the aliases above are plain).
+    kwargs = with_foreach_default(optimizer_class, params, kwargs)
+    if not zero1:
+        return optimizer_class(params, **kwargs)
+    assert mesh is not None  # zero1 implies it
     return ZeroRedundancyOptimizer(
         params, optimizer_class=optimizer_class, process_group=mesh.get_group("dp"), **kwargs
     )
