@@ -32,8 +32,6 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 
 from meshrun.config import ParallelConfig, check_layout
 from meshrun.demo.model import GPT, demo_config
@@ -46,6 +44,7 @@ from meshrun.parallel import (
     pipeline_step,
     set_grad_sync,
 )
+from meshrun.parallel.report import state_bytes
 
 GLOBAL_BATCH = 8
 LAYOUTS: dict[int, dict[str, dict[str, Any]]] = {
@@ -69,21 +68,6 @@ LAYOUTS: dict[int, dict[str, dict[str, Any]]] = {
 }
 
 
-def local_bytes(tensors: list[Tensor]) -> int:
-    out = 0
-    for t in tensors:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        out += local.numel() * local.element_size()
-    return out
-
-
-def state_bytes(params: list[nn.Parameter], opt: torch.optim.Optimizer) -> int:
-    inner = opt.optim if isinstance(opt, ZeroRedundancyOptimizer) else opt
-    states = [t for s in inner.state.values() for t in s.values() if isinstance(t, Tensor)]
-    grads = [p.grad for p in params if p.grad is not None]
-    return local_bytes(list(params)) + local_bytes(grads) + local_bytes(states)
-
-
 def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
     return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
@@ -100,11 +84,9 @@ def train(rank: int, layout: dict[str, Any], args: argparse.Namespace) -> dict[s
     pipe = None
     if dims.pp > 1:
         pipe = parallelize_pipeline(model, mesh, cfg, torch.device("cpu"), lm_loss)
-        params = pipe.parameters()
         opt = build_optimizer(pipe, torch.optim.AdamW, mesh, cfg, lr=1e-3)  # ZeRO-1 when zero=1
     else:
         model = parallelize(model, mesh, cfg, torch.device("cpu"))
-        params = list(model.parameters())
         opt = build_optimizer(model, torch.optim.AdamW, mesh, cfg, lr=1e-3)
     per_rank = GLOBAL_BATCH // dims.dp
     g = torch.Generator().manual_seed(dims.dp_rank(rank))
@@ -118,7 +100,7 @@ def train(rank: int, layout: dict[str, Any], args: argparse.Namespace) -> dict[s
             set_grad_sync(model, True)
             model(tokens[:, :-1], tokens[:, 1:]).backward()
         opt.step()
-        nbytes = state_bytes(params, opt)  # gradients still held
+        nbytes = sum(state_bytes(opt))  # gradients still held
         opt.zero_grad(set_to_none=True)
         dist.barrier()  # the step ends when the slowest rank ends it
         times.append(time.perf_counter() - t0)

@@ -40,6 +40,8 @@ from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from meshrun.monitor.comm_profile import merge_spans
+
 __all__ = ["CommHook", "CommTimer"]
 
 log = logging.getLogger("meshrun")
@@ -137,7 +139,7 @@ class CommTimer:
             spans = [s for s in (self._span(b, group[0]) for b in group) if s is not None]
             if not spans:
                 continue
-            comm += _union(spans)
+            comm += sum(e - s for s, e in merge_spans(spans))
             exposed += max(0.0, max(e for _, e in spans) - max(s for s, _ in spans))
         return {"comm_s": comm, "comm_exposed_s": exposed, "comm_hidden_s": comm - exposed}
 
@@ -151,13 +153,3 @@ class CommTimer:
         # On the GPU timeline, from the group's first launch: only differences matter.
         ref = first.launched
         return (ref.elapsed_time(b.launched) / 1e3, ref.elapsed_time(b.done) / 1e3)
-
-
-def _union(spans: list[tuple[float, float]]) -> float:
-    """Total length covered by the intervals."""
-    total, end = 0.0, float("-inf")
-    for s, e in sorted(spans):
-        if e > end:
-            total += e - max(s, end)
-            end = e
-    return total

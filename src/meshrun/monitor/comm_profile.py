@@ -34,7 +34,7 @@ import logging
 import os
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 from torch.autograd.profiler import record_function
@@ -51,6 +51,7 @@ COMM_OPS = (ENQUEUE, "_c10d_functional::", "c10d_functional::", "record_param_co
 # What the CPU analysis reads (the rest is skipped while reading, for speed).
 _KEEP = ("aten::", "meshrun::", *RUNS, *COMM_OPS)
 Span = tuple[int, int]  # nanoseconds
+T = TypeVar("T", int, float)
 
 
 class Event(NamedTuple):
@@ -63,8 +64,9 @@ class Event(NamedTuple):
     cuda: bool = False
 
 
-def _union(spans: Iterable[Span]) -> list[Span]:
-    out: list[Span] = []
+def merge_spans(spans: Iterable[tuple[T, T]]) -> list[tuple[T, T]]:
+    """The union of intervals as disjoint sorted intervals (empty ones dropped)."""
+    out: list[tuple[T, T]] = []
     for s, e in sorted(spans):
         if e <= s:
             continue
@@ -105,16 +107,18 @@ def exposed_comm(events: Sequence[Event], *, cuda: bool = False) -> dict[str, fl
     if mark is None:
         return {}
     main = [e for e in events if e.thread == mark.thread and not e.cuda]
-    guard = _union((e.start_ns, e.end_ns) for e in main if e.name == GUARD)
+    guard = merge_spans((e.start_ns, e.end_ns) for e in main if e.name == GUARD)
     if cuda:
         kernels = [e for e in events if e.cuda]
-        comm = _union((e.start_ns, e.end_ns) for e in kernels if "nccl" in e.name.lower())
-        busy = _union((e.start_ns, e.end_ns) for e in kernels if "nccl" not in e.name.lower())
+        comm = merge_spans((e.start_ns, e.end_ns) for e in kernels if "nccl" in e.name.lower())
+        busy = merge_spans((e.start_ns, e.end_ns) for e in kernels if "nccl" not in e.name.lower())
     else:
-        pending = _union((s, min(e, mark.end_ns)) for s, e in _pending(events, main, mark.start_ns))
+        pending = merge_spans(
+            (s, min(e, mark.end_ns)) for s, e in _pending(events, main, mark.start_ns)
+        )
         comm = _minus(pending, guard)
-        ops = _union((e.start_ns, e.end_ns) for e in main if e.name.startswith(COMM_OPS))
-        aten = _union((e.start_ns, e.end_ns) for e in main if e.name.startswith("aten::"))
+        ops = merge_spans((e.start_ns, e.end_ns) for e in main if e.name.startswith(COMM_OPS))
+        aten = merge_spans((e.start_ns, e.end_ns) for e in main if e.name.startswith("aten::"))
         busy = _minus(aten, ops)
     total, exposed = _length_s(comm), _length_s(_minus(comm, busy))
     return {"comm_s": total, "comm_exposed_s": exposed, "comm_hidden_s": total - exposed}

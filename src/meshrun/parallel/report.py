@@ -20,12 +20,8 @@ from meshrun.mesh import ParallelDims
 
 def local_param_bytes(model: nn.Module) -> tuple[int, int]:
     """(bytes of parameters on this rank, bytes of the whole model): local shards of DTensors."""
-    local = whole = 0
-    for p in model.parameters():
-        shard = p.to_local() if isinstance(p, DTensor) else p
-        local += shard.numel() * shard.element_size()
-        whole += p.numel() * p.element_size()
-    return local, whole
+    params = list(model.parameters())
+    return sum(_local_bytes(p) for p in params), sum(p.numel() * p.element_size() for p in params)
 
 
 def rank_groups(mesh: DeviceMesh) -> list[str]:
