@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
@@ -39,19 +38,45 @@ def test_build_dataloader_warns_once(monkeypatch: pytest.MonkeyPatch) -> None:
         build_dataloader(range(4), SequentialSampler(range(4)), 1, num_workers=1)  # type: ignore[arg-type]
 
 
-def slow(n: int, delay: float) -> Iterator[int]:
+class FakeClock:
+    """loader.py's ``time.perf_counter``, moved by hand: the figures are exact on any machine."""
+
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def slow(clock: FakeClock, n: int, delay: float) -> Iterator[int]:
     for i in range(n):
-        time.sleep(delay)
+        clock.now += delay  # producing an item takes `delay`
         yield i
 
 
-def test_wait_clock_measures_time_blocked_in_next() -> None:
+def test_wait_clock_measures_time_blocked_in_next(monkeypatch: pytest.MonkeyPatch) -> None:
+    fake = FakeClock()
+    monkeypatch.setattr("meshrun.data.loader.time", fake)
     clock = WaitClock()
     items = []
-    for i in clock.wrap(slow(3, 0.05)):
+    for i in clock.wrap(slow(fake, 3, 0.05)):
         items.append(i)
-        time.sleep(0.15)  # "compute": must not count as waiting
-    waited = clock.take()
+        fake.now += 0.15  # "compute": must not count as waiting
     assert items == [0, 1, 2]
-    assert 0.14 <= waited < 0.45  # three waits of 0.05 s; with the compute it would be 0.6 s
+    assert clock.take() == pytest.approx(0.15, abs=1e-9)  # three waits of 0.05 s, not 0.6 s
     assert clock.take() == 0.0
+
+
+def test_wait_clock_counts_the_wait_for_the_end_of_the_loader(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fake = FakeClock()
+    monkeypatch.setattr("meshrun.data.loader.time", fake)
+
+    def ends_slowly() -> Iterator[int]:
+        yield 1
+        fake.now += 0.2  # e.g. workers shutting down at the epoch's end
+
+    clock = WaitClock()
+    assert list(clock.wrap(ends_slowly())) == [1]
+    assert clock.take() == pytest.approx(0.2, abs=1e-9)

@@ -3,10 +3,11 @@ positions in the hang report (monitor/collectives.py) and the host network figur
 (monitor/host.py); no process group."""
 
 import json
-import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
+import pytest
 import torch
 
 from meshrun.monitor.collectives import Position, collective_lines, positions_from_json
@@ -15,8 +16,20 @@ from meshrun.monitor.host import HostStats, parse_net_dev
 from meshrun.monitor.watchdog import Watchdog, hang_report
 
 
+class FakeClock:
+    """A host clock the test moves by hand: the timer's figures are then exact, whatever the
+    machine's speed or load."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 def test_exposed_is_the_wait_after_the_last_launch_and_comm_the_union() -> None:
-    timer = CommTimer(torch.device("cpu"))
+    clock = FakeClock()
+    timer = CommTimer(torch.device("cpu"), clock=clock)
     pending: list[torch.futures.Future[torch.Tensor]] = []
 
     def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
@@ -26,19 +39,60 @@ def test_exposed_is_the_wait_after_the_last_launch_and_comm_the_union() -> None:
 
     timed = timer.wrap(hook)
     assert timer.installed and timed.__name__ == "timed_hook"
-    outs = [timed(None, None)]  # bucket 1 launched, then "compute" goes on
-    time.sleep(0.05)
-    pending[0].set_result(torch.ones(1))  # bucket 1 done behind compute
-    outs.append(timed(None, None))  # the last bucket: all gradients computed
-    time.sleep(0.03)  # backward waits for it: exposed
-    pending[1].set_result(torch.ones(1))
+    outs = [timed(None, None)]  # t=0: bucket 1 launched, then "compute" goes on
+    clock.now += 0.050
+    pending[0].set_result(torch.ones(1))  # t=0.05: bucket 1 done behind compute
+    clock.now += 0.010
+    outs.append(timed(None, None))  # t=0.06: the last bucket: all gradients computed
+    clock.now += 0.030  # backward waits for it: exposed
+    pending[1].set_result(torch.ones(1))  # t=0.09
     assert all(torch.equal(o.wait(), torch.ones(1)) for o in outs)  # values pass through
     timer.backward_ends()
     got = timer.take()
-    assert 0.03 <= got["comm_exposed_s"] < 0.045, got
-    assert 0.08 <= got["comm_s"] < 0.11, got  # two back-to-back intervals, no overlap
-    assert abs(got["comm_hidden_s"] - (got["comm_s"] - got["comm_exposed_s"])) < 1e-12
+    assert got["comm_exposed_s"] == pytest.approx(0.030, abs=1e-9), got
+    assert got["comm_s"] == pytest.approx(0.080, abs=1e-9), got  # the union: the 10 ms gap out
+    assert got["comm_hidden_s"] == pytest.approx(0.050, abs=1e-9), got
+
+
+def test_overlapping_buckets_count_once_and_backwards_add_up() -> None:
+    clock = FakeClock()
+    timer = CommTimer(torch.device("cpu"), clock=clock)
+    pending: list[torch.futures.Future[torch.Tensor]] = []
+
+    def hook(state: Any, bucket: Any) -> torch.futures.Future[torch.Tensor]:
+        pending.append(torch.futures.Future())
+        return pending[-1]
+
+    timed = timer.wrap(hook)
+    for _ in range(2):  # two backwards (accumulation) in one optimizer step
+        pending.clear()
+        timed(None, None)  # t=0
+        clock.now += 0.010
+        timed(None, None)  # t=0.01, overlapping the first
+        clock.now += 0.020
+        pending[0].set_result(torch.ones(1))  # t=0.03
+        clock.now += 0.005
+        pending[1].set_result(torch.ones(1))  # t=0.035
+        timer.backward_ends()
+    got = timer.take()
+    assert got["comm_s"] == pytest.approx(2 * 0.035, abs=1e-9), got  # not 0.03 + 0.025 each
+    assert got["comm_exposed_s"] == pytest.approx(2 * 0.025, abs=1e-9), got
     assert timer.take() == {"comm_s": 0.0, "comm_exposed_s": 0.0, "comm_hidden_s": 0.0}
+
+
+def test_a_bucket_that_never_completes_is_left_out() -> None:
+    clock = FakeClock()
+    timer = CommTimer(torch.device("cpu"), clock=clock)
+    done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    futures = iter([done, torch.futures.Future()])
+    timed = timer.wrap(lambda state, bucket: next(futures))
+    timed(None, None)
+    clock.now += 0.020
+    done.set_result(torch.ones(1))
+    timed(None, None)  # its all-reduce failed: no completion time
+    timer.backward_ends()
+    got = timer.take()
+    assert got["comm_s"] == pytest.approx(0.020, abs=1e-9), got
 
 
 def test_no_hook_means_no_figures() -> None:
@@ -109,10 +163,13 @@ def test_host_stats_give_network_rates_after_a_baseline(monkeypatch: Any, tmp_pa
     fake = tmp_path / "net_dev"
     fake.write_text(NET_DEV)
     monkeypatch.setattr("meshrun.monitor.host._NET_DEV", fake)
+    clock = FakeClock()  # host.py's time.monotonic, for this module only
+    monkeypatch.setattr("meshrun.monitor.host.time", SimpleNamespace(monotonic=clock))
     stats = HostStats(torch.device("cpu"))
     assert stats.sample() == {}  # the first sample is the baseline; no GPU keys on CPU
     fake.write_text(NET_DEV.replace("1000", str(1000 + 2 * 2**20)))
-    time.sleep(0.05)
+    clock.now += 0.5
     got = stats.sample()
     assert set(got) == {"net_rx_mb_s", "net_tx_mb_s"} and got["net_tx_mb_s"] == 0.0
-    assert 2 / 0.2 < got["net_rx_mb_s"] <= 2 / 0.05, got  # 2 MiB in 0.05 s (+ scheduling)
+    assert got["net_rx_mb_s"] == pytest.approx(4.0), got  # 2 MiB in 0.5 s
+    assert stats.sample() == {}  # no time passed: no rate (never a division by zero)

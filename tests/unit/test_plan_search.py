@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -43,19 +46,35 @@ def test_search_never_recommends_a_layout_that_does_not_fit() -> None:
     assert speeds == sorted(speeds, reverse=True)
 
 
-def test_json_schema_of_a_1024_gpu_search_answered_under_2_s(
-    capsys: pytest.CaptureFixture[str],
+def test_json_schema_of_a_1024_gpu_search_and_the_work_it_does(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # The search must stay an answer at the prompt: one check per layout of the space and one
+    # cost evaluation per layout that passes, nothing nested. Counted, not timed, so the test
+    # holds on any machine: the space for 128 x 8 GPUs is tp in (1, 2, 4, 8) x pp dividing
+    # 1024 / tp x (DDP + ZeRO-1/2/3 x each replicate split) x 6 micro-batches x 3 recompute
+    # modes = 530 x 18 = 9540 layouts.
+    module = importlib.import_module("meshrun.plan.search")
+    calls = {"checked": 0, "evaluated": 0}
+
+    def counted(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapper(*args: Any) -> Any:
+            calls[name] += 1
+            return fn(*args)
+
+        return wrapper
+
+    monkeypatch.setattr(module, "layout_problem", counted("checked", module.layout_problem))
+    monkeypatch.setattr(module, "evaluate", counted("evaluated", module.evaluate))
     start = time.perf_counter()
     code, out, _ = plan(capsys, *GPT_7B, "--nodes", "128", "--gpu", "h100", "--global-batch",
                         "1024", "--json")  # fmt: skip
-    elapsed = time.perf_counter() - start
-    print(f"meshrun plan, 1024 GPUs: {elapsed:.2f} s")
+    print(f"meshrun plan, 1024 GPUs: {time.perf_counter() - start:.2f} s, {calls}")  # shown only
     assert code == 0
-    assert elapsed < 2.0
     doc = json.loads(out)
     assert doc["gpus"] == 1024 and doc["params"] == pytest.approx(6.66e9, rel=0.01)
     assert len(doc["layouts"]) == 5 and doc["evaluated"] > 1000
+    assert calls == {"checked": 9540, "evaluated": doc["evaluated"]}
     first = doc["layouts"][0]
     for key in ("dp_replicate", "dp_shard", "tp", "pp", "zero", "micro_batch",
                 "activation_checkpointing", "fits", "step_time_s", "tokens_per_s", "mfu"):  # fmt: skip

@@ -58,8 +58,11 @@ class _Bucket:
 class CommTimer:
     """Times the buckets of each backward; ``take()`` once per optimizer step."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(
+        self, device: torch.device, clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self.cuda = device.type == "cuda"
+        self._clock = clock  # the host clock (CPU); a test passes its own to set the times
         self.installed = False
         self._lock = threading.Lock()
         self._open: list[_Bucket] = []  # the current backward's buckets
@@ -68,7 +71,7 @@ class CommTimer:
 
     def _now(self) -> Any:
         if not self.cuda:
-            return time.perf_counter()
+            return self._clock()
         event = torch.cuda.Event(enable_timing=True)
         event.record()
         return event
