@@ -56,6 +56,7 @@ from meshrun.parallel import (
     pipeline_step,
 )
 from meshrun.schedule import build_lr_scheduler, scale_lr
+from meshrun.storage import check_shared_run_dir
 
 _ACTIVE: Run | None = None
 _RETIRED: list[Run] = []  # closed runs, never destroyed before exit (see Run.close)
@@ -144,6 +145,7 @@ class Run:
         self.is_main = self.rank == 0
         self.run_dir = cfg.resolved_run_dir()
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        check_shared_run_dir(self.run_dir, env.hostname)  # before anything relies on it
         self.log = setup_logging(self.rank, self.run_dir, cfg.job.log_level)
         _seed(cfg.job.seed, self.rank)
         self.metrics = MetricsLogger(
