@@ -187,8 +187,9 @@ class Checkpointer:
         """Called after each optimizer step: save when ``checkpoint.interval`` divides ``step``
         or when any rank received a preemption signal (then exit 0 once saved)."""
         interval = self.cfg.checkpoint.interval
-        if interval > 0:
-            self.install_signal_handlers()
+        # Also without an interval: a preemption save (SLURM's USR1 before the time limit, a
+        # SIGTERM) is the one checkpoint such a run gets, and the loop owns what is saved.
+        self.install_signal_handlers()
         preempted = self._preempt_agreed()
         due = interval > 0 and step % interval == 0
         try:

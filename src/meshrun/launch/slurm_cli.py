@@ -60,12 +60,12 @@ def build_spec(a: argparse.Namespace) -> tuple[SubmitSpec, Path]:
     spec.validate()  # the flags first, then the config for the job's world size
     cfg = _checked_config(a, spec.nodes * spec.nproc_per_node)
     run_dir = cfg.resolved_run_dir()
-    if spec.signal_before_s and cfg.checkpoint.interval == 0:
+    if spec.signal_before_s and not cfg.checkpoint.on_signal:
         print(
-            "meshrun slurm: warning: checkpoint.interval = 0, so the workers install no handler "
-            f"for the SIGUSR1 sent {spec.signal_before_s} s before the time limit and it stops "
-            "them without a checkpoint; pass --checkpoint.interval=N (any N > 0 enables the "
-            "save on the signal) or --signal-before 0",
+            "meshrun slurm: warning: checkpoint.on_signal = false, so the workers install no "
+            f"handler for the SIGUSR1 sent {spec.signal_before_s} s before the time limit and "
+            "it stops them without a checkpoint; pass --checkpoint.on_signal=true (save at the "
+            "next step, then exit 0) or --signal-before 0",
             file=sys.stderr,
         )
     spec.output_dir = os.path.abspath(a.output or run_dir / "slurm")
