@@ -17,7 +17,10 @@ from meshrun.cliargs import DEMO_CONFIG, DEMO_MODULE, add_set, add_target, defau
 from meshrun.config import (
     Config,
     ConfigError,
+    dp_size_for_world,
     load_config,
+    resolve_global_batch,
+    set_value,
     split_overrides,
     to_toml,
     validate_for_world,
@@ -43,9 +46,26 @@ def _world_nodes(nnodes: str) -> int:
 
 
 def _prepare(cfg: Config, nproc: int, nnodes: str) -> Path:
-    """Validate for the world size and write the resolved config the workers will read."""
+    """Validate for the world size and write the resolved config the workers will read: what
+    was left unset and is derived here (global batch, run directory) is written as the number
+    or path it became, and said on stderr."""
     world = nproc * _world_nodes(nnodes)
     validate_for_world(cfg, world)
+    # An elastic MIN:MAX job gets one number for every world it may take after a restart:
+    # its largest world's, or, where a smaller world's would not divide that, the lcm's.
+    low = _world_nodes(nnodes.split(":")[0])
+    worlds = [nproc * n for n in range(low, world // nproc + 1)] or [world]
+    if note := resolve_global_batch(cfg, worlds):
+        elastic = f" over the worlds of --nnodes {nnodes}" if len(worlds) > 1 else ""
+        print(f"meshrun launch: {note}{elastic}", file=sys.stderr)
+    if not cfg.job.run_dir:  # a directory appears in the cwd: say where and how to move it
+        cfg.job.run_dir = str(cfg.resolved_run_dir())
+        print(
+            f"meshrun launch: job.run_dir unset: the run writes its config, logs, metrics and "
+            f"checkpoints to {cfg.job.run_dir} (in {Path.cwd()}); set --job.run_dir=DIR to "
+            "change it",
+            file=sys.stderr,
+        )
     from meshrun.checkpoint.layout import resume_path_error  # pure: no torch import
 
     if why := resume_path_error(cfg.checkpoint.resume):  # before any process is spawned
@@ -140,8 +160,12 @@ def _apply_launch_flags(cfg: Config, a: argparse.Namespace) -> None:
     for entry in LAUNCH_FLAGS:
         flag, key = entry if isinstance(entry, tuple) else (entry, entry)
         value = getattr(a, flag, None)
-        if value is not None:
-            setattr(cfg.launch, key, value)
+        if value is None:
+            continue
+        try:  # the same check as the key in a file or on the command line, naming the flag
+            set_value(cfg, f"launch.{key}", value)
+        except ConfigError as e:
+            raise ConfigError(f"--{flag.replace('_', '-')} {value}: {e}") from None
     lc = cfg.launch
     multinode.validate(lc.nnodes, lc.node_rank, lc.rdzv_endpoint, lc.rdzv_id, lc.rdzv_conf)
 
@@ -153,31 +177,53 @@ def cmd_demo(a: argparse.Namespace) -> int:
         extra.append(("optim.steps", str(a.steps)))
     cfg = load_config(DEMO_CONFIG, [*extra, *overrides])
     nproc = _nproc(a.nproc, cfg)
-    if not any(key == "data.micro_batch" for key, _ in overrides):
-        _fit_micro_batch(cfg, nproc)
+    keys = {key for key, _ in overrides}
+    if "data.micro_batch" not in keys:
+        _fit_micro_batch(cfg, nproc, keep_global="data.global_batch" in keys)
     script_args = ["--size", a.size]
     return _launch(cfg, nproc, None, DEMO_MODULE, script_args)
 
 
-def _fit_micro_batch(cfg: Config, nproc: int) -> None:
-    """Keep the demo's global batch on any process count: lower the micro-batch if needed
-    (said aloud, never silently)."""
+def _fit_micro_batch(cfg: Config, nproc: int, keep_global: bool = False) -> None:
+    """Fit the demo's batch to any process count, said aloud, never silently: lower the
+    micro-batch so the global batch divides; where none does (3, 6, 7 ... processes for 32),
+    take the largest global batch up to the configured one that micro_batch (<= the
+    configured) x data-parallel size x accumulation makes (demo.toml). A global batch the user
+    passed is kept: then validation names what does not divide."""
     g, m = cfg.data.global_batch, cfg.data.micro_batch
-    fits = [k for k in range(m, 0, -1) if g % (k * nproc) == 0]
-    if fits and fits[0] != m:
-        print(
-            f"meshrun demo: data.micro_batch {m} -> {fits[0]} so that the global batch {g} "
-            f"divides over {nproc} processes",
-            file=sys.stderr,
-        )
-        cfg.data.micro_batch = fits[0]
+    dp = dp_size_for_world(cfg, nproc)
+    chunks = cfg.parallel.pp_microbatches if cfg.parallel.pp > 1 else 1  # micro splits in them
+    micros = [k for k in range(m, 0, -1) if k % chunks == 0] or [m]
+    fits = [k for k in micros if g % (k * dp) == 0]
+    if fits or keep_global:
+        if fits and fits[0] != m:
+            print(
+                f"meshrun demo: data.micro_batch {m} -> {fits[0]} so that the global batch {g} "
+                f"divides over {dp} data-parallel processes",
+                file=sys.stderr,
+            )
+            cfg.data.micro_batch = fits[0]
+        return
+    # (global batch, micro) pairs at most g, the largest global batch first, then the largest
+    # micro-batch; one smallest micro-batch per rank when even that is more than g.
+    pairs = [(k * dp * (g // (k * dp)), k) for k in micros if k * dp <= g]
+    new_g, k = max(pairs) if pairs else (micros[-1] * dp, micros[-1])
+    print(
+        f"meshrun demo: data.global_batch {g} -> {new_g}, data.micro_batch {m} -> {k} "
+        f"(accumulation {new_g // (k * dp)}): no micro_batch <= {m} splits {g} samples over "
+        f"{dp} data-parallel processes; pass --data.global_batch=N to choose",
+        file=sys.stderr,
+    )
+    cfg.data.global_batch, cfg.data.micro_batch = new_g, k
 
 
 def cmd_config_show(a: argparse.Namespace) -> int:
     overrides, _ = split_overrides(a.overrides)
     cfg = load_config(a.file, overrides)
-    if a.world_size:
+    if a.world_size:  # what meshrun launch would write for this world
         validate_for_world(cfg, a.world_size)
+        if note := resolve_global_batch(cfg, [a.world_size]):
+            print(f"meshrun config show: {note}", file=sys.stderr)
     sys.stdout.write(to_toml(cfg))
     return 0
 

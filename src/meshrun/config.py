@@ -10,6 +10,7 @@ Every error names the key, the value, what is allowed and how to fix it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -42,6 +43,9 @@ def _f(default: Any, doc: str, **checks: Any) -> Any:
 class JobConfig:
     """What this run is and where it writes."""
 
+    def __post_init__(self) -> None:
+        check_section(self)
+
     name: str = _f("meshrun", "Run name, used in the default run directory.")
     run_dir: str = _f("", "Run directory (metrics, logs, checkpoints). Empty = runs/<name>.")
     seed: int = _f(1234, "Seed: model init uses it on every rank; data augmentation adds the rank.")
@@ -65,6 +69,9 @@ class JobConfig:
 @dataclass
 class ParallelConfig:
     """The parallel layout: one named DeviceMesh (pp, dp_replicate, dp_shard, tp)."""
+
+    def __post_init__(self) -> None:
+        check_section(self)
 
     dp_replicate: int = _f(1, "Replicated data-parallel degree (HSDP outer dim).", min=1)
     dp_shard: int = _f(-1, "Sharded data-parallel degree; -1 = what is left of the world.", min=-1)
@@ -142,8 +149,16 @@ class ParallelConfig:
 class DataConfig:
     """Batch sizes and the loader. global_batch = micro_batch x accumulation x data-parallel size."""
 
+    def __post_init__(self) -> None:
+        check_section(self)
+
     global_batch: int = _f(
-        32, "Samples per optimizer step over all ranks; kept when the world changes.", min=1
+        0,
+        "Samples per optimizer step over all ranks; kept when the world changes. "
+        "0 = micro_batch x data-parallel size, derived and printed (meshrun launch derives it "
+        "for the world it starts, one number for all worlds of --nnodes MIN:MAX, and writes "
+        "it into the resolved config; without a launcher init() derives it).",
+        min=0,
     )
     micro_batch: int = _f(8, "Samples per forward/backward on one rank.", min=1)
     num_workers: int = _f(0, "DataLoader worker processes per rank.", min=0)
@@ -153,6 +168,9 @@ class DataConfig:
 @dataclass
 class OptimConfig:
     """Learning rate, its scaling rule and its schedule."""
+
+    def __post_init__(self) -> None:
+        check_section(self)
 
     lr: float = _f(3e-4, "Base learning rate (at ref_batch when a scaling rule is set).", min=0)
     lr_scaling: Literal["none", "linear", "sqrt"] = _f(
@@ -170,6 +188,9 @@ class OptimConfig:
 @dataclass
 class CheckpointConfig:
     """Where and when checkpoints are written, and what is resumed (docs/checkpoint.md)."""
+
+    def __post_init__(self) -> None:
+        check_section(self)
 
     dir: str = _f("", "Checkpoint directory. Empty = <run_dir>/checkpoints.")
     interval: int = _f(0, "Save every N optimizer steps; 0 = only at the end when asked.", min=0)
@@ -197,6 +218,9 @@ class CheckpointConfig:
 class MetricsConfig:
     """What is measured and where it goes."""
 
+    def __post_init__(self) -> None:
+        check_section(self)
+
     log_every: int = _f(1, "Write metrics every N optimizer steps.", min=1)
     progress: bool = _f(True, "Progress bar on a terminal (plain lines otherwise).")
     jsonl: bool = _f(True, "Write <run_dir>/metrics.jsonl.")
@@ -214,6 +238,9 @@ class MetricsConfig:
 @dataclass
 class MonitorConfig:
     """Run health: numerics guard, stragglers, hang watchdog (see docs/monitor.md)."""
+
+    def __post_init__(self) -> None:
+        check_section(self)
 
     nonfinite: Literal["skip", "stop"] = _f(
         "skip", "NaN/Inf loss on any rank: every rank skips the step (zero grads), or all stop."
@@ -246,6 +273,9 @@ class MonitorConfig:
 @dataclass
 class LaunchConfig:
     """How `meshrun launch` starts the workers (through the torchrun elastic agent)."""
+
+    def __post_init__(self) -> None:
+        check_section(self)
 
     nproc_per_node: int = _f(0, "Processes per node; 0 = number of GPUs, else 2 on CPU.", min=0)
     nnodes: str = _f("1", "Number of nodes, or MIN:MAX for elastic jobs.")
@@ -284,6 +314,9 @@ class Config:
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
 
+    def __post_init__(self) -> None:
+        validate(self)
+
     def resolved_run_dir(self) -> Path:
         return Path(self.job.run_dir or f"runs/{self.job.name}")
 
@@ -314,11 +347,19 @@ def _fields(section_type: Any) -> list[dataclasses.Field[Any]]:
     return list(dataclasses.fields(section_type))
 
 
+@functools.cache
 def _section_types() -> dict[str, type]:
     hints = get_type_hints(Config)
     return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
 
 
+@functools.cache
+def _section_names() -> dict[type, str]:
+    return {tp: name for name, tp in _section_types().items()}
+
+
+# Cached: every section's __post_init__ reads it, and get_type_hints evaluates annotations.
+@functools.cache
 def _field_map(section_type: type) -> dict[str, tuple[dataclasses.Field[Any], Any]]:
     hints = get_type_hints(section_type)
     return {_key(f): (f, hints[f.name]) for f in dataclasses.fields(section_type)}
@@ -436,9 +477,48 @@ def _set(cfg: Config, dotted: str, value: Any, from_text: bool) -> None:
             + _suggest(key, fmap)
         )
     f, tp = fmap[key]
+    setattr(getattr(cfg, sec), f.name, _checked(dotted, value, f, tp, from_text))
+
+
+def _checked(dotted: str, value: Any, f: dataclasses.Field[Any], tp: Any, from_text: bool) -> Any:
+    """The one check of a value, whatever made it (TOML, command line, launch flag, code)."""
     coerced = _coerce(dotted, value, tp, from_text)
     _check_range(dotted, coerced, f)
-    setattr(getattr(cfg, sec), f.name, coerced)
+    return coerced
+
+
+def set_value(cfg: Config, dotted: str, value: Any) -> None:
+    """``cfg.<section>.<key> = value`` for a Python value, checked as a TOML value is."""
+    _set(cfg, dotted, value, from_text=False)
+
+
+def check_section(section: Any) -> None:
+    """Check (and normalise: an int for a float key becomes a float) every field of one
+    section against its type, its Literal choices and its min/max. Each section's
+    ``__post_init__`` runs it, so ``DataConfig(micro_batch=0)`` fails where it is written,
+    with the message a TOML file would get."""
+    section_type: type = type(section)
+    name = _section_names().get(section_type, section_type.__name__)
+    for key, (f, tp) in _field_map(section_type).items():
+        value = getattr(section, f.name)
+        coerced = _checked(f"{name}.{key}", value, f, tp, from_text=False)
+        if coerced is not value:
+            setattr(section, f.name, coerced)
+
+
+def validate(cfg: Config) -> Config:
+    """Check the whole tree again: each section is of its type and every value is allowed.
+    ``init()`` and the launcher run it (through :func:`validate_for_world`), so attributes
+    set after construction (``cfg.data.micro_batch = 0``) are caught too."""
+    for name, section_type in _section_types().items():
+        section = getattr(cfg, name)
+        if not isinstance(section, section_type):
+            raise ConfigError(
+                f"config section {name!r} is a {type(section).__name__}, not a "
+                f"{section_type.__name__}; pass {name}={section_type.__name__}(...)"
+            )
+        check_section(section)
+    return cfg
 
 
 def apply_mapping(cfg: Config, data: Mapping[str, Any], source: str = "config") -> Config:
@@ -541,19 +621,55 @@ def resolve_mesh_dims(p: ParallelConfig, world_size: int) -> dict[str, int]:
     return dims
 
 
+def effective_global_batch(data: DataConfig, dp_size: int) -> int:
+    """``data.global_batch``, or ``micro_batch x dp_size`` when it is unset (0)."""
+    return data.global_batch or data.micro_batch * dp_size
+
+
 def grad_accumulation(data: DataConfig, dp_size: int) -> int:
-    """accumulation = global_batch / (micro_batch x dp_size); an error if it does not divide."""
+    """accumulation = global_batch / (micro_batch x dp_size); an error if it does not divide.
+    An unset global batch (0) is micro_batch x dp_size: accumulation 1, nothing to divide."""
+    if data.micro_batch < 1 or dp_size < 1:  # a mutated config must not divide by zero
+        raise ConfigError(
+            f"data.micro_batch = {data.micro_batch} with data-parallel size {dp_size}: both "
+            "must be >= 1"
+        )
     per_step = data.micro_batch * dp_size
-    if data.global_batch % per_step:
-        ok = [m for m in range(1, data.global_batch + 1) if data.global_batch % (m * dp_size) == 0]
+    global_batch = effective_global_batch(data, dp_size)
+    if global_batch % per_step:
+        ok = [m for m in range(1, global_batch + 1) if global_batch % (m * dp_size) == 0]
         hint = (
             f"micro_batch in {ok[:8]}" if ok else f"a global_batch that is a multiple of {dp_size}"
         )
         raise ConfigError(
-            f"data.global_batch = {data.global_batch} is not divisible by micro_batch x "
+            f"data.global_batch = {global_batch} is not divisible by micro_batch x "
             f"data-parallel size = {data.micro_batch} x {dp_size} = {per_step}; use {hint}"
         )
-    return data.global_batch // per_step
+    return global_batch // per_step
+
+
+def dp_size_for_world(cfg: Config, world_size: int) -> int:
+    """The data-parallel size (dp_replicate x dp_shard) of ``cfg``'s mesh on this world."""
+    dims = resolve_mesh_dims(cfg.parallel, world_size)
+    return dims["dp_replicate"] * dims["dp_shard"]
+
+
+def resolve_global_batch(cfg: Config, world_sizes: Sequence[int]) -> str | None:
+    """Fill in an unset ``data.global_batch`` (0) in place: micro_batch x the data-parallel
+    size of the world, or of the least common multiple of several worlds' sizes, so that one
+    number serves each of them (scale-test keeps it across sizes: strong scaling). Returns the
+    line that says what was derived; None when the user set the value (it is kept as is)."""
+    if cfg.data.global_batch or not world_sizes:
+        return None
+    sizes = [dp_size_for_world(cfg, w) for w in world_sizes]
+    dp = math.lcm(*sizes)
+    cfg.data.global_batch = cfg.data.micro_batch * dp
+    distinct = sorted(set(sizes))
+    why = "" if len(distinct) == 1 else f"; {dp} = lcm of the sizes {distinct}"
+    return (
+        f"data.global_batch unset: {cfg.data.micro_batch} x {dp} = {cfg.data.global_batch} "
+        f"(micro_batch x data-parallel size{why}); set --data.global_batch=N to choose it"
+    )
 
 
 def check_pipeline(p: ParallelConfig, dims: Mapping[str, int], shown: str) -> None:
@@ -570,7 +686,10 @@ def check_pipeline(p: ParallelConfig, dims: Mapping[str, int], shown: str) -> No
 
 
 def validate_for_world(cfg: Config, world_size: int) -> dict[str, int]:
-    """All checks that need the world size; run by the launcher before spawning workers."""
+    """Every check of ``cfg`` (:func:`validate`, then those that need the world size); run by
+    the launcher before spawning workers and by ``init()``. An unset global batch (0) is
+    checked as micro_batch x data-parallel size; :func:`resolve_global_batch` fills it in."""
+    validate(cfg)
     dims = resolve_mesh_dims(cfg.parallel, world_size)
     check_layout(cfg.parallel, dims)
     grad_accumulation(cfg.data, dims["dp_replicate"] * dims["dp_shard"])

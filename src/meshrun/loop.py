@@ -76,6 +76,14 @@ class StepLoop:
         metrics: MetricsLogger,
         monitor: MonitorConfig | None = None,
     ) -> None:
+        if min(accum, global_batch, micro_batch) < 1:
+            # An unset global batch (0) is resolved before the loop (launcher or Run): a 0 here
+            # would count no samples per step and divide the loss by zero.
+            raise ValueError(
+                f"StepLoop needs resolved batch figures >= 1, got accum={accum}, "
+                f"global_batch={global_batch}, micro_batch={micro_batch}; derive an unset "
+                "data.global_batch with meshrun.config.resolve_global_batch first"
+            )
         self.accum = accum
         self.global_batch = global_batch
         self.micro_batch = micro_batch

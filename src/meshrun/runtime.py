@@ -34,6 +34,7 @@ from meshrun.config import (
     apply_overrides,
     grad_accumulation,
     load_config,
+    resolve_global_batch,
     split_overrides,
     validate_for_world,
     write_config,
@@ -129,11 +130,16 @@ class Run:
         self.config = cfg
         self.cluster = env
         self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
+        # First, before any effect: every value check (also of attributes set after the
+        # Config was built), the mesh dims and every world-size check, as the launcher did.
+        self.dims = ParallelDims(**validate_for_world(cfg, env.world_size))
+        # Without a launcher's resolved config an unset global batch is derived from this
+        # world; from here on everything (loop, sampler, checkpoints, LR) sees the number.
+        self._derived_batch = resolve_global_batch(cfg, [env.world_size]) is not None
+        self._default_run_dir = not cfg.job.run_dir
         self.device, self.backend = _pick_device(cfg, env)
         if self.device.type == "cpu":  # host memory holds the model: see meshrun/hostmem.py
             set_mmap_threshold(cfg.job.cpu_mmap_threshold_kib)
-        # One pass resolves the mesh dims and runs every world-size check (as the launcher did).
-        self.dims = ParallelDims(**validate_for_world(cfg, env.world_size))
         if env.distributed:
             _init_process_group(env, self.backend, self.device, cfg)
         self.mesh: DeviceMesh | None = (
@@ -191,19 +197,27 @@ class Run:
     def _announce(self) -> None:
         c = self.config
         self.log.info(
-            "%d process(es) [%s] on %s + %s | mesh %s | global batch %d = micro %d x accum %d x dp %d"
-            " | run dir %s",
+            "%d process(es) [%s] on %s + %s | mesh %s | global batch %d%s = micro %d x accum %d"
+            " x dp %d | run dir %s",
             self.world_size,
             self.cluster.kind,
             self.device.type,
             self.backend if dist.is_initialized() else "no process group",
             self._mesh_text(),
             c.data.global_batch,
+            " (data.global_batch unset: micro_batch x dp)" if self._derived_batch else "",
             c.data.micro_batch,
             self.accum,
             self.dp_size,
             self.run_dir,
         )
+        if self._default_run_dir:  # a directory appears in the cwd: say where and how to move it
+            self.log.info(
+                "job.run_dir unset: this run writes its config, logs, metrics and checkpoints "
+                "to %s (in %s); set --job.run_dir=DIR to change it",
+                self.run_dir,
+                Path.cwd(),
+            )
 
     def _mesh_text(self) -> str:
         if self.mesh is None:

@@ -42,7 +42,7 @@ def _error(overrides: list[tuple[str, str]]) -> str:
 def test_defaults_load_without_a_file() -> None:
     cfg = load_config()
     assert cfg == Config()
-    assert cfg.data.global_batch == 32
+    assert cfg.data.global_batch == 0  # unset: micro_batch x data-parallel size, derived
     assert cfg.data.micro_batch == 8
     assert cfg.parallel.dp_shard == -1
     assert cfg.optim.decay == "cosine"

@@ -30,7 +30,13 @@ from pathlib import Path
 from typing import Any
 
 from meshrun.cliargs import add_target
-from meshrun.config import ConfigError, load_config, split_overrides, validate_for_world
+from meshrun.config import (
+    ConfigError,
+    load_config,
+    resolve_global_batch,
+    split_overrides,
+    validate_for_world,
+)
 from meshrun.launch.yamlout import dump_documents
 
 Doc = dict[str, Any]
@@ -199,6 +205,10 @@ def check_config(job: K8sJob, config_path: str | None) -> None:
             raise ConfigError(
                 f"{err} (with {nodes} nodes x {job.procs} = {world} processes){hint}"
             ) from None
+    # An unset global batch: each pod's meshrun launch derives one number for the node range
+    # (the same function); it divides at every world by construction, so this only says it.
+    if note := resolve_global_batch(cfg, [n * job.procs for n in range(low, high + 1)]):
+        print(f"meshrun k8s render: {note} (each pod's meshrun launch derives it)", file=sys.stderr)
 
 
 # --- rendering -------------------------------------------------------------------------------

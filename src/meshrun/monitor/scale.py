@@ -15,7 +15,14 @@ import sys
 from pathlib import Path
 
 from meshrun.cliargs import add_set, add_target, default_config
-from meshrun.config import Config, ConfigError, load_config, split_overrides, validate_for_world
+from meshrun.config import (
+    Config,
+    ConfigError,
+    load_config,
+    resolve_global_batch,
+    split_overrides,
+    validate_for_world,
+)
 from meshrun.monitor.report import ReportError
 from meshrun.monitor.report_html import summary_lines, write_report
 
@@ -66,7 +73,17 @@ def _configs(a: argparse.Namespace, module: str | None, sizes: list[int]) -> dic
                 f"{run_dir} already holds a run (metrics.jsonl); pass a new --out or remove it"
             )
         out[n] = cfg
+    _resolve_batch(out)
     return out
+
+
+def _resolve_batch(configs: dict[int, Config]) -> None:
+    """An unset global batch gets one number for every size (strong scaling), said once."""
+    first = next(iter(configs.values()))
+    if note := resolve_global_batch(first, list(configs)):
+        print(f"meshrun scale-test: {note}; kept at every size", file=sys.stderr)
+        for cfg in configs.values():
+            cfg.data.global_batch = first.data.global_batch
 
 
 def cmd_scale_test(a: argparse.Namespace) -> int:
