@@ -592,6 +592,24 @@ def write_calibration(path: str, results: dict[str, Any], world: int, device: An
     tmp.replace(p)
 
 
+# What each compute figure is, and its unit: FLOP/s for arithmetic, bytes/s for memory traffic.
+_COMPUTE_FIGURES = {
+    "matmul_flops": ("matmul (peak)", "GFLOP/s"),
+    "model_flops": ("demo GPT training", "GFLOP/s"),
+    "mem_bw": ("memory copy (64 MiB)", "GB/s"),
+    "optimizer_bw": ("AdamW step (28 B/param)", "GB/s"),
+}
+
+
+def compute_lines(compute: dict[str, float]) -> list[str]:
+    """``bench_compute``'s figures (slowest rank) as aligned lines, each with its unit."""
+    rows = [(*_COMPUTE_FIGURES.get(key, (key, "G/s")), value) for key, value in compute.items()]
+    width = max((len(label) for label, _, _ in rows), default=0)
+    return ["compute, slowest rank:"] + [
+        f"  {label:<{width}}  {value / 1e9:>9.2f} {unit}" for label, unit, value in rows
+    ]
+
+
 def _print_comm(rows: list[dict[str, Any]]) -> None:
     print(f"{'op':>15} {'bytes':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}")
     for r in rows:
@@ -635,7 +653,7 @@ def worker(argv: Sequence[str] | None = None) -> None:
             print(f"FSDP2: {results['fsdp']['fsdp_unit_overhead'] * 1e3:.3f} ms per unit "
                   "collective beyond its bytes (hooks, waiting for the slower rank)")  # fmt: skip
         if "compute" in results:
-            print({k: f"{v / 1e9:.2f} GFLOP/s" for k, v in results["compute"].items()})
+            print("\n".join(compute_lines(results["compute"])))
         write_calibration(a.out, results, run.world_size, run.device)
 
 
