@@ -43,16 +43,47 @@ def describe_layout(
     local, whole = local_param_bytes(model)
     sharded_optim = zero >= 1 and dims.dp > 1
     lines = [
-        f"layout: {dims.describe()} | ZeRO-{zero} | params {cfg.param_dtype}, "
-        f"gradient reduction {cfg.reduce_dtype if zero >= 2 else 'float32'}"
-        + (f", DDP hook {cfg.ddp_comm_hook}" if zero < 2 and dims.dp > 1 else ""),
+        layout_header(dims, cfg, zero),
         f"this rank holds {local / 2**20:.2f} MiB of {whole / 2**20:.2f} MiB parameters, "
-        "as many gradient bytes (gradients have the parameters' shards), optimizer state "
+        "as many gradient bytes (gradients are laid out like the parameters), optimizer state "
         + (f"~1/{dims.dp}" if sharded_optim else "for all its parameters"),
     ]
     if mesh is not None:
         lines += ["rank groups: " + " | ".join(rank_groups(mesh))]
     return "\n  ".join(lines)
+
+
+def layout_header(dims: ParallelDims, cfg: ParallelConfig, zero: int) -> str:
+    """The first line: the mesh, the technique and what each data-parallel rank holds."""
+    return (
+        f"layout: {_dims_text(dims, zero)} | ZeRO-{zero}{_technique(dims, zero)} | "
+        f"params {cfg.param_dtype}, "
+        f"gradient reduction {cfg.reduce_dtype if zero >= 2 else 'float32'}"
+        + (f", DDP hook {cfg.ddp_comm_hook}" if zero < 2 and dims.dp > 1 else "")
+    )
+
+
+def _dims_text(dims: ParallelDims, zero: int) -> str:
+    # DDP's data-parallel dim replicates (the 1-D mesh is named dp): calling it dp_shard, as
+    # the mesh bookkeeping does, would say the model is sharded.
+    if zero >= 2 or dims.dp == 1 or dims.dp_replicate > 1:
+        return dims.describe()
+    return f"pp={dims.pp} x dp={dims.dp} (replicated) x tp={dims.tp}"
+
+
+def _technique(dims: ParallelDims, zero: int) -> str:
+    """What each data-parallel rank holds, in words."""
+    if dims.dp == 1:
+        return ""
+    return {
+        0: f" = DDP over {dims.dp} ranks: each holds a whole replica (parameters, gradients, "
+        "optimizer state)",
+        1: f" = DDP + ZeRO-1 over {dims.dp} ranks: parameters and gradients replicated, "
+        "optimizer state sharded",
+        2: f" = FSDP2 over {dims.dp} ranks: parameters, gradients and optimizer state sharded "
+        "(parameters stay gathered from forward to backward)",
+        3: f" = FSDP2 over {dims.dp} ranks: parameters, gradients and optimizer state sharded",
+    }.get(zero, "")
 
 
 def _local_bytes(t: Tensor) -> int:
