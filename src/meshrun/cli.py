@@ -10,6 +10,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from meshrun import __version__
 from meshrun.checkpoint.cli import add_parser as _add_ckpt
@@ -32,6 +33,7 @@ from meshrun.diagnose.doctor import add_parser as _add_doctor
 from meshrun.diagnose.doctor import use_doctor_worker
 from meshrun.launch.k8s import add_parser as _add_k8s
 from meshrun.launch.slurm_cli import add_parser as _add_slurm
+from meshrun.launch.torchrun_flags import add_arguments as add_torchrun_flags
 from meshrun.monitor.report_html import add_parser as _add_report
 from meshrun.monitor.scale import add_parser as _add_scale_test
 from meshrun.plan.cli import add_parser as _add_plan
@@ -74,7 +76,12 @@ def _prepare(cfg: Config, nproc: int, nnodes: str) -> Path:
 
 
 def _launch(
-    cfg: Config, nproc: int, script: str | None, module: str | None, script_args: list[str]
+    cfg: Config,
+    nproc: int,
+    script: str | None,
+    module: str | None,
+    script_args: list[str],
+    **spec_fields: Any,  # more LaunchSpec fields (meshrun launch: torchrun's flags)
 ) -> int:
     from meshrun.launch.local import LaunchSpec, launch_local
     from meshrun.launch.multinode import shared_digest, shared_settings
@@ -98,6 +105,7 @@ def _launch(
         omp_num_threads=cfg.launch.omp_num_threads,
         config_path=str(config_path),
         run_dir=str(cfg.resolved_run_dir()),
+        **spec_fields,
     )
     return launch_local(spec)
 
@@ -115,27 +123,48 @@ def _nproc(flag: int | None, cfg: Config) -> int:
 
 
 def cmd_launch(a: argparse.Namespace) -> int:
+    from meshrun.launch import torchrun_flags
+
     if a.doctor:
         use_doctor_worker(a)
     target = a.target
     if not target:
         raise ConfigError("meshrun launch needs a script (train.py) or -m MODULE")
     module = target if a.module else None
-    if module is None and not Path(target).is_file():
-        raise ConfigError(f"script {target!r} does not exist")
+    _check_target(target, module, a.no_python)
     args = list(a.args)
     overrides, _ = split_overrides(args)
     cfg = load_config(a.config or default_config(module), [*a.set, *overrides])
     if a.hostfile:  # one meshrun launch per listed host, over ssh (docs/hostfile.md)
         from meshrun.launch.remote import launch_from_args
 
+        if why := torchrun_flags.hostfile_refusal(a):
+            raise ConfigError(why)
         return launch_from_args(a, cfg)
     if a.ssh_opt:
         raise ConfigError("--ssh-opt configures the ssh to each host: it needs --hostfile FILE")
+    torchrun = torchrun_flags.resolve(a)  # torchrun's flags: what they mean for this launch
+    for note in torchrun.notes:
+        print(f"meshrun launch: {note}", file=sys.stderr)
+    a.nproc_per_node = torchrun.nproc_per_node
+    for key, value in torchrun.launch_flags.items():  # --standalone, --master-addr/port
+        setattr(a, key, value)
     _maybe_from_slurm(cfg, a)  # inside an allocation: unset topology flags from SLURM
     _apply_launch_flags(cfg, a)
     script = None if module else target
-    return _launch(cfg, _nproc(a.nproc_per_node, cfg), script, module, args)
+    nproc = _nproc(a.nproc_per_node, cfg)
+    return _launch(cfg, nproc, script, module, args, **torchrun.spec)
+
+
+def _check_target(target: str, module: str | None, no_python: bool | None) -> None:
+    import shutil
+
+    if module is not None or Path(target).is_file():
+        return
+    if no_python and shutil.which(target):  # --no-python: a program, found as torchrun would
+        return
+    what = "program" if no_python else "script"
+    raise ConfigError(f"{what} {target!r} does not exist")
 
 
 def _maybe_from_slurm(cfg: Config, a: argparse.Namespace) -> None:
@@ -251,17 +280,6 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "Arguments after the script go to it; --section.key=value among them override the "
         "config, which is validated before any process starts.",
     )
-    p.add_argument("--nproc-per-node", type=int, help="processes (default: GPUs, else 2)")
-    p.add_argument("--nnodes", help="nodes: N or MIN:MAX (default 1)")
-    p.add_argument("--max-restarts", type=int, help="restarts after a failure (default 0)")
-    p.add_argument("--node-rank", type=int, help="multi-node: this node's rank (default 0)")
-    p.add_argument(
-        "--rdzv-endpoint", help="multi-node: HOST:PORT of one node, the same on every node"
-    )
-    p.add_argument("--rdzv-id", help="multi-node: job id, the same on every node")
-    p.add_argument(
-        "--rdzv-conf", help="multi-node: extra torchrun rendezvous settings KEY=VALUE,..."
-    )
     p.add_argument(
         "--interface", help="multi-node: network interface (default: the route to the endpoint)"
     )
@@ -288,6 +306,7 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         action="store_true",
         help="run meshrun doctor on every rank of this launch instead of the script",
     )
+    add_torchrun_flags(p)
     add_target(p)
     p.set_defaults(fn=cmd_launch)
 

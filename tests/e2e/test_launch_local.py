@@ -53,7 +53,7 @@ def test_args_for_a_script_on_one_node() -> None:
     assert _flag(argv, "--nproc-per-node") == "4"
     assert _flag(argv, "--nnodes") == "1"
     assert _flag(argv, "--max-restarts") == "0"
-    assert _flag(argv, "--tee") == "3"
+    assert _flag(argv, "--tee") == "2"  # stderr only: stdout is left as torchrun leaves it
     assert _flag(argv, "--log-dir") == os.path.join("runs/launch", "logs")
     assert _flag(argv, "--local-addr") == "127.0.0.1"
     assert argv[-3:] == ["train.py", "--lr", "3e-4"]
@@ -303,10 +303,12 @@ def test_success_passes_config_and_threads_to_workers(
     assert re.findall(r"MESHRUN_CONFIG=(\S*)", out) == [str(config)] * 2
     assert f"OMP_NUM_THREADS={expected_threads} | config {config}" in err
     assert "OMP_NUM_THREADS" not in os.environ and "MESHRUN_CONFIG" not in os.environ
-    # Every rank's output is also kept where the summary looks for it.
-    logs = sorted((tmp_path / "run" / "logs").glob("meshrun_*/attempt_0/*/stdout.log"))
+    # Every rank's stderr is also kept where the summary looks for it; stdout, as torchrun's
+    # own default, only goes to the console.
+    logs = sorted((tmp_path / "run" / "logs").glob("meshrun_*/attempt_0/*/stderr.log"))
     assert [p.parent.name for p in logs] == ["0", "1"]
-    assert "all_reduce ok on rank 1 of 2" in logs[1].read_text()
+    assert not list((tmp_path / "run" / "logs").glob("meshrun_*/attempt_0/*/stdout.log"))
+    assert "all_reduce ok on rank 1 of 2" in out
 
 
 @pytest.mark.slow

@@ -28,6 +28,7 @@ from meshrun.launch.handshake import Handshake, HandshakeError, local_node_info,
 from meshrun.launch.multinode import NetworkPlan
 from meshrun.launch.netif import NetworkError
 from meshrun.launch.summary import find_attempt_dir, summarize_failures
+from meshrun.launch.torchrun_flags import FLAGS
 from meshrun.monitor.watchdog import hang_report, watch_for_hangs
 
 CONFIG_ENV = "MESHRUN_CONFIG"
@@ -62,11 +63,19 @@ class LaunchSpec:
     config_path: str | None = None  # exported to the workers as MESHRUN_CONFIG
     run_dir: str = "runs/launch"  # the agent's per-rank logs go to RUN_DIR/logs
     extra_env: dict[str, str] = field(default_factory=dict)
-    live_stdout: bool | None = None  # workers' stdout straight to the terminal; None = if a TTY
+    # Kept for callers that still set it: the workers' output no longer depends on a terminal.
+    live_stdout: bool | None = None
+    # torchrun's own flags as the user gave them (meshrun launch's torchrun_flags.resolve):
+    rdzv_backend: str = "c10d"  # or "static": torchrun's --master-addr/--master-port launch
+    tee: str = ""  # torchrun's --tee; "" = stderr only ("2"), so stdout is torchrun's own
+    redirects: str = ""  # torchrun's --redirects; "" = none
+    log_dir_flag: str = ""  # torchrun's --log-dir; "" = RUN_DIR/logs
+    local_addr: str = ""  # torchrun's --local-addr; "" = loopback, or the chosen interface's
+    torchrun_args: list[str] = field(default_factory=list)  # the rest, handed to the agent
 
     @property
     def log_dir(self) -> str:
-        return os.path.join(self.run_dir, "logs")
+        return self.log_dir_flag or os.path.join(self.run_dir, "logs")
 
 
 def default_nproc_per_node() -> int:
@@ -90,29 +99,66 @@ def build_torchrun_args(
     """The torchrun argv for ``spec``; ``port`` is used when ``rdzv_endpoint`` is empty;
     ``network`` (multi-node) adds this node's address and whether it hosts the store."""
     _validate(spec)
+    _check_torchrun_fields(spec)
     argv = [
-        *("--rdzv-backend", "c10d"),
+        *("--rdzv-backend", spec.rdzv_backend),
         *("--rdzv-endpoint", rendezvous_endpoint(spec, port)),
         *("--rdzv-id", spec.rdzv_id),
         *("--nnodes", spec.nnodes),
-        # No --node-rank: the c10d rendezvous assigns group ranks itself (torchrun ignores the
-        # flag and warns); meshrun's node rank names the node in the handshake.
         *("--nproc-per-node", str(spec.nproc_per_node)),
         *("--max-restarts", str(spec.max_restarts)),
         *("--log-dir", spec.log_dir),
-        # Tee stderr always (its files feed the failure summary). Tee stdout too unless it goes
-        # straight to a terminal: there rank 0's progress bar needs the real terminal, and
-        # torchrun's line-prefixing tail would garble it.
-        *("--tee", "2" if spec.live_stdout else "3"),
+        *_output_args(spec),
     ]
+    if spec.rdzv_backend == "static":
+        # Static rendezvous: the node rank is the group rank, as in torchrun. (c10d assigns
+        # group ranks itself and ignores the flag; there the node rank names the node in
+        # meshrun's handshake only.)
+        argv += ["--node-rank", str(spec.node_rank)]
     if network is not None:
         argv += network.torchrun_args(spec.join_timeout_s, spec.rdzv_conf)
     elif not spec.rdzv_endpoint:
         # One node: keep the workers' store on loopback too; otherwise torch advertises
         # the host's FQDN, which does not resolve on many laptops and containers.
         argv += ["--local-addr", LOCAL_HOST]
+    if spec.local_addr:  # the user's address wins over meshrun's choice
+        argv = _replace_flag(argv, "--local-addr", spec.local_addr)
+    argv += spec.torchrun_args
     argv += ["-m", spec.module] if spec.module else [str(spec.script)]
     return argv + list(spec.script_args)
+
+
+def _output_args(spec: LaunchSpec) -> list[str]:
+    """torchrun's --tee/--redirects: the user's when given, else a tee of stderr only.
+
+    Worker stdout then goes straight through, byte for byte what torchrun prints, terminal or
+    pipe. stderr is copied to RUN_DIR/logs for the failure summary; torchrun's tail prints
+    those lines with its "[default0]:" prefix (torchrun offers no tee without one).
+    """
+    if not spec.tee and not spec.redirects:
+        return ["--tee", "2"]
+    return [*(["--tee", spec.tee] if spec.tee else []),
+            *(["--redirects", spec.redirects] if spec.redirects else [])]  # fmt: skip
+
+
+def _check_torchrun_fields(spec: LaunchSpec) -> None:
+    if spec.rdzv_backend not in ("c10d", "static"):
+        raise ValueError(f"rdzv_backend must be c10d or static, got {spec.rdzv_backend!r}")
+    if spec.rdzv_backend == "static" and not spec.rdzv_endpoint:
+        raise ValueError("rdzv_backend static needs rdzv_endpoint (MASTER_ADDR:MASTER_PORT)")
+    # A flag meshrun sets itself, given again here, would leave two values for torchrun.
+    owned = {o for f in FLAGS if not f.passed for o in f.options} | {"-m", "--module"}
+    if clash := owned.intersection(arg.split("=")[0] for arg in spec.torchrun_args):
+        raise ValueError(
+            f"torchrun_args must not hold {sorted(clash)}: LaunchSpec has a field for each"
+        )
+
+
+def _replace_flag(argv: list[str], flag: str, value: str) -> list[str]:
+    if flag not in argv:
+        return [*argv, flag, value]
+    i = argv.index(flag)
+    return [*argv[: i + 1], value, *argv[i + 2 :]]
 
 
 def rendezvous_endpoint(spec: LaunchSpec, port: int) -> str:
@@ -201,7 +247,8 @@ def start_line(
     nodes = "node" if spec.nnodes == "1" else "nodes"
     parts = [
         f"meshrun launch: {spec.nproc_per_node} {procs} x {spec.nnodes} {nodes}",
-        f"rendezvous {rendezvous_endpoint(spec, port)}",
+        f"rendezvous {'static ' if spec.rdzv_backend == 'static' else ''}"
+        f"{rendezvous_endpoint(spec, port)}",
     ]
     if network is not None:
         parts.append(network.describe())

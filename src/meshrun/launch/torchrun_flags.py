@@ -1,0 +1,375 @@
+"""torchrun's flags in ``meshrun launch``: the table, and what each one becomes.
+
+``meshrun launch`` accepts every flag of ``torchrun`` (torch 2.13) in both of its spellings
+(``--nproc-per-node`` and ``--nproc_per_node``) with torchrun's meaning, so a command line
+from a README or a SLURM script works with ``torchrun`` replaced by ``meshrun launch``. Each
+flag is one of two kinds:
+
+- read by meshrun (topology, rendezvous, logs): meshrun checks it, runs its node handshake
+  with it, or reads the files it names, then gives the agent the resulting torchrun flags;
+- passed through: handed to the torchrun agent as given (``--monitor-interval``, ...).
+
+The table is written out here rather than read from torch, so that ``meshrun --help`` does
+not import torch; ``tests/unit/test_torchrun_flags.py`` checks it against
+``torch.distributed.run.get_args_parser()``, so a flag that a newer torch adds fails that
+test until it is placed here. Everything in this module is pure (no torch import) except
+``torchrun_nproc``, which asks torch how many devices there are.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from meshrun.config import ConfigError
+
+STATIC_DEFAULT_ADDR = "127.0.0.1"  # torchrun's --master-addr default
+STATIC_DEFAULT_PORT = 29500  # torchrun's --master-port default
+BACKENDS = ("c10d", "static")
+# torchrun's -r/--tee syntax: one Std value for all ranks (0-3), or LOCAL_RANK:VALUE,...
+_STD_VALUE = re.compile(r"^(?:[0-3]|\d+:[0-3](?:,\d+:[0-3])*)$")
+STDERR = 2  # torchrun's Std.ERR bit
+
+
+@dataclass(frozen=True)
+class Flag:
+    """One torchrun flag: its spellings, its argparse shape, and whether meshrun reads it."""
+
+    options: tuple[str, ...]  # torchrun's option strings, the dash spelling first
+    dest: str
+    help: str
+    type: Callable[[str], Any] | None = str  # None: a switch (store_true)
+    choices: tuple[str, ...] | None = None
+    passed: bool = False  # True: handed to the torchrun agent as given
+
+    @property
+    def switch(self) -> bool:
+        return self.type is None
+
+    @property
+    def name(self) -> str:
+        """The long dash spelling: what messages and the agent's argv use."""
+        return next(o for o in self.options if o.startswith("--"))
+
+
+def nproc_value(text: str) -> int | str:
+    """``--nproc-per-node``: a number as an int (what the rest of meshrun reads), a device
+    word (auto, cpu, gpu, xpu, a custom backend's name) as given, for ``resolve_nproc``."""
+    return int(text) if text.strip().lstrip("-").isdigit() else text
+
+
+def _both(name: str) -> tuple[str, ...]:
+    """``--a-b`` and ``--a_b``: torchrun's two spellings (one when there is no dash)."""
+    under = name.replace("-", "_")
+    return (f"--{name}", f"--{under}") if under != name else (f"--{name}",)
+
+
+# In the order of `meshrun launch --help`: meshrun's own reading first, then passed through.
+FLAGS: tuple[Flag, ...] = (
+    Flag(_both("nproc-per-node"), "nproc_per_node",
+         "processes on this node: N, auto (accelerators, else CPU cores), gpu, cpu, xpu "
+         "(default: GPUs, else 2)", nproc_value),
+    Flag(_both("nnodes"), "nnodes", "nodes: N or MIN:MAX (default 1)"),
+    Flag(_both("max-restarts"), "max_restarts", "restarts after a failure (default 0)", int),
+    Flag(_both("node-rank"), "node_rank",
+         "multi-node: this node's rank (default 0); with static rendezvous also its group "
+         "rank", int),
+    Flag(_both("rdzv-endpoint"), "rdzv_endpoint",
+         "multi-node: HOST:PORT of one node, the same on every node"),
+    Flag(_both("rdzv-id"), "rdzv_id", "multi-node: job id, the same on every node"),
+    Flag(_both("rdzv-conf"), "rdzv_conf",
+         "multi-node: extra torchrun rendezvous settings KEY=VALUE,..."),
+    Flag(_both("rdzv-backend"), "rdzv_backend",
+         "c10d (meshrun's default) or static (torchrun's default with --master-addr/port; "
+         "docs/launch.md)"),
+    Flag(_both("standalone"), "standalone",
+         "one node on a free local port (meshrun's default; rendezvous flags are ignored)",
+         None),
+    Flag(_both("master-addr"), "master_addr",
+         "static rendezvous: address of node rank 0 (torchrun's meaning; docs/launch.md)"),
+    Flag(_both("master-port"), "master_port",
+         "static rendezvous: port on node rank 0 (default 29500)", int),
+    Flag(_both("local-addr"), "local_addr",
+         "this node's address for the agent (default: 127.0.0.1 on one node, the chosen "
+         "interface's on many)"),
+    Flag(_both("log-dir"), "log_dir", "per-rank log files (default RUN_DIR/logs)"),
+    Flag(("-r", "--redirects"), "redirects",
+         "torchrun's redirects of worker streams to files only: 0-3 or RANK:VALUE,..."),
+    Flag(("-t", "--tee"), "tee",
+         "torchrun's tee of worker streams to files and console with a [role rank]: prefix "
+         "(default 2: stderr only, stdout untouched; 3: prefix every line)"),
+    Flag(_both("monitor-interval"), "monitor_interval",
+         "seconds between the agent's checks of the workers", float, passed=True),
+    Flag(_both("start-method"), "start_method", "how workers are started",
+         choices=("spawn", "fork", "forkserver"), passed=True),
+    Flag(_both("event-log-handler"), "event_log_handler",
+         "a registered torchelastic event log handler", passed=True),
+    Flag(_both("role"), "role", "the workers' role name (default 'default')", passed=True),
+    Flag(_both("no-python"), "no_python",
+         "run TARGET as a program, not a Python script", None, passed=True),
+    Flag(_both("run-path"), "run_path",
+         "run the script with runpy.run_path in the worker's interpreter", None, passed=True),
+    Flag(_both("local-ranks-filter"), "local_ranks_filter",
+         "show console output of these local ranks only, e.g. 0", passed=True),
+    Flag(_both("duplicate-stdout-filters"), "duplicate_stdout_filters",
+         "copy stdout lines containing any of these comma-separated words to a file",
+         passed=True),
+    Flag(_both("duplicate-stderr-filters"), "duplicate_stderr_filters",
+         "copy stderr lines containing any of these comma-separated words to a file",
+         passed=True),
+    Flag(_both("logs-specs"), "logs_specs",
+         "a torchrun.logs_specs entry point that lays out the log files", passed=True),
+    Flag(_both("numa-binding"), "numa_binding", "bind workers to CPUs near their GPU",
+         choices=("node", "socket", "exclusive", "core-complex"), passed=True),
+    Flag(_both("signals-to-handle"), "signals_to_handle",
+         "signals the agent forwards to the workers (default SIGTERM,SIGINT,SIGHUP,SIGQUIT)",
+         passed=True),
+    Flag(_both("shutdown-timeout"), "shutdown_timeout",
+         "seconds between SIGTERM and SIGKILL when the agent stops workers", int, passed=True),
+    Flag(_both("virtual-local-rank"), "virtual_local_rank",
+         "LOCAL_RANK 0 in every worker, each seeing its own GPU as device 0", None,
+         passed=True),
+)  # fmt: skip
+
+# --help's names for the values (the rest: NAME).
+METAVARS = {"nproc_per_node": "N", "nnodes": "N|MIN:MAX", "max_restarts": "N", "node_rank": "N",
+            "rdzv_endpoint": "HOST:PORT", "rdzv_id": "ID", "rdzv_conf": "KEY=VALUE,...",
+            "master_addr": "HOST", "master_port": "PORT", "local_addr": "ADDR", "log_dir": "DIR",
+            "redirects": "SPEC", "tee": "SPEC", "monitor_interval": "SECONDS",
+            "local_ranks_filter": "RANKS", "duplicate_stdout_filters": "WORDS",
+            "duplicate_stderr_filters": "WORDS", "signals_to_handle": "SIGNALS",
+            "shutdown_timeout": "SECONDS"}  # fmt: skip
+# torchrun flags defined elsewhere in `meshrun launch`: -m/--module by cliargs.add_target.
+OTHER_FLAGS = {"module": ("-m", "--module")}
+# torchrun flags `meshrun launch` does not accept at all, with the reason (none in 2.13).
+REFUSED: dict[str, str] = {}
+# With --hostfile, the flags each host's `meshrun launch` gets (launch/hostfile.py forwards
+# or decides these); any other torchrun flag would be lost on the way, so it is refused.
+HOSTFILE_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "max_restarts", "rdzv_endpoint",
+                  "rdzv_id")  # fmt: skip
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """Every flag of the table on ``p`` (a group in --help); unset flags stay None."""
+    group = p.add_argument_group(
+        "torchrun's flags",
+        "every torchrun flag, in both spellings (--nproc-per-node or --nproc_per_node), with "
+        "torchrun's meaning (docs/launch.md: torchrun compatibility)",
+    )
+    for flag in FLAGS:
+        if flag.type is None:
+            group.add_argument(*flag.options, dest=flag.dest, action="store_true",
+                               default=None, help=flag.help)  # fmt: skip
+        else:
+            group.add_argument(*flag.options, dest=flag.dest, type=flag.type,
+                               choices=flag.choices,
+                               metavar=None if flag.choices else METAVARS.get(flag.dest, "NAME"),
+                               help=flag.help)  # fmt: skip
+
+
+def given(a: argparse.Namespace) -> list[Flag]:
+    """The table's flags set on the command line."""
+    return [f for f in FLAGS if getattr(a, f.dest, None) is not None]
+
+
+def flag_argv(flag: Flag, value: Any) -> list[str]:
+    """``flag`` with ``value`` as torchrun argv, in the dash spelling."""
+    return [flag.name] if flag.switch else [flag.name, str(value)]
+
+
+def passthrough_argv(a: argparse.Namespace) -> list[str]:
+    """The passed-through flags the user gave, as torchrun argv."""
+    return [arg for f in given(a) if f.passed for arg in flag_argv(f, getattr(a, f.dest))]
+
+
+def given_argv(a: argparse.Namespace, skip: tuple[str, ...] = ()) -> list[str]:
+    """Every table flag the user gave (but ``skip``), as ``meshrun launch`` argv: what a
+    launch on another host needs to mean the same."""
+    return [arg for f in given(a) if f.dest not in skip for arg in flag_argv(f, getattr(a, f.dest))]
+
+
+# --- resolution: the flags as meshrun's launch settings ------------------------------------
+
+
+@dataclass
+class Resolved:
+    """What the torchrun flags mean for one ``meshrun launch``."""
+
+    nproc_per_node: int | None  # None: not given (meshrun's default applies)
+    launch_flags: dict[str, Any]  # argparse attributes to set before the [launch] keys apply
+    spec: dict[str, Any]  # LaunchSpec fields
+    notes: list[str] = field(default_factory=list)  # printed on stderr, one line each
+
+
+def resolve(a: argparse.Namespace, nproc_of: Callable[[str], int] | None = None) -> Resolved:
+    """The launch settings the torchrun flags of ``a`` ask for; ConfigError for what cannot
+    apply. ``nproc_of`` turns auto/gpu/cpu/xpu into a count (default: torchrun's own rule)."""
+    notes: list[str] = []
+    nproc = resolve_nproc(a.nproc_per_node, nproc_of or torchrun_nproc, notes)
+    backend, launch_flags = rendezvous(a, notes)
+    tee, redirects = output_streams(a.tee, a.redirects, notes)
+    _check_target_flags(a)
+    spec = {
+        "rdzv_backend": backend,
+        "tee": tee,
+        "redirects": redirects,
+        "log_dir_flag": a.log_dir or "",
+        "local_addr": a.local_addr or "",
+        "torchrun_args": passthrough_argv(a),
+    }
+    if a.logs_specs:
+        notes.append(
+            f"--logs-specs {a.logs_specs}: the failure summary reads torchrun's default log "
+            "layout and may find no per-rank logs"
+        )
+    return Resolved(nproc, launch_flags, spec, notes)
+
+
+def resolve_nproc(
+    text: str | int | None, nproc_of: Callable[[str], int], notes: list[str]
+) -> int | None:
+    """``--nproc-per-node`` as a count: N as given, auto/gpu/cpu/xpu as torchrun counts them."""
+    if text is None:
+        return None
+    if isinstance(text, int) or text.strip().lstrip("-").isdigit():
+        n = int(text)
+    else:
+        try:
+            n = nproc_of(text)
+        except ValueError as err:
+            raise ConfigError(
+                f"--nproc-per-node {text!r} is not allowed here: {err} Use a number, auto "
+                "(accelerators if any, else CPU cores), cpu, gpu or xpu"
+            ) from None
+        notes.append(f"--nproc-per-node {text}: {n} processes (torchrun's rule)")
+    if n < 1:
+        raise ConfigError(f"--nproc-per-node {text} is not allowed: must be >= 1")
+    return n
+
+
+def torchrun_nproc(text: str) -> int:
+    """torchrun's own count for auto/gpu/cpu/xpu (``determine_local_world_size``): on a CPU
+    machine auto and cpu mean the usable CPU cores, as in torchrun."""
+    from torch.distributed.run import determine_local_world_size
+
+    return int(determine_local_world_size(text))
+
+
+def rendezvous(a: argparse.Namespace, notes: list[str]) -> tuple[str, dict[str, Any]]:
+    """The rendezvous backend and the launch flags it implies (``--standalone``, torchrun's
+    static ``--master-addr/--master-port``)."""
+    if a.standalone:
+        return "c10d", _standalone(a, notes)
+    backend = a.rdzv_backend
+    if backend is not None and backend not in BACKENDS:
+        raise ConfigError(
+            f"--rdzv-backend {backend!r} is not available in meshrun launch: it runs torchrun's "
+            "c10d or static rendezvous (its node handshake uses their TCP store). Use "
+            "--rdzv-backend c10d --rdzv-endpoint HOST:PORT, or plain torchrun for this backend"
+        )
+    static_given = a.master_addr is not None or a.master_port is not None
+    if backend is None:
+        # --rdzv-endpoint alone keeps meshrun's c10d (torchrun would read it as static).
+        backend = "static" if static_given and not a.rdzv_endpoint else "c10d"
+    if backend == "c10d":
+        if static_given:
+            notes.append(
+                "--master-addr/--master-port ignored: they apply to static rendezvous only "
+                "(as in torchrun); this launch uses c10d at --rdzv-endpoint"
+            )
+        return "c10d", {}
+    return _static(a)
+
+
+def _standalone(a: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
+    if a.nnodes is not None and a.nnodes.split(":")[-1] != "1":
+        raise ConfigError(
+            f"--standalone runs one node, but --nnodes is {a.nnodes!r}: drop --nnodes, or drop "
+            "--standalone and give --rdzv-endpoint HOST:PORT for a multi-node job"
+        )
+    ignored = [
+        f"{flag} {value}"
+        for flag, value in (
+            ("--rdzv-backend", a.rdzv_backend),
+            ("--rdzv-endpoint", a.rdzv_endpoint),
+            ("--master-addr", a.master_addr),
+            ("--master-port", a.master_port),
+        )
+        if value is not None
+    ]
+    if ignored:
+        notes.append(
+            f"--standalone: {', '.join(ignored)} ignored: one node on a free local port "
+            "(as in torchrun)"
+        )
+    return {"nnodes": "1", "rdzv_endpoint": ""}
+
+
+def _static(a: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+    """torchrun's static rendezvous: at --rdzv-endpoint, else MASTER_ADDR:MASTER_PORT. On one
+    node without a port torchrun runs a local c10d rendezvous instead, and so does meshrun."""
+    if a.rdzv_endpoint:
+        return "static", {}
+    max_nodes = (a.nnodes or "1").split(":")[-1]
+    if a.master_port is None and max_nodes == "1":
+        return "c10d", {}  # meshrun's single node: loopback c10d on a free port
+    if a.master_addr is None and a.master_port is None:
+        # No address at all: meshrun's "--nnodes N needs an endpoint" error, not torchrun's
+        # silent 127.0.0.1:29500 that no other host can reach.
+        return "static", {}
+    addr = a.master_addr or STATIC_DEFAULT_ADDR
+    port = a.master_port if a.master_port is not None else STATIC_DEFAULT_PORT
+    if not 1 <= port <= 65535:
+        raise ConfigError(f"--master-port {port} is not allowed: expected 1..65535")
+    return "static", {"rdzv_endpoint": f"{addr}:{port}"}
+
+
+def output_streams(tee: str | None, redirects: str | None, notes: list[str]) -> tuple[str, str]:
+    """``--tee`` and ``--redirects`` as given ("" = not given), checked; a note when stderr
+    is not kept in the log files the failure summary reads."""
+    for flag, value in (("--tee", tee), ("--redirects", redirects)):
+        if value is not None and not _STD_VALUE.match(value):
+            raise ConfigError(
+                f"{flag} {value!r} is not allowed: expected 0 (none), 1 (stdout), 2 (stderr), "
+                "3 (both) for every rank, or LOCAL_RANK:VALUE,... e.g. 0:3,1:2"
+            )
+    if tee is None and redirects is None:
+        return "", ""
+    if not any(_all_ranks_have(v, STDERR) for v in (tee, redirects)):
+        notes.append(
+            "stderr of some ranks is not kept in log files (--tee/--redirects without 2): the "
+            "failure summary cannot show their last lines (error.json from @record still works)"
+        )
+    return tee or "", redirects or ""
+
+
+def _all_ranks_have(value: str | None, bit: int) -> bool:
+    return value is not None and value.isdigit() and bool(int(value) & bit)
+
+
+def _check_target_flags(a: argparse.Namespace) -> None:
+    if a.no_python and a.module:
+        raise ConfigError(
+            "--no-python cannot go with -m/--module (torchrun refuses it too): a module needs "
+            "Python; drop one of them"
+        )
+
+
+def hostfile_refusal(a: argparse.Namespace) -> str | None:
+    """Why the torchrun flags of ``a`` cannot go with --hostfile, or None."""
+    nproc = a.nproc_per_node
+    if isinstance(nproc, str):  # a device word: nproc_value keeps numbers as ints
+        return (
+            f"--nproc-per-node {nproc} cannot go with --hostfile: this machine cannot count "
+            "another host's devices; give a number, or slots=N per host in the hostfile"
+        )
+    lost = [f.name for f in given(a) if f.dest not in HOSTFILE_FLAGS]
+    if not lost:
+        return None
+    return (
+        f"{', '.join(lost)} cannot go with --hostfile yet: the hosts' launches would not get "
+        "them. Drop them, or run meshrun launch on each host with them"
+    )
