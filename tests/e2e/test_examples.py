@@ -16,8 +16,11 @@ ROOT = Path(__file__).resolve().parents[2]
 pytestmark = pytest.mark.slow
 
 
-def sh(args: list[str], timeout: float = 150, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "EXAMPLE_TIMEOUT_S": "60", "COLUMNS": "100"}
+def sh(
+    args: list[str], timeout: float = 150, cwd: Path = ROOT, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "EXAMPLE_TIMEOUT_S": "60", "COLUMNS": "100",
+           **(env or {})}  # fmt: skip
     return subprocess.run(
         args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -111,6 +114,25 @@ def test_ddp_plain_runs_unchanged_under_torchrun_and_meshrun(tmp_path: Path) -> 
     assert_ok(p)
     assert "ok: 2 replicas identical" in p.stdout
     p = meshrun("launch", "--nproc-per-node", "2", "--set", f"job.run_dir={tmp_path}", script)
+    assert_ok(p)
+    assert "ok: 2 replicas identical" in p.stdout
+
+
+ABORT_AT_TEARDOWN = """import atexit, os, signal
+# What Gloo does at random at a worker's interpreter exit (SIGABRT, "terminate called without
+# an active exception"), done every time: a script that skips the teardown is not hit by it.
+if "LOCAL_RANK" in os.environ:  # torchrun's workers, not its agent
+    atexit.register(lambda: os.kill(os.getpid(), signal.SIGABRT))
+"""
+
+
+@pytest.mark.timeout(150)
+def test_ddp_plain_does_not_depend_on_the_interpreter_teardown(tmp_path: Path) -> None:
+    (tmp_path / "sitecustomize.py").write_text(ABORT_AT_TEARDOWN)  # loaded by each worker
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    env = {"PYTHONPATH": str(tmp_path)}
+    p = sh([*torchrun, "--standalone", str(ROOT / "examples" / "ddp_plain.py")], cwd=tmp_path,
+           env=env)  # fmt: skip
     assert_ok(p)
     assert "ok: 2 replicas identical" in p.stdout
 
