@@ -68,7 +68,7 @@ def test_config_init_writes_a_template_that_show_prints_and_that_loads(tmp_path:
     show, _ = meshrun("config", "show", str(path), cwd=tmp_path)
     assert show.returncode == 0, show.stderr
     assert show.stdout == to_toml(Config())
-    assert tomllib.loads(show.stdout)["data"]["global_batch"] == 32
+    assert tomllib.loads(show.stdout)["data"]["global_batch"] == 0  # unset: derived at launch
 
 
 def test_config_init_refuses_to_overwrite_without_force(tmp_path: Path) -> None:
