@@ -27,9 +27,9 @@ from meshrun.launch import multinode
 from meshrun.launch.handshake import Handshake, HandshakeError, local_node_info, say_stderr
 from meshrun.launch.multinode import NetworkPlan
 from meshrun.launch.netif import NetworkError
-from meshrun.launch.summary import find_attempt_dir, summarize_failures
+from meshrun.launch.summary import HangStates, find_attempt_dir, summarize_failures
 from meshrun.launch.torchrun_flags import FLAGS
-from meshrun.monitor.watchdog import hang_report, watch_for_hangs
+from meshrun.monitor.watchdog import hang_report, hang_states, watch_for_hangs
 
 CONFIG_ENV = "MESHRUN_CONFIG"
 # torchrun's c10d rendezvous lets workers reuse the agent's TCP store by default; with
@@ -183,7 +183,7 @@ def launch_local(spec: LaunchSpec) -> int:
     with _launch_environment(spec, network) as omp_threads:
         print(start_line(spec, port, omp_threads, network), file=sys.stderr, flush=True)
         if network is None:
-            return _run_agent(argv, spec, known_runs)
+            return _run_agent(argv, spec, known_runs, None)
         return _run_multinode(argv, spec, network, known_runs)
 
 
@@ -201,7 +201,7 @@ def _run_multinode(
     except KeyboardInterrupt:
         return _interrupted(signal.SIGINT)
     try:
-        return _run_agent(argv, spec, known_runs)
+        return _run_agent(argv, spec, known_runs, network)
     finally:
         del store
 
@@ -271,38 +271,62 @@ def _validate(spec: LaunchSpec) -> None:
         raise ValueError(f"max_restarts must be >= 0, got {spec.max_restarts}")
 
 
-def _run_agent(argv: list[str], spec: LaunchSpec, known_runs: set[str]) -> int:
+def _run_agent(
+    argv: list[str], spec: LaunchSpec, known_runs: set[str], network: NetworkPlan | None
+) -> int:
     # Imported here so that building argv (and `meshrun --help`) does not load the agent.
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
+
+    from meshrun.launch.agent_watch import RDZV_GRACE_S, watched_agent
 
     started = time.time()  # hang files older than this are from an earlier run
     stop_watch = threading.Event()
     threading.Thread(
         target=watch_for_hangs, args=(spec.run_dir, started, stop_watch), daemon=True
     ).start()
+    # Only across nodes can the store become unreachable; one node's store is in-process.
+    bound = None if network is None else spec.join_timeout_s + RDZV_GRACE_S
+    hint = "" if network is None else f" at {network.rdzv_address}:{network.rdzv_port}"
     try:
-        run(get_args_parser().parse_args(argv))
+        with watched_agent(spec.max_restarts, bound, say_stderr, hint):
+            run(get_args_parser().parse_args(argv))
     except ChildFailedError as err:
-        attempt_dir = find_attempt_dir(spec.log_dir, spec.rdzv_id, known_runs)
-        report = summarize_failures(err.failures, attempt_dir, socket.gethostname())
-        print(report.text, file=sys.stderr, flush=True)
-        hang = hang_report(spec.run_dir, started)
-        if hang is not None:  # the watchdog's stacks: who did not report, where the others wait
-            print(hang, file=sys.stderr, flush=True)
-        return report.exit_code
+        return _report_failure(err.failures, spec, known_runs, started)
     except SignalException as err:
         # The agent caught the signal and has already stopped the workers.
         return _interrupted(signal.Signals(err.sigval))
     except KeyboardInterrupt:
         return _interrupted(signal.SIGINT)
     except Exception as err:  # the agent itself failed: rendezvous timeout, bad endpoint...
-        print(f"meshrun launch: the torchrun agent failed: {_one_line(err)}", file=sys.stderr)
+        print(_agent_failed(err), file=sys.stderr, flush=True)
         return 1
     finally:
         stop_watch.set()
     return 0
+
+
+def _report_failure(
+    failures: Mapping[int, Any], spec: LaunchSpec, known_runs: set[str], started: float
+) -> int:
+    attempt_dir = find_attempt_dir(spec.log_dir, spec.rdzv_id, known_runs)
+    ended, waiting = hang_states(spec.run_dir, started)
+    states = HangStates(ended=ended, waiting=waiting)
+    report = summarize_failures(failures, attempt_dir, socket.gethostname(), states)
+    print(report.text, file=sys.stderr, flush=True)
+    hang = hang_report(spec.run_dir, started)
+    if hang is not None:  # the watchdog's stacks: who did not report, where the others wait
+        print(hang, file=sys.stderr, flush=True)
+    return report.exit_code
+
+
+def _agent_failed(err: BaseException) -> str:
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
+
+    if isinstance(err, RendezvousError):  # e.g. the store went away while re-forming
+        return f"meshrun launch: lost the rendezvous: {_one_line(err)}"
+    return f"meshrun launch: the torchrun agent failed: {_one_line(err)}"
 
 
 def _interrupted(sig: signal.Signals) -> int:

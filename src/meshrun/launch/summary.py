@@ -21,7 +21,7 @@ import os
 import re
 import signal
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 TRACEBACK_LINES = 40
@@ -35,7 +35,8 @@ SIGNAL_HINTS = {
     "SIGKILL": "killed: out of memory? (the kernel's OOM killer, or a scheduler's hard kill)",
     "SIGTERM": "terminated: stopped by the agent after another rank failed, or preempted",
     "SIGSEGV": "segmentation fault: a crash in native code (CUDA, NCCL, a C extension)",
-    "SIGABRT": "aborted: often a NCCL/CUDA error or an uncaught C++ exception",
+    "SIGABRT": "aborted: an uncaught C++ exception or a failed check in native code "
+    "(NCCL/CUDA on GPUs)",
     "SIGBUS": "bus error: often /dev/shm too small for DataLoader workers",
     "SIGINT": "interrupted (Ctrl-C)",
     "SIGHUP": "hang-up: the terminal or session went away",
@@ -45,6 +46,15 @@ SIGNAL_HINTS = {
 _RANK_PREFIX = re.compile(r"^\[rank\d+\]: ?")
 # "RuntimeError: ...", "torch.OutOfMemoryError: ...", "KeyboardInterrupt".
 _EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(?:Error|Exception|Interrupt|Exit)\b")
+# What libstdc++ prints when a std::thread is destroyed while still joinable: at interpreter
+# exit, Gloo's threads outlive the Python code (measured: 8-40% of plain Gloo runs).
+TEARDOWN_ABORT = "terminate called without an active exception"
+EXIT_HANG = 124  # monitor/watchdog.py's code (not imported: this module stays torch-free)
+# Why meshrun launch itself ended a rank after a hang (monitor/watchdog.py's ENDED_FILE).
+ENDED_CAUSES = {
+    "stopped": "stopped (process state T: SIGSTOP or a debugger) when the hang watchdog fired",
+    "not responding": "not responding (running, but its watchdog did not answer)",
+}
 # C++ errors start with their source location ("[/__w/.../pair.cc:553] "): noise in one line.
 _SOURCE_LOCATION = re.compile(r"\[[^\]]*\.(?:cc|cpp|cu|h|hpp):\d+\] ?")
 
@@ -75,41 +85,64 @@ class FailureReport:
     text: str
 
 
+@dataclass(frozen=True)
+class HangStates:
+    """What meshrun's hang path knows (monitor/watchdog.py's ``hang_states``): the ranks
+    ``meshrun launch`` ended itself (rank -> "stopped" or "not responding") and where the
+    ranks that reported wait (rank -> "waits in collective #26 (...) of process group 0")."""
+
+    ended: Mapping[int, str] = field(default_factory=dict)
+    waiting: Mapping[int, str] = field(default_factory=dict)
+
+
 def summarize_failures(
-    failures: Mapping[int, FailureLike], attempt_dir: str | None, host: str
+    failures: Mapping[int, FailureLike],
+    attempt_dir: str | None,
+    host: str,
+    hang: HangStates | None = None,
 ) -> FailureReport:
     """Build the summary of ``failures`` (global rank -> failure) of one attempt.
 
     ``attempt_dir`` is the agent's ``.../attempt_<n>`` folder holding the per-rank logs
-    (None if unknown); ``host`` is where these ranks ran.
+    (None if unknown); ``host`` is where these ranks ran; ``hang`` what the hang path found.
     """
     if not failures:
         raise ValueError("summarize_failures needs at least one failure")
-    order = order_failures(failures, attempt_dir)
+    hang = hang or HangStates()
+    order = order_failures(failures, attempt_dir, hang.ended)
     first = order[0]
     failure = failures[first]
     lines = [RULE, f"meshrun launch: rank {first} failed first (host {host})"]
-    lines += _describe_first(failure, _stderr_path(failure, attempt_dir))
+    lines += _describe_first(first, failure, _stderr_path(failure, attempt_dir), hang)
     victims = [(rank, failures[rank]) for rank in order[1:]]
-    lines += _describe_victims(victims, attempt_dir)
+    lines += _describe_victims(victims, attempt_dir, hang)
     lines.append(RULE)
-    return FailureReport(first_rank=first, exit_code=exit_code_of(failure), text="\n".join(lines))
+    # A hang ends the launch with the watchdog's code, whichever rank is named first.
+    code = EXIT_HANG if hang.ended or hang.waiting else exit_code_of(failure)
+    return FailureReport(first_rank=first, exit_code=code, text="\n".join(lines))
 
 
-def order_failures(failures: Mapping[int, FailureLike], attempt_dir: str | None) -> list[int]:
+def order_failures(
+    failures: Mapping[int, FailureLike],
+    attempt_dir: str | None,
+    ended: Mapping[int, str] | None = None,
+) -> list[int]:
     """Ranks ordered from the likely root cause to the last victim.
 
     torch's own ``get_first_failure`` compares whole-second timestamps and breaks ties by
     local rank, so a victim that crashed in the same second (a Gloo "connection closed by
-    peer") can be named as the cause. Here a SIGTERM, which is what the agent sends to
-    the survivors, sorts last, then the time each rank last wrote a file refines the order.
+    peer") can be named as the cause. Here a rank meshrun ended after a hang (stopped, not
+    responding: what the others waited for) sorts first, a SIGTERM, which is what the agent
+    sends to the survivors, last, and the time each rank last wrote a file refines the order.
     """
     position = {rank: i for i, rank in enumerate(failures)}
+    ended = ended or {}
 
-    def key(rank: int) -> tuple[bool, float, int]:
+    def key(rank: int) -> tuple[bool, bool, float, int]:
         failure = failures[rank]
         stopped_by_agent = failure.exitcode == -signal.SIGTERM
-        return (stopped_by_agent, _failure_time(failure, attempt_dir), position[rank])
+        time_ = _failure_time(failure, attempt_dir)
+        return (rank not in ended, stopped_by_agent, time_, position[rank])
 
     return sorted(failures, key=key)
 
@@ -166,11 +199,33 @@ def find_attempt_dir(log_dir: str, rdzv_id: str, known: Collection[str] = ()) ->
     return os.path.join(run_dir, max(attempts, key=lambda n: int(n.split("_")[1])))
 
 
-def _describe_first(failure: FailureLike, stderr_path: str | None) -> list[str]:
+def _cause(rank: int, failure: FailureLike, log_tail: list[str], hang: HangStates) -> str:
+    """The cause line: meshrun's own hang path first, then the exit code or signal."""
+    if rank in hang.ended:
+        why = ENDED_CAUSES.get(hang.ended[rank], hang.ended[rank])
+        return f"{why}; ended by meshrun launch with SIGKILL"
+    if failure.exitcode == EXIT_HANG and rank in hang.waiting:
+        return f"exit code {EXIT_HANG}: the hang watchdog (monitor.step_timeout_s) ended it"
+    if signal_name(failure.exitcode) == "SIGABRT" and any(TEARDOWN_ABORT in x for x in log_tail):
+        return (
+            f"{'signal' if failure.exitcode < 0 else f'exit code {failure.exitcode} ='} "
+            f"SIGABRT: a C++ abort at interpreter exit ({TEARDOWN_ABORT!r}: the process "
+            "group's threads outlived Python's teardown, typically after the script's code "
+            "finished); @meshrun.main leaves through os._exit and skips that teardown"
+        )
+    return describe_exit(failure.exitcode)
+
+
+def _describe_first(
+    rank: int, failure: FailureLike, stderr_path: str | None, hang: HangStates
+) -> list[str]:
+    log_tail = _read_tail(stderr_path)
     lines = [
-        f"  cause : {describe_exit(failure.exitcode)}",
+        f"  cause : {_cause(rank, failure, log_tail, hang)}",
         f"  where : local rank {failure.local_rank}, pid {failure.pid}",
     ]
+    if rank in hang.waiting:
+        lines.append(f"  state : {hang.waiting[rank]}")
     message = _error_message(failure, stderr_path)
     if message:
         lines.append(f"  error : {_shorten(message)}")
@@ -181,27 +236,42 @@ def _describe_first(failure: FailureLike, stderr_path: str | None) -> list[str]:
         lines.append("  traceback (from the error file written by @record):")
         lines += _indent(_tail(callstack.splitlines(), TRACEBACK_LINES))
         return lines
-    log_tail = _read_tail(stderr_path)
     if log_tail:
         lines.append(f"  last {len(log_tail)} lines of its stderr:")
         lines += _indent(log_tail)
     else:
-        lines.append(
-            "  no traceback captured: decorate the script's main() with "
-            "torch.distributed.elastic.multiprocessing.errors.record"
-        )
+        lines.append(_no_traceback(failure.exitcode))
     return lines
 
 
-def _describe_victims(victims: list[tuple[int, FailureLike]], attempt_dir: str | None) -> list[str]:
+def _no_traceback(exitcode: int) -> str:
+    name = signal_name(exitcode)
+    if name is not None:
+        # A signal ends the process where it stands: no Python code runs, so even a script
+        # decorated with @meshrun.main or torch's @record writes no error file.
+        return f"  no traceback: a rank ended by {name} writes no error file and no traceback"
+    return (
+        "  no traceback captured (no error file, empty stderr): if the script's main() is "
+        "not decorated with @meshrun.main (or torch.distributed.elastic's @record), decorate it"
+    )
+
+
+def _describe_victims(
+    victims: list[tuple[int, FailureLike]], attempt_dir: str | None, hang: HangStates
+) -> list[str]:
     if not victims:
         return []
     lines = ["  also stopped (likely victims):"]
     shown = victims[:8]  # many ranks stop together: keep the screen for the cause
     for rank, failure in shown:
         cause = signal_name(failure.exitcode) or f"exit code {failure.exitcode}"
-        message = _error_message(failure, _stderr_path(failure, attempt_dir))
-        detail = f": {_shorten(message, 70)}" if message else ""
+        if rank in hang.ended:
+            detail = f": {hang.ended[rank]}, ended by meshrun launch"
+        elif rank in hang.waiting:
+            detail = f": hang watchdog; {hang.waiting[rank]}"
+        else:
+            message = _error_message(failure, _stderr_path(failure, attempt_dir))
+            detail = f": {_shorten(message, 70)}" if message else ""
         lines.append(f"    rank {rank} ({cause}){detail}")
     if len(victims) > len(shown):
         rest = ", ".join(str(rank) for rank, _ in victims[len(shown) :])

@@ -3,16 +3,22 @@
 When no step finishes within ``monitor.step_timeout_s`` (or a declared phase's longer
 timeout: ``with run.phase("eval"):``, checkpoint saves), the rank writes
 ``RUN_DIR/hang/rank<R>.txt`` (a JSON header line, then faulthandler's dump of every thread)
-and exits with ``EXIT_HANG``, well before the Gloo/NCCL collective timeout. All healthy ranks
-of a stuck job block in the same collective, so each one's watchdog fires on its own; a
-stopped or dead rank writes nothing, and ``hang_report`` (run by ``meshrun launch``) names it
-as the rank that did not report. The header also holds the rank's position in each process
-group's sequence of collectives (PyTorch's flight recorder, monitor/collectives.py), so the
-report can name a rank that never reached the collective the others wait in.
+and exits with ``EXIT_HANG``, well before the Gloo/NCCL collective timeout. The header also
+holds the rank's position in each process group's sequence of collectives (PyTorch's flight
+recorder, monitor/collectives.py), so the report can name a rank that never reached the
+collective the others wait in.
+
+The launcher's side (``watch_for_hangs``, a thread in ``meshrun launch``'s process) sees the
+first hang file, asks every local rank to dump at once (``dump-request``: a rank whose
+deadline is still ahead dumps now instead of being killed first), finds its stopped workers
+(process state T) and the ones that do not answer, and ends those with SIGKILL itself: a
+stopped process does not act on the agent's SIGTERM, and the agent would wait 30 s for it.
+What it ended, and why, goes to ``hang/ended.json`` for the failure summary.
 """
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import json
 import os
@@ -38,7 +44,16 @@ __all__ = ["EXIT_HANG", "HANG_DIR", "Watchdog", "hang_report", "watch_for_hangs"
 
 EXIT_HANG = 124  # the `timeout` command's code for "ran past its limit"
 HANG_DIR = "hang"
+REQUEST_FILE = "dump-request"  # written by the launcher: every rank dumps now
+ENDED_FILE = "ended.json"  # written by the launcher: {rank: why meshrun ended it}
 _POLL_S = 0.25
+# A rank that has written its hang file waits this long before it exits. Its exit is what the
+# agent reacts to (SIGTERM to every worker) and what breaks its peers' collectives (a Gloo
+# "connection closed"), so without the wait a peer whose deadline is a moment later, or which
+# the launcher has just asked to dump, dies before it writes its file (the deadline race).
+# The launcher's collection phase (COLLECT_S) ends inside this window.
+HOLD_S = 3.0
+COLLECT_S = 2.0
 
 
 class Watchdog:
@@ -46,7 +61,9 @@ class Watchdog:
 
     def __init__(self, run_dir: Path, rank: int, world_size: int, timeout_s: float) -> None:
         self.path = run_dir / HANG_DIR / f"rank{rank}.txt"
+        self.request = run_dir / HANG_DIR / REQUEST_FILE
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
+        self._born = time.time()  # a request older than this process is an earlier attempt's
         self._lock = threading.Lock()
         self._deadline: float | None = None  # None = disarmed
         self._phase = "train"
@@ -104,11 +121,19 @@ class Watchdog:
             with self._lock:
                 late = self._deadline is not None and time.monotonic() > self._deadline
                 phase, step = self._phase, self._step
-            if late:
-                self._dump(phase, step)
+            if late or self._requested():
+                self._dump(phase, step, "deadline" if late else "request")
+                time.sleep(HOLD_S)  # let the other ranks write theirs (see HOLD_S)
                 os._exit(EXIT_HANG)  # the main thread is stuck: no clean shutdown is possible
 
-    def _dump(self, phase: str, step: int) -> None:
+    def _requested(self) -> bool:
+        """The launcher asked every rank to dump (another rank reported a hang)."""
+        try:
+            return self.request.stat().st_mtime >= self._born
+        except OSError:
+            return False
+
+    def _dump(self, phase: str, step: int, trigger: str = "deadline") -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         header = {
             "rank": self.rank,
@@ -118,6 +143,7 @@ class Watchdog:
             "phase": phase,
             "step": step,  # the last step this rank finished
             "timeout_s": self.timeout_s,
+            "trigger": trigger,  # its own deadline, or the launcher's request
             "main_thread": threading.main_thread().ident,
             "time": time.time(),
             "collectives": last_collectives(),
@@ -127,9 +153,14 @@ class Watchdog:
             f.write(json.dumps(header) + "\n")
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
+        why = (
+            f"made no progress for {self.timeout_s:g} s"
+            if trigger == "deadline"
+            else "was asked for its stacks (another rank reported a hang)"
+        )
         print(
-            f"meshrun watchdog: rank {self.rank} made no progress for {self.timeout_s:g} s "
-            f"(phase {phase}, after step {step}); stacks in {self.path}; exiting {EXIT_HANG}",
+            f"meshrun watchdog: rank {self.rank} {why} (phase {phase}, after step {step}); "
+            f"stacks in {self.path}; exiting {EXIT_HANG}",
             flush=True,
         )
 
@@ -195,29 +226,78 @@ def _main_thread_frames(stacks: str, main_ident: int) -> list[tuple[str, str, st
     return frames  # most recent call first, as faulthandler writes them
 
 
+def _fresh_dumps(folder: Path, since: float) -> list[RankDump]:
+    files = sorted(folder.glob("rank*.txt")) if folder.is_dir() else []
+    dumps = []
+    for path in files:
+        try:
+            if path.stat().st_mtime >= since:
+                dumps.append(parse_dump(path.read_text()))
+        except (OSError, ValueError, KeyError):
+            continue  # being written, or not a hang file
+    return dumps
+
+
+def read_ended(run_dir: str | Path, since: float) -> dict[int, str]:
+    """Ranks that ``meshrun launch`` ended itself after a hang: rank -> why ("stopped", ...)."""
+    path = Path(run_dir) / HANG_DIR / ENDED_FILE
+    try:
+        if path.stat().st_mtime < since:
+            return {}  # a previous run's
+        return {int(rank): str(why) for rank, why in json.loads(path.read_text()).items()}
+    except (OSError, ValueError):
+        return {}
+
+
+def hang_states(run_dir: str | Path, since: float) -> tuple[dict[int, str], dict[int, str]]:
+    """For the failure summary: (ranks meshrun ended -> why, ranks that reported -> where they
+    wait, e.g. "waits in collective #26 (gloo:all_reduce) of process group 0 (default_pg)")."""
+    ended = read_ended(run_dir, since)
+    waiting = {}
+    for d in _fresh_dumps(Path(run_dir) / HANG_DIR, since):
+        if d.rank not in ended:
+            waiting[d.rank] = _where(d)
+    return ended, waiting
+
+
+def _where(d: RankDump) -> str:
+    if d.positions:
+        pg = min(d.positions, key=lambda g: (not g.isdigit(), int(g) if g.isdigit() else 0, g))
+        p = d.positions[pg]
+        return f"waits in collective #{p.seq} ({p.op}) of process group {pg} ({p.group or '?'})"
+    return f"waits at {d.innermost}"
+
+
 def hang_report(run_dir: str | Path, since: float) -> str | None:
     """The launcher's one report for a hang: which ranks reported, where each one is, and which
     did not report (stopped, dead, or stuck outside Python). None when no rank reported."""
     folder = Path(run_dir) / HANG_DIR
-    files = sorted(folder.glob("rank*.txt")) if folder.is_dir() else []
-    dumps = [parse_dump(p.read_text()) for p in files if p.stat().st_mtime >= since]
+    dumps = _fresh_dumps(folder, since)
     if not dumps:
         return None
-    # A rank the launcher found stopped may dump its stack once continued: that dump shows
-    # where it woke up, not the hang, so the report names it as stopped instead.
-    stopped = _read_stopped(folder, since)
-    dumps = [d for d in dumps if str(d.rank) not in stopped] or dumps
-    seen = {d.rank for d in dumps} | {int(r) for r in stopped if r.isdigit()}
+    ended = read_ended(run_dir, since)
+    stopped = sorted(r for r, why in ended.items() if why == STOPPED)
+    deaf = sorted(r for r, why in ended.items() if why == NOT_RESPONDING)
+    # An ended rank's dump (if any) is not where the hang happened: leave it out.
+    dumps = [d for d in dumps if d.rank not in ended] or dumps
+    seen = {d.rank for d in dumps} | set(ended)
     missing = [r for r in range(max(d.world_size for d in dumps)) if r not in seen]
     lines = ["meshrun: hang detected by the watchdog (monitor.step_timeout_s)"]
     if stopped:
         lines.append(
-            f"  rank(s) {', '.join(sorted(stopped))} were stopped (SIGSTOP or a debugger) when "
-            "the hang was detected; the others wait for them"
+            f"  rank(s) {_ranks(stopped)} were stopped (process state T: SIGSTOP or a debugger) "
+            "when the hang was detected; the others wait for them; meshrun launch ended them "
+            "with SIGKILL"
+        )
+    if deaf:
+        lines.append(
+            f"  rank(s) {_ranks(deaf)} were not responding (running, but their watchdog did not "
+            f"answer within {COLLECT_S:g} s: stuck outside Python?); meshrun launch ended them "
+            "with SIGKILL"
         )
     if missing:
         lines.append(
-            f"  rank(s) {', '.join(map(str, missing))} did not report: stopped, dead or stuck "
+            f"  rank(s) {_ranks(missing)} did not report: on another node, dead, or stuck "
             "outside Python; the others wait for them"
         )
     for d in sorted(dumps, key=lambda d: d.rank):
@@ -225,7 +305,7 @@ def hang_report(run_dir: str | Path, since: float) -> str | None:
             f"  rank {d.rank} ({d.host}) in phase {d.phase} after step {d.step}: "
             f"waits at {d.innermost}; your code: {d.user}"
         )
-    silent = sorted({int(r) for r in stopped if r.isdigit()} | set(missing))
+    silent = sorted(set(ended) | set(missing))
     positions = {d.rank: d.positions for d in dumps if d.positions is not None}
     if positions:
         lines += collective_lines(positions, silent)
@@ -235,46 +315,93 @@ def hang_report(run_dir: str | Path, since: float) -> str | None:
     return "\n".join(lines)
 
 
-STOPPED_FILE = "stopped.txt"
+def _ranks(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
 
 
-def _read_stopped(folder: Path, since: float) -> set[str]:
-    path = folder / STOPPED_FILE
-    fresh = path.is_file() and path.stat().st_mtime >= since  # not a previous run's
-    return set(path.read_text().split()) if fresh else set()
+STOPPED = "stopped"
+NOT_RESPONDING = "not responding"
 
 
-def _stopped_children(parent: int) -> list[tuple[int, str]]:
-    """(pid, RANK) of ``parent``'s child processes in the stopped state (Linux /proc)."""
-    found: list[tuple[int, str]] = []
+@dataclass(frozen=True)
+class Worker:
+    """One of the launcher's worker processes, from /proc."""
+
+    pid: int
+    rank: int
+    state: str  # /proc/PID/stat's state letter: R, S, D, T (stopped), t (traced), Z...
+
+    @property
+    def stopped(self) -> bool:
+        return self.state in ("T", "t")
+
+
+def local_workers(parent: int) -> list[Worker]:
+    """``parent``'s live child processes that are torchrun workers (RANK in their environment);
+    zombies (exited, not yet reaped) are left out. Linux /proc; empty elsewhere."""
+    found: list[Worker] = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
         try:
             # "pid (comm) state ppid ...": comm may hold spaces, so split after its ')'.
             fields = stat.read_text().rsplit(")", 1)[1].split()
-            if fields[0] in ("T", "t") and int(fields[1]) == parent:
-                environ = (stat.parent / "environ").read_bytes().split(b"\0")
-                rank = next((e[5:].decode() for e in environ if e.startswith(b"RANK=")), "?")
-                found.append((int(stat.parent.name), rank))
+            if int(fields[1]) != parent or fields[0] in ("Z", "X"):
+                continue
+            environ = (stat.parent / "environ").read_bytes().split(b"\0")
+            rank = next((e[5:].decode() for e in environ if e.startswith(b"RANK=")), "")
+            if rank.isdigit():
+                found.append(Worker(int(stat.parent.name), int(rank), fields[0]))
         except (OSError, IndexError, ValueError):
             continue  # the process ended while we looked
     return found
 
 
 def watch_for_hangs(run_dir: str | Path, since: float, stop: threading.Event) -> None:
-    """The launcher's helper thread: once a watchdog has reported a hang, wake workers that
-    are stopped (SIGSTOP, a debugger). torchrun's agent only SIGTERMs the workers and waits
-    30 s before SIGKILL; a stopped process does not act on SIGTERM until it is continued."""
+    """The launcher's helper thread: once a watchdog has reported a hang, collect the other
+    local ranks' reports, then end the ranks that cannot end themselves (see the module
+    docstring). Keeps watching, so a restarted worker group's hang is handled too."""
     folder = Path(run_dir) / HANG_DIR
-    while not stop.wait(0.5):
-        if folder.is_dir() and any(p.stat().st_mtime >= since for p in folder.glob("rank*.txt")):
-            stopped = _stopped_children(os.getpid())
-            # Written before continuing them, so the report knows which dumps to disregard.
-            (folder / STOPPED_FILE).write_text("\n".join(rank for _, rank in stopped) + "\n")
-            for pid, rank in stopped:
-                print(
-                    f"meshrun launch: rank {rank} (pid {pid}) was stopped (SIGSTOP?): "
-                    "continuing it so that it can be shut down",
-                    flush=True,
-                )
-                os.kill(pid, signal.SIGCONT)
+    while not stop.wait(_POLL_S):
+        if _fresh_dumps(folder, since):
+            end_hung_workers(folder, since, stop)
+            since = time.time()  # the next attempt's reports are newer than this
+
+
+def end_hung_workers(folder: Path, since: float, stop: threading.Event) -> dict[int, str]:
+    """The collection phase, then the killing. Returns what was ended (rank -> why)."""
+    (folder / REQUEST_FILE).write_text(f"{time.time()}\n")  # every local rank: dump now
+    deadline = time.monotonic() + COLLECT_S
+    workers = local_workers(os.getpid())
+    while time.monotonic() < deadline and not stop.is_set():
+        reported = {d.rank for d in _fresh_dumps(folder, since)}
+        workers = local_workers(os.getpid())
+        if all(w.stopped or w.rank in reported for w in workers):
+            break  # everyone who can answer has
+        time.sleep(_POLL_S)
+    reported = {d.rank for d in _fresh_dumps(folder, since)}
+    doomed = {w.rank: w for w in workers if w.stopped or w.rank not in reported}
+    ended = {r: (STOPPED if w.stopped else NOT_RESPONDING) for r, w in doomed.items()}
+    # Written before any kill, so the summary knows these SIGKILLs were meshrun's own.
+    (folder / ENDED_FILE).write_text(json.dumps({str(r): why for r, why in ended.items()}))
+    for rank, w in sorted(doomed.items()):
+        print(
+            f"meshrun launch: rank {rank} (pid {w.pid}) is {ended[rank]}"
+            f"{' (process state ' + w.state + ')' if w.stopped else ''} after a hang was "
+            "reported; ending it with SIGKILL",
+            flush=True,
+        )
+    # Kill once the reporting ranks have left (HOLD_S): a killed peer breaks their
+    # collectives, and they should exit through their watchdog, not a Gloo error.
+    _wait_for_exit({w.pid for w in workers if w.rank in reported}, HOLD_S + 1.0, stop)
+    for w in doomed.values():
+        with contextlib.suppress(ProcessLookupError):  # it left meanwhile
+            os.kill(w.pid, signal.SIGKILL)  # acts on a stopped process too: no SIGCONT needed
+    return ended
+
+
+def _wait_for_exit(pids: set[int], limit_s: float, stop: threading.Event) -> None:
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline and not stop.is_set():
+        alive = {w.pid for w in local_workers(os.getpid())}
+        if not pids & alive:
             return
+        time.sleep(0.1)

@@ -1,0 +1,20 @@
+"""Worker for the SIGTERM test: ignores SIGTERM (as a worker busy saving a checkpoint may for
+a long while), says it is ready, then sleeps."""
+
+import os
+import signal
+import time
+
+import torch.distributed as dist
+
+
+def main() -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    dist.init_process_group("gloo")
+    dist.barrier()
+    print(f"ready pid={os.getpid()}", flush=True)
+    time.sleep(300)
+
+
+if __name__ == "__main__":
+    main()

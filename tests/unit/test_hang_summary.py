@@ -1,0 +1,108 @@
+"""The failure summary after a hang and after a teardown abort, and the restart line: pure
+functions on failure records and the files the watchdog and the launcher write."""
+
+from __future__ import annotations
+
+import json
+import signal
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from meshrun.launch.agent_watch import AgentWatch, describe_failures
+from meshrun.launch.summary import HangStates, summarize_failures
+from meshrun.monitor.watchdog import ENDED_FILE, HANG_DIR, Watchdog, hang_report, hang_states
+
+
+@dataclass
+class Failure:
+    """What the summary reads of torch's ProcessFailure."""
+
+    local_rank: int
+    exitcode: int
+    timestamp: int = 1_700_000_000
+    pid: int = 4242
+    error_file: str = "<N/A>"
+    error_file_data: dict[str, Any] = field(default_factory=lambda: {"message": "<NONE>"})
+
+
+@pytest.mark.timeout(10)
+def test_a_rank_meshrun_ended_after_a_hang_is_named_stopped_not_oom(tmp_path: Path) -> None:
+    Watchdog(tmp_path, rank=0, world_size=2, timeout_s=5.0)._dump("train", 9)
+    (tmp_path / HANG_DIR / ENDED_FILE).write_text(json.dumps({"1": "stopped"}))
+    ended, waiting = hang_states(tmp_path, since=0.0)
+    assert ended == {1: "stopped"}
+    assert waiting[0].startswith("waits ")  # a collective where the recorder has one, else a frame
+    # Rank 0 exited first (124) and rank 1 was SIGKILLed after it: rank 1 is still the cause.
+    failures = {0: Failure(0, exitcode=124, timestamp=1), 1: Failure(1, -signal.SIGKILL, 2)}
+    report = summarize_failures(failures, None, "h", HangStates(ended, waiting))
+    assert report.first_rank == 1 and report.exit_code == 124
+    assert "cause : stopped (process state T: SIGSTOP or a debugger)" in report.text
+    assert "ended by meshrun launch with SIGKILL" in report.text
+    assert "out of memory" not in report.text and "decorate" not in report.text
+    assert "no traceback: a rank ended by SIGKILL writes no error file" in report.text
+    assert f"rank 0 (exit code 124): hang watchdog; {waiting[0]}" in report.text
+    text = hang_report(tmp_path, since=0.0)
+    assert text is not None and "rank(s) 1 were stopped (process state T" in text
+    assert "did not report" not in text  # rank 1 is accounted for: stopped
+
+
+@pytest.mark.timeout(10)
+def test_a_rank_that_did_not_answer_is_named_not_responding(tmp_path: Path) -> None:
+    Watchdog(tmp_path, rank=0, world_size=3, timeout_s=5.0)._dump("train", 3)
+    (tmp_path / HANG_DIR / ENDED_FILE).write_text(json.dumps({"2": "not responding"}))
+    text = hang_report(tmp_path, since=0.0)
+    assert text is not None
+    assert "rank(s) 2 were not responding" in text and "rank(s) 1 did not report" in text
+    ended, waiting = hang_states(tmp_path, since=0.0)
+    failures = {0: Failure(0, 124), 2: Failure(2, -signal.SIGKILL)}
+    report = summarize_failures(failures, None, "h", HangStates(ended, waiting))
+    assert report.first_rank == 2 and "cause : not responding" in report.text
+
+
+@pytest.mark.timeout(10)
+def test_gloo_teardown_abort_is_described_as_what_it_is(tmp_path: Path) -> None:
+    attempt = tmp_path / "attempt_0"
+    (attempt / "0").mkdir(parents=True)
+    (attempt / "0" / "stderr.log").write_text(
+        "done\nterminate called without an active exception\n"
+    )
+    report = summarize_failures({0: Failure(0, -signal.SIGABRT)}, str(attempt), "h")
+    assert "SIGABRT: a C++ abort at interpreter exit" in report.text
+    assert "@meshrun.main leaves through os._exit" in report.text
+    assert "NCCL/CUDA error" not in report.text
+    # Another SIGABRT keeps the general words, which no longer guess NCCL first.
+    other = summarize_failures({0: Failure(0, -signal.SIGABRT)}, None, "h")
+    assert "an uncaught C++ exception" in other.text and "interpreter exit" not in other.text
+
+
+@pytest.mark.timeout(10)
+def test_a_positive_exit_without_traceback_keeps_the_decorate_advice() -> None:
+    report = summarize_failures({0: Failure(0, 3)}, None, "h")
+    assert "no traceback captured (no error file, empty stderr)" in report.text
+    assert "@meshrun.main" in report.text
+
+
+@pytest.mark.timeout(10)
+def test_the_restart_line_follows_the_agents_metrics() -> None:
+    said: list[str] = []
+    watch = AgentWatch(max_restarts=2, rdzv_bound_s=None, say=said.append)
+    watch.last_failures = {1: Failure(1, 3), 0: Failure(0, 124)}
+    for remaining in (2, 1):  # the agent's tick: remaining_restarts, then the state
+        watch.on_metric("workers.default.remaining_restarts", remaining)
+        watch.on_metric("workers.default.failed", 1)
+    watch.on_metric("workers.default.remaining_restarts", 0)
+    watch.on_metric("workers.default.failed", 1)  # no restart left: the launch fails
+    assert said == [
+        "worker group failed (rank 0: exit code 124 (hang watchdog), rank 1: exit code 3); "
+        "restart 1 of 2",
+        "worker group failed (rank 0: exit code 124 (hang watchdog), rank 1: exit code 3); "
+        "restart 2 of 2",
+    ]
+    assert watch.finished
+    assert describe_failures({3: Failure(3, -signal.SIGKILL)}) == "rank 3: signal SIGKILL"
+    # The agent SIGTERMs the survivors of a failure: they are not what failed.
+    stopped = {0: Failure(0, -signal.SIGTERM), 1: Failure(1, 3)}
+    assert describe_failures(stopped) == "rank 1: exit code 3"
