@@ -7,6 +7,7 @@ types, ranges), the mesh against the world size, the batch arithmetic, the scrip
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -131,6 +132,8 @@ def cmd_launch(a: argparse.Namespace) -> int:
     if not target:
         raise ConfigError("meshrun launch needs a script (train.py) or -m MODULE")
     module = target if a.module else None
+    for note in torchrun_flags.env_defaults(a, os.environ):  # PET_NPROC_PER_NODE=8 ...
+        print(f"meshrun launch: {note}", file=sys.stderr)
     _check_target(target, module, a.no_python)
     args = list(a.args)
     overrides, _ = split_overrides(args)

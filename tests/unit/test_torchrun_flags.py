@@ -286,3 +286,44 @@ def test_no_python_takes_a_program_on_path(tmp_path: Path) -> None:
         _check_target("true", None, None)
     with pytest.raises(ConfigError, match="program 'no-such-prog' does not exist"):
         _check_target("no-such-prog", None, True)
+
+
+# --- torchrun's PET_<FLAG> environment defaults ---------------------------------------------
+
+
+def test_pet_variables_fill_the_flags_not_given_as_torchrun_reads_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    env = {"PET_NPROC_PER_NODE": "4", "PET_NNODES": "2", "PET_NODE_RANK": "1",
+           "PET_MASTER_ADDR": "job-master-0", "PET_MASTER_PORT": "23456",
+           "PET_STANDALONE": "0", "PET_MONITOR_INTERVAL": "0.5"}  # fmt: skip
+    a = _parse("--nnodes", "3")  # a flag wins over its variable
+    notes = torchrun_flags.env_defaults(a, env)
+    assert (a.nproc_per_node, a.nnodes, a.node_rank, a.master_port) == (4, "3", 1, 23456)
+    assert a.standalone is None and a.monitor_interval == 0.5
+    assert "--master-addr job-master-0 from PET_MASTER_ADDR" in " | ".join(notes)
+    assert not any("PET_NNODES" in n for n in notes)
+    for name, value in env.items():  # torchrun's parser reads them when it is built
+        monkeypatch.setenv(name, value)
+    theirs = get_args_parser().parse_args(["--nnodes", "3", "train.py"])
+    compared = [f.dest for f in FLAGS if f.dest not in ("standalone", "nproc_per_node")]
+    for dest in compared:
+        if getattr(a, dest) is not None:
+            assert getattr(a, dest) == getattr(theirs, dest), dest
+    assert theirs.nproc_per_node == "4" and not theirs.standalone
+    r = resolve(a)
+    assert r.spec["rdzv_backend"] == "static"
+    assert r.launch_flags == {"rdzv_endpoint": "job-master-0:23456"}
+
+
+@pytest.mark.parametrize(
+    ("env", "message"),
+    [
+        ({"PET_NODE_RANK": "one"}, "PET_NODE_RANK='one' .* is not allowed: expected int"),
+        ({"PET_STANDALONE": "yes"}, "PET_STANDALONE='yes' .* expected 0 or 1"),
+        ({"PET_START_METHOD": "thread"}, "PET_START_METHOD='thread' is not allowed: expected"),
+    ],
+)
+def test_a_bad_pet_variable_names_itself(env: dict[str, str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        torchrun_flags.env_defaults(_parse(), env)

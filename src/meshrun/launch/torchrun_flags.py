@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import argparse
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -189,6 +189,30 @@ def given_argv(a: argparse.Namespace, skip: tuple[str, ...] = ()) -> list[str]:
     """Every table flag the user gave (but ``skip``), as ``meshrun launch`` argv: what a
     launch on another host needs to mean the same."""
     return [arg for f in given(a) if f.dest not in skip for arg in flag_argv(f, getattr(a, f.dest))]
+
+
+def env_defaults(a: argparse.Namespace, environ: Mapping[str, str]) -> list[str]:
+    """torchrun's ``PET_<FLAG>`` environment defaults (Kubeflow's PyTorchJob sets them) for
+    the flags not given on the command line; a note for each one taken."""
+    notes = []
+    for flag in FLAGS:
+        env_name = f"PET_{flag.dest.upper()}"
+        text = environ.get(env_name)
+        if text is None or getattr(a, flag.dest, None) is not None:
+            continue
+        try:  # torchrun's reading: a switch is an int (0/1), a value its flag's type
+            value = bool(int(text)) if flag.type is None else flag.type(text)
+        except ValueError:
+            kind = "0 or 1" if flag.type is None else getattr(flag.type, "__name__", "a value")
+            raise ConfigError(f"{env_name}={text!r} (torchrun's default for {flag.name}) "
+                              f"is not allowed: expected {kind}") from None  # fmt: skip
+        if flag.choices and value not in flag.choices:
+            raise ConfigError(f"{env_name}={text!r} is not allowed: expected one of "
+                              f"{', '.join(flag.choices)}")  # fmt: skip
+        if value is not False:  # PET_STANDALONE=0 is the switch left off
+            setattr(a, flag.dest, value)
+            notes.append(f"{flag.name} {text} from {env_name} (torchrun's environment default)")
+    return notes
 
 
 # --- resolution: the flags as meshrun's launch settings ------------------------------------
