@@ -234,6 +234,7 @@ class Run:
     lost: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # per-fault figures for the tally
     tmpfs: bool = False
 
     @property
@@ -424,6 +425,7 @@ def fault_kill_agent(run: Run, deadline: float) -> None:
     run.proc.wait()
     time.sleep(0.2)  # long enough for a worker that watches its parent to notice
     left = [p for p in pids if alive(p)]
+    run.extra["outlived_agent"] = [len(left), len(pids)]
     run.notes.append(
         f"{len(left)}/{len(pids)} workers still alive 0.2 s after the agent's process group was "
         "SIGKILLed (torchrun starts workers in their own session); the benchmark killed them"
@@ -451,7 +453,8 @@ def fault_stop(run: Run, deadline: float) -> None:
         _kill([pid])
     else:
         assert run.fault_time is not None
-        run.notes.append(f"stopped worker ended {time.time() - run.fault_time:.1f} s after SIGSTOP")
+        run.extra["stopped_ended_s"] = time.time() - run.fault_time
+        run.notes.append(f"stopped worker ended {run.extra['stopped_ended_s']:.1f} s after SIGSTOP")
 
 
 def tmpfs_size(run: Run, ref: Reference) -> tuple[int, int]:
@@ -675,6 +678,7 @@ def evaluate(run: Run, ref: Reference) -> dict[str, Any]:
         "group_starts": sum(r.get("event") == "start" for r in read_records(run.metrics)),
         "exit_codes": run.exit_codes,
         "notes": run.notes,
+        **run.extra,
         "passed": bitwise and finished and not run.lost,
         "run_dir": str(run.run_dir),
     }
@@ -724,6 +728,27 @@ def tally(results: list[dict[str, Any]], faults: list[str]) -> list[str]:
         cells += [f"{statistics.median(rec):.1f} s" if rec else "-"]
         rows.append(_row(cells, widths))
     return rows
+
+
+def findings(results: list[dict[str, Any]], step_timeout_s: float) -> list[str]:
+    """What the tally's columns do not say: workers that outlived their agent, how long a
+    stopped worker lasted."""
+    out = []
+    outlived = [r["outlived_agent"] for r in results if "outlived_agent" in r]
+    if outlived:
+        alive_n, total = sum(a for a, _ in outlived), sum(t for _, t in outlived)
+        out.append(
+            f"kill_agent: {alive_n} of {total} workers were still running 0.2 s after their "
+            f"agent's process group was SIGKILLed ({len(outlived)} run(s); torchrun starts each "
+            "worker in its own session); the benchmark killed them, as a lost node would"
+        )
+    ended = [r["stopped_ended_s"] for r in results if "stopped_ended_s" in r]
+    if ended:
+        out.append(
+            f"stop: the stopped worker was ended {statistics.median(ended):.1f} s (median; max "
+            f"{max(ended):.1f} s) after SIGSTOP, with monitor.step_timeout_s = {step_timeout_s:g}"
+        )
+    return out
 
 
 def _row(cells: tuple[str, ...] | list[str], widths: tuple[int, ...]) -> str:
@@ -791,6 +816,8 @@ def main(argv: list[str] | None = None) -> int:
     passed = sum(r["passed"] for r in results)
     final = f"chaos: {passed}/{len(results)} runs passed (bitwise equal, finished, no checkpoint "
     final += f"lost), seed {a.seed}, {a.steps} steps, checkpoint every {a.interval}"
+    notes = findings(results, a.step_timeout)
+    table += ["", *notes] if notes else []
     print("\n" + "\n".join(table) + "\n" + final, flush=True)
     if a.json:
         Path(a.json).write_text(
