@@ -83,6 +83,38 @@ def test_standalone_stdout_to_a_file_is_byte_identical_to_torchruns(tmp_path: Pa
 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
+def test_torchruns_other_flags_reach_the_agent_with_torchruns_meaning(tmp_path: Path) -> None:
+    """A command line with many of torchrun's flags, underscore spelling, as torchrun runs it:
+    the same stdout (rank 1 filtered out, the role renamed, the script run as a program)."""
+
+    def flags(log_dir: Path) -> list[str]:
+        return ["--standalone", "--nproc_per_node=2", "--monitor_interval=0.2",
+                "--start_method=spawn", "--role=trainer", "--local_ranks_filter=0",
+                "--signals_to_handle=SIGTERM,SIGINT", "--shutdown_timeout=5", "--max_restarts=0",
+                "--rdzv_id=compat", f"--log_dir={log_dir}", "--local_addr=127.0.0.1",
+                "--duplicate_stdout_filters=says", "--no_python", sys.executable,
+                str(SCRIPT)]  # fmt: skip
+
+    rc_t, out_t, err_t = _run([*TORCHRUN, *flags(tmp_path / "t")], tmp_path)
+    assert rc_t == 0, err_t[-3000:]
+    logs = tmp_path / "m"
+    rc_m, out_m, err_m = _run(
+        [*MESHRUN, "--set", f"job.run_dir={tmp_path / 'run'}", *flags(logs)], tmp_path
+    )
+    assert rc_m == 0, err_m[-3000:]
+    assert out_m == out_t
+    assert out_m.splitlines() == [
+        "rank 0/2 LOCAL_RANK=0 GROUP_RANK=0 LOCAL_WORLD_SIZE=2 ROLE_NAME=trainer "
+        "TORCHELASTIC_MAX_RESTARTS=0",
+        "rank 0 says: no prefix on this line",
+        "done",
+    ]
+    assert "[trainer0]:rank 0 on stderr" in err_m and "rank 1 on stderr" not in err_m
+    assert f"logs {logs}" in err_m  # the user's --log_dir, where the summary then looks
+    assert "rank 1 on stderr" in next(logs.glob("compat_*/attempt_0/1/stderr.log")).read_text()
+
+
+@pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
 def test_torchruns_static_multinode_line_on_one_host_works_as_in_torchrun(tmp_path: Path) -> None:
     port = _free_port()
     flags = ["--nnodes=1", "--node_rank=0", "--master_addr=127.0.0.1", f"--master_port={port}",
