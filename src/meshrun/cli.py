@@ -54,13 +54,11 @@ def _prepare(cfg: Config, nproc: int, nnodes: str) -> Path:
     or path it became, and said on stderr."""
     world = nproc * _world_nodes(nnodes)
     validate_for_world(cfg, world)
-    # An elastic MIN:MAX job gets one number for every world it may take after a restart:
-    # its largest world's, or, where a smaller world's would not divide that, the lcm's.
-    low = _world_nodes(nnodes.split(":")[0])
-    worlds = [nproc * n for n in range(low, world // nproc + 1)] or [world]
-    if note := resolve_global_batch(cfg, worlds):
-        elastic = f" over the worlds of --nnodes {nnodes}" if len(worlds) > 1 else ""
-        print(f"meshrun launch: {note}{elastic}", file=sys.stderr)
+    from meshrun.checkpoint.layout import resume_path_error  # pure: no torch import
+
+    if why := resume_path_error(cfg.checkpoint.resume):  # before any process is spawned
+        raise ConfigError(why)
+    _resolve_batch(cfg, nproc, nnodes)
     if not cfg.job.run_dir:  # a directory appears in the cwd: say where and how to move it
         cfg.job.run_dir = str(cfg.resolved_run_dir())
         print(
@@ -69,11 +67,24 @@ def _prepare(cfg: Config, nproc: int, nnodes: str) -> Path:
             "change it",
             file=sys.stderr,
         )
-    from meshrun.checkpoint.layout import resume_path_error  # pure: no torch import
-
-    if why := resume_path_error(cfg.checkpoint.resume):  # before any process is spawned
-        raise ConfigError(why)
     return write_config(cfg, cfg.resolved_run_dir() / "config.toml")
+
+
+def _resolve_batch(cfg: Config, nproc: int, nnodes: str) -> None:
+    """An unset global batch becomes a number, said on stderr: the one of the checkpoint the
+    run resumes (kept on a new world size), else micro_batch x data-parallel size. An elastic
+    MIN:MAX job gets one number for every world it may take after a restart: its largest
+    world's, or, where a smaller world's size does not divide that, the lcm's."""
+    from meshrun.checkpoint.resumed_batch import resume_global_batch  # pure: no torch import
+
+    low, high = _world_nodes(nnodes.split(":")[0]), _world_nodes(nnodes)
+    worlds = [nproc * n for n in range(low, high + 1)] or [nproc * high]
+    if note := resume_global_batch(cfg):
+        print(f"meshrun launch: {note}", file=sys.stderr)
+        validate_for_world(cfg, nproc * high)  # the saved number must divide here too
+    elif note := resolve_global_batch(cfg, worlds):
+        elastic = f" over the worlds of --nnodes {nnodes}" if len(worlds) > 1 else ""
+        print(f"meshrun launch: {note}{elastic}", file=sys.stderr)
 
 
 def _launch(

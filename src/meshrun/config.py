@@ -157,7 +157,8 @@ class DataConfig:
         "Samples per optimizer step over all ranks; kept when the world changes. "
         "0 = micro_batch x data-parallel size, derived and printed (meshrun launch derives it "
         "for the world it starts, one number for all worlds of --nnodes MIN:MAX, and writes "
-        "it into the resolved config; without a launcher init() derives it).",
+        "it into the resolved config; without a launcher init() derives it); a run that "
+        "resumes a checkpoint takes the checkpoint's.",
         min=0,
     )
     micro_batch: int = _f(8, "Samples per forward/backward on one rank.", min=1)
@@ -785,8 +786,11 @@ def reference_markdown() -> str:
         "",
         "A TOML file of the sections below, then `--section.key=value` on the command line. "
         "`meshrun config init` writes a commented template; `meshrun config show` prints the "
-        "effective values. Unknown keys, wrong types and out-of-range values are errors that "
-        "name the key, the value and what is allowed.",
+        "effective values (`--world-size N`: with what is derived for N processes). Unknown "
+        "keys, wrong types and out-of-range values are errors that name the key, the value "
+        "and what is allowed, on every path: a file, `--section.key=value`, a `meshrun launch` "
+        "flag, and a `Config(...)` or section built in code (checked in `__post_init__`, and "
+        "again by `init()` and the launcher, so attributes set later are checked too).",
     ]
     for sec in dataclasses.fields(Config):
         section_type = get_type_hints(Config)[sec.name]

@@ -26,6 +26,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader, Dataset
 
 from meshrun.checkpoint import Checkpointer, Stateful
+from meshrun.checkpoint.resumed_batch import resume_global_batch
 from meshrun.cluster import ClusterEnv, detect
 from meshrun.config import (
     CONFIG_ENV,
@@ -123,6 +124,14 @@ def _resolve_config(config: Config | str | Path | None, argv: Sequence[str] | No
     return load_config(path, overrides)
 
 
+def _resolve_batch(cfg: Config, world_size: int) -> str:
+    """Fill in an unset data.global_batch; return where it came from ("" when it was set)."""
+    if resume_global_batch(cfg) is not None:
+        validate_for_world(cfg, world_size)  # the saved batch must divide on this world too
+        return "from the checkpoint it resumes"
+    return "micro_batch x dp" if resolve_global_batch(cfg, [world_size]) else ""
+
+
 class Run:
     """The runtime of one training process. Create it with :func:`init`."""
 
@@ -133,9 +142,10 @@ class Run:
         # First, before any effect: every value check (also of attributes set after the
         # Config was built), the mesh dims and every world-size check, as the launcher did.
         self.dims = ParallelDims(**validate_for_world(cfg, env.world_size))
-        # Without a launcher's resolved config an unset global batch is derived from this
-        # world; from here on everything (loop, sampler, checkpoints, LR) sees the number.
-        self._derived_batch = resolve_global_batch(cfg, [env.world_size]) is not None
+        # Without a launcher's resolved config an unset global batch is the resumed
+        # checkpoint's, else derived from this world; from here on everything (loop, sampler,
+        # checkpoints, LR) sees the number.
+        self._batch_source = _resolve_batch(cfg, env.world_size)
         self._default_run_dir = not cfg.job.run_dir
         self.device, self.backend = _pick_device(cfg, env)
         if self.device.type == "cpu":  # host memory holds the model: see meshrun/hostmem.py
@@ -205,7 +215,7 @@ class Run:
             self.backend if dist.is_initialized() else "no process group",
             self._mesh_text(),
             c.data.global_batch,
-            " (data.global_batch unset: micro_batch x dp)" if self._derived_batch else "",
+            f" (data.global_batch unset: {self._batch_source})" if self._batch_source else "",
             c.data.micro_batch,
             self.accum,
             self.dp_size,

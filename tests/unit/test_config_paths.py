@@ -263,3 +263,53 @@ def test_k8s_renders_eight_per_node_with_defaults(capsys: pytest.CaptureFixture[
     out, err = capsys.readouterr()
     assert "kind: JobSet" in out
     assert "data.global_batch unset: 8 x 16 = 128" in err
+
+
+# --- a resumed run keeps the saved run's global batch on any world size ----------------------
+
+
+def _checkpoint(root: Path, step: int, global_batch: int) -> Path:
+    from meshrun.checkpoint import layout
+
+    tmp = layout.tmp_dir(root, step)
+    tmp.mkdir(parents=True)
+    (tmp / "state.json").write_text("{}")
+    manifest = layout.build_manifest(tmp, step=step, meta={"global_batch": global_batch})
+    final = layout.step_dir(root, step)
+    layout.commit_dir(tmp, final, manifest)
+    return final
+
+
+def test_an_unset_global_batch_is_the_resumed_checkpoints(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    saved = _checkpoint(run_dir / "checkpoints", 10, 64)  # trained on 8 ranks: 8 x 8
+    cfg = load_config(None, [("job.run_dir", str(run_dir))])
+    written = load_config(_prepare(cfg, 4, "1"))  # resumed on 4: accumulation 2, not 32
+    assert written.data.global_batch == 64
+    assert grad_accumulation(written.data, 4) == 2
+    err = capsys.readouterr().err
+    assert f"data.global_batch unset: 64 from the checkpoint it resumes ({saved})" in err
+    # On a world it does not divide the launcher says so before anything starts.
+    cfg = load_config(None, [("job.run_dir", str(run_dir))])
+    assert "data.global_batch = 64 is not divisible" in _message(lambda: _prepare(cfg, 3, "1"))
+    # checkpoint.resume = never: a fresh run, derived for its own world.
+    cfg = load_config(None, [("job.run_dir", str(run_dir)), ("checkpoint.resume", "never")])
+    assert load_config(_prepare(cfg, 4, "1")).data.global_batch == 32
+
+
+@pytest.mark.timeout(180)  # imports torch: slow on a loaded machine
+def test_init_without_a_launcher_takes_the_resumed_batch_too(tmp_path: Path) -> None:
+    from meshrun.runtime import _resolve_batch
+
+    cfg = load_config(None, [("job.run_dir", str(tmp_path))])
+    assert _resolve_batch(cfg, 2) == "micro_batch x dp"  # nothing to resume: derived
+    assert cfg.data.global_batch == 16
+    _checkpoint(tmp_path / "checkpoints", 4, 48)
+    cfg = load_config(None, [("job.run_dir", str(tmp_path))])
+    assert _resolve_batch(cfg, 2) == "from the checkpoint it resumes"
+    assert cfg.data.global_batch == 48
+    cfg = load_config(None, [("job.run_dir", str(tmp_path)), ("data.global_batch", "16")])
+    assert _resolve_batch(cfg, 2) == ""  # set by the user: kept, the resume checks it
+    assert cfg.data.global_batch == 16
