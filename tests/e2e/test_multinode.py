@@ -238,3 +238,68 @@ def _wait_for_step(run_dir: Path, step: int, cluster: Cluster, timeout: float) -
                 pytest.fail(f"node{i} stopped early:\n{cluster.wait(i, 5)[1][-4000:]}")
         time.sleep(0.5)
     pytest.fail(f"step {step} not reached in {timeout} s")
+
+
+# --- a node cut off from the network exits -------------------------------------------------
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("how", ["by itself", "on SIGTERM"])
+def test_a_host_cut_off_from_the_network_exits(tmp_path: Path, how: str) -> None:
+    """Host 1's link goes down mid-run. Its worker ends through the hang watchdog, while its
+    agent is blocked in a call to the store it cannot reach (host 0's: the rendezvous's
+    every-tick check for waiting nodes): it used to sit there for over 12 minutes, its worker
+    a zombie, deaf to SIGTERM. Now it exits within the join timeout + 30 s,
+    saying it lost the rendezvous, or within 30 s of a SIGTERM."""
+    join_s, step_timeout_s = 20, 5
+    run_dir = tmp_path / "cut"
+    train = [
+        str(SCRIPTS / "slow_resumable.py"), f"--job.run_dir={run_dir}", "--optim.steps=400",
+        "--checkpoint.interval=5", "--data.global_batch=8", "--data.micro_batch=4",
+        f"--monitor.step_timeout_s={step_timeout_s}",
+    ]  # fmt: skip
+    with nodes(2) as cluster:
+        for i in (1, 0):  # the non-host first: it waits for the store, then joins
+            args = _launch_args(cluster.endpoint, "1:2", 0, "--max-restarts", "3")
+            args += ["--rdzv-conf", "last_call_timeout=3", "--join-timeout", str(join_s)]
+            cluster.start(i, *args, *train)
+        _wait_for_world(run_dir, cluster, timeout=150)
+        cluster.net.unplug(1)  # inside host 1's own namespace: only our hosts are involved
+        cut = time.monotonic()
+        if how == "on SIGTERM":
+            time.sleep(step_timeout_s + 8)  # its worker has gone; its agent is in the rendezvous
+            os.kill(cluster.procs[1].pid, signal.SIGTERM)
+            cut = time.monotonic()
+        rc, out = cluster.wait(1, join_s + 60)
+        took = time.monotonic() - cut
+        pids = subprocess.run(
+            ["ip", "netns", "pids", cluster.net.names[1]], capture_output=True, text=True
+        ).stdout.split()
+    print(f"host 1: exit {rc} {took:.1f} s after the {'SIGTERM' if how != 'by itself' else 'cut'}")
+    print(out[-3000:])
+    assert rc != 0
+    if how == "by itself":
+        assert took < join_s + 30, out[-3000:]  # the product's promise
+        assert "meshrun launch: lost the rendezvous" in out, out[-3000:]
+    else:
+        assert took < 30, out[-3000:]
+        assert rc == 128 + signal.SIGTERM, out[-3000:]
+    assert "meshrun watchdog: rank 1 " in out  # its worker ended through the watchdog
+    assert pids == [], pids  # nothing left running or unreaped inside host 1
+
+
+def _wait_for_world(run_dir: Path, cluster: Cluster, timeout: float) -> None:
+    """Until the job trains on both hosts (world 2) past a few steps."""
+    deadline = time.monotonic() + timeout
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        outs = [p for p in cluster.procs.values() if p.poll() is not None]
+        if outs:
+            pytest.fail(f"a host stopped early:\n{outs[0].communicate()[0][-4000:]}")
+        both = (run_dir / "logs" / "rank1.log").exists()  # meshrun's log of the second rank
+        with suppress(json.JSONDecodeError, OSError):
+            rows = _steps(run_dir) if metrics.exists() else []
+            if both and rows and rows[-1]["step"] >= 6:
+                return
+        time.sleep(0.5)
+    pytest.fail(f"the two-host job did not reach step 6 in {timeout} s")

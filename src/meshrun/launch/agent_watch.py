@@ -11,9 +11,11 @@ without an answer; this module adds one for each:
   The failing ranks are not in the metrics: a thin wrapper of the agent's ``_monitor_workers``
   (private; skipped where missing) remembers its last failures for that line.
 - **A node cut off from the network never exits.** Its worker exits through the hang
-  watchdog, and the agent re-enters its rendezvous against a store it cannot reach, where it
-  blocks in a TCP read for as long as the kernel retries (15 minutes or more), deaf to
-  SIGTERM: a Python signal handler runs only when the main thread returns from C++. So on a
+  watchdog, but the agent's main thread is blocked in a call to the store it cannot reach
+  (the rendezvous's check for waiting nodes, every monitor tick; or the next rendezvous), a
+  TCP read that lasts as long as the kernel retries (15 minutes or more): it never reaps the
+  worker, and is deaf to SIGTERM, as a Python signal handler runs only when the main thread
+  returns from C++. So on a
   multi-node launch, when no worker has run here for ``join_timeout_s + RDZV_GRACE_S`` while
   the agent is not finished, the launcher says it lost the rendezvous, ends what is left and
   exits 1.
@@ -133,8 +135,8 @@ class AgentWatch:
                 self._leave(
                     f"lost the rendezvous: no worker has run on this node for "
                     f"{now - idle_since:.0f} s (launch.join_timeout_s + {RDZV_GRACE_S:g} s) and "
-                    f"the agent could not form the rendezvous again{self.rdzv_hint}; is this "
-                    "node cut off from the network? Exiting 1",
+                    f"the agent has not moved on: the rendezvous store{self.rdzv_hint} does "
+                    "not answer. Is this node cut off from the network? Exiting 1",
                     1,
                 )
 
