@@ -138,6 +138,11 @@ def test_standalone_ignores_rendezvous_flags_aloud() -> None:
     assert any("--rdzv-endpoint h0:7000" in n and "ignored" in n for n in r.notes), r.notes
 
 
+def test_master_addr_without_port_on_one_node_is_said_to_be_ignored() -> None:
+    r = resolve(_parse("--master_addr", "10.0.0.1"))
+    assert any("--master-addr 10.0.0.1 ignored" in n for n in r.notes), r.notes
+
+
 def test_master_flags_with_a_c10d_endpoint_are_said_to_be_ignored() -> None:
     r = resolve(_parse("--rdzv-endpoint", "h0:7000", "--master-port", "7001"))
     assert r.spec["rdzv_backend"] == "c10d" and r.launch_flags == {}

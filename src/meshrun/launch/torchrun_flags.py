@@ -305,7 +305,7 @@ def rendezvous(a: argparse.Namespace, notes: list[str]) -> tuple[str, dict[str, 
                 "(as in torchrun); this launch uses c10d at --rdzv-endpoint"
             )
         return "c10d", {}
-    return _static(a)
+    return _static(a, notes)
 
 
 def _standalone(a: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
@@ -332,13 +332,18 @@ def _standalone(a: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
     return {"nnodes": "1", "rdzv_endpoint": ""}
 
 
-def _static(a: argparse.Namespace) -> tuple[str, dict[str, Any]]:
+def _static(a: argparse.Namespace, notes: list[str]) -> tuple[str, dict[str, Any]]:
     """torchrun's static rendezvous: at --rdzv-endpoint, else MASTER_ADDR:MASTER_PORT. On one
     node without a port torchrun runs a local c10d rendezvous instead, and so does meshrun."""
     if a.rdzv_endpoint:
         return "static", {}
     max_nodes = (a.nnodes or "1").split(":")[-1]
     if a.master_port is None and max_nodes == "1":
+        if a.master_addr is not None:
+            notes.append(
+                f"--master-addr {a.master_addr} ignored: one node without --master-port runs "
+                "a local rendezvous on a free port (as in torchrun)"
+            )
         return "c10d", {}  # meshrun's single node: loopback c10d on a free port
     if a.master_addr is None and a.master_port is None:
         # No address at all: meshrun's "--nnodes N needs an endpoint" error, not torchrun's
