@@ -313,3 +313,18 @@ def test_init_without_a_launcher_takes_the_resumed_batch_too(tmp_path: Path) -> 
     cfg = load_config(None, [("job.run_dir", str(tmp_path)), ("data.global_batch", "16")])
     assert _resolve_batch(cfg, 2) == ""  # set by the user: kept, the resume checks it
     assert cfg.data.global_batch == 16
+
+
+def test_scale_test_keeps_one_derived_global_batch_for_every_size(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import argparse
+
+    from meshrun.monitor.scale import _configs
+
+    a = argparse.Namespace(args=[], steps=None, config=None, set=[], out=str(tmp_path))
+    configs = _configs(a, None, [1, 2, 3])
+    assert {n: c.data.global_batch for n, c in configs.items()} == {1: 48, 2: 48, 3: 48}
+    assert "8 x 6 = 48 (micro_batch x data-parallel size; 6 = lcm of the sizes [1, 2, 3])" in (
+        capsys.readouterr().err
+    )
