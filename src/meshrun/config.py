@@ -500,11 +500,18 @@ def check_section(section: Any) -> None:
     with the message a TOML file would get."""
     section_type: type = type(section)
     name = _section_names().get(section_type, section_type.__name__)
+    errors = []  # every bad value of the section at once: ParallelConfig(zero=7, param_dtype=..)
     for key, (f, tp) in _field_map(section_type).items():
         value = getattr(section, f.name)
-        coerced = _checked(f"{name}.{key}", value, f, tp, from_text=False)
+        try:
+            coerced = _checked(f"{name}.{key}", value, f, tp, from_text=False)
+        except ConfigError as e:
+            errors.append(str(e))
+            continue
         if coerced is not value:
             setattr(section, f.name, coerced)
+    if errors:
+        raise ConfigError("; ".join(errors))
 
 
 def validate(cfg: Config) -> Config:

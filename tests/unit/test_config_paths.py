@@ -63,6 +63,12 @@ def test_a_section_built_in_code_is_checked_where_it_is_made(
         assert part in message, message
 
 
+def test_every_bad_value_of_a_section_is_named_at_once() -> None:
+    message = _message(lambda: ParallelConfig(zero=7, param_dtype="fp8"))  # type: ignore[arg-type]
+    assert "parallel.zero = 7 is out of range: must be <= 3" in message
+    assert "parallel.param_dtype = 'fp8' is not allowed" in message
+
+
 def test_code_file_and_command_line_give_the_same_message(tmp_path: Path) -> None:
     in_code = _message(lambda: ParallelConfig(zero=7))
     path = tmp_path / "c.toml"
