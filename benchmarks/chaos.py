@@ -800,22 +800,37 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-restarts", type=int, default=2)
     p.add_argument("--timeout", type=float, default=300.0, help="seconds allowed per run")
     p.add_argument("--dir", default="/tmp/meshrun-chaos", help="where runs are written")
+    p.add_argument(
+        "--max-minutes",
+        type=float,
+        default=math.inf,
+        help="start no run after this many minutes; the tally says how many of --n ran",
+    )
     p.add_argument("--keep", action="store_true", help="keep the run directories of passed runs")
     p.add_argument("--json", help="write every run's result and the tally to this file")
     a = p.parse_args(argv)
     faults = parse_names(a.faults, FAULTS, "fault")
     configs = parse_names(a.configs, tuple(CONFIGS), "config")
+    if a.n < 1 or a.interval < 1:
+        raise SystemExit(f"--n {a.n}, --interval {a.interval}: both must be at least 1")
+    if "disk_full" in faults and os.geteuid() != 0:
+        raise SystemExit(
+            "--faults includes disk_full, which mounts a tmpfs: run as root, or leave it out "
+            f"(--faults {','.join(f for f in faults if f != 'disk_full')})"
+        )
     if a.steps < 3 * a.interval:
         raise SystemExit(f"--steps {a.steps}: needs at least 3 x --interval ({3 * a.interval})")
     s = Settings(a.steps, a.interval, a.step_timeout, a.max_restarts, a.timeout, Path(a.dir))
     s.root.mkdir(parents=True, exist_ok=True)
     # Workers orphaned by kill_agent become our children, so that we can find and reap them.
     ctypes.CDLL(None).prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
-    results = run_all(a.n, a.seed, faults, configs, s, a.keep)
+    results = run_all(a.n, a.seed, faults, configs, s, a.keep, a.max_minutes)
     table = tally(results, faults)
     passed = sum(r["passed"] for r in results)
     final = f"chaos: {passed}/{len(results)} runs passed (bitwise equal, finished, no checkpoint "
     final += f"lost), seed {a.seed}, {a.steps} steps, checkpoint every {a.interval}"
+    if len(results) < a.n:
+        final += f"; only {len(results)} of the {a.n} planned runs fitted in --max-minutes"
     notes = findings(results, a.step_timeout)
     table += ["", *notes] if notes else []
     print("\n" + "\n".join(table) + "\n" + final, flush=True)
@@ -835,11 +850,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run_all(
-    n: int, seed: int, faults: list[str], configs: list[str], s: Settings, keep: bool
+    n: int,
+    seed: int,
+    faults: list[str],
+    configs: list[str],
+    s: Settings,
+    keep: bool,
+    max_minutes: float,
 ) -> list[dict[str, Any]]:
     refs: dict[str, Reference] = {}
-    results = []
+    results: list[dict[str, Any]] = []
+    t_start = time.monotonic()
     for i, (fault, config) in enumerate(plan(n, faults, configs)):
+        if time.monotonic() - t_start > max_minutes * 60:
+            print(f"time budget (--max-minutes {max_minutes:g}) spent: {i} of {n} runs done")
+            break
         if config not in refs:
             t0 = time.monotonic()
             refs[config] = reference(config, s)
