@@ -3,6 +3,14 @@
 Nothing is downloaded: the corpus is the ``.py`` files of the local Python installation. The
 loop is a plain PyTorch loop with meshrun's few lines; read it top to bottom. Run it with
 ``meshrun demo`` or, like any script, ``meshrun launch --nproc-per-node 2 -m meshrun.demo``.
+It runs under every layout of docs/parallel.md by overrides (``--parallel.zero 1``,
+``--parallel.pp 2``, ``--parallel.tp 2`` ...): one loop, in which pipeline parallelism changes
+two things, both marked: the model is built with ``run.pipeline`` and its schedule runs each
+micro-batch's forward and backward (``run.pipeline_step``).
+
+What the run proves is printed at the end: the exact validation loss before and after
+training, against the loss of a uniform guess over the 257 ids (ln 257 = 5.55 nats: a model
+that has learned nothing), and the throughput.
 
 Flags: ``--steps N``, ``--run-dir DIR``, ``--size tiny|small``, plus any ``--section.key=value``.
 """
@@ -10,21 +18,26 @@ Flags: ``--steps N``, ``--run-dir DIR``, ``--size tiny|small``, plus any ``--sec
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import replace
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
+import torch.nn.functional as F
+from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.utils.data import Subset
 
 import meshrun
 from meshrun.data import TokenDataset
-from meshrun.demo.corpus import decode, demo_tokens_dir, prepare_demo_tokens
+from meshrun.demo.corpus import demo_tokens_dir, prepare_demo_tokens
 from meshrun.demo.model import GPT, GPTConfig, demo_config
+from meshrun.parallel.pp import Pipeline
 from meshrun.plan.cost import Model, model_flops_per_iteration
 
 DEFAULT_CONFIG = Path(__file__).with_name("demo.toml")
@@ -58,31 +71,21 @@ def plan_flops_per_token(cfg: GPTConfig) -> float:
     return model_flops_per_iteration(shape, batch=1) / cfg.seq_len
 
 
-@torch.no_grad()
-def whole(t: torch.Tensor) -> torch.Tensor:
+def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
+    """Next-byte cross-entropy, as ``GPT.forward`` computes it; the pipeline's last stage calls
+    it on each chunk's logits."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def whole(t: Tensor) -> Tensor:
     """Loss parallel keeps logits (and so the loss) as DTensors sharded over the vocabulary:
     the whole tensor where the demo reads it (a collective: every rank calls it)."""
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def evaluate(run: meshrun.Run, model: nn.Module, val: TokenDataset) -> float:
-    """Exact mean loss over the validation windows: each window once across ranks."""
-    net = model.module if isinstance(model, DDP) else model  # no DDP sync in eval
-    net.eval()
-    totals = torch.zeros(2, device=run.device)  # [sum of losses, count]
-    for batch in run.dataloader(val, mode="eval"):
-        x, y = batch["input"].to(run.device), batch["target"].to(run.device)
-        with run.loss_parallel():  # parallel.loss_parallel: cross-entropy on sharded logits
-            totals[0] += whole(net(x, y)) * x.shape[0]
-        totals[1] += x.shape[0]
-    net.train()
-    run.all_reduce_sum(totals)  # once, at the end: ranks may hold one window more or less
-    return float(totals[0] / totals[1])
-
-
 def demo_datasets(
     run: meshrun.Run, seq_len: int, limit_bytes: int
-) -> tuple[TokenDataset, TokenDataset]:
+) -> tuple[TokenDataset, Subset[dict[str, Tensor]]]:
     """Train and validation samples of the stdlib corpus, through meshrun's data pipeline:
     rank 0 prepares the token shards once under ``RUN_DIR/corpus`` (reused by later runs and
     resumes), the others wait, then every rank maps them. Validation is the tail."""
@@ -91,22 +94,68 @@ def demo_datasets(
         prepare_demo_tokens(cache, limit_bytes, log=run.log.info)
     if dist.is_initialized():
         dist.barrier()  # the shards exist before any rank opens them
-    return TokenDataset(demo_tokens_dir(cache, limit_bytes), seq_len).split(0.02)
+    train, val = TokenDataset(demo_tokens_dir(cache, limit_bytes), seq_len).split(0.02)
+    # Validation keeps a multiple of the global batch: every data-parallel rank then gets the
+    # same number of whole micro-batches, which sharded layouts need (each forward is a
+    # collective) and pipelines too (the schedule's chunks have one shape), and the loss is
+    # over the same windows on every layout and world size, so runs compare exactly.
+    g = run.config.data.global_batch
+    return train, Subset(val, range(len(val) // g * g))
 
 
-@torch.no_grad()
-def sample(model: nn.Module, prompt: bytes, n: int, seq_len: int, device: torch.device) -> str:
-    """A seeded top-k continuation of ``prompt``, to show what the model has learned."""
-    net = model.module if isinstance(model, DDP) else model
-    net.eval()
-    gen = torch.Generator(device=device).manual_seed(0)
-    ids = torch.tensor(list(prompt), dtype=torch.long, device=device)[None]
-    for _ in range(n):
-        logits = whole(net(ids[:, -seq_len:]))[:, -1] / 0.8  # temperature < 1: fewer odd bytes
-        top = torch.topk(logits, k=10)
-        choice = torch.multinomial(top.values.softmax(-1), 1, generator=gen)
-        ids = torch.cat([ids, top.indices.gather(-1, choice)], dim=1)
-    return decode(ids[0])
+def validate(
+    run: meshrun.Run, model: nn.Module | Pipeline, val: Subset[dict[str, Tensor]]
+) -> tuple[int, float]:
+    """(step, exact validation loss), also a line of metrics.jsonl (``"event": "eval"``)."""
+    with run.phase("eval"):  # the hang watchdog's longer limit for a pass outside the steps
+        loss = evaluate(run, model, val)
+    run.metrics.log_event("eval", at_step=run.step, val_loss=loss, windows=len(val))
+    return run.step, loss
+
+
+@torch.no_grad()  # evaluation builds no autograd graph
+def evaluate(
+    run: meshrun.Run, model: nn.Module | Pipeline, val: Subset[dict[str, Tensor]]
+) -> float:
+    """Exact mean loss over the validation windows: each window once across ranks."""
+    totals = torch.zeros(2, device=run.device)  # [sum of losses, count]
+    set_training(model, False)
+    for batch in run.dataloader(val, mode="eval"):
+        x, y = batch["input"].to(run.device), batch["target"].to(run.device)
+        loss = forward_loss(run, model, x, y)
+        if loss is not None:  # under pp only the last stage's ranks have it
+            totals[0] += loss * x.shape[0]
+            totals[1] += x.shape[0]
+    set_training(model, True)
+    # Over every rank, once at the end: data-parallel ranks hold different windows, the
+    # pipeline's other stages zeros, and tp ranks equal sums (the ratio cancels them).
+    if dist.is_initialized():
+        dist.all_reduce(totals)
+    return float(totals[0] / totals[1])
+
+
+def forward_loss(
+    run: meshrun.Run, model: nn.Module | Pipeline, x: Tensor, y: Tensor
+) -> Tensor | None:
+    """The mean loss of one batch from a forward pass alone; None on pipeline stages that
+    do not hold the head."""
+    if not isinstance(model, Pipeline):
+        net = model.module if isinstance(model, DDP) else model  # no DDP sync in eval
+        with run.loss_parallel():  # parallel.loss_parallel: cross-entropy on sharded logits
+            return whole(net(x, y))
+    # The stages live on different ranks, so only the schedule can run them: its eval() runs
+    # the chunks forward without a backward (torch.distributed.pipelining). It takes the
+    # targets because it computes its own chunk losses (scaled for the training step); the
+    # demo recomputes the loss from the last stage's merged logits instead.
+    first, last = model.is_first, model.is_last
+    with run.loss_parallel() if model.loss_parallel else nullcontext():
+        logits = model.schedule.eval(*([x] if first else []), target=y if last else None)
+        return whole(lm_loss(logits, y)) if last else None
+
+
+def set_training(model: nn.Module | Pipeline, mode: bool) -> None:
+    for module in model.modules if isinstance(model, Pipeline) else [model]:
+        module.train(mode)
 
 
 @meshrun.main
@@ -120,9 +169,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     train, val = demo_datasets(run, demo_config(args.size).seq_len, args.corpus_bytes)
     # The vocabulary comes from the data: 256 bytes + the end-of-document id = 257.
     model_cfg = replace(demo_config(args.size), vocab_size=train.manifest.vocab_size)
-    model = run.parallelize(GPT(model_cfg))
-    opt = torch.optim.AdamW(
-        model.parameters(),
+    gpt = GPT(model_cfg)
+    n_params = gpt.num_params()
+    # The layout comes from [parallel]. A pipelined model (parallel.pp > 1) is split into
+    # stages on different ranks, so nobody calls it: its schedule runs forward and backward,
+    # and calls lm_loss on the last stage.
+    model = run.pipeline(gpt, lm_loss) if cfg.parallel.pp > 1 else run.parallelize(gpt)
+    # run.optimizer, not torch.optim.AdamW(...): under parallel.zero = 1 its state is sharded
+    # over the data-parallel ranks (a ZeroRedundancyOptimizer); otherwise it is the plain one.
+    opt = run.optimizer(
+        model,
+        torch.optim.AdamW,
         lr=run.scaled_lr(),
         betas=(0.9, 0.95),
         weight_decay=cfg.optim.weight_decay,
@@ -132,7 +189,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     if run.is_main:
         run.log.info(
             "model: %.2fM parameters | corpus: %d train / %d val samples of %d tokens",
-            sum(p.numel() for p in model.parameters()) / 1e6,
+            n_params / 1e6,
             len(train),
             len(val),
             model_cfg.seq_len,
@@ -140,27 +197,42 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     loader = run.dataloader(train)
     run.resume(model, opt, loader)  # newest valid checkpoint under [checkpoint] dir, if any
+    start = validate(run, model, val)  # the baseline: what the steps improve on
     for batch in run.steps(loader):
-        with run.loss_parallel():  # a no-op unless parallel.loss_parallel = true
-            loss = model(batch["input"], batch["target"])
-        run.backward(loss)
+        if isinstance(model, Pipeline):  # the schedule: forward + backward of the micro-batch
+            run.pipeline_step(model, batch["input"], batch["target"])
+        else:
+            with run.loss_parallel():  # a no-op unless parallel.loss_parallel = true
+                loss = model(batch["input"], batch["target"])
+            run.backward(loss)
         run.optimizer_step(opt)
 
-    val_loss = evaluate(run, model, val)
+    end = validate(run, model, val)
     path = run.save_checkpoint()
-    # Every rank samples: a sharded model (FSDP, tensor parallel) needs all ranks in each forward.
-    text = sample(model, b"def ", 160, model_cfg.seq_len, run.device)
     if run.is_main:
-        run.log.info(
-            "validation loss %.4f (exact, %d samples) | checkpoint %s", val_loss, len(val), path
-        )
-        run.log.info(
-            "sample after %d steps (byte-level: it learns spelling first; --steps 1000 writes more "
-            "Python-like text):\n  %s",
-            run.step,
-            text.replace("\n", "\n  "),
-        )
+        report(run, model_cfg.vocab_size, start, end, len(val), path)
     run.close()
+
+
+def report(
+    run: meshrun.Run,
+    vocab: int,
+    start: tuple[int, float],
+    end: tuple[int, float],
+    n_val: int,
+    path: Path,
+) -> None:
+    """What the run proves. A byte-level model's samples stay noise until its loss is far
+    below what a short run reaches, so the evidence is the loss itself: against the start,
+    and against a uniform guess over the vocabulary (what a model that learned nothing
+    scores)."""
+    rate = run.metrics.summary().get("tokens_per_s", 0.0)  # median over the steps
+    run.log.info(
+        "validation loss (exact, %d windows): step %d %.4f -> step %d %.4f nats per token "
+        "(%.2f bits); a uniform guess over the %d ids scores ln %d = %.4f",
+        *(n_val, *start, *end, end[1] / math.log(2), vocab, vocab, math.log(vocab)),
+    )
+    run.log.info("throughput %s tokens/s | checkpoint %s", f"{rate:,.0f}", path)
 
 
 if __name__ == "__main__":
