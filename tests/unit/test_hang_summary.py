@@ -4,7 +4,10 @@ functions on failure records and the files the watchdog and the launcher write."
 from __future__ import annotations
 
 import json
+import os
 import signal
+import subprocess
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -13,7 +16,14 @@ import pytest
 
 from meshrun.launch.agent_watch import AgentWatch, describe_failures
 from meshrun.launch.summary import HangStates, summarize_failures
-from meshrun.monitor.watchdog import ENDED_FILE, HANG_DIR, Watchdog, hang_report, hang_states
+from meshrun.monitor.watchdog import (
+    ENDED_FILE,
+    HANG_DIR,
+    Watchdog,
+    hang_report,
+    hang_states,
+    local_workers,
+)
 
 
 @dataclass
@@ -106,3 +116,26 @@ def test_the_restart_line_follows_the_agents_metrics() -> None:
     # The agent SIGTERMs the survivors of a failure: they are not what failed.
     stopped = {0: Failure(0, -signal.SIGTERM), 1: Failure(1, 3)}
     assert describe_failures(stopped) == "rank 1: exit code 3"
+
+
+@pytest.mark.timeout(20)
+def test_local_workers_finds_stopped_children_and_skips_zombies() -> None:
+    env = {**os.environ}
+    procs = [
+        subprocess.Popen(["sleep", "30"], env={**env, "RANK": str(rank)}) for rank in (0, 1, 2)
+    ]
+    try:
+        os.kill(procs[1].pid, signal.SIGSTOP)
+        procs[2].kill()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:  # until the kernel shows both changes
+            found = {w.rank: w for w in local_workers(os.getpid())}
+            if set(found) == {0, 1} and found[1].stopped:
+                break
+            time.sleep(0.05)
+        assert set(found) == {0, 1}  # rank 2 is a zombie (exited, not reaped): not a worker
+        assert found[1].stopped and found[1].state == "T" and not found[0].stopped
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()

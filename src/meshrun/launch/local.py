@@ -300,7 +300,7 @@ def _run_agent(
     except KeyboardInterrupt:
         return _interrupted(signal.SIGINT)
     except Exception as err:  # the agent itself failed: rendezvous timeout, bad endpoint...
-        print(_agent_failed(err), file=sys.stderr, flush=True)
+        print(_agent_failed(err, network is not None), file=sys.stderr, flush=True)
         return 1
     finally:
         stop_watch.set()
@@ -321,10 +321,10 @@ def _report_failure(
     return report.exit_code
 
 
-def _agent_failed(err: BaseException) -> str:
+def _agent_failed(err: BaseException, multinode: bool) -> str:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
-    if isinstance(err, RendezvousError):  # e.g. the store went away while re-forming
+    if multinode and isinstance(err, RendezvousError):  # the other nodes' store went away
         return f"meshrun launch: lost the rendezvous: {_one_line(err)}"
     return f"meshrun launch: the torchrun agent failed: {_one_line(err)}"
 

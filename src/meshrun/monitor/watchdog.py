@@ -340,7 +340,7 @@ def local_workers(parent: int) -> list[Worker]:
     """``parent``'s live child processes that are torchrun workers (RANK in their environment);
     zombies (exited, not yet reaped) are left out. Linux /proc; empty elsewhere."""
     found: list[Worker] = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
+    for stat in _child_stats(parent):
         try:
             # "pid (comm) state ppid ...": comm may hold spaces, so split after its ')'.
             fields = stat.read_text().rsplit(")", 1)[1].split()
@@ -353,6 +353,21 @@ def local_workers(parent: int) -> list[Worker]:
         except (OSError, IndexError, ValueError):
             continue  # the process ended while we looked
     return found
+
+
+def _child_stats(parent: int) -> list[Path]:
+    """/proc/PID/stat of ``parent``'s children: from the kernel's per-thread children lists
+    (a few reads; the launcher polls this twice a second), else from a scan of all of /proc."""
+    lists = list(Path(f"/proc/{parent}/task").glob("*/children"))
+    pids: set[str] = set()
+    try:
+        for children in lists:
+            pids.update(children.read_text().split())
+    except OSError:
+        lists = []  # a thread ended while we looked: scan instead
+    if not lists:  # a kernel without CONFIG_PROC_CHILDREN
+        return list(Path("/proc").glob("[0-9]*/stat"))
+    return [Path(f"/proc/{pid}/stat") for pid in pids]
 
 
 def watch_for_hangs(run_dir: str | Path, since: float, stop: threading.Event) -> None:
