@@ -38,8 +38,8 @@ MARKER_PREFIX = ".meshrun-shared-"
 LOOK_S = 2.0
 
 
-class UnsharedStorageError(ConfigError):
-    """The run directory is not the same directory on every rank."""
+class RunDirError(ConfigError):
+    """The run directory is not the same directory on every rank, or not writable."""
 
 
 @dataclass(frozen=True)
@@ -109,15 +109,20 @@ def _write_marker(path: Path, host: str) -> None:
 
 
 def check_shared_run_dir(run_dir: Path, host: str, wait_s: float = LOOK_S) -> None:
-    """Raise :class:`UnsharedStorageError` on every rank unless every rank sees a file that
+    """Raise :class:`RunDirError` on every rank unless every rank sees a file that
     rank 0 writes in ``run_dir`` (a collective: every rank calls it; one process: nothing)."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return
-    name = [""]
+    name = ["", ""]  # [the marker's name, why rank 0 could not write it]
     if dist.get_rank() == 0:
         name[0] = marker_name(job_id(os.environ), secrets.token_hex(6))
-        _write_marker(run_dir / name[0], host)
+        try:
+            _write_marker(run_dir / name[0], host)
+        except OSError as e:  # e.g. a full disk: every rank must stop, not wait for rank 0
+            name[1] = f"job.run_dir {run_dir}: rank 0 on {host} cannot write in it: {e}"
     dist.broadcast_object_list(name, src=0)  # after the write: the name says the file exists
+    if name[1]:
+        raise RunDirError(name[1])
     marker = run_dir / name[0]
     mine = Sighting(dist.get_rank(), host, str(run_dir.resolve()), _look(marker, wait_s))
     sightings: list[Sighting | None] = [None] * dist.get_world_size()
@@ -126,4 +131,4 @@ def check_shared_run_dir(run_dir: Path, host: str, wait_s: float = LOOK_S) -> No
         marker.unlink(missing_ok=True)
     message = unshared_message([s for s in sightings if s is not None], name[0])
     if message:
-        raise UnsharedStorageError(message)
+        raise RunDirError(message)
