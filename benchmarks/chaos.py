@@ -422,7 +422,7 @@ def fault_kill_agent(run: Run, deadline: float) -> None:
     assert run.proc is not None
     os.killpg(run.proc.pid, signal.SIGKILL)
     run.mark_fault(f"SIGKILL of the agent's process group after step {k}")
-    run.proc.wait()
+    run.exit_codes.append(run.proc.wait())
     time.sleep(0.2)  # long enough for a worker that watches its parent to notice
     left = [p for p in pids if alive(p)]
     run.extra["outlived_agent"] = [len(left), len(pids)]
@@ -444,7 +444,9 @@ def fault_stop(run: Run, deadline: float) -> None:
     time.sleep(run.rng.uniform(0.0, 0.08))
     pid, rank = random_worker(run, deadline)
     os.kill(pid, signal.SIGSTOP)
-    run.mark_fault(f"SIGSTOP local rank {rank} after step {k} (left stopped)")
+    saving = sorted(p.name for p in run.ckpt_dir.glob("step_*.tmp"))
+    during = f", during the save {saving[0]}" if saving else ""
+    run.mark_fault(f"SIGSTOP local rank {rank} after step {k} (left stopped{during})")
     note_checkpoints(run)
     while alive(pid) and run.running() and time.monotonic() < deadline:
         time.sleep(0.05)
@@ -642,7 +644,7 @@ def one_run(run: Run, ref: Reference) -> dict[str, Any]:
             run.failures.append(f"fault not injected: {e}")
         except (OSError, subprocess.CalledProcessError) as e:  # e.g. mount refused
             run.failures.append(f"benchmark error while injecting the fault: {e!r}")
-        if run.running() and run.wait_exit(deadline) is None:
+        if len(run.exit_codes) < len(run.logs) and run.wait_exit(deadline) is None:
             run.failures.append(f"did not finish within {run.s.timeout_s:.0f} s")
         result = evaluate(run, ref)
     finally:
@@ -744,9 +746,11 @@ def findings(results: list[dict[str, Any]], step_timeout_s: float) -> list[str]:
         )
     ended = [r["stopped_ended_s"] for r in results if "stopped_ended_s" in r]
     if ended:
+        within = sum(e <= step_timeout_s + 10 for e in ended)
         out.append(
             f"stop: the stopped worker was ended {statistics.median(ended):.1f} s (median; max "
-            f"{max(ended):.1f} s) after SIGSTOP, with monitor.step_timeout_s = {step_timeout_s:g}"
+            f"{max(ended):.1f} s) after SIGSTOP, with monitor.step_timeout_s = {step_timeout_s:g}; "
+            f"within step_timeout_s + 10 s in {within} of {len(ended)} run(s)"
         )
     return out
 
