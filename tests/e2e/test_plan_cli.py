@@ -29,7 +29,6 @@ def test_plan_for_1024_gpus_as_a_subprocess(tmp_path: Path) -> None:
         f"70B-shaped model on 1024 H100: search {doc['search_s']:.2f} s, "
         f"{doc['evaluated']} layouts, whole command {wall:.1f} s (mostly importing torch)"
     )
-    assert doc["search_s"] < 2.0
     # Llama-3-70B's shape (it has 70.6B with an untied output layer; the GPT formula ties it).
     assert doc["params"] == pytest.approx(69.5e9, rel=0.01)
     best = doc["layouts"][0]
