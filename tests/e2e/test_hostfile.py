@@ -127,7 +127,7 @@ def test_hostfile_launch_runs_the_demo_on_two_hosts(
         assert f"[{addr}] meshrun launch: 1 process x 2 nodes" in err
         assert f"[{addr}] meshrun launch: 2 nodes joined [node1, node2]" in err
     assert "OMP_NUM_THREADS=1" in err
-    assert f"[{a1}] [default0]:step 3/3" in out  # global rank 0 lives on the first host
+    assert f"[{a1}] step 3/3" in out  # global rank 0 lives on the first host
     # Whole lines only: every line carries exactly one host prefix at its start.
     # split("\n"), not splitlines(): the demo's sample text holds \x0c, \x1c and the like.
     lines = [ln for ln in (out + err).split("\n") if ln.strip()]
@@ -159,7 +159,7 @@ def _start_long_run(
     with out.open("wb") as o, err.open("wb") as e:
         proc = subprocess.Popen(argv, cwd=work, env=_env(), stdout=o, stderr=e)
     # Training is under way on both hosts once global rank 0 logs a step.
-    _wait_for(out, f"[{net.address(1)}] [default0]:step ", proc, LAUNCH_TIMEOUT_S)
+    _wait_for(out, f"[{net.address(1)}] step ", proc, LAUNCH_TIMEOUT_S)
     return proc, out, err
 
 
