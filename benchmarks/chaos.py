@@ -428,7 +428,7 @@ def fault_kill_agent(run: Run, deadline: float) -> None:
     run.extra["outlived_agent"] = [len(left), len(pids)]
     run.notes.append(
         f"{len(left)}/{len(pids)} workers still alive 0.2 s after the agent's process group was "
-        "SIGKILLed (torchrun starts workers in their own session); the benchmark killed them"
+        "SIGKILLed (torchrun starts each worker with setsid); the benchmark killed them"
     )
     _kill(left)
     while any(alive(p) for p in left):
@@ -742,7 +742,7 @@ def findings(results: list[dict[str, Any]], step_timeout_s: float) -> list[str]:
         out.append(
             f"kill_agent: {alive_n} of {total} workers were still running 0.2 s after their "
             f"agent's process group was SIGKILLed ({len(outlived)} run(s); torchrun starts each "
-            "worker in its own session); the benchmark killed them, as a lost node would"
+            "worker with setsid); the benchmark killed them, as a lost node would"
         )
     ended = [r["stopped_ended_s"] for r in results if "stopped_ended_s" in r]
     if ended:
