@@ -395,8 +395,11 @@ def end_hung_workers(folder: Path, since: float, stop: threading.Event) -> dict[
     reported = {d.rank for d in _fresh_dumps(folder, since)}
     doomed = {w.rank: w for w in workers if w.stopped or w.rank not in reported}
     ended = {r: (STOPPED if w.stopped else NOT_RESPONDING) for r, w in doomed.items()}
-    # Written before any kill, so the summary knows these SIGKILLs were meshrun's own.
-    (folder / ENDED_FILE).write_text(json.dumps({str(r): why for r, why in ended.items()}))
+    # Written before any kill, so the summary knows these SIGKILLs were meshrun's own. Merged
+    # with what the launcher of another node wrote there (a shared run directory).
+    if ended:
+        merged = read_ended(folder.parent, since) | ended
+        (folder / ENDED_FILE).write_text(json.dumps({str(r): w for r, w in merged.items()}))
     for rank, w in sorted(doomed.items()):
         print(
             f"meshrun launch: rank {rank} (pid {w.pid}) is {ended[rank]}"
