@@ -16,6 +16,7 @@ from typing import Any
 from meshrun import __version__
 from meshrun.checkpoint.cli import add_parser as _add_ckpt
 from meshrun.cliargs import DEMO_CONFIG, DEMO_MODULE, add_set, add_target, default_config
+from meshrun.cliout import quiet_on_broken_pipe
 from meshrun.config import (
     Config,
     ConfigError,
@@ -386,7 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         rest, overrides = _take_overrides(args_list)
         a = parser.parse_args(rest)
         a.overrides = overrides
-        return int(a.fn(a))
+        # Every command's output may go into `| head`: no BrokenPipe traceback (cliout.py).
+        return int(quiet_on_broken_pipe(a.fn)(a))
     except ConfigError as e:
         command = args_list[0] if args_list else ""
         print(f"meshrun {command}: error: {e}", file=sys.stderr)

@@ -27,8 +27,11 @@ def test_compute_figures_are_aligned_lines_with_their_units() -> None:
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("command", [["list"], ["inspect"], ["verify"]])
-def test_ckpt_into_a_closed_pipe_exits_1_without_a_traceback(
+@pytest.mark.parametrize(
+    "command",
+    [["ckpt", "list"], ["ckpt", "inspect"], ["ckpt", "verify"], ["config", "show"], ["plan"]],
+)
+def test_output_into_a_closed_pipe_exits_1_without_a_traceback(
     tmp_path: Path, command: list[str]
 ) -> None:
     # The reader end is closed before the command starts: its first write meets EPIPE, as
@@ -37,7 +40,7 @@ def test_ckpt_into_a_closed_pipe_exits_1_without_a_traceback(
     os.close(read)
     try:
         p = subprocess.run(
-            [sys.executable, "-m", "meshrun", "ckpt", *command, str(tmp_path)],
+            [sys.executable, "-m", "meshrun", *command, *_target(command, tmp_path)],
             stdout=write,
             stderr=subprocess.PIPE,
             text=True,
@@ -48,3 +51,11 @@ def test_ckpt_into_a_closed_pipe_exits_1_without_a_traceback(
         os.close(write)
     assert p.stderr == "", p.stderr
     assert p.returncode == 1
+
+
+def _target(command: list[str], tmp_path: Path) -> list[str]:
+    if command[0] == "ckpt":
+        return [str(tmp_path)]
+    if command[0] == "plan":  # a small model on a small cluster: enough lines to fill no pipe
+        return ["--params", "1e9", "--nodes", "1", "--gpus-per-node", "8", "--gpu", "h100-sxm"]
+    return []

@@ -7,7 +7,6 @@ import json
 from pathlib import Path
 
 from meshrun.checkpoint import layout
-from meshrun.cliout import quiet_on_broken_pipe
 
 __all__ = ["add_parser"]
 
@@ -100,17 +99,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     ls = csub.add_parser("list", help="checkpoints under DIR: step, size, valid or why not")
     ls.add_argument("dir", help="checkpoint root (e.g. runs/demo/checkpoints)")
     ls.add_argument("--checksums", action="store_true", help="also recompute every checksum")
-    ls.set_defaults(fn=quiet_on_broken_pipe(cmd_list))
+    ls.set_defaults(fn=cmd_list)
     ins = csub.add_parser("inspect", help="manifest, layout and tensor table of one checkpoint")
     ins.add_argument("path", help="a checkpoint directory (step_NNNNNNNN)")
     ins.add_argument("--config", action="store_true", help="also print the run's resolved config")
-    ins.set_defaults(fn=quiet_on_broken_pipe(cmd_inspect))
+    ins.set_defaults(fn=cmd_inspect)
     ver = csub.add_parser("verify", help="recompute checksums; exit 1 if any checkpoint is invalid")
     ver.add_argument("path", help="a checkpoint directory, or a root holding several")
-    ver.set_defaults(fn=quiet_on_broken_pipe(cmd_verify))
+    ver.set_defaults(fn=cmd_verify)
     exp = csub.add_parser("export", help="consolidate into one .safetensors or .pt file")
     exp.add_argument("path", help="a checkpoint directory")
     exp.add_argument("out", help="output file: NAME.safetensors (streamed) or NAME.pt")
     exp.add_argument("--prefix", default="model.", help="tensors to export (default: model.)")
     exp.add_argument("--max-mb", type=int, default=256, help="memory bound while streaming")
-    exp.set_defaults(fn=quiet_on_broken_pipe(cmd_export))
+    exp.set_defaults(fn=cmd_export)
