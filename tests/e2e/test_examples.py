@@ -56,12 +56,17 @@ def test_demo_runs_and_is_comparable_across_world_sizes(tmp_path: Path) -> None:
         assert abs(a["loss"] - b["loss"]) < 1e-4, (a, b)
     for key in ("lr", "step_time_s", "tokens_per_s"):
         assert rows2[0][key] > 0
-    # The step breakdown accounts for the measured step time (within 5%, median over steps);
-    # exposed communication is part of backward_s, so it is not added again.
+    # The step breakdown accounts for the measured step time; exposed communication is part
+    # of backward_s, so it is not added again. The parts are disjoint spans inside the step, so
+    # they never exceed it. What they miss is time between meshrun's timers: a phase left
+    # untimed would miss it on every step, while a loaded machine only adds scheduling gaps to
+    # some steps (median 0.90 seen at load 12, 0.99 on a quiet machine), so the best step is
+    # held to 95%.
     parts = ("data_wait_s", "forward_s", "backward_s", "optimizer_s", "sync_s", "loop_s")
     shares = sorted(sum(r[k] for k in parts) / r["step_time_s"] for r in rows2)
     print(f"demo on 2 processes: breakdown / step time per step: {[round(x, 3) for x in shares]}")
-    assert 0.95 <= shares[len(shares) // 2] <= 1.001, shares
+    assert all(x <= 1.001 for x in shares), shares
+    assert shares[-1] >= 0.95, shares
     assert all(0 <= r["comm_exposed_s"] <= r["backward_s"] for r in rows2)
     # What the run leaves behind: per-rank logs, the resolved config, the final checkpoint.
     assert (two / "logs" / "rank0.log").is_file() and (two / "logs" / "rank1.log").is_file()
