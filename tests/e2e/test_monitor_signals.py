@@ -86,17 +86,17 @@ def launch(
 
 def stop(proc: subprocess.Popen[str], tmp_path: Path) -> None:
     """Leave nothing running, also after a failure: the workers (in their own sessions under
-    torchrun's agent) by their pid files, checked to be this test's workers, then the launcher."""
+    torchrun's agent) by their pid files, checked to be this test's workers, then the launcher.
+    The workers also when the launcher has gone: they would train on, orphaned."""
+    pids = tmp_path / "run" / "pids"
+    for f in pids.glob("rank*") if pids.is_dir() else []:
+        try:
+            pid = int(f.read_text())
+            if str(tmp_path) in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
+                os.kill(pid, signal.SIGKILL)  # acts on a stopped process too
+        except (ValueError, OSError):
+            continue  # gone already
     if proc.poll() is None:
-        pids = tmp_path / "run" / "pids"
-        for f in pids.glob("rank*") if pids.is_dir() else []:
-            try:
-                pid = int(f.read_text())
-                if str(tmp_path) in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
-                    os.kill(pid, signal.SIGCONT)
-                    os.kill(pid, signal.SIGKILL)
-            except (ValueError, OSError):
-                continue  # gone already
         proc.kill()
     proc.communicate()
 
