@@ -5,6 +5,7 @@ test can check it, one ``key=value`` per line.
 """
 
 import os
+import sys
 
 import torch
 import torch.distributed as dist
@@ -17,9 +18,18 @@ def main() -> None:
     dist.all_reduce(value)
     # 1 + 2 + ... + world
     assert value.item() == world * (world + 1) / 2, value
-    print(f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')}", flush=True)
-    print(f"MESHRUN_CONFIG={os.environ.get('MESHRUN_CONFIG', '')}", flush=True)
-    print(f"all_reduce ok on rank {dist.get_rank()} of {world}", flush=True)
+    lines = (
+        f"OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS', '')}\n"
+        f"MESHRUN_CONFIG={os.environ.get('MESHRUN_CONFIG', '')}\n"
+        f"all_reduce ok on rank {dist.get_rank()} of {world}\n"
+    )
+    # The ranks share one stdout, unprefixed (as under torchrun): one rank at a time, one
+    # write each, so that their lines cannot interleave.
+    for rank in range(world):
+        if rank == dist.get_rank():
+            sys.stdout.write(lines)
+            sys.stdout.flush()
+        dist.barrier()
     dist.destroy_process_group()
 
 
