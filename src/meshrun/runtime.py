@@ -395,8 +395,9 @@ class Run:
         stepped = self.loop.optimizer_step(optimizer)
         if stepped:  # every `checkpoint.interval` steps, at the step boundary
             self.checkpointer.note_optimizer(optimizer)
-            with self.phase("checkpoint"):  # the watchdog allows a save more than a step
-                self.checkpointer.maybe_save(self.step)
+            # The watchdog allows a save more than a step (the phase), not the agreement on
+            # whether to save, which runs every step.
+            self.checkpointer.maybe_save(self.step, phase=lambda: self.phase("checkpoint"))
         return stepped
 
     def phase(self, name: str, timeout_s: float | None = None) -> AbstractContextManager[None]:

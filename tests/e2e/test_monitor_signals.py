@@ -11,6 +11,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -49,8 +50,15 @@ def main() -> None:
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     stall_at = int(os.environ.get("TEST_STALL_AT", "0"))
     phase = os.environ.get("TEST_STALL_PHASE", "")
+    if phase == "agreement" and run.rank == 1:
+        # Stuck in the per-step agreement on whether to checkpoint (a private method, wrapped
+        # here only to put the stall exactly there): the peers wait for it in that collective.
+        agree = run.checkpointer._preempt_agreed
+        run.checkpointer._preempt_agreed = lambda: (
+            time.sleep(600) if run.step == stall_at else None
+        ) or agree()
     for x, y in run.steps(run.dataloader(data)):
-        if run.rank == 1 and run.step + 1 == stall_at:
+        if run.rank == 1 and run.step + 1 == stall_at and phase != "agreement":
             if phase:  # a long phase timeout: this rank's own deadline is far away
                 with run.phase(phase, timeout_s=600):
                     time.sleep(600)
@@ -266,3 +274,27 @@ def test_a_rank_that_skips_a_collective_is_named_by_sequence_number(
     assert "rank 1 (" in report and "in phase train after step 11" in report
     assert "rank 1 at #" in report and "rank(s) 1 did not reach #" in report, report
     assert "gloo:" in report
+
+
+@pytest.mark.timeout(150)
+def test_a_rank_stuck_in_the_checkpoint_agreement_is_a_hang_within_the_step_timeout(
+    jobs: Callable[..., subprocess.Popen[str]],
+) -> None:
+    # Every step's end asks the ranks whether to checkpoint (preemption flag, a collective).
+    # That agreement runs under the step timeout, not the checkpoint phase's (1800 s), so a
+    # rank stopped there ends the job as any hang does.
+    timeout_s = 5.0
+    proc = jobs(
+        "--optim.steps=100000",
+        f"--monitor.step_timeout_s={timeout_s}",
+        env={"TEST_STALL_AT": "8", "TEST_STALL_PHASE": "agreement"},
+    )
+    out, _ = proc.communicate(timeout=120)
+    report = out[out.find("meshrun: hang detected") :]
+    print(report)
+    assert proc.returncode != 0 and "meshrun: hang detected" in out, out[-3000:]
+    # Both ranks report from the train phase (not "checkpoint"), rank 0 in the collective.
+    assert "rank 0 (vm) in phase train after step 8: waits at" in report.replace(
+        f"({socket.gethostname()})", "(vm)"
+    ), report
+    assert "in all_reduce" in report and "rank 1 (" in report, report

@@ -22,8 +22,9 @@ import shutil
 import signal
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -183,9 +184,15 @@ class Checkpointer:
 
     # --- save ----------------------------------------------------------------------------
 
-    def maybe_save(self, step: int) -> Path | None:
+    def maybe_save(
+        self, step: int, phase: Callable[[], AbstractContextManager[None]] = nullcontext
+    ) -> Path | None:
         """Called after each optimizer step: save when ``checkpoint.interval`` divides ``step``
-        or when any rank received a preemption signal (then exit 0 once saved)."""
+        or when any rank received a preemption signal (then exit 0 once saved). A save runs
+        inside ``phase()`` (the hang watchdog's longer checkpoint limit); the per-step
+        agreements before it do not: they are small collectives, and a rank stopped while its
+        peers wait in one is a hang to report within ``monitor.step_timeout_s`` (inside the
+        checkpoint phase it went unreported for ``monitor.phase_timeout_s``)."""
         interval = self.cfg.checkpoint.interval
         # Also without an interval: a preemption save (SLURM's USR1 before the time limit, a
         # SIGTERM) is the one checkpoint such a run gets, and the loop owns what is saved.
@@ -196,10 +203,11 @@ class Checkpointer:
             self._poll_pending(block=False)
             if not preempted and not due:
                 return None
-            if self.cfg.checkpoint.async_ and not preempted:
-                self.save_async(step)
-                return None
-            path = self.save(step)
+            with phase():
+                if self.cfg.checkpoint.async_ and not preempted:
+                    self.save_async(step)
+                    return None
+                path = self.save(step)
         except CheckpointError as e:
             if preempted or self.cfg.checkpoint.on_error == "stop":
                 raise
