@@ -10,7 +10,6 @@ one-screen summary naming the rank that failed first (see ``summary.py``).
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import signal
 import socket
@@ -63,8 +62,6 @@ class LaunchSpec:
     config_path: str | None = None  # exported to the workers as MESHRUN_CONFIG
     run_dir: str = "runs/launch"  # the agent's per-rank logs go to RUN_DIR/logs
     extra_env: dict[str, str] = field(default_factory=dict)
-    # Kept for callers that still set it: the workers' output no longer depends on a terminal.
-    live_stdout: bool | None = None
     # torchrun's own flags as the user gave them (meshrun launch's torchrun_flags.resolve):
     rdzv_backend: str = "c10d"  # or "static": torchrun's --master-addr/--master-port launch
     tee: str = ""  # torchrun's --tee; "" = stderr only ("2"), so stdout is torchrun's own
@@ -169,8 +166,6 @@ def rendezvous_endpoint(spec: LaunchSpec, port: int) -> str:
 def launch_local(spec: LaunchSpec) -> int:
     """Run ``spec`` under torchrun's agent; return the exit code, never raise for a worker."""
     port = 0 if spec.rdzv_endpoint else find_free_port()
-    if spec.live_stdout is None:
-        spec = dataclasses.replace(spec, live_stdout=sys.stdout.isatty())
     try:
         network = _plan_network(spec)
     except NetworkError as err:
