@@ -335,8 +335,8 @@ def test_ctrl_c_stops_the_workers_and_returns_130(tmp_path: Path) -> None:
     while len(pids) < 2:
         line = proc.stdout.readline()
         assert line, "launcher exited before the workers were ready"
-        if match := re.search(r"ready pid=(\d+)", line):
-            pids.append(int(match.group(1)))
+        # Both workers share the pipe: under PYTHONUNBUFFERED one worker's line can land inside the other's.
+        pids += [int(pid) for pid in re.findall(r"ready pid=(\d+)", line)]
     proc.send_signal(signal.SIGINT)
     assert proc.wait(timeout=30) == 130
     for pid in pids:

@@ -55,8 +55,8 @@ def test_sigterm_ends_the_launch_within_30_s_when_workers_ignore_it(tmp_path: Pa
         while len(pids) < 2:
             line = proc.stdout.readline()
             assert line, "launcher exited before the workers were ready"
-            if match := re.search(r"ready pid=(\d+)", line):
-                pids.append(int(match.group(1)))
+            # Both workers share the pipe: under PYTHONUNBUFFERED one line can land inside another.
+            pids += [int(pid) for pid in re.findall(r"ready pid=(\d+)", line)]
         proc.send_signal(signal.SIGTERM)
         t0 = time.monotonic()
         out, _ = proc.communicate(timeout=60)

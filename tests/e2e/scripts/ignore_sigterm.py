@@ -3,6 +3,7 @@ a long while), says it is ready, then sleeps."""
 
 import os
 import signal
+import sys
 import time
 
 import torch.distributed as dist
@@ -12,7 +13,9 @@ def main() -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     dist.init_process_group("gloo")
     dist.barrier()
-    print(f"ready pid={os.getpid()}", flush=True)
+    # One write, so the line cannot be split by the other worker's under PYTHONUNBUFFERED.
+    sys.stdout.write(f"ready pid={os.getpid()}\n")
+    sys.stdout.flush()
     time.sleep(300)
 
 

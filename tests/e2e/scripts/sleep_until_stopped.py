@@ -1,6 +1,7 @@
 """Worker for the Ctrl-C test: joins the group, says it is ready, then waits to be stopped."""
 
 import os
+import sys
 import time
 
 import torch.distributed as dist
@@ -9,7 +10,9 @@ import torch.distributed as dist
 def main() -> None:
     dist.init_process_group("gloo")
     dist.barrier()  # both ranks are up before the test interrupts the launcher
-    print(f"ready pid={os.getpid()}", flush=True)
+    # One write, so the line cannot be split by the other worker's under PYTHONUNBUFFERED.
+    sys.stdout.write(f"ready pid={os.getpid()}\n")
+    sys.stdout.flush()
     time.sleep(120)
 
 
