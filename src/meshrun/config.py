@@ -137,6 +137,11 @@ class ParallelConfig:
     compile: bool = _f(
         False, "torch.compile each block (after TP and AC, before FSDP/DDP); needs a C++ compiler."
     )
+    sync_batchnorm: bool = _f(
+        False,
+        "Convert BatchNorm layers to torch's SyncBatchNorm (statistics over the whole data-"
+        "parallel batch) under any data-parallel layout; off: statistics are per rank.",
+    )
     loss_parallel: bool = _f(
         False,
         "With tp > 1: the output head split over the vocabulary and cross-entropy on the "
@@ -227,6 +232,18 @@ class MetricsConfig:
     jsonl: bool = _f(True, "Write <run_dir>/metrics.jsonl.")
     tensorboard: bool = _f(
         False, "Also write the step metrics as TensorBoard scalars (pip install tensorboard)."
+    )
+    tokens_per_sample: int = _f(
+        0,
+        "Tokens in one sample, for tokens/s and per-token MFU when meshrun cannot count them "
+        "(integer-id inputs are counted); 0 = unknown: samples/s only.",
+        min=0,
+    )
+    flops_per_sample: float = _f(
+        0.0,
+        "Training FLOPs (forward + backward) for one sample, for MFU on any workload; "
+        "0 = from the model (causal LMs) or no MFU.",
+        min=0,
     )
     peak_flops: float = _f(
         0.0,
