@@ -45,6 +45,7 @@ from meshrun.parallel.compile import apply_compile
 from meshrun.parallel.ddp import apply_ddp, apply_replicate
 from meshrun.parallel.fsdp import WrapPredicate, apply_fsdp, has_meta_params, is_block, materialize
 from meshrun.parallel.grads import clip_grad_norm_, set_grad_sync
+from meshrun.parallel.norms import maybe_sync_batchnorm
 from meshrun.parallel.pp import (
     LossFn,
     Pipeline,
@@ -148,6 +149,7 @@ def parallelize(
     meta = has_meta_params(model)
     if not meta:
         model = model.to(device)
+    model = maybe_sync_batchnorm(model, mesh, cfg, device, broadcasts_buffers=zero < 2)
     if mesh is not None:
         maybe_apply_tp(model, mesh, dims, cfg, tp_plan, parallelize_fn)
     if cfg.activation_checkpoint:
@@ -299,6 +301,7 @@ def parallelize_stage(
     :func:`apply_replicate`) over the dp dims."""
     if cfg.loss_parallel and getattr(stage, "lm_head", None) is None:
         cfg = dataclasses.replace(cfg, loss_parallel=False)  # only the last stage has the head
+    stage = maybe_sync_batchnorm(stage, mesh, cfg, device, broadcasts_buffers=False)
     maybe_apply_tp(stage, mesh, dims, cfg, tp_plan, None)
     if cfg.activation_checkpoint:
         apply_ac(stage, cfg.activation_checkpoint, wrap)
