@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(BIN)/meshrun demo
 
 test: $(STAMP) lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests
+	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=30 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks
