@@ -16,6 +16,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshrun.config import Config, ConfigError
+from meshrun.config.launch_values import (
+    check_rdzv_id,
+    nnodes_range,
+    parse_endpoint,
+    parse_rdzv_conf,
+)
 from meshrun.launch import netif
 from meshrun.launch.handshake import JoinTarget
 
@@ -25,29 +31,7 @@ PER_NODE_KEYS = ("node_rank", "interface", "omp_num_threads", "join_timeout_s", 
 
 def parse_nnodes(text: str) -> JoinTarget:
     """``"2"`` or ``"2:3"`` (elastic MIN:MAX) as a JoinTarget; errors name the flag."""
-    parts = text.split(":")
-    try:
-        values = [int(p) for p in parts]
-    except ValueError:
-        values = []
-    if len(values) not in (1, 2) or min(values) < 1 or values[0] > values[-1]:
-        raise ConfigError(
-            f"--nnodes / launch.nnodes = {text!r} is not allowed: expected N or MIN:MAX with "
-            "1 <= MIN <= MAX, e.g. 2 or 2:4"
-        )
-    return JoinTarget(values[0], values[-1])
-
-
-def parse_endpoint(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` (IPv4 address or name) as (host, port); errors name the flag."""
-    host, sep, port_text = text.rpartition(":")
-    port = int(port_text) if port_text.isdigit() else -1
-    if not sep or not host or not 1 <= port <= 65535:
-        raise ConfigError(
-            f"--rdzv-endpoint / launch.rdzv_endpoint = {text!r} is not allowed: expected "
-            "HOST:PORT with PORT in 1..65535, the address of one of the nodes, e.g. 10.0.0.1:29500"
-        )
-    return host, port
+    return JoinTarget(*nnodes_range(text))
 
 
 def is_multinode(nnodes: str, rdzv_endpoint: str) -> bool:
@@ -73,25 +57,7 @@ def validate(
             f"expected 0..{target.max_nodes - 1}"
         )
     parse_rdzv_conf(rdzv_conf)
-    if not rdzv_id or any(c in rdzv_id for c in " /:,="):
-        raise ConfigError(
-            f"--rdzv-id / launch.rdzv_id = {rdzv_id!r} is not allowed: expected a non-empty "
-            "name without spaces, '/', ':', ',' or '='"
-        )
-
-
-def parse_rdzv_conf(text: str) -> dict[str, str]:
-    """``"k=v,k2=v2"`` (torchrun's --rdzv-conf syntax) as a dict; errors name the flag."""
-    conf = {}
-    for item in filter(None, (part.strip() for part in text.split(","))):
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(
-                f"--rdzv-conf / launch.rdzv_conf = {text!r} is not allowed: expected "
-                "KEY=VALUE[,KEY=VALUE...], e.g. last_call_timeout=5"
-            )
-        conf[key.strip()] = value.strip()
-    return conf
+    check_rdzv_id(rdzv_id)
 
 
 def shared_digest(cfg: Config) -> str:

@@ -1,0 +1,395 @@
+"""The config's sections: one small dataclass per subsystem, each checking itself.
+
+Every section's ``__post_init__`` runs the checks a TOML file or an override gets, so a
+section built in code, read from a file, changed by ``--section.key=value`` or by a
+``meshrun launch`` flag goes through the same code (``load.py`` re-runs ``__post_init__``
+after it sets keys). Checks that need the world size are in ``world.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, Literal, get_type_hints
+
+from meshrun.config.fields import ConfigError, check_section, key_of, setting
+from meshrun.config.launch_values import check_launch_values
+
+
+@dataclass
+class JobConfig:
+    """What this run is and where it writes."""
+
+    SECTION: ClassVar[str] = "job"  # the [section] of the TOML file
+
+    def __post_init__(self) -> None:
+        check_section(self)
+
+    name: str = setting("meshrun", "Run name, used in the default run directory.")
+    run_dir: str = setting("", "Run directory (metrics, logs, checkpoints). Empty = runs/<name>.")
+    seed: int = setting(
+        1234, "Seed: model init uses it on every rank; data augmentation adds the rank."
+    )
+    device: Literal["auto", "cpu", "cuda"] = setting("auto", "auto = cuda if available, else cpu.")
+    backend: Literal["auto", "gloo", "nccl"] = setting("auto", "auto = nccl on cuda, gloo on cpu.")
+    timeout_s: float = setting(
+        600.0, "Process-group timeout in seconds (Gloo's default is 30 min).", min=1
+    )
+    log_level: Literal["debug", "info", "warning", "error"] = setting("info", "Console log level.")
+    cpu_mmap_threshold_kib: int = setting(
+        0,
+        "CPU device on glibc: host allocations of at least this many KiB are mmapped and "
+        "returned to the OS when freed, so the peak RSS follows live memory (glibc's sliding "
+        "threshold keeps freed buffers resident); costs page faults (ZeRO-2/3 steps ~15% "
+        "slower on the demo). 0 = glibc's default.",
+        min=0,
+        max=32768,
+    )
+
+
+@dataclass
+class ParallelConfig:
+    """The parallel layout: one named DeviceMesh (pp, dp_replicate, dp_shard, tp)."""
+
+    SECTION: ClassVar[str] = "parallel"  # the [section] of the TOML file
+
+    def __post_init__(self) -> None:
+        check_section(self)
+
+    dp_replicate: int = setting(1, "Replicated data-parallel degree (HSDP outer dim).", min=1)
+    dp_shard: int = setting(
+        -1, "Sharded data-parallel degree; -1 = what is left of the world.", min=-1
+    )
+    tp: int = setting(1, "Tensor-parallel degree.", min=1)
+    pp: int = setting(1, "Pipeline-parallel degree.", min=1)
+    zero: int = setting(
+        0,
+        "ZeRO stage: 0 = DDP, 1 = + sharded optimizer state (ZeroRedundancyOptimizer), "
+        "2 = + sharded gradients (FSDP2, no reshard after forward), 3 = + sharded parameters.",
+        min=0,
+        max=3,
+    )
+    bucket_cap_mb: float = setting(25.0, "DDP gradient bucket size in MiB.", min=0.001)
+    gradient_as_bucket_view: bool = setting(
+        True, "DDP: gradients are views into the buckets (saves memory)."
+    )
+    static_graph: bool = setting(
+        False, "DDP: the graph is the same every step (enables optimisations)."
+    )
+    find_unused_parameters: bool = setting(
+        False, "DDP: search for parameters without gradients (slower)."
+    )
+    cpu_offload: bool = setting(
+        False, "FSDP2 (zero 2/3): keep sharded parameters, gradients and optimizer step on CPU."
+    )
+    activation_checkpoint: int = setting(
+        0, "Recompute every k-th block's activations in backward; 0 = off, 1 = every block.", min=0
+    )
+    param_dtype: Literal["float32", "bfloat16", "float16"] = setting(
+        "float32",
+        "Compute dtype: FSDP2 (zero 2/3) all-gathers parameters in it, DDP runs the forward "
+        "under autocast; float16 adds a loss scaler (run.grad_scaler). Master weights stay fp32.",
+    )
+    reduce_dtype: Literal["float32", "bfloat16", "float16"] = setting(
+        "float32", "FSDP2 (zero 2/3): dtype of the gradient reduce-scatter."
+    )
+    ddp_comm_hook: Literal["none", "fp16", "bf16", "powersgd"] = setting(
+        "none", "DDP (zero 0/1): compress the gradient all-reduce."
+    )
+    powersgd_rank: int = setting(1, "Rank of PowerSGD's low-rank gradient approximation.", min=1)
+    sequence_parallel: bool = setting(
+        False, "With tp > 1: norms and residual adds inside each block split along the sequence."
+    )
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = setting(
+        "1f1b", "Pipeline schedule (pp > 1); interleaved = interleaved 1F1B."
+    )
+    pp_microbatches: int = setting(
+        2, "Chunks each micro-batch is split into for the pipeline; >= pp.", min=1
+    )
+    pp_virtual_stages: int = setting(
+        2, "Stages per rank for the interleaved schedule (pp x this <= blocks).", min=1
+    )
+    fsdp_prefetch: int = setting(
+        0,
+        "FSDP2: all-gather the next N blocks ahead in forward and backward; 0 = FSDP2's own "
+        "one-block implicit prefetch.",
+        min=0,
+    )
+    fsdp_blocks_per_unit: int = setting(
+        1,
+        "FSDP2: consecutive blocks sharded as one unit (one all-gather and one reduce-scatter "
+        "per group): fewer, larger collectives for more unsharded memory at a time.",
+        min=1,
+    )
+    compile: bool = setting(
+        False, "torch.compile each block (after TP and AC, before FSDP/DDP); needs a C++ compiler."
+    )
+    sync_batchnorm: bool = setting(
+        False,
+        "Convert BatchNorm layers to torch's SyncBatchNorm (statistics over the whole data-"
+        "parallel batch) under any data-parallel layout; off: statistics are per rank.",
+    )
+    loss_parallel: bool = setting(
+        False,
+        "With tp > 1: the output head split over the vocabulary and cross-entropy on the "
+        "sharded logits; compute the loss inside run.loss_parallel() (under pp > 1 "
+        "run.pipeline_step does it on the last stage; docs/parallel.md).",
+    )
+
+
+@dataclass
+class DataConfig:
+    """Batch sizes and the loader. global_batch = micro_batch x accumulation x data-parallel size."""
+
+    SECTION: ClassVar[str] = "data"  # the [section] of the TOML file
+
+    def __post_init__(self) -> None:
+        check_section(self)
+
+    global_batch: int = setting(
+        0,
+        "Samples per optimizer step over all ranks; kept when the world changes. "
+        "0 = micro_batch x data-parallel size, derived and printed (meshrun launch derives it "
+        "for the world it starts, one number for all worlds of --nnodes MIN:MAX, and writes "
+        "it into the resolved config; without a launcher init() derives it); a run that "
+        "resumes a checkpoint takes the checkpoint's.",
+        min=0,
+    )
+    micro_batch: int = setting(8, "Samples per forward/backward on one rank.", min=1)
+    num_workers: int = setting(0, "DataLoader worker processes per rank.", min=0)
+    shuffle: bool = setting(True, "Shuffle the order (a function of seed and epoch only).")
+
+
+@dataclass
+class OptimConfig:
+    """Learning rate, its scaling rule and its schedule."""
+
+    SECTION: ClassVar[str] = "optim"  # the [section] of the TOML file
+
+    def __post_init__(self) -> None:
+        check_section(self)
+
+    lr: float = setting(
+        3e-4, "Base learning rate (at ref_batch when a scaling rule is set).", min=0
+    )
+    lr_scaling: Literal["none", "linear", "sqrt"] = setting(
+        "none", "Scale lr by global_batch/ref_batch."
+    )
+    ref_batch: int = setting(
+        0, "Reference global batch of `lr`; 0 = global_batch (no scaling).", min=0
+    )
+    warmup_steps: int = setting(0, "Linear warmup steps from 0 to the peak lr.", min=0)
+    decay: Literal["cosine", "linear", "constant"] = setting("cosine", "Decay after warmup.")
+    min_lr_ratio: float = setting(0.1, "Final lr as a fraction of the peak lr.", min=0, max=1)
+    steps: int = setting(100, "Total optimizer steps of the run (the schedule's length).", min=1)
+    weight_decay: float = setting(
+        0.0, "Weight decay (for helpers that build the optimizer).", min=0
+    )
+    grad_clip: float = setting(0.0, "Clip the global gradient norm to this value; 0 = off.", min=0)
+
+
+@dataclass
+class CheckpointConfig:
+    """Where and when checkpoints are written, and what is resumed (docs/checkpoint.md)."""
+
+    SECTION: ClassVar[str] = "checkpoint"  # the [section] of the TOML file
+
+    def __post_init__(self) -> None:
+        check_section(self)
+
+    dir: str = setting("", "Checkpoint directory. Empty = <run_dir>/checkpoints.")
+    interval: int = setting(
+        0, "Save every N optimizer steps; 0 = only at the end when asked.", min=0
+    )
+    async_: bool = setting(
+        False, "Interval saves: stage to CPU memory, write in the background, commit later."
+    )
+    keep_last: int = setting(3, "Keep the newest N checkpoints.", min=1)
+    keep_every: int = setting(0, "Also keep every M-th step's checkpoint; 0 = none.", min=0)
+    resume: str = setting("auto", "auto = newest valid checkpoint, never, or a path.")
+    allow_new_global_batch: bool = setting(
+        False,
+        "Resume a checkpoint trained with another data.global_batch: the LR is rescaled by "
+        "optim.lr_scaling (logged); false = such a resume is an error.",
+    )
+    on_error: Literal["stop", "warn"] = setting(
+        "stop",
+        "A failed save (e.g. disk full): stop = raise on every rank, warn = log and train on.",
+    )
+    on_signal: bool = setting(
+        True, "On SIGTERM/SIGUSR1 (preemption) save at the next step boundary and exit 0."
+    )
+
+
+@dataclass
+class MetricsConfig:
+    """What is measured and where it goes."""
+
+    SECTION: ClassVar[str] = "metrics"  # the [section] of the TOML file
+
+    def __post_init__(self) -> None:
+        check_section(self)
+
+    log_every: int = setting(1, "Write metrics every N optimizer steps.", min=1)
+    progress: bool = setting(True, "Progress bar on a terminal (plain lines otherwise).")
+    jsonl: bool = setting(True, "Write <run_dir>/metrics.jsonl.")
+    tensorboard: bool = setting(
+        False, "Also write the step metrics as TensorBoard scalars (pip install tensorboard)."
+    )
+    tokens_per_sample: int = setting(
+        0,
+        "Tokens in one sample, for tokens/s and per-token MFU when meshrun cannot count them "
+        "(integer-id inputs are counted); 0 = unknown: samples/s only.",
+        min=0,
+    )
+    flops_per_sample: float = setting(
+        0.0,
+        "Training FLOPs (forward + backward) for one sample, for MFU on any workload; "
+        "0 = from the model (causal LMs) or no MFU.",
+        min=0,
+    )
+    peak_flops: float = setting(
+        0.0,
+        "Peak FLOP/s of one device, for MFU; 0 = the planner's datasheet figure on a known GPU "
+        "(none on CPU).",
+        min=0,
+    )
+
+
+@dataclass
+class MonitorConfig:
+    """Run health: numerics guard, stragglers, hang watchdog (see docs/monitor.md)."""
+
+    SECTION: ClassVar[str] = "monitor"  # the [section] of the TOML file
+
+    def __post_init__(self) -> None:
+        check_section(self)
+
+    nonfinite: Literal["skip", "stop"] = setting(
+        "skip", "NaN/Inf loss on any rank: every rank skips the step (zero grads), or all stop."
+    )
+    straggler_every: int = setting(
+        20, "Compare ranks' step components every N optimizer steps; 0 = off.", min=0
+    )
+    straggler_factor: float = setting(
+        1.5, "Flag a rank whose component is this many times the others' median.", min=1.0
+    )
+    straggler_min_s: float = setting(
+        0.005, "...and exceeds that median by at least this many seconds per step.", min=0
+    )
+    step_timeout_s: float = setting(
+        300.0, "Hang watchdog: a step taking longer dumps all stacks and exits; 0 = off.", min=0
+    )
+    phase_timeout_s: float = setting(
+        1800.0, "Watchdog limit inside run.phase(...), checkpoint saves and the first step.", min=0
+    )
+    comm_timing: bool = setting(
+        True, "Time DDP's gradient all-reduce (comm hook) to split exposed from hidden comm."
+    )
+    comm_sample_every: int = setting(
+        200,
+        "FSDP2/TP/PP (no DDP hook): profile every N-th step for its exposed comm; 0 = off.",
+        min=0,
+    )
+
+
+@dataclass
+class LaunchConfig:
+    """How `meshrun launch` starts the workers (through the torchrun elastic agent)."""
+
+    SECTION: ClassVar[str] = "launch"  # the [section] of the TOML file
+
+    def __post_init__(self) -> None:
+        # Only this class's fields: a LaunchSpec is a LaunchConfig with more (not config keys).
+        check_section(self, LaunchConfig)
+        check_launch_values(self)
+
+    nproc_per_node: int = setting(
+        0, "Processes per node; 0 = number of GPUs, else 2 on CPU.", min=0
+    )
+    nnodes: str = setting("1", "Number of nodes, or MIN:MAX for elastic jobs.")
+    max_restarts: int = setting(0, "Restarts of the worker group after a failure.", min=0)
+    omp_num_threads: int = setting(0, "OMP_NUM_THREADS per worker; 0 = cores / processes.", min=0)
+    rdzv_endpoint: str = setting(
+        "", "Multi-node: HOST:PORT of the rendezvous store, on one of the nodes (docs/launch.md)."
+    )
+    rdzv_id: str = setting("meshrun", "Multi-node: job id, the same on every node of one job.")
+    node_rank: int = setting(
+        0, "Multi-node: this node's rank in [0, nnodes); elastic jobs ignore it.", min=0
+    )
+    interface: str = setting(
+        "", "Multi-node: network interface to use; empty = the one routing to the endpoint."
+    )
+    join_timeout_s: float = setting(
+        300.0, "Multi-node: give up when the nodes have not all joined after this long.", min=1
+    )
+    rdzv_conf: str = setting(
+        "",
+        "Multi-node: extra torchrun --rdzv-conf KEY=VALUE,... (e.g. last_call_timeout=5); "
+        "they win over meshrun's own (is_host, join_timeout).",
+    )
+
+
+@dataclass
+class Config:
+    """The whole configuration tree."""
+
+    job: JobConfig = field(default_factory=JobConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
+    launch: LaunchConfig = field(default_factory=LaunchConfig)
+
+    def __post_init__(self) -> None:
+        validate(self)
+
+    def resolved_run_dir(self) -> Path:
+        return Path(self.job.run_dir or f"runs/{self.job.name}")
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {
+            sec.name: {
+                key_of(f): getattr(getattr(self, sec.name), f.name)
+                for f in dataclasses.fields(getattr(self, sec.name))
+            }
+            for sec in dataclasses.fields(self)
+        }
+
+    def digest(self) -> str:
+        """A short hash of the effective config (nodes compare it; manifests record it)."""
+        blob = json.dumps(self.to_dict(), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+@functools.cache
+def section_types() -> dict[str, type]:
+    """``{"job": JobConfig, ...}`` in the order of the file."""
+    hints = get_type_hints(Config)
+    return {f.name: hints[f.name] for f in dataclasses.fields(Config)}
+
+
+def recheck(section: Any) -> None:
+    """Run a section's own ``__post_init__`` again: the checks it got when it was made."""
+    section.__post_init__()
+
+
+def validate(cfg: Config) -> Config:
+    """Check the whole tree again: each section is of its type and passes its own
+    ``__post_init__``. ``init()`` and the launcher run it (through ``validate_for_world``),
+    so attributes set after construction (``cfg.data.micro_batch = 0``) are caught too."""
+    for name, section_type in section_types().items():
+        section = getattr(cfg, name)
+        if not isinstance(section, section_type):
+            raise ConfigError(
+                f"config section {name!r} is a {type(section).__name__}, not a "
+                f"{section_type.__name__}; pass {name}={section_type.__name__}(...)"
+            )
+        recheck(section)
+    return cfg

@@ -1,0 +1,150 @@
+"""What needs the world size: the mesh degrees against it, the batch arithmetic, and the
+layouts no PyTorch tool runs. The same functions run for every source of a config: the
+launcher before it spawns workers, ``config show --world-size``, scale-test, ``init()``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+
+from meshrun.config.fields import ConfigError
+from meshrun.config.sections import Config, DataConfig, ParallelConfig, validate
+
+
+def resolve_mesh_dims(p: ParallelConfig, world_size: int) -> dict[str, int]:
+    """Fill in ``dp_shard = -1`` and check that the mesh product equals the world size."""
+    fixed = p.dp_replicate * p.tp * p.pp
+    dp_shard = p.dp_shard
+    if dp_shard == -1:
+        if world_size % fixed:
+            raise ConfigError(
+                f"parallel: dp_replicate x tp x pp = {p.dp_replicate} x {p.tp} x {p.pp} = {fixed} "
+                f"does not divide the world size {world_size}; choose degrees whose product divides it"
+            )
+        dp_shard = world_size // fixed
+    elif dp_shard == 0:
+        raise ConfigError("parallel.dp_shard = 0 is not allowed: use -1 (the rest) or >= 1")
+    dims = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "tp": p.tp}
+    product = p.pp * p.dp_replicate * dp_shard * p.tp
+    if product != world_size:
+        shown = " x ".join(f"{k}={v}" for k, v in dims.items())
+        raise ConfigError(
+            f"parallel: mesh {shown} = {product} processes, but the world size is {world_size}; "
+            f"set parallel.dp_shard=-1 or change the degrees so that the product is {world_size}"
+        )
+    return dims
+
+
+def effective_global_batch(data: DataConfig, dp_size: int) -> int:
+    """``data.global_batch``, or ``micro_batch x dp_size`` when it is unset (0)."""
+    return data.global_batch or data.micro_batch * dp_size
+
+
+def grad_accumulation(data: DataConfig, dp_size: int) -> int:
+    """accumulation = global_batch / (micro_batch x dp_size); an error if it does not divide.
+    An unset global batch (0) is micro_batch x dp_size: accumulation 1, nothing to divide."""
+    if data.micro_batch < 1 or dp_size < 1:  # a mutated config must not divide by zero
+        raise ConfigError(
+            f"data.micro_batch = {data.micro_batch} with data-parallel size {dp_size}: both "
+            "must be >= 1"
+        )
+    per_step = data.micro_batch * dp_size
+    global_batch = effective_global_batch(data, dp_size)
+    if global_batch % per_step:
+        ok = [m for m in range(1, global_batch + 1) if global_batch % (m * dp_size) == 0]
+        hint = (
+            f"micro_batch in {ok[:8]}" if ok else f"a global_batch that is a multiple of {dp_size}"
+        )
+        raise ConfigError(
+            f"data.global_batch = {global_batch} is not divisible by micro_batch x "
+            f"data-parallel size = {data.micro_batch} x {dp_size} = {per_step}; use {hint}"
+        )
+    return global_batch // per_step
+
+
+def dp_size_for_world(cfg: Config, world_size: int) -> int:
+    """The data-parallel size (dp_replicate x dp_shard) of ``cfg``'s mesh on this world."""
+    dims = resolve_mesh_dims(cfg.parallel, world_size)
+    return dims["dp_replicate"] * dims["dp_shard"]
+
+
+def resolve_global_batch(cfg: Config, world_sizes: Sequence[int]) -> str | None:
+    """Fill in an unset ``data.global_batch`` (0) in place: micro_batch x the data-parallel
+    size of the world, or of the least common multiple of several worlds' sizes, so that one
+    number serves each of them (scale-test keeps it across sizes: strong scaling). Returns the
+    line that says what was derived; None when the user set the value (it is kept as is)."""
+    if cfg.data.global_batch or not world_sizes:
+        return None
+    sizes = [dp_size_for_world(cfg, w) for w in world_sizes]
+    dp = math.lcm(*sizes)
+    cfg.data.global_batch = cfg.data.micro_batch * dp
+    distinct = sorted(set(sizes))
+    why = "" if len(distinct) == 1 else f"; {dp} = lcm of the sizes {distinct}"
+    return (
+        f"data.global_batch unset: {cfg.data.micro_batch} x {dp} = {cfg.data.global_batch} "
+        f"(micro_batch x data-parallel size{why}); set --data.global_batch=N to choose it"
+    )
+
+
+def check_pipeline(p: ParallelConfig, dims: Mapping[str, int], shown: str) -> None:
+    """What pipeline parallel cannot compose with, and its micro-batch chunks. (TP, DDP and
+    FSDP2 on the other dims compose: each stage module is parallelized on the sub-mesh.)"""
+    # ZeRO-1 composes: its optimizer steps plain aliases of the replicated stage parameters
+    # (Pipeline.local_parameters); loss parallel too: the last stage's schedule step runs in
+    # loss_parallel() (parallel/pp.py).
+    if p.pp_microbatches < p.pp:
+        raise ConfigError(
+            f"parallel.pp_microbatches = {p.pp_microbatches} is fewer than the pp = {p.pp} "
+            f"stages (mesh {shown}): the pipeline would idle; set pp_microbatches >= {p.pp}"
+        )
+
+
+def validate_for_world(cfg: Config, world_size: int) -> dict[str, int]:
+    """Every check of ``cfg`` (:func:`validate`, then those that need the world size); run by
+    the launcher before spawning workers and by ``init()``. An unset global batch (0) is
+    checked as micro_batch x data-parallel size; :func:`resolve_global_batch` fills it in."""
+    validate(cfg)
+    dims = resolve_mesh_dims(cfg.parallel, world_size)
+    check_layout(cfg.parallel, dims)
+    grad_accumulation(cfg.data, dims["dp_replicate"] * dims["dp_shard"])
+    if cfg.parallel.pp > 1 and cfg.data.micro_batch % cfg.parallel.pp_microbatches:
+        raise ConfigError(
+            f"data.micro_batch = {cfg.data.micro_batch} does not split into parallel."
+            f"pp_microbatches = {cfg.parallel.pp_microbatches} equal chunks (unequal chunks would "
+            "weight samples unequally); choose a micro_batch that is a multiple of it"
+        )
+    return dims
+
+
+def check_layout(p: ParallelConfig, dims: Mapping[str, int]) -> None:
+    """Combinations of degrees and ZeRO stage that no PyTorch tool runs; each error names the
+    dims. (Checks that need the model, such as tp dividing the heads, run in parallelize.)"""
+    shown = " x ".join(f"{k}={v}" for k, v in dims.items())
+    dp = dims["dp_replicate"] * dims["dp_shard"]
+    if p.zero > 0 and dims["dp_shard"] == 1:
+        raise ConfigError(
+            f"parallel.zero = {p.zero} shards over the dp_shard dim, but the mesh {shown} has "
+            "dp_shard=1: nothing to shard over; set parallel.zero=0, or parallel.dp_shard > 1 "
+            "(e.g. dp_shard=-1 with fewer dp_replicate/tp/pp)"
+        )
+    # DDP and ZeroRedundancyOptimizer do not take tensor-parallel DTensor parameters: with tp,
+    # data parallelism is FSDP2 (zero = 0 runs as ZeRO-3 with a warning, in parallelize).
+    if p.tp > 1 and dp > 1 and (p.zero == 1 or dims["dp_shard"] == 1):
+        raise ConfigError(
+            f"parallel.tp = {p.tp} with data parallelism dp_replicate x dp_shard = {dp} needs "
+            f"FSDP2 over a dp_shard dim > 1, but parallel.zero = {p.zero} (mesh {shown}); set "
+            "parallel.zero=2 or 3 and parallel.dp_shard > 1"
+        )
+    if p.pp > 1:
+        check_pipeline(p, dims, shown)
+    if p.sequence_parallel and p.tp == 1:
+        raise ConfigError(
+            f"parallel.sequence_parallel = true splits along the sequence over the tp dim, but "
+            f"the mesh {shown} has tp=1; set parallel.tp > 1 or parallel.sequence_parallel=false"
+        )
+    if p.loss_parallel and p.tp == 1:
+        raise ConfigError(
+            f"parallel.loss_parallel = true splits the logits over the tp dim, but the mesh "
+            f"{shown} has tp=1; set parallel.tp > 1 or parallel.loss_parallel=false"
+        )
