@@ -67,14 +67,14 @@ def worker(
     import torch.distributed as dist
 
     import meshrun
-    from meshrun.diagnose.bench import (
-        bench_comm,
+    from meshrun.diagnose.bench_comm import bench_comm
+    from meshrun.diagnose.bench_compute import (
         bench_compute,
         bench_fsdp,
         bench_tp,
         slowest_rank_rates,
-        write_calibration,
     )
+    from meshrun.diagnose.calibration import write_calibration
 
     run = meshrun.init(argv=argv)
     comm = bench_comm(run.device, 16 * 2**20, seconds)

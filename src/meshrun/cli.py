@@ -30,13 +30,13 @@ from meshrun.config import (
     write_config,
 )
 from meshrun.data.cli import add_parser as _add_data
-from meshrun.diagnose.bench import add_parser as _add_bench
-from meshrun.diagnose.doctor import add_parser as _add_doctor
-from meshrun.diagnose.doctor import use_doctor_worker
-from meshrun.launch.k8s import add_parser as _add_k8s
-from meshrun.launch.slurm_cli import add_parser as _add_slurm
+from meshrun.diagnose.cli import add_bench_parser as _add_bench
+from meshrun.diagnose.cli import add_doctor_parser as _add_doctor
+from meshrun.diagnose.cli import use_doctor_worker
+from meshrun.launch.cli import add_k8s_parser as _add_k8s
+from meshrun.launch.cli import add_slurm_parser as _add_slurm
 from meshrun.launch.torchrun_flags import add_arguments as add_torchrun_flags
-from meshrun.monitor.report_html import add_parser as _add_report
+from meshrun.monitor.cli import add_report_parser as _add_report
 from meshrun.monitor.scale import add_parser as _add_scale_test
 from meshrun.plan.cli import add_parser as _add_plan
 

@@ -1,4 +1,5 @@
-"""Arguments several subcommands share (launch, scale-test, slurm submit, k8s render).
+"""Arguments several subcommands share (launch, scale-test, slurm submit, k8s render), and the
+two shapes every subsystem's ``cli.py`` registers its commands with.
 
 Its own module so the subsystems' ``add_parser`` functions can use it without importing
 ``meshrun.cli``, which imports them.
@@ -7,7 +8,13 @@ Its own module so the subsystems' ``add_parser`` functions can use it without im
 from __future__ import annotations
 
 import argparse
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeAlias
+
+# A string: argparse's class takes no subscript at run time, only in the type checker.
+Subparsers: TypeAlias = "argparse._SubParsersAction[argparse.ArgumentParser]"
+Command: TypeAlias = Callable[[argparse.Namespace], int]
 
 DEMO_MODULE = "meshrun.demo"
 DEMO_CONFIG = Path(__file__).parent / "demo" / "demo.toml"
@@ -39,3 +46,18 @@ def default_config(module: str | None) -> Path | None:
     """The config a target uses when no --config is given: the demo's own for ``-m
     meshrun.demo`` (so its settings hold under launch, scale-test and slurm), else none."""
     return DEMO_CONFIG if module == DEMO_MODULE else None
+
+
+def add_command(
+    sub: Subparsers, name: str, fn: Command, help: str, description: str | None = None
+) -> argparse.ArgumentParser:
+    """``meshrun [GROUP] NAME``: a subcommand that runs ``fn(args)``; the caller adds its flags."""
+    p = sub.add_parser(name, help=help, description=description)
+    p.set_defaults(fn=fn)
+    return p
+
+
+def add_group(sub: Subparsers, name: str, help: str) -> Subparsers:
+    """``meshrun NAME SUBCOMMAND``: a command that only holds subcommands (``slurm submit``)."""
+    p = sub.add_parser(name, help=help)
+    return p.add_subparsers(dest=f"{name}_cmd", required=True)

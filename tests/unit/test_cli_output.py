@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.diagnose.bench import compute_lines
+from meshrun.diagnose.calibration import compute_lines
 
 
 def test_compute_figures_are_aligned_lines_with_their_units() -> None:

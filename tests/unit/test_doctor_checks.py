@@ -12,7 +12,8 @@ import pytest
 from meshrun.cli import build_parser
 from meshrun.cli import main as cli_main
 from meshrun.diagnose import doctor_checks as dc
-from meshrun.diagnose.doctor import WORKER_MODULE, exit_code, render, use_doctor_worker
+from meshrun.diagnose.cli import use_doctor_worker
+from meshrun.diagnose.doctor import WORKER_MODULE, exit_code, render
 from meshrun.diagnose.doctor_checks import Check
 from meshrun.diagnose.doctor_worker import merge
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from meshrun.cli import main
-from meshrun.diagnose.bench import (
+from meshrun.diagnose.calibration import (
     bus_bandwidth,
     calibration,
     fit_collectives,

@@ -18,14 +18,12 @@ from meshrun.config import LaunchConfig
 from meshrun.launch.slurm import (
     Given,
     SlurmError,
-    SubmitSpec,
     apply_to_launch,
     derive,
     in_allocation,
-    render_sbatch,
     tasks_per_node,
-    time_limit_seconds,
 )
+from meshrun.launch.slurm_submit import SubmitSpec, render_sbatch, time_limit_seconds
 
 pytestmark = pytest.mark.timeout(30)
 

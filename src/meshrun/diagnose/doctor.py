@@ -9,14 +9,9 @@ timed all-reduce).
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
-import socket
-import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from meshrun.diagnose import doctor_checks as dc
 from meshrun.diagnose.doctor_checks import Check
@@ -111,81 +106,3 @@ def render(rows: list[tuple[str, Check]], title: str) -> str:
 
 def exit_code(checks: list[Check]) -> int:
     return 1 if any(c.status == "FAIL" for c in checks) else 0
-
-
-# --- the command ---------------------------------------------------------------------------
-
-
-def cmd_doctor(a: argparse.Namespace) -> int:
-    opts = options_from_args(a)
-    if opts.rdzv_endpoint:
-        try:
-            dc.split_endpoint(opts.rdzv_endpoint)
-        except ValueError as err:
-            from meshrun.config import ConfigError
-
-            raise ConfigError(str(err)) from None
-    checks = local_checks(opts)
-    if a.json:
-        print(json.dumps(dc.as_dicts(checks), indent=2))
-    else:
-        print(render([("", c) for c in checks], f"meshrun doctor on {socket.gethostname()}"))
-    return exit_code(checks)
-
-
-def options_from_args(a: argparse.Namespace) -> DoctorOptions:
-    """Flags first, then the config file's keys, then defaults."""
-    from meshrun.config import ConfigError, load_config
-    from meshrun.launch.local import default_nproc_per_node
-
-    cfg = load_config(a.config, list(getattr(a, "overrides", [])))
-    launch: Any = cfg.launch
-    nproc = a.nproc_per_node
-    if nproc is None:
-        nproc = cfg.launch.nproc_per_node or default_nproc_per_node()
-    if nproc < 1:
-        raise ConfigError(f"--nproc-per-node {nproc} is not allowed: must be >= 1")
-    ckpt = a.checkpoint_dir or cfg.checkpoint.dir or str(cfg.resolved_run_dir() / "checkpoints")
-    return DoctorOptions(
-        nproc=nproc,
-        checkpoint_dir=Path(ckpt),
-        # The multi-node keys, when the config has them (the flags win).
-        rdzv_endpoint=a.rdzv_endpoint or getattr(launch, "rdzv_endpoint", ""),
-        interface=a.interface or getattr(launch, "interface", ""),
-        keep_last=cfg.checkpoint.keep_last,
-        num_workers=cfg.data.num_workers,
-    )
-
-
-def use_doctor_worker(a: argparse.Namespace) -> None:
-    """``meshrun launch --doctor``: launch the doctor's worker in place of the script, through
-    the same launch path (so every launch flag and config key applies to the check)."""
-    if a.target and a.target != WORKER_MODULE:
-        print(
-            f"meshrun launch --doctor: checking the launch only; {a.target} is not run",
-            file=sys.stderr,
-        )
-    a.target, a.module = WORKER_MODULE, True
-    # The check must not add to the run's metrics file or draw a progress bar.
-    a.set += [("metrics.jsonl", "false"), ("metrics.progress", "false")]
-
-
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "doctor",
-        help="check this node before a job: versions, GPUs, network, ports, /dev/shm, disk",
-        description="A pre-flight checklist of this node; each line PASS/WARN/FAIL with the fix "
-        "for each FAIL; exit status 1 on any FAIL. Across all nodes of a launch (clock skew, a "
-        "timed all-reduce): `meshrun launch --doctor ...`. See docs/doctor.md.",
-    )
-    p.add_argument("--nproc-per-node", type=int, help="processes per node (default: GPUs, else 2)")
-    p.add_argument(
-        "--rdzv-endpoint", default="", help="HOST:PORT of the rendezvous (default: one node)"
-    )
-    p.add_argument("--interface", default="", help="network interface the job will use")
-    p.add_argument(
-        "--checkpoint-dir", help="where checkpoints go (default: the config's checkpoint.dir)"
-    )
-    p.add_argument("--config", help="TOML config file (data.num_workers, checkpoint.*)")
-    p.add_argument("--json", action="store_true", help="print the checks as a JSON list")
-    p.set_defaults(fn=cmd_doctor)

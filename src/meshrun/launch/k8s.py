@@ -21,7 +21,6 @@ docs/kubernetes.md.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import re
 import sys
@@ -29,7 +28,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshrun.cliargs import add_target
 from meshrun.config import (
     ConfigError,
     load_config,
@@ -427,142 +425,3 @@ def write_manifests(job: K8sJob, kinds: tuple[str, ...], out_dir: str | Path) ->
         path.write_text(text)
         paths.append(path)
     return paths
-
-
-# --- CLI -------------------------------------------------------------------------------------
-
-
-def cmd_render(a: argparse.Namespace) -> int:
-    job = job_from_args(a)
-    kinds = KINDS if a.kind == "both" else (a.kind,)
-    check_job(job, kinds)
-    check_config(job, a.config)
-    if job.elastic and "jobset" in kinds:
-        print(
-            f"meshrun k8s render: JobSet has no elastic scaling; it starts {job.node_range[1]} "
-            f"pods, and torchrun continues on {job.nodes} nodes after losing some",
-            file=sys.stderr,
-        )
-    if a.output:
-        for path in write_manifests(job, kinds, a.output):
-            print(f"wrote {path}; apply with: kubectl apply -f {path}")
-        return 0
-    texts = [dump_documents(render(job, kind), header(job, kind)) for kind in kinds]
-    sys.stdout.write("---\n".join(texts))
-    return 0
-
-
-def job_from_args(a: argparse.Namespace) -> K8sJob:
-    if not a.target:
-        raise ConfigError("meshrun k8s render needs a script (train.py) or -m MODULE")
-    config_text = None
-    if a.config:
-        path = Path(a.config)
-        if not path.is_file():
-            raise ConfigError(f"--config {a.config!r}: no such file")
-        config_text = path.read_text()
-    return K8sJob(
-        name=a.name,
-        image=a.image,
-        script=None if a.module else a.target,
-        module=a.target if a.module else None,
-        script_args=list(a.args),
-        nodes=a.nodes,
-        nproc_per_node=a.nproc_per_node,
-        gpus_per_node=a.gpus_per_node,
-        namespace=a.namespace,
-        shm_size=a.shm_size,
-        env=parse_env(a.env),
-        restart_policy=a.restart_policy,
-        max_restarts=a.max_restarts,
-        port=a.port,
-        config_text=config_text,
-    )
-
-
-def parse_env(items: list[str]) -> dict[str, str]:
-    """``["K=V", ...]`` -> dict; a missing ``=`` or a key given twice is an error."""
-    env: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigError(f"--env {item!r} is not allowed: expected KEY=VALUE")
-        if key in env:
-            raise ConfigError(f"--env {key} is given twice ({env[key]!r} and {value!r})")
-        env[key] = value
-    return env
-
-
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser("k8s", help="render Kubernetes manifests (Kubeflow PyTorchJob, JobSet)")
-    ksub = p.add_subparsers(dest="k8s_cmd", required=True)
-    r = ksub.add_parser(
-        "render",
-        help="write PyTorchJob and/or JobSet manifests that run meshrun launch in every pod",
-        description="Write manifests for a multi-node job: a Kubeflow PyTorchJob and/or a "
-        "JobSet with a headless Service. Each pod runs `meshrun launch` on SCRIPT (or -m "
-        "MODULE); arguments after it go to the script. Inputs and the config are checked "
-        "before anything is written. See docs/kubernetes.md.",
-    )
-    r.add_argument(
-        "--kind",
-        choices=["pytorchjob", "jobset", "both"],
-        default="both",
-        help="what to write (default both)",
-    )
-    r.add_argument("--image", required=True, help="container image with meshrun and the script")
-    r.add_argument(
-        "--nodes",
-        default="1",
-        metavar="N|MIN:MAX",
-        help="pods: N, or MIN:MAX for elastic (default 1)",
-    )
-    r.add_argument(
-        "--nproc-per-node",
-        type=int,
-        default=0,
-        metavar="P",
-        help="processes per pod (default: GPUs, else 1)",
-    )
-    r.add_argument(
-        "--gpus-per-node",
-        type=int,
-        default=0,
-        metavar="G",
-        help="nvidia.com/gpu per pod (default 0)",
-    )
-    r.add_argument("--name", default="meshrun", help="job name, a DNS-1035 label (default meshrun)")
-    r.add_argument(
-        "--namespace", default="default", metavar="NS", help="namespace (default default)"
-    )
-    r.add_argument(
-        "--shm-size",
-        default="16Gi",
-        metavar="SIZE",
-        help="size of the in-memory /dev/shm (default 16Gi)",
-    )
-    r.add_argument(
-        "--env", action="append", default=[], metavar="K=V", help="container env (repeat)"
-    )
-    r.add_argument(
-        "--restart-policy",
-        default="OnFailure",
-        metavar="POLICY",
-        help="OnFailure (default), Never; PyTorchJob also Always, ExitCode",
-    )
-    r.add_argument(
-        "--max-restarts",
-        type=int,
-        default=3,
-        metavar="K",
-        help="restarts after a failure, in the pod and by the operator (default 3)",
-    )
-    r.add_argument(
-        "--port", type=int, default=29500, metavar="PORT", help="rendezvous port (default 29500)"
-    )
-    r.add_argument("--config", metavar="FILE", help="TOML config, shipped as a ConfigMap")
-    r.add_argument(
-        "--output", metavar="DIR", help="directory for <kind>.yaml (default: print to stdout)"
-    )
-    add_target(r, "script path in the image, or module name with -m")
-    r.set_defaults(fn=cmd_render)

@@ -8,7 +8,6 @@ and any script error (``data-errors``), so a test in a headless browser can chec
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 import math
@@ -27,7 +26,7 @@ from meshrun.monitor.report import (
     scaling,
 )
 
-__all__ = ["Report", "add_parser", "write_report"]
+__all__ = ["Report", "summary_lines", "write_report"]
 
 REPORT_HTML = "report.html"
 
@@ -269,7 +268,7 @@ def _pct(x: float) -> str:
     return "-" if math.isnan(x) else f"{100 * x:.1f}%"
 
 
-# --- command line --------------------------------------------------------------------------
+# --- what `meshrun report` prints --------------------------------------------------------------------------
 
 
 def summary_lines(report: Report) -> list[str]:
@@ -291,36 +290,3 @@ def summary_lines(report: Report) -> list[str]:
         ]
     lines.append(f"wrote {report.html_path} and {len(report.pngs)} PNG figure(s)")
     return lines
-
-
-def cmd_report(a: argparse.Namespace) -> int:
-    try:
-        report = write_report(a.run_dirs, a.out)
-    except ReportError as e:
-        return _fail(str(e))
-    print("\n".join(summary_lines(report)))
-    return 0
-
-
-def _fail(message: str) -> int:
-    import sys
-
-    print(f"meshrun report: error: {message}", file=sys.stderr)
-    return 2
-
-
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "report",
-        help="HTML report with plots of one or more runs (scaling across world sizes)",
-        description="Read RUN_DIR/metrics.jsonl of each run and write a self-contained HTML "
-        "page with PNG figures: loss, throughput, step-time breakdown, per-rank heat map, "
-        "memory, stragglers, non-finite skips, stalls, checkpoints and goodput; with runs at "
-        "several world sizes, the scaling efficiency (strong or weak). Needs matplotlib "
-        "(pip install 'meshrun[report]').",
-    )
-    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (job.run_dir)")
-    p.add_argument(
-        "-o", "--out", help="output folder (default RUN_DIR/report, or report/ beside several runs)"
-    )
-    p.set_defaults(fn=cmd_report)
