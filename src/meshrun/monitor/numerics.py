@@ -3,23 +3,22 @@ is NaN/Inf, so all ranks skip the optimizer step together (or all stop) instead 
 stepping on garbage while another does not, or one rank raising while the others hang in the
 next collective.
 
-Cost: one all-reduce of ``world_size + 2`` floats per optimizer step. It replaces the loss
-all-reduce the loop already did on logged steps (the global mean loss comes out of the same
-collective), so with ``metrics.log_every = 1`` there is no extra collective at all.
-The reduction runs over the whole world, not only the data-parallel group: under pipeline or
-tensor parallelism the stages and shards must agree too. The mean is taken over the ranks that
-recorded a loss; tensor-parallel peers hold the same loss, so their copies do not change it.
+Cost: nothing of its own. The guard's flag (and the loss, whose global mean the metrics log) is
+a slot of the run's one per-step agreement (``meshrun/agreement.py``: one all-reduce of a few
+float64 plus one per rank, over the whole world, so pipeline stages and tensor-parallel shards
+agree too). The mean is taken over the ranks that recorded a loss; tensor-parallel peers hold
+the same loss, so their copies do not change it.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 
-__all__ = ["GuardResult", "NonFiniteLossError", "check_loss"]
+from meshrun.agreement import Agreed, StepAgreement
+
+__all__ = ["GuardResult", "NonFiniteLossError", "check_loss", "guard_result", "local_loss"]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -38,39 +37,26 @@ class GuardResult:
         return not self.bad_ranks
 
 
-def _pack(loss_sum: torch.Tensor | None, accum: int, rank: int, world: int) -> torch.Tensor:
-    """[sum of mean losses, ranks with a loss, one is-bad flag per rank] (float64 on CPU)."""
-    buf = torch.zeros(world + 2, dtype=torch.float64)
-    if loss_sum is not None:
-        mean = float(loss_sum.item()) / accum
-        finite = math.isfinite(mean)
-        buf[0] = mean if finite else 0.0  # keep the sum finite: the flags carry the bad news
-        buf[1] = 1.0
-        buf[2 + rank] = 0.0 if finite else 1.0
-    return buf
+def local_loss(loss_sum: torch.Tensor | None, accum: int) -> float | None:
+    """This rank's mean loss of the step from the sum of its micro-step losses in the
+    accumulation window (None when this rank recorded none). The ``.item()`` is the one host
+    sync per step the loop pays for its logging."""
+    return None if loss_sum is None else float(loss_sum.item()) / accum
+
+
+def guard_result(agreed: Agreed) -> GuardResult:
+    """The guard's reading of the step's agreement."""
+    return GuardResult(loss=agreed.loss, bad_ranks=agreed.nonfinite_ranks)
 
 
 def check_loss(
     loss_sum: torch.Tensor | None, accum: int, device: torch.device, distributed: bool
 ) -> GuardResult:
-    """One all-reduce (when ``distributed``) of this rank's loss and its is-finite flag.
-
-    ``loss_sum`` is the sum of this rank's micro-step losses in the accumulation window
-    (None when this rank recorded none). Every rank must call it at every optimizer step.
-    """
-    rank = dist.get_rank() if distributed else 0
-    world = dist.get_world_size() if distributed else 1
-    buf = _pack(loss_sum, accum, rank, world)
-    if distributed:
-        # NCCL reduces only device tensors; the packing stays on the host either way. The
-        # .item() above is the one host sync per step the loop already paid for its logging.
-        wire = buf.to(device) if device.type == "cuda" else buf
-        dist.all_reduce(wire, op=dist.ReduceOp.SUM)
-        buf = wire.cpu()
-    bad = tuple(int(r) for r in torch.nonzero(buf[2:] > 0.5).flatten().tolist())
-    count = float(buf[1])
-    loss = math.nan if bad or count == 0 else float(buf[0]) / count
-    return GuardResult(loss=loss, bad_ranks=bad)
+    """The guard on its own: one exchange of an agreement that carries only the loss (the run
+    uses its :class:`~meshrun.agreement.StepAgreement`, which carries the other flags too).
+    Collective when ``distributed``: every rank must call it."""
+    agreement = StepAgreement(device, distributed)
+    return guard_result(agreement.exchange(0, loss=local_loss(loss_sum, accum)))
 
 
 def describe(result: GuardResult, step: int, hosts: list[str] | None = None) -> str:

@@ -4,7 +4,7 @@ numerics guard and the periodic straggler check. One instance per run, on every 
 Breakdown (wall clock, no added synchronisation): ``forward_s`` runs from the batch being
 handed to the user until ``run.backward``; ``backward_s`` is the ``backward`` call (on DDP it
 includes the gradient all-reduce not hidden behind compute); ``optimizer_s`` is clipping plus
-``optimizer.step``; ``sync_s`` the guard collective; ``data_wait_s`` comes from the loader
+``optimizer.step``; ``sync_s`` the per-step agreement (the guard's collective); ``data_wait_s`` comes from the loader
 clock. On CUDA these are host times of asynchronous launches (see docs/monitor.md).
 Under DDP, ``comm_exposed_s`` (part of ``backward_s``) and ``comm_hidden_s`` split the gradient
 all-reduce into waited-for and overlapped time (monitor/comm.py). Without DDP's hook (FSDP2,
@@ -24,12 +24,19 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from meshrun.agreement import StepAgreement
 from meshrun.config import MonitorConfig
 from meshrun.monitor.comm import CommHook, CommTimer
 from meshrun.monitor.comm_profile import CommSampler
 from meshrun.monitor.host import HostStats
 from meshrun.monitor.metrics import MetricsLogger
-from meshrun.monitor.numerics import GuardResult, NonFiniteLossError, check_loss, describe
+from meshrun.monitor.numerics import (
+    GuardResult,
+    NonFiniteLossError,
+    describe,
+    guard_result,
+    local_loss,
+)
 from meshrun.monitor.stragglers import (
     COMPONENTS,
     find_stragglers,
@@ -64,8 +71,12 @@ class StepMonitor:
         distributed: bool,
         hostname: str,
         metrics: MetricsLogger,
+        agreement: StepAgreement | None = None,
     ) -> None:
         self.settings = settings
+        # The run's one per-step collective: the guard exchanges it; the checkpointer's
+        # preemption and async-save flags are slots of it (meshrun/agreement.py).
+        self.agreement = agreement or StepAgreement(device, distributed)
         self.device = device
         self.distributed = distributed
         self.hostname = hostname
@@ -137,13 +148,16 @@ class StepMonitor:
     # --- numerics guard -------------------------------------------------------------------
 
     def guard(self, loss_sum: torch.Tensor | None, accum: int, step: int) -> GuardResult:
-        """Run the guard collective for the step about to be taken (``step`` is 1-based);
-        raise on every rank together under ``nonfinite = "stop"``."""
+        """Exchange the step's agreement (the one collective; ``step`` is the 1-based step
+        about to be taken) and read the guard's slot of it: raise on every rank together under
+        ``nonfinite = "stop"``. The other subsystems read their slots with
+        ``agreement.agreed(step)`` after this."""
         if self._t_batch is not None:  # no run.backward (pipeline step): count it as forward
             self.backward_starts()
         t0 = time.perf_counter()
         with self.sampler.guard():
-            result = check_loss(loss_sum, accum, self.device, self.distributed)
+            agreed = self.agreement.exchange(step, loss=local_loss(loss_sum, accum))
+        result = guard_result(agreed)
         self.add("sync_s", t0)
         if result.finite:
             return result
