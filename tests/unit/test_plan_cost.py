@@ -19,7 +19,6 @@ from meshrun.plan.cost import (
     Layout,
     Model,
     Training,
-    activation_bytes_per_layer,
     all_reduce_time,
     ddp_buckets,
     flops_per_iteration,
@@ -29,13 +28,12 @@ from meshrun.plan.cost import (
     gpt_params,
     group_bandwidth,
     group_link,
-    inflight_layers,
     logits_flops,
-    model_state_bytes,
     stage_params,
     step_time,
     training_days,
 )
+from meshrun.plan.memory import activation_bytes_per_layer, inflight_layers, model_state_bytes
 
 
 def printed(value: float, like: str) -> str:
