@@ -10,6 +10,9 @@ writer for ``RUN_DIR/metrics.jsonl`` and one for the console.
             metrics.log_step(step, loss=loss.item(), lr=lr, step_time_s=dt,
                              samples=global_batch, tokens=global_batch * seq_len,
                              extra=memory_stats(device))
+
+``tokens=None`` when the run's tokens are not known (images, audio, tabular rows): the lines
+then carry samples/s only, never a tokens/s made up from a tensor's shape (docs/monitor.md).
 """
 
 from __future__ import annotations
@@ -24,18 +27,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol, TextIO
+from typing import Any, TextIO
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TaskID,
-    TextColumn,
-)
-from rich.table import Table
 
+from meshrun.monitor.metrics_view import PlainView, ProgressView, Status, View, summary_table
+from meshrun.monitor.mfu import ModelFlops, constant_per_token
 from meshrun.monitor.tensorboard import TensorBoardSink
 
 __all__ = ["METRICS_FILE", "MetricsLogger"]
@@ -66,20 +63,13 @@ def _json_safe(row: Mapping[str, Any]) -> dict[str, Any]:
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
 
 
-def _format_duration(seconds: float) -> str:
-    """1:18 or 2:05:09, like a stopwatch."""
-    minutes, secs = divmod(round(seconds), 60)
-    hours, minutes = divmod(minutes, 60)
-    return f"{hours}:{minutes:02d}:{secs:02d}" if hours else f"{minutes}:{secs:02d}"
-
-
 @dataclass
 class _Totals:
     """Running totals, kept on every rank; a few bytes per step."""
 
     steps: int = 0
     samples: int = 0
-    tokens: int = 0
+    tokens: int | None = 0  # None once a step's tokens were not known
     first_samples: int = 0
     first_tokens: int = 0
     first_loss: float = math.nan
@@ -96,11 +86,11 @@ class _Totals:
         loss: float,
         step_time_s: float,
         samples: int,
-        tokens: int,
+        tokens: int | None,
         extra: Mapping[str, float | str],
     ) -> None:
         if self.steps == 0:
-            self.first_samples, self.first_tokens = samples, tokens
+            self.first_samples, self.first_tokens = samples, tokens or 0
         # The loop passes NaN on steps skipped by the numerics guard (a caller may also pass NaN
         # for steps it did not measure): first/last loss are the first/last *measured* ones.
         if not math.isnan(loss):
@@ -109,7 +99,7 @@ class _Totals:
             self.last_loss = loss
         self.steps += 1
         self.samples += samples
-        self.tokens += tokens
+        self.tokens = None if tokens is None or self.tokens is None else self.tokens + tokens
         self.times.append(step_time_s)
         if "comm_s" in extra and self.steps > 1:
             self.comm_time += step_time_s
@@ -134,7 +124,7 @@ class _Totals:
         out = {
             "steps": float(self.steps),
             "samples": float(self.samples),
-            "tokens": float(self.tokens),
+            **({} if self.tokens is None else {"tokens": float(self.tokens)}),
             "total_time_s": math.fsum(self.times),
         }
         if self.steps == 0:
@@ -143,17 +133,18 @@ class _Totals:
         median = statistics.median(steady)
         skipped = len(steady) < len(self.times)
         steady_samples = self.samples - (self.first_samples if skipped else 0)
-        steady_tokens = self.tokens - (self.first_tokens if skipped else 0)
         out |= {
             "step_time_median_s": median,
             "step_time_mean_s": statistics.fmean(steady),
             # Mean work per step over the median step time: one slow step does not
             # drag the throughput figure down.
             "samples_per_s": _rate(steady_samples / len(steady), median),
-            "tokens_per_s": _rate(steady_tokens / len(steady), median),
             "loss_first": self.first_loss,
             "loss_last": self.last_loss,
         }
+        if self.tokens is not None:
+            steady_tokens = self.tokens - (self.first_tokens if skipped else 0)
+            out["tokens_per_s"] = _rate(steady_tokens / len(steady), median)
         steady_time = math.fsum(steady)
         for key, total in self.sums.items():
             over = self.comm_time if key.startswith("comm_") else steady_time
@@ -170,139 +161,17 @@ class _Rates:
     """Per-rank throughput and MFU, derived from the global figures."""
 
     world_size: int
-    flops_per_token: float = 0.0
+    flops: ModelFlops | None = None
     peak_flops: float = 0.0  # per rank
 
-    def derived(self, samples_per_s: float, tokens_per_s: float) -> dict[str, float]:
-        out = {
-            "samples_per_s_per_rank": samples_per_s / self.world_size,
-            "tokens_per_s_per_rank": tokens_per_s / self.world_size,
-        }
-        if self.flops_per_token and self.peak_flops:
-            out["mfu"] = self.flops_per_token * tokens_per_s / (self.peak_flops * self.world_size)
+    def derived(self, samples_per_s: float, tokens_per_s: float | None) -> dict[str, float]:
+        out = {"samples_per_s_per_rank": samples_per_s / self.world_size}
+        if tokens_per_s is not None:
+            out["tokens_per_s_per_rank"] = tokens_per_s / self.world_size
+        model_flops = self.flops.per_second(samples_per_s, tokens_per_s) if self.flops else None
+        if model_flops is not None and self.peak_flops:
+            out["mfu"] = model_flops / (self.peak_flops * self.world_size)
         return out
-
-
-@dataclass(frozen=True)
-class _Status:
-    """What the console shows about the latest step."""
-
-    step: int
-    total: int | None
-    loss: float
-    lr: float
-    step_time_s: float
-    tokens_per_s: float
-    eta_s: float | None
-
-    def eta(self) -> str:
-        return "-" if self.eta_s is None else _format_duration(self.eta_s)
-
-    def plain_line(self) -> str:
-        if self.total is None:
-            head = f"step {self.step}"
-        else:
-            head = f"step {self.step:>{len(str(self.total))}}/{self.total}"
-        parts = [
-            head,
-            f"loss {self.loss:.4f}",
-            f"lr {self.lr:.2e}",
-            f"{self.step_time_s:.3f} s/step",
-            f"{self.tokens_per_s:,.0f} tok/s",
-        ]
-        if self.eta_s is not None:
-            parts.append(f"ETA {self.eta()}")
-        return " | ".join(parts)
-
-
-class _View(Protocol):
-    def show(self, status: _Status, logged: bool) -> None: ...
-
-    def finish(self, table: Table) -> None: ...
-
-
-class _PlainView:
-    """One line per logged step: readable in CI logs and behind torchrun's prefixes."""
-
-    def __init__(self, console: Console) -> None:
-        self._console = console
-
-    def show(self, status: _Status, logged: bool) -> None:
-        if logged:
-            # soft_wrap: a log line must stay one line, whatever width rich assumes.
-            self._console.print(status.plain_line(), markup=False, highlight=False, soft_wrap=True)
-
-    def finish(self, table: Table) -> None:
-        self._console.print(table)
-
-
-class _ProgressView:
-    """A live bar for an interactive terminal; updated every step, redrawn by rich's thread."""
-
-    def __init__(self, console: Console, total: int | None) -> None:
-        self._total = total
-        self._progress = Progress(
-            TextColumn("[bold]train"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TextColumn("ETA {task.fields[eta]}"),
-            TextColumn("loss {task.fields[loss]}"),
-            TextColumn("lr {task.fields[lr]}"),
-            TextColumn("{task.fields[s_per_step]} s/step"),
-            TextColumn("{task.fields[tok_per_s]} tok/s"),
-            console=console,
-        )
-        self._task: TaskID | None = None
-
-    def show(self, status: _Status, logged: bool) -> None:
-        fields: dict[str, Any] = {
-            "eta": status.eta(),
-            "loss": f"{status.loss:.4f}",
-            "lr": f"{status.lr:.2e}",
-            "s_per_step": f"{status.step_time_s:.3f}",
-            "tok_per_s": f"{status.tokens_per_s:,.0f}",
-        }
-        if self._task is None:
-            # Started on the first step, not in __init__, so nothing is drawn before
-            # training has begun.
-            self._progress.start()
-            self._task = self._progress.add_task("train", total=self._total, **fields)
-        self._progress.update(self._task, completed=status.step, **fields)
-
-    def finish(self, table: Table) -> None:
-        self._progress.stop()
-        self._progress.console.print(table)
-
-
-def _summary_table(summary: Mapping[str, float]) -> Table:
-    table = Table(title="training summary")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    formats: list[tuple[str, str, Callable[[float], str]]] = [
-        ("steps", "steps", lambda v: f"{v:,.0f}"),
-        ("total_time_s", "total step time", lambda v: f"{_format_duration(v)} ({v:,.1f} s)"),
-        ("step_time_median_s", "median step time", lambda v: f"{v:.3f} s"),
-        ("step_time_mean_s", "mean step time", lambda v: f"{v:.3f} s"),
-        ("samples_per_s", "samples/s (median)", lambda v: f"{v:,.1f}"),
-        ("tokens_per_s", "tokens/s (median)", lambda v: f"{v:,.0f}"),
-        ("tokens_per_s_per_rank", "tokens/s per rank", lambda v: f"{v:,.0f}"),
-        ("mfu", "MFU", lambda v: f"{100 * v:.2f}%"),
-        ("data_wait_share", "data-loader stall", lambda v: f"{100 * v:.1f}% of step"),
-        ("comm_share", "communication", lambda v: f"{100 * v:.1f}% of step"),
-        ("comm_exposed_share", "  exposed (not hidden)", lambda v: f"{100 * v:.1f}% of step"),
-        ("loss_first", "first loss", lambda v: f"{v:.4f}"),
-        ("loss_last", "last loss", lambda v: f"{v:.4f}"),
-    ]
-    formats.append(("mem_peak_mb", "peak memory", lambda v: f"{v:,.1f} MiB"))
-    formats += [
-        (k, f"  max {k}", lambda v: f"{v:,.1f}")
-        for k in summary
-        if k.startswith("mem_") and k != "mem_peak_mb"
-    ]
-    for key, label, fmt in formats:
-        if key in summary:
-            table.add_row(label, fmt(summary[key]))
-    return table
 
 
 def _open_jsonl(path: Path) -> TextIO:
@@ -354,7 +223,7 @@ class MetricsLogger:
         self._rates = _Rates(world_size)
         self._closed = False
         self._file: TextIO | None = None
-        self._view: _View | None = None
+        self._view: View | None = None
         self._tensorboard: TensorBoardSink | None = None
         if is_main:
             if jsonl:
@@ -363,15 +232,11 @@ class MetricsLogger:
                 self._tensorboard = TensorBoardSink(self.run_dir)
             self._view = self._make_view(console or Console(), progress)
 
-    @property
-    def jsonl_path(self) -> Path:
-        return self.run_dir / METRICS_FILE
-
-    def _make_view(self, console: Console, progress: bool) -> _View:
+    def _make_view(self, console: Console, progress: bool) -> View:
         # A bar only where someone watches a terminal; logs and pipes get plain lines.
         if progress and console.is_terminal:
-            return _ProgressView(console, self.total_steps)
-        return _PlainView(console)
+            return ProgressView(console, self.total_steps)
+        return PlainView(console)
 
     def log_step(
         self,
@@ -381,11 +246,12 @@ class MetricsLogger:
         lr: float,
         step_time_s: float,
         samples: int,
-        tokens: int,
+        tokens: int | None,
         extra: Mapping[str, float | str] | None = None,
     ) -> None:
-        """Record one optimizer step (call it on every rank, every step). ``extra``: more
-        figures for the line; a string value is a label (``comm_method``), not summed."""
+        """Record one optimizer step (call it on every rank, every step). ``tokens``: None when
+        not known (no tokens/s then). ``extra``: more figures for the line; a string value is
+        a label (``comm_method``), not summed."""
         if self._closed:
             raise RuntimeError("MetricsLogger.log_step() called after close()")
         extra = extra or {}
@@ -397,7 +263,8 @@ class MetricsLogger:
         if not self.is_main:
             return
         logged = step % self.log_every == 0 or step == self.total_steps
-        tokens_per_s = _rate(tokens, step_time_s)
+        samples_per_s = _rate(samples, step_time_s)
+        tokens_per_s = None if tokens is None else _rate(tokens, step_time_s)
         if logged and (self._file is not None or self._tensorboard is not None):
             row = {
                 "step": step,
@@ -405,9 +272,9 @@ class MetricsLogger:
                 "loss": loss,
                 "lr": lr,
                 "step_time_s": step_time_s,
-                "samples_per_s": _rate(samples, step_time_s),
-                "tokens_per_s": tokens_per_s,
-                **self._rates.derived(_rate(samples, step_time_s), tokens_per_s),
+                "samples_per_s": samples_per_s,
+                **({} if tokens_per_s is None else {"tokens_per_s": tokens_per_s}),
+                **self._rates.derived(samples_per_s, tokens_per_s),
                 **extra,
             }
             if self._file is not None:
@@ -416,8 +283,9 @@ class MetricsLogger:
                 self._tensorboard.add(step, row)
         # The console shows the latest *measured* loss (NaN marks steps that were not logged).
         shown_loss = self._totals.last_loss
-        status = _Status(
-            step, self.total_steps, shown_loss, lr, step_time_s, tokens_per_s, self._eta(step)
+        status = Status(
+            *(step, self.total_steps, shown_loss, lr, step_time_s),
+            *(samples_per_s, tokens_per_s, self._eta(step)),
         )
         self._on_console("progress", lambda view: view.show(status, logged))
 
@@ -439,7 +307,7 @@ class MetricsLogger:
         self._file.write(json.dumps(_json_safe(row), allow_nan=False) + "\n")
         self._file.flush()
 
-    def _on_console(self, what: str, action: Callable[[_View], None]) -> None:
+    def _on_console(self, what: str, action: Callable[[View], None]) -> None:
         view = self._view
         if view is None:
             return
@@ -462,19 +330,27 @@ class MetricsLogger:
         each ``mem_*`` key holds its own maximum.
         """
         out = self._totals.summary()
-        if "tokens_per_s" in out:
-            out |= self._rates.derived(out["samples_per_s"], out["tokens_per_s"])
+        if "samples_per_s" in out:
+            out |= self._rates.derived(out["samples_per_s"], out.get("tokens_per_s"))
         return out
 
     def set_flops_per_token(self, flops_per_token: float, peak_flops_per_rank: float) -> None:
         """Report MFU: model FLOPs per token (forward + backward) x tokens/s over the peak
         FLOP/s of all ranks (``peak_flops_per_rank`` x world size)."""
-        if flops_per_token <= 0 or peak_flops_per_rank <= 0:
+        if flops_per_token <= 0:
+            raise ValueError(f"MetricsLogger: flops_per_token={flops_per_token!r}; must be > 0")
+        source = f"{flops_per_token:.3g} per token"
+        self.set_flops(constant_per_token(flops_per_token, source), peak_flops_per_rank)
+
+    def set_flops(self, flops: ModelFlops, peak_flops_per_rank: float) -> None:
+        """Report MFU: the model's FLOP/s (per sample x samples/s, or per token x tokens/s)
+        over the peak FLOP/s of all ranks (``peak_flops_per_rank`` x world size)."""
+        if peak_flops_per_rank <= 0 or flops.per_sample < 0:
             raise ValueError(
-                f"MetricsLogger: flops_per_token={flops_per_token!r}, peak_flops_per_rank="
-                f"{peak_flops_per_rank!r}; both must be > 0"
+                f"MetricsLogger: peak_flops_per_rank={peak_flops_per_rank!r}, flops per sample="
+                f"{flops.per_sample!r}; the peak must be > 0 and the FLOPs >= 0"
             )
-        self._rates.flops_per_token = flops_per_token
+        self._rates.flops = flops
         self._rates.peak_flops = peak_flops_per_rank
 
     def close(self) -> None:
@@ -484,7 +360,7 @@ class MetricsLogger:
         self._closed = True
         summary = self.summary()
         if self._totals.steps:  # a run closed before training has nothing to summarise
-            self._on_console("summary", lambda view: view.finish(_summary_table(summary)))
+            self._on_console("summary", lambda view: view.finish(summary_table(summary)))
         self._view = None
         if self._tensorboard is not None:
             self._tensorboard.close()
