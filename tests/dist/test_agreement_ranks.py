@@ -1,0 +1,48 @@
+"""The per-step agreement on two real Gloo ranks: a flag one rank raises reaches both in the
+same exchange, counts add up, a NaN names its rank, the loss is the mean the guard computed
+before (the same float64 sum, bitwise), and each exchange is one collective."""
+
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_distributed
+from meshrun.agreement import Slot, StepAgreement
+
+LOSSES = {0: [1.25, 0.1, 3.0, 2.0], 1: [0.75, 0.2, 1.0, float("nan")]}
+
+
+def exchange(rank: int, world_size: int) -> list[dict[str, Any]]:
+    dist.init_process_group("gloo", rank=rank, world_size=world_size)
+    a = StepAgreement(torch.device("cpu"))
+    step = [0]
+    a.provide(Slot.PREEMPT, lambda: rank == 1 and step[0] == 2)
+    a.provide(Slot.SAVE_WRITING, lambda: step[0] == 3 or (rank == 0 and step[0] == 2))
+    out = []
+    for i, loss in enumerate(LOSSES[rank], start=1):
+        step[0] = i
+        got = a.exchange(i, loss=loss)
+        out.append({
+            "loss": got.loss,
+            "counts": {s.name: got.count(s) for s in Slot if s not in (Slot.LOSS,)},
+            "bad": got.nonfinite_ranks,
+        })  # fmt: skip
+    out.append({"exchanges": a.exchanges})
+    dist.destroy_process_group()
+    return out
+
+
+@pytest.mark.timeout(60)
+def test_two_ranks_agree_on_every_slot() -> None:
+    r0, r1 = run_distributed(exchange, 2, timeout=45)
+    assert r0[:3] == r1[:3] and r0[3]["counts"] == r1[3]["counts"]  # the same on both ranks
+    assert r0[-1] == r1[-1] == {"exchanges": 4}  # one all-reduce per exchange
+    for i in range(3):
+        assert r0[i]["loss"] == (LOSSES[0][i] + LOSSES[1][i]) / 2  # bitwise: same sum, same order
+    assert r0[0]["counts"] == {"LOSS_RANKS": 2, "NONFINITE": 0, "PREEMPT": 0, "SAVE_WRITING": 0}
+    assert r0[1]["counts"]["PREEMPT"] == 1 and r0[1]["counts"]["SAVE_WRITING"] == 1
+    assert r0[2]["counts"]["SAVE_WRITING"] == 2 and r0[2]["counts"]["PREEMPT"] == 0
+    assert r0[3]["bad"] == r1[3]["bad"] == (1,) and r0[3]["counts"]["NONFINITE"] == 1
+    assert r0[3]["loss"] != r0[3]["loss"] and r1[3]["loss"] != r1[3]["loss"]  # NaN on both
