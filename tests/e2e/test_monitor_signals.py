@@ -22,6 +22,7 @@ import pytest
 
 WORKER = """
 import os
+import signal
 import time
 import torch
 from torch import nn
@@ -57,7 +58,15 @@ def main() -> None:
             time.sleep(600) if run.step == stall_at else None
         ) or agree()
     for x, y in run.steps(run.dataloader(data)):
-        if run.rank == 1 and run.step + 1 == stall_at and phase != "agreement":
+        if phase == "stop_in_save" and run.step + 1 == stall_at:
+            # Every rank in a phase allowed 600 s, as in a checkpoint save; rank 1 stops
+            # itself there, after saying when: only the launcher can see it is stopped.
+            with run.phase("checkpoint", timeout_s=600):
+                if run.rank == 1:
+                    (pids / "stopping").write_text(str(time.time()))
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                torch.distributed.barrier()
+        if run.rank == 1 and run.step + 1 == stall_at and phase not in ("agreement", "stop_in_save"):
             if phase:  # a long phase timeout: this rank's own deadline is far away
                 with run.phase(phase, timeout_s=600):
                     time.sleep(600)
@@ -238,6 +247,27 @@ def run_stalled(
     print(f"exit {proc.returncode} after {time.monotonic() - t0:.1f} s")
     print(report)
     return proc, out, report
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_stopped_while_every_rank_is_in_a_long_phase_is_ended_by_the_launcher(
+    tmp_path: Path, jobs: Callable[..., subprocess.Popen[str]]
+) -> None:
+    # No rank's deadline comes near (the phase allows 600 s): the launcher sees rank 1 in
+    # process state T for step_timeout_s + 2 s and treats it as the hang it is.
+    timeout_s = 5.0
+    proc, out, report = run_stalled(
+        jobs, {"TEST_STALL_AT": "6", "TEST_STALL_PHASE": "stop_in_save"}
+    )
+    stopped_at = float((tmp_path / "run" / "pids" / "stopping").read_text())
+    elapsed = time.time() - stopped_at  # an upper bound: measured after communicate returned
+    print(f"exit {proc.returncode} {elapsed:.1f} s after rank 1 stopped itself")
+    assert proc.returncode == 124, out[-3000:]
+    assert "meshrun launch: rank 1 (pid" in out and "has been stopped (process state T)" in out
+    assert elapsed < timeout_s + 10, out[-3000:]  # the promise for a step holds in a save too
+    summary = out[out.find("meshrun launch: rank 1 failed first") :]
+    assert "cause : stopped (process state T: SIGSTOP or a debugger)" in summary, out[-3000:]
+    assert "in phase checkpoint" in report and "rank 0 (" in report, report
 
 
 @pytest.mark.timeout(180)

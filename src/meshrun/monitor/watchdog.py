@@ -32,6 +32,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import tomllib
+
 from meshrun.monitor.collectives import (
     Position,
     collective_lines,
@@ -370,19 +372,72 @@ def _child_stats(parent: int) -> list[Path]:
     return [Path(f"/proc/{pid}/stat") for pid in pids]
 
 
-def watch_for_hangs(run_dir: str | Path, since: float, stop: threading.Event) -> None:
-    """The launcher's helper thread: once a watchdog has reported a hang, collect the other
+def watch_for_hangs(
+    run_dir: str | Path, since: float, stop: threading.Event, stopped_after_s: float | None = None
+) -> None:
+    """The launcher's helper thread: once a watchdog has reported a hang, or a local worker has
+    been stopped for ``stopped_after_s`` (default: :func:`stopped_bound_s`), collect the
     local ranks' reports, then end the ranks that cannot end themselves (see the module
     docstring). Keeps watching, so a restarted worker group's hang is handled too."""
     folder = Path(run_dir) / HANG_DIR
+    bound = stopped_bound_s() if stopped_after_s is None else stopped_after_s
+    clock = StoppedClock()
     while not stop.wait(_POLL_S):
-        if _fresh_dumps(folder, since):
+        late = clock.overdue(bound)
+        if late is not None:
+            print(
+                f"meshrun launch: rank {late.rank} (pid {late.pid}) has been stopped (process "
+                f"state T) for {bound:g} s (monitor.step_timeout_s + {STOPPED_GRACE_S:g} s): "
+                "a hang, though no rank's deadline has passed (its peers may wait in a longer "
+                "phase, a checkpoint save)",
+                flush=True,
+            )
+        if late is not None or _fresh_dumps(folder, since):
             end_hung_workers(folder, since, stop)
             since = time.time()  # the next attempt's reports are newer than this
+            clock = StoppedClock()
+
+
+# A stopped worker is a hang even when no rank's deadline is near: its peers may wait for it in
+# a phase allowed far longer than a step (a checkpoint save: monitor.phase_timeout_s). Past the
+# step timeout by this much, so that in a step the peers' own watchdogs report first.
+STOPPED_GRACE_S = 2.0
+
+
+def stopped_bound_s() -> float | None:
+    """How long a worker may stay stopped: the resolved config's ``monitor.step_timeout_s``
+    (the file the launcher hands its workers) + ``STOPPED_GRACE_S``; None when the watchdog is
+    off (``step_timeout_s = 0``)."""
+    from meshrun.config import CONFIG_ENV, MonitorConfig  # the launcher's side only
+
+    timeout_s = MonitorConfig().step_timeout_s
+    path = os.environ.get(CONFIG_ENV)
+    if path:
+        with contextlib.suppress(OSError, ValueError):
+            monitor = tomllib.loads(Path(path).read_text()).get("monitor", {})
+            timeout_s = float(monitor.get("step_timeout_s", timeout_s))
+    return timeout_s + STOPPED_GRACE_S if timeout_s > 0 else None
+
+
+class StoppedClock:
+    """Since when each local worker has been stopped (state T; not t: a debugger's trace)."""
+
+    def __init__(self) -> None:
+        self._since: dict[int, float] = {}
+
+    def overdue(self, bound_s: float | None) -> Worker | None:
+        """The first worker stopped for longer than ``bound_s``, if any."""
+        if bound_s is None:
+            return None
+        now = time.monotonic()
+        stopped = {w.pid: w for w in local_workers(os.getpid()) if w.state == "T"}
+        self._since = {pid: self._since.get(pid, now) for pid in stopped}
+        return next((stopped[p] for p, t in self._since.items() if now - t > bound_s), None)
 
 
 def end_hung_workers(folder: Path, since: float, stop: threading.Event) -> dict[int, str]:
     """The collection phase, then the killing. Returns what was ended (rank -> why)."""
+    folder.mkdir(parents=True, exist_ok=True)  # no rank may have reported (a stopped worker)
     (folder / REQUEST_FILE).write_text(f"{time.time()}\n")  # every local rank: dump now
     deadline = time.monotonic() + COLLECT_S
     workers = local_workers(os.getpid())
@@ -403,8 +458,8 @@ def end_hung_workers(folder: Path, since: float, stop: threading.Event) -> dict[
     for rank, w in sorted(doomed.items()):
         print(
             f"meshrun launch: rank {rank} (pid {w.pid}) is {ended[rank]}"
-            f"{' (process state ' + w.state + ')' if w.stopped else ''} after a hang was "
-            "reported; ending it with SIGKILL",
+            f"{' (process state ' + w.state + ')' if w.stopped else ''} in a hang; ending it "
+            "with SIGKILL",
             flush=True,
         )
     # Kill once the reporting ranks have left (HOLD_S): a killed peer breaks their
