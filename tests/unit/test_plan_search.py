@@ -215,9 +215,10 @@ def test_per_rank_parameters_match_meshrun_fsdp2_x_tp2_on_the_demo(
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     from meshrun.plan.cost import memory
-    from meshrun.plan.inspect_model import inspect_model
+    from meshrun.plan.inspect_model import inspect_module
+    from meshrun.plan.model_source import build_model
 
-    found = inspect_model("tiny_demo:build")
+    found = inspect_module(build_model("tiny_demo:build", {}).model)
     m = Model(layers=found.layers, params=found.params, layer_params=found.layer_params,
               **{k: v for k, v in found.shape.items() if k != "layers"})  # fmt: skip
     t = Training(global_batch=8, precision="fp32")

@@ -14,6 +14,7 @@ from meshrun.plan.cost import GB, Cluster, Estimate, Model, Recompute, Training
 from meshrun.plan.errors import PlanError
 from meshrun.plan.hardware import GB_S, GPUS, TERA, get_gpu
 from meshrun.plan.search import Plan, evaluate_one, parse_layout, search, what_would_fit
+from meshrun.plan.user_model import Inferred, format_count, model_from_spec
 
 SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq")
 CALIBRATION_KEYS = {f.name for f in dataclasses.fields(Cluster)} - {"nodes", "gpus_per_node"}
@@ -22,43 +23,27 @@ CALIBRATION_KEYS = {f.name for f in dataclasses.fields(Cluster)} - {"nodes", "gp
 # --- arguments -> inputs -------------------------------------------------------------------
 
 
-def _model(a: argparse.Namespace) -> Model:
+def _model(a: argparse.Namespace) -> tuple[Model, Inferred | None]:
     shape = {k: getattr(a, k) for k in SHAPE_FLAGS if getattr(a, k) is not None}
+    if a.model_kwargs is not None and not a.model:
+        raise PlanError(f"--model-kwargs {a.model_kwargs!r} gives arguments to --model's "
+                        "factory (or config.json fields): add --model, or drop it")  # fmt: skip
     if a.params is not None:
         if shape or a.model:
             raise PlanError("--params N is a bare parameter count: give it alone, or a shape "
                             "(--layers ...) / --model instead")  # fmt: skip
         if a.params < 1:
             raise PlanError(f"--params {a.params:g} is not allowed: must be >= 1")
-        return Model(params=int(a.params))
+        return Model(params=int(a.params)), None
     if a.model:
-        return _inspected_model(a.model, shape, a.mlp)
+        inferred = model_from_spec(a.model, a.model_kwargs, shape, a.mlp)
+        return inferred.model, inferred
     missing = [f"--{k.replace('_', '-')}" for k in ("layers", "hidden", "heads", "vocab", "seq")
                if k not in shape]  # fmt: skip
     if missing:
         raise PlanError(f"the model shape is incomplete: missing {', '.join(missing)} "
-                        "(or give --params N, or --model pkg.module:factory)")  # fmt: skip
-    return Model(**shape, gated_mlp=a.mlp == "gated")
-
-
-def _inspected_model(spec: str, shape: dict[str, int], a_mlp: str) -> Model:
-    from meshrun.plan.inspect_model import inspect_model
-
-    found = inspect_model(spec)
-    merged = {**found.shape, **shape}  # command-line flags win over the model's config
-    missing = [k for k in ("hidden", "heads", "vocab", "seq") if k not in merged]
-    if missing:
-        raise PlanError(f"--model {spec}: its config does not say {', '.join(missing)}; give "
-                        + " ".join(f"--{k}" for k in missing))  # fmt: skip
-    merged["layers"] = merged.get("layers") or found.layers
-    gated = a_mlp == "gated"
-    return Model(
-        **merged,
-        gated_mlp=gated,
-        params=found.params,
-        layer_params=found.layer_params,
-        separate_qkv=False,
-    )  # not detected yet: docs/plan.md, "Known limits"
+                        "(or give --params N, or --model path/to/model.py:factory)")  # fmt: skip
+    return Model(**shape, gated_mlp=a.mlp == "gated"), None
 
 
 def _cluster(a: argparse.Namespace) -> Cluster:
@@ -189,7 +174,7 @@ def print_table(plan: Plan, c: Cluster, top: int) -> None:
     from rich.table import Table
 
     timed = plan.estimates[0].time is not None
-    table = Table(title=f"{plan.params / 1e9:.3g}B parameters on {c.world} GPUs: "
+    table = Table(title=f"{format_count(plan.params)} parameters on {c.world} GPUs: "
                   f"{len(plan.fitting)} of {plan.evaluated} layouts fit")  # fmt: skip
     for col in ("#", "dp_rep", "dp_shard", "tp", "pp", "zero", "mb", "ac", "accum", "fits",
                 "mem GB p/g/o/act/buf", "total GB"):  # fmt: skip
@@ -267,7 +252,9 @@ def _config_settings(e: Estimate, t: Training) -> dict[str, Any]:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
-    model = _model(a)
+    model, inferred = _model(a)
+    if inferred is not None:  # what was read from the model, before the layouts built on it
+        print("\n".join(inferred.lines), file=sys.stderr if a.json else sys.stdout)
     if a.global_batch < 1:
         raise PlanError(f"--global-batch {a.global_batch} is not allowed: must be >= 1")
     training = Training(a.global_batch, a.precision, a.optimizer, a.attention == "fused")
@@ -283,6 +270,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
     if a.json:
         doc = plan_json(plan, cluster, training, a.top, advice)
         doc["search_s"] = round(elapsed, 4)
+        if inferred is not None:
+            doc["model"] = inferred.json
         print(json.dumps(doc, indent=2))
     else:
         print_table(plan, cluster, a.top)
@@ -330,11 +319,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     for flag in SHAPE_FLAGS:
         m.add_argument(f"--{flag.replace('_', '-')}", type=int, dest=flag,
                        help=_SHAPE_HELP[flag])  # fmt: skip
-    m.add_argument("--mlp", choices=["plain", "gated"], default="plain",
-                   help="plain (GELU, 2 matrices) or gated (SwiGLU, 3 matrices)")  # fmt: skip
+    m.add_argument("--mlp", choices=["plain", "gated"], help="plain (GELU, 2 matrices; the "
+                   "default) or gated (SwiGLU, 3 matrices); --model: read from its blocks")  # fmt: skip
     m.add_argument("--params", type=float, help="bare parameter count, e.g. 7.5e9 (model "
                    "states only)")  # fmt: skip
-    m.add_argument("--model", help="pkg.module:factory returning an nn.Module (built on meta)")
+    m.add_argument("--model", help="a model to plan for, built on the meta device (nothing "
+                   "allocated or downloaded): path/to/model.py:factory, pkg.module:factory, or a "
+                   "Hugging Face config.json or its directory; prints the shape it reads")  # fmt: skip
+    m.add_argument("--model-kwargs", metavar="JSON", help="keyword arguments of --model's factory"
+                   """ ('{"n_layer": 12}'), or fields over its config.json""")  # fmt: skip
     tr = p.add_argument_group("training")
     tr.add_argument("--global-batch", type=int, default=512, help="sequences per step (512)")
     tr.add_argument("--micro-batch", default="1,2,4,8,16,32", help="candidates (1,2,...,32)")
