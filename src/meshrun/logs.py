@@ -60,7 +60,3 @@ class _ConsoleFormatter(logging.Formatter):
         if record.levelno >= logging.WARNING:
             return f"{self.who} {record.levelname.lower()}: {msg}"
         return f"{self.who}: {msg}"
-
-
-def get_logger() -> logging.Logger:
-    return logging.getLogger(LOGGER_NAME)

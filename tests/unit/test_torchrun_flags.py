@@ -15,7 +15,7 @@ from meshrun.cli import build_parser, main
 from meshrun.config import ConfigError
 from meshrun.launch import torchrun_flags
 from meshrun.launch.local import LaunchSpec, build_torchrun_args
-from meshrun.launch.torchrun_flags import FLAGS, OTHER_FLAGS, REFUSED, Flag, resolve
+from meshrun.launch.torchrun_flags import FLAGS, OTHER_FLAGS, REFUSED, Flag, flag_argv, resolve
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -95,9 +95,10 @@ def test_passed_flags_reach_the_agent_as_torchrun_reads_them(flag: Flag) -> None
         assert getattr(TORCHRUN.parse_args([*argv, "train.py"]), flag.dest) == want
 
 
-def test_given_argv_reproduces_the_command_line() -> None:
+def test_flag_argv_reproduces_the_command_line() -> None:
     a = _parse("--nproc_per_node=4", "--tee", "3", "--run_path", "--master_port=29555")
-    again = _parse(*torchrun_flags.given_argv(a))
+    argv = [arg for f in torchrun_flags.given(a) for arg in flag_argv(f, getattr(a, f.dest))]
+    again = _parse(*argv)
     assert all(getattr(again, f.dest) == getattr(a, f.dest) for f in FLAGS)
 
 

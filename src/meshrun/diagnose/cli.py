@@ -20,8 +20,11 @@ from typing import Any
 
 from meshrun.cliargs import Subparsers, add_command
 from meshrun.diagnose import doctor_checks as dc
-from meshrun.diagnose.bench_worker import MODULE as BENCH_WORKER
 from meshrun.diagnose.doctor import WORKER_MODULE, DoctorOptions, exit_code, local_checks, render
+
+# What every rank of `meshrun bench` runs (python -m); not imported here: the command line
+# parses its flags without loading the measurements.
+BENCH_WORKER = "meshrun.diagnose.bench_worker"
 
 # --- meshrun bench ---------------------------------------------------------------------------
 

@@ -1,0 +1,43 @@
+"""Launch: start a training script on many processes with torchrun's own elastic agent.
+
+Entry point: :func:`launch_local` runs a :class:`LaunchSpec` (the script, processes per node,
+the ``[launch]`` settings) through ``torch.distributed.run`` in this process, one node or many
+(``meshrun launch``; docs/launch.md). Beside it, pure renderers for schedulers that start the
+agent themselves: :class:`K8sJob` -> :func:`write_manifests` (Kubeflow PyTorchJob, JobSet;
+docs/kubernetes.md), :class:`SubmitSpec` -> :func:`render_sbatch` (SLURM; docs/slurm.md), and
+:func:`launch_hostfile` over ssh (docs/hostfile.md). Exports load on first use: the command
+line does not import torch to parse its arguments.
+"""
+
+from typing import TYPE_CHECKING
+
+from meshrun._lazy import lazy_exports
+
+if TYPE_CHECKING:
+    from meshrun.launch.k8s import K8sJob, write_manifests
+    from meshrun.launch.local import LaunchSpec, launch_local
+    from meshrun.launch.remote import launch_hostfile
+    from meshrun.launch.slurm_submit import SubmitSpec, render_sbatch
+
+__getattr__ = lazy_exports(
+    globals(),
+    {
+        "K8sJob": "meshrun.launch.k8s",
+        "write_manifests": "meshrun.launch.k8s",
+        "LaunchSpec": "meshrun.launch.local",
+        "launch_local": "meshrun.launch.local",
+        "launch_hostfile": "meshrun.launch.remote",
+        "SubmitSpec": "meshrun.launch.slurm_submit",
+        "render_sbatch": "meshrun.launch.slurm_submit",
+    },
+)
+
+__all__ = [
+    "K8sJob",
+    "LaunchSpec",
+    "SubmitSpec",
+    "launch_hostfile",
+    "launch_local",
+    "render_sbatch",
+    "write_manifests",
+]

@@ -185,12 +185,6 @@ def passthrough_argv(a: argparse.Namespace) -> list[str]:
     return [arg for f in given(a) if f.passed for arg in flag_argv(f, getattr(a, f.dest))]
 
 
-def given_argv(a: argparse.Namespace, skip: tuple[str, ...] = ()) -> list[str]:
-    """Every table flag the user gave (but ``skip``), as ``meshrun launch`` argv: what a
-    launch on another host needs to mean the same."""
-    return [arg for f in given(a) if f.dest not in skip for arg in flag_argv(f, getattr(a, f.dest))]
-
-
 def env_defaults(a: argparse.Namespace, environ: Mapping[str, str]) -> list[str]:
     """torchrun's ``PET_<FLAG>`` environment defaults (Kubeflow's PyTorchJob sets them) for
     the flags not given on the command line; a note for each one taken."""
