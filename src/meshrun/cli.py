@@ -20,8 +20,10 @@ from meshrun.cliout import quiet_on_broken_pipe
 from meshrun.config import (
     Config,
     ConfigError,
+    apply_overrides,
     dp_size_for_world,
     load_config,
+    nnodes_range,
     resolve_global_batch,
     set_value,
     split_overrides,
@@ -33,27 +35,19 @@ from meshrun.data.cli import add_parser as _add_data
 from meshrun.diagnose.cli import add_bench_parser as _add_bench
 from meshrun.diagnose.cli import add_doctor_parser as _add_doctor
 from meshrun.diagnose.cli import use_doctor_worker
+from meshrun.diagnose.scale import add_parser as _add_scale_test
 from meshrun.launch.cli import add_k8s_parser as _add_k8s
 from meshrun.launch.cli import add_slurm_parser as _add_slurm
 from meshrun.launch.torchrun_flags import add_arguments as add_torchrun_flags
 from meshrun.monitor.cli import add_report_parser as _add_report
-from meshrun.monitor.scale import add_parser as _add_scale_test
 from meshrun.plan.cli import add_parser as _add_plan
-
-
-def _world_nodes(nnodes: str) -> int:
-    """Nodes to validate against: N, or MAX of an elastic MIN:MAX range."""
-    try:
-        return int(nnodes.split(":")[-1])
-    except ValueError:
-        raise ConfigError(f"--nnodes {nnodes!r} is not allowed: expected N or MIN:MAX") from None
 
 
 def _prepare(cfg: Config, nproc: int, nnodes: str) -> Path:
     """Validate for the world size and write the resolved config the workers will read: what
     was left unset and is derived here (global batch, run directory) is written as the number
     or path it became, and said on stderr."""
-    world = nproc * _world_nodes(nnodes)
+    world = nproc * nnodes_range(nnodes)[1]  # an elastic MIN:MAX job: its largest world
     validate_for_world(cfg, world)
     from meshrun.checkpoint.layout import resume_path_error  # pure: no torch import
 
@@ -78,7 +72,7 @@ def _resolve_batch(cfg: Config, nproc: int, nnodes: str) -> None:
     world's, or, where a smaller world's size does not divide that, the lcm's."""
     from meshrun.checkpoint.resumed_batch import resume_global_batch  # pure: no torch import
 
-    low, high = _world_nodes(nnodes.split(":")[0]), _world_nodes(nnodes)
+    low, high = nnodes_range(nnodes)
     worlds = [nproc * n for n in range(low, high + 1)] or [nproc * high]
     if note := resume_global_batch(cfg):
         print(f"meshrun launch: {note}", file=sys.stderr)
@@ -99,23 +93,15 @@ def _launch(
     from meshrun.launch.local import LaunchSpec, launch_local
     from meshrun.launch.multinode import shared_digest, shared_settings
 
+    set_value(cfg, "launch.nproc_per_node", nproc)  # the resolved config records the count
     config_path = _prepare(cfg, nproc, cfg.launch.nnodes)
-    spec = LaunchSpec(
-        nproc_per_node=nproc,
+    spec = LaunchSpec.of(
+        cfg.launch,
         script=script,
         module=module,
         script_args=script_args,
-        nnodes=cfg.launch.nnodes,
-        node_rank=cfg.launch.node_rank,
-        rdzv_endpoint=cfg.launch.rdzv_endpoint,
-        rdzv_id=cfg.launch.rdzv_id,
-        interface=cfg.launch.interface,
-        join_timeout_s=cfg.launch.join_timeout_s,
         config_digest=shared_digest(cfg),
         shared_config=shared_settings(cfg),
-        rdzv_conf=cfg.launch.rdzv_conf,
-        max_restarts=cfg.launch.max_restarts,
-        omp_num_threads=cfg.launch.omp_num_threads,
         config_path=str(config_path),
         run_dir=str(cfg.resolved_run_dir()),
         **spec_fields,
@@ -151,7 +137,7 @@ def cmd_launch(a: argparse.Namespace) -> int:
     overrides, _ = split_overrides(args)
     cfg = load_config(a.config or default_config(module), [*a.set, *overrides])
     if a.hostfile:  # one meshrun launch per listed host, over ssh (docs/hostfile.md)
-        from meshrun.launch.remote import launch_from_args
+        from meshrun.launch.cli import launch_from_args
 
         if why := torchrun_flags.hostfile_refusal(a):
             raise ConfigError(why)
@@ -165,9 +151,9 @@ def cmd_launch(a: argparse.Namespace) -> int:
     for key, value in torchrun.launch_flags.items():  # --standalone, --master-addr/port
         setattr(a, key, value)
     _maybe_from_slurm(cfg, a)  # inside an allocation: unset topology flags from SLURM
-    _apply_launch_flags(cfg, a)
+    apply_launch_flags(cfg, a)
     script = None if module else target
-    nproc = _nproc(a.nproc_per_node, cfg)
+    nproc = _nproc(None, cfg)
     return _launch(cfg, nproc, script, module, args, **torchrun.spec)
 
 
@@ -192,24 +178,30 @@ def _maybe_from_slurm(cfg: Config, a: argparse.Namespace) -> None:
 
 # `meshrun launch` flags that override [launch] keys of the same name (flag given = wins).
 LAUNCH_FLAGS = (
-    "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_conf", "max_restarts", "interface",
-    ("join_timeout", "join_timeout_s"),
+    "nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_conf",
+    "max_restarts", "interface", ("join_timeout", "join_timeout_s"),
 )  # fmt: skip
 
 
-def _apply_launch_flags(cfg: Config, a: argparse.Namespace) -> None:
-    """Flags over config keys, then the multi-node checks (before anything starts)."""
+def launch_flag_overrides(a: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """The ``meshrun launch`` flags given, as ``(flag, section.key, text)`` overrides."""
+    found = []
+    for entry in LAUNCH_FLAGS:
+        dest, key = entry if isinstance(entry, tuple) else (entry, entry)
+        value = getattr(a, dest, None)
+        if value is not None:
+            found.append((f"--{dest.replace('_', '-')}", f"launch.{key}", str(value)))
+    return found
+
+
+def apply_launch_flags(cfg: Config, a: argparse.Namespace) -> None:
+    """Flags over config keys, as ``--launch.KEY=VALUE`` overrides whose errors name the flag
+    (each key gets the check it gets in a file), then the multi-node checks that need more
+    than one key (before anything starts)."""
     from meshrun.launch import multinode
 
-    for entry in LAUNCH_FLAGS:
-        flag, key = entry if isinstance(entry, tuple) else (entry, entry)
-        value = getattr(a, flag, None)
-        if value is None:
-            continue
-        try:  # the same check as the key in a file or on the command line, naming the flag
-            set_value(cfg, f"launch.{key}", value)
-        except ConfigError as e:
-            raise ConfigError(f"--{flag.replace('_', '-')} {value}: {e}") from None
+    for flag, key, text in launch_flag_overrides(a):
+        apply_overrides(cfg, [(key, text)], source=f"{flag} {text}")
     lc = cfg.launch
     multinode.validate(lc.nnodes, lc.node_rank, lc.rdzv_endpoint, lc.rdzv_id, lc.rdzv_conf)
 

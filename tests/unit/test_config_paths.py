@@ -153,6 +153,73 @@ def test_a_launch_flag_gets_the_config_check_naming_the_flag(
     assert not (tmp_path / "runs").exists()  # refused before anything was written
 
 
+@pytest.mark.parametrize(
+    ("key", "text", "expected"),
+    [
+        ("nnodes", "two", "--nnodes / launch.nnodes = 'two' is not allowed: expected N or MIN:MAX"),
+        ("rdzv_endpoint", "h:0", "--rdzv-endpoint / launch.rdzv_endpoint = 'h:0'"),
+        ("rdzv_conf", "oops", "--rdzv-conf / launch.rdzv_conf = 'oops' is not allowed"),
+        ("rdzv_id", "a/b", "--rdzv-id / launch.rdzv_id = 'a/b' is not allowed"),
+    ],
+)
+def test_a_launch_value_gets_one_check_from_code_file_override_and_flag(
+    key: str,
+    text: str,
+    expected: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    in_code = _message(lambda: LaunchConfig(**{key: text}))
+    assert expected in in_code, in_code
+    path = tmp_path / "c.toml"
+    path.write_text(f'[launch]\n{key} = "{text}"\n')
+    assert _message(lambda: load_config(path)) == f"{path}: {in_code}"
+    assert _message(lambda: load_config(None, [(f"launch.{key}", text)])) == (
+        f"command line: {in_code}"
+    )
+    monkeypatch.chdir(tmp_path)
+    for var in ("SLURM_JOB_ID", "SLURM_NNODES", "SLURM_PROCID"):  # not inside an allocation
+        monkeypatch.delenv(var, raising=False)
+    (tmp_path / "train.py").write_text("print('never runs')\n")
+    flag = f"--{key.replace('_', '-')}"
+    assert main(["launch", "--nproc-per-node", "2", flag, text, "train.py"]) == 2
+    assert capsys.readouterr().err == f"meshrun launch: error: {flag} {text}: {in_code}\n"
+
+
+def test_launch_flags_are_launch_keys_in_the_resolved_config() -> None:
+    import argparse
+
+    from meshrun.cli import apply_launch_flags, launch_flag_overrides
+
+    a = argparse.Namespace(nproc_per_node=3, nnodes="2", rdzv_endpoint="10.0.0.1:29500",
+                           node_rank=1, join_timeout=60.0, max_restarts=None)  # fmt: skip
+    assert ("--join-timeout", "launch.join_timeout_s", "60.0") in launch_flag_overrides(a)
+    cfg = load_config(None, [("launch.max_restarts", "2")])
+    apply_launch_flags(cfg, a)
+    assert cfg.launch == LaunchConfig(nproc_per_node=3, nnodes="2", max_restarts=2, node_rank=1,
+                                      rdzv_endpoint="10.0.0.1:29500", join_timeout_s=60.0)  # fmt: skip
+
+
+def test_a_launch_spec_is_the_configs_launch_section_plus_what_to_run() -> None:
+    from meshrun.launch.local import LaunchSpec
+
+    launch = load_config(None, [("launch.max_restarts", "2"), ("launch.rdzv_id", "job7")]).launch
+    spec = LaunchSpec.of(launch, nproc_per_node=4, script="t.py")
+    assert isinstance(spec, LaunchConfig)
+    assert (spec.max_restarts, spec.rdzv_id, spec.nproc_per_node) == (2, "job7", 4)
+    assert (launch.nproc_per_node, spec.script) == (0, "t.py")  # the config is left as it was
+    assert "launch.max_restarts = -1" in _message(lambda: LaunchSpec.of(launch, max_restarts=-1))
+
+
+def test_scale_test_runs_each_size_on_this_node_with_the_configs_launch_keys() -> None:
+    from meshrun.diagnose.scale import _one_node
+
+    launch = LaunchConfig(nnodes="2", rdzv_endpoint="10.0.0.1:29500", max_restarts=1)
+    one = _one_node(launch, 3)
+    assert (one.nnodes, one.rdzv_endpoint, one.nproc_per_node, one.max_restarts) == ("1", "", 3, 1)
+
+
 # --- the unset global batch ------------------------------------------------------------------
 
 
@@ -326,7 +393,7 @@ def test_scale_test_keeps_one_derived_global_batch_for_every_size(
 ) -> None:
     import argparse
 
-    from meshrun.monitor.scale import _configs
+    from meshrun.diagnose.scale import _configs
 
     a = argparse.Namespace(args=[], steps=None, config=None, set=[], out=str(tmp_path))
     configs = _configs(a, None, [1, 2, 3])

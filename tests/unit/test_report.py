@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from meshrun.cli import main as cli_main
+from meshrun.diagnose.scale import parse_sizes
 from meshrun.monitor.report import ReportError, analyse, load_run, scaling
-from meshrun.monitor.scale import parse_sizes
 
 STEP_S = 0.1
 T0 = 1_000_000.0

@@ -22,8 +22,10 @@ def reference_markdown() -> str:
         "effective values (`--world-size N`: with what is derived for N processes). Unknown "
         "keys, wrong types and out-of-range values are errors that name the key, the value "
         "and what is allowed, on every path: a file, `--section.key=value`, a `meshrun launch` "
-        "flag, and a `Config(...)` or section built in code (checked in `__post_init__`, and "
-        "again by `init()` and the launcher, so attributes set later are checked too).",
+        "flag (the `[launch]` key of the same name, as one more override), and a `Config(...)` "
+        "or section built in code: one check, each section's `__post_init__`, which a file, "
+        "an override and a flag run again on the sections they change, and `init()` and the "
+        "launcher on the whole config, so attributes set later are checked too.",
     ]
     for sec in dataclasses.fields(Config):
         section_type = get_type_hints(Config)[sec.name]

@@ -187,13 +187,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     run.lr_scheduler(opt)
     run.set_flops_per_token(plan_flops_per_token(model_cfg))  # MFU in the metrics
     if run.is_main:
-        run.log.info(
-            "model: %.2fM parameters | corpus: %d train / %d val samples of %d tokens",
-            n_params / 1e6,
-            len(train),
-            len(val),
-            model_cfg.seq_len,
-        )
+        run.log.info("model: %.2fM parameters | corpus: %s", n_params / 1e6, sizes(train, val))
 
     loader = run.dataloader(train)
     run.resume(model, opt, loader)  # newest valid checkpoint under [checkpoint] dir, if any
@@ -212,6 +206,10 @@ def main(argv: Sequence[str] | None = None) -> None:
     if run.is_main:
         report(run, model_cfg.vocab_size, start, end, len(val), path)
     run.close()
+
+
+def sizes(train: TokenDataset, val: Subset[dict[str, Tensor]]) -> str:
+    return f"{len(train)} train / {len(val)} val samples of {train.seq_len} tokens"
 
 
 def report(

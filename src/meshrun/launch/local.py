@@ -10,6 +10,7 @@ one-screen summary naming the rank that failed first (see ``summary.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import Any, TypeAlias
 
+from meshrun.config import CONFIG_ENV, LaunchConfig
 from meshrun.launch import multinode
 from meshrun.launch.handshake import Handshake, HandshakeError, local_node_info, say_stderr
 from meshrun.launch.multinode import NetworkPlan
@@ -30,7 +32,6 @@ from meshrun.launch.summary import HangStates, find_attempt_dir, summarize_failu
 from meshrun.launch.torchrun_flags import FLAGS
 from meshrun.monitor.watchdog import hang_report, hang_states, watch_for_hangs
 
-CONFIG_ENV = "MESHRUN_CONFIG"
 # torchrun's c10d rendezvous lets workers reuse the agent's TCP store by default; with
 # restarts that fails or hangs in 6 of 9 runs measured here, and never when disabled.
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
@@ -41,24 +42,18 @@ _SignalHandler: TypeAlias = "Callable[[int, FrameType | None], Any] | int | None
 
 
 @dataclass
-class LaunchSpec:
-    """What to launch and how; the CLI and tests build one, ``launch_local`` runs it."""
+class LaunchSpec(LaunchConfig):
+    """What to launch and how; the CLI and tests build one, ``launch_local`` runs it.
 
-    nproc_per_node: int
+    It is a LaunchConfig (the ``[launch]`` keys, checked as in a file) plus what to run and
+    what torchrun's own flags asked for: :meth:`of` takes a config's launch section as it is,
+    so the settings exist once. Here ``nproc_per_node`` is a count (>= 1), not 0 = auto."""
+
     script: str | None = None  # path of a Python script, or
     module: str | None = None  # a module to run with -m (exactly one of script/module)
     script_args: list[str] = field(default_factory=list)
-    nnodes: str = "1"  # passed to torchrun, e.g. "2" or "1:4"
-    node_rank: int = 0
-    rdzv_endpoint: str = ""  # "" = single node: 127.0.0.1:<free port>; set = multi-node
-    rdzv_id: str = "meshrun"
-    interface: str = ""  # multi-node: "" = the interface routing to the endpoint
-    join_timeout_s: float = 300.0  # multi-node: the handshake gives up after this long
     config_digest: str = ""  # multi-node: what the nodes compare (multinode.shared_digest)
     shared_config: dict[str, Any] = field(default_factory=dict)  # names the keys that differ
-    rdzv_conf: str = ""  # multi-node: extra torchrun --rdzv-conf "k=v,..."
-    max_restarts: int = 0
-    omp_num_threads: int = 0  # 0 = keep OMP_NUM_THREADS if set, else cores // nproc_per_node
     config_path: str | None = None  # exported to the workers as MESHRUN_CONFIG
     run_dir: str = "runs/launch"  # the agent's per-rank logs go to RUN_DIR/logs
     extra_env: dict[str, str] = field(default_factory=dict)
@@ -69,6 +64,13 @@ class LaunchSpec:
     log_dir_flag: str = ""  # torchrun's --log-dir; "" = RUN_DIR/logs
     local_addr: str = ""  # torchrun's --local-addr; "" = loopback, or the chosen interface's
     torchrun_args: list[str] = field(default_factory=list)  # the rest, handed to the agent
+
+    @classmethod
+    def of(cls, launch: LaunchConfig, **fields: Any) -> LaunchSpec:
+        """A spec with ``launch``'s keys as they are, and ``fields`` (what to run, and keys
+        this launch sets: the process count it resolved)."""
+        keys = {f.name: getattr(launch, f.name) for f in dataclasses.fields(LaunchConfig)}
+        return cls(**{**keys, **fields})
 
     @property
     def log_dir(self) -> str:

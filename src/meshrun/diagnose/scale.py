@@ -11,6 +11,7 @@ with the size yourself (separate runs, then ``meshrun report``) for weak scaling
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from meshrun.cliargs import add_set, add_target, default_config
 from meshrun.config import (
     Config,
     ConfigError,
+    LaunchConfig,
     load_config,
     resolve_global_batch,
     split_overrides,
@@ -86,6 +88,12 @@ def _resolve_batch(configs: dict[int, Config]) -> None:
             cfg.data.global_batch = first.data.global_batch
 
 
+def _one_node(launch: LaunchConfig, nproc: int) -> LaunchConfig:
+    """The config's [launch] keys (restarts, threads, rendezvous id) for ``nproc`` processes
+    on this node: scale-test runs every size here, whatever nodes the config names."""
+    return dataclasses.replace(launch, nproc_per_node=nproc, nnodes="1", rdzv_endpoint="")
+
+
 def cmd_scale_test(a: argparse.Namespace) -> int:
     from meshrun.config import write_config
     from meshrun.launch.local import LaunchSpec, launch_local
@@ -101,13 +109,11 @@ def cmd_scale_test(a: argparse.Namespace) -> int:
     for n, cfg in configs.items():
         run_dir = cfg.resolved_run_dir()
         print(f"meshrun scale-test: {n} process(es) -> {run_dir}", file=sys.stderr, flush=True)
-        spec = LaunchSpec(
-            nproc_per_node=n,
+        spec = LaunchSpec.of(
+            _one_node(cfg.launch, n),
             script=None if module else a.target,
             module=module,
             script_args=list(a.args),
-            max_restarts=cfg.launch.max_restarts,
-            omp_num_threads=cfg.launch.omp_num_threads,
             config_path=str(write_config(cfg, run_dir / "config.toml")),
             run_dir=str(run_dir),
         )
