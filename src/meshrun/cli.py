@@ -141,6 +141,8 @@ def cmd_launch(a: argparse.Namespace) -> int:
 
         if why := torchrun_flags.hostfile_refusal(a):
             raise ConfigError(why)
+        # Checked here as on each host; the hostfile decides the topology (launch/cli.py).
+        apply_launch_flags(cfg, a, topology=False)
         return launch_from_args(a, cfg)
     if a.ssh_opt:
         raise ConfigError("--ssh-opt configures the ssh to each host: it needs --hostfile FILE")
@@ -194,14 +196,16 @@ def launch_flag_overrides(a: argparse.Namespace) -> list[tuple[str, str, str]]:
     return found
 
 
-def apply_launch_flags(cfg: Config, a: argparse.Namespace) -> None:
+def apply_launch_flags(cfg: Config, a: argparse.Namespace, topology: bool = True) -> None:
     """Flags over config keys, as ``--launch.KEY=VALUE`` overrides whose errors name the flag
-    (each key gets the check it gets in a file), then the multi-node checks that need more
-    than one key (before anything starts)."""
+    (each key gets the check it gets in a file), then (``topology``) the multi-node checks
+    that need more than one key (before anything starts)."""
     from meshrun.launch import multinode
 
     for flag, key, text in launch_flag_overrides(a):
         apply_overrides(cfg, [(key, text)], source=f"{flag} {text}")
+    if not topology:
+        return
     lc = cfg.launch
     multinode.validate(lc.nnodes, lc.node_rank, lc.rdzv_endpoint, lc.rdzv_id, lc.rdzv_conf)
 

@@ -187,6 +187,21 @@ def test_a_launch_value_gets_one_check_from_code_file_override_and_flag(
     assert capsys.readouterr().err == f"meshrun launch: error: {flag} {text}: {in_code}\n"
 
 
+def test_a_hostfile_launch_checks_its_flags_here_before_any_ssh(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "hosts.txt").write_text("node-a\nnode-b\n")  # never reached: no such hosts
+    (tmp_path / "train.py").write_text("print('never runs')\n")
+    argv = ["launch", "--hostfile", "hosts.txt", "--max-restarts", "-1", "train.py"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "meshrun launch: error: --max-restarts -1: launch.max_restarts = -1 is out of range: "
+        "must be >= 0\n"
+    )
+
+
 def test_launch_flags_are_launch_keys_in_the_resolved_config() -> None:
     import argparse
 
