@@ -142,11 +142,11 @@ def test_a_factory_in_a_file_with_kwargs_is_inferred_with_its_sources(
     assert sources["layers"] == "transformer.h (3 x Block)"
     assert (sources["hidden"], sources["heads"], sources["seq"]) == (
         "config.n_embd", "config.n_head", "config.block_size")  # fmt: skip
-    assert sources["tied"] == "lm_head.weight = transformer.wte.weight"
+    assert sources["tied"] == "transformer.wte.weight = lm_head.weight"
     assert sources["ffn"].startswith("transformer.h.0.mlp.c_proj")
     # The human-readable lines go to stderr under --json, stdout otherwise.
     assert f"GPT, {format_count(exact)} parameters ({exact:,};" in err
-    assert "tied     yes      lm_head.weight = transformer.wte.weight" in err
+    assert "tied     yes      transformer.wte.weight = lm_head.weight" in err
 
 
 def test_a_module_without_config_reads_its_blocks_and_names_the_missing_flag(
@@ -253,7 +253,7 @@ def test_a_gpt2_config_file_reads_gpt2_names_and_the_tied_head(
     src = model["sources"]
     assert (src["hidden"], src["heads"], src["ffn"], src["seq"]) == (
         "config.n_embd", "config.n_head", "config.n_inner", "config.n_positions")  # fmt: skip
-    assert src["tied"] == "lm_head.weight = transformer.wte.weight"
+    assert src["tied"] == "transformer.wte.weight = lm_head.weight"
     assert src["separate_qkv"] == "transformer.h.0: attn.c_attn"  # Conv1D, fused
 
 
@@ -352,3 +352,32 @@ def test_a_config_of_an_architecture_with_no_causal_lm_is_refused(
     assert code == 2 and err.count("\n") == 1
     assert "model_type 'vit' has no causal language model in transformers" in err
     assert "give the shape (--layers --hidden --heads --vocab --seq) or --params N" in err
+
+
+# --- the planner reads the same structure as the layouts -------------------------------------
+
+
+def test_the_planner_finds_the_blocks_heads_and_ties_the_layouts_find() -> None:
+    # meshrun.parallel.structure is what every layout reads; the planner keeps its own small
+    # finder so that `meshrun plan` imports no torch.distributed code. They must agree.
+    from byo_models import NanoGPT, tiny_gpt2, tiny_llama, tiny_qwen2
+    from meshrun.demo.model import GPT, demo_config
+    from meshrun.parallel.structure import find_structure
+    from meshrun.plan.inspect_model import inspect_module
+
+    models = [NanoGPT(), tiny_llama(), tiny_llama(num_key_value_heads=1), tiny_qwen2(),
+              tiny_gpt2(), GPT(demo_config("tiny"))]  # fmt: skip
+    for model in models:
+        planner, layouts = (
+            inspect_module(model, getattr(model, "config", None)),
+            find_structure(model),
+        )
+        name = type(model).__name__
+        assert planner.sources["layers"] == (
+            f"{layouts.blocks_fqn} ({layouts.n_blocks} x {layouts.block_class})"), name  # fmt: skip
+        assert planner.layers == layouts.n_blocks, name
+        heads = planner.shape["heads"]
+        assert (heads, planner.shape.get("kv_heads", heads)) == (
+            layouts.num_heads, layouts.num_kv_heads), name  # fmt: skip
+        assert tuple(planner.tied) == layouts.tied, name
+        assert (planner.separate_qkv is False) == bool(layouts.fused_qkv), name

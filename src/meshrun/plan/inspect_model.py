@@ -39,7 +39,7 @@ class Inspected:
     layer_params: int  # parameters of one block (0: no blocks found)
     shape: dict[str, int] = field(default_factory=dict)
     sources: dict[str, str] = field(default_factory=dict)  # field -> where it was read
-    tied: list[tuple[str, str]] = field(default_factory=list)  # (name, the name it shares)
+    tied: list[tuple[str, str]] = field(default_factory=list)  # (first name, another name)
     gated: bool | None = None  # SwiGLU-style MLP; None: not found
     separate_qkv: bool | None = None
 
@@ -206,7 +206,7 @@ def tied_parameters(model: Any) -> list[tuple[str, str]]:
     tied = []
     for name, p in model.named_parameters(remove_duplicate=False):
         if id(p) in first:
-            tied.append((name, first[id(p)]))
+            tied.append((first[id(p)], name))
         else:
             first[id(p)] = name
     return tied
