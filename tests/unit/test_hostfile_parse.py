@@ -10,6 +10,7 @@ import pytest
 
 from meshrun.cli import build_parser
 from meshrun.config import Config, load_config
+from meshrun.launch.cli import plan_from_args
 from meshrun.launch.hostfile import (
     GUARD_MODULE,
     HostEntry,
@@ -19,7 +20,6 @@ from meshrun.launch.hostfile import (
     node_argv,
     parse_hostfile,
     parse_hostfile_text,
-    plan_from_args,
     remote_command,
     ssh_argv,
     ssh_options,

@@ -1,5 +1,6 @@
-"""``meshrun k8s render`` and ``meshrun slurm submit``: their flags, turned into the typed
-inputs of the pure renderers in launch/k8s.py and launch/slurm_submit.py."""
+"""``meshrun k8s render``, ``meshrun slurm submit`` and ``meshrun launch --hostfile``: their
+flags, turned into the typed inputs of launch/k8s.py and launch/slurm_submit.py (pure
+rendering) and of launch/hostfile.py's :class:`HostfilePlan` that launch/remote.py runs."""
 
 from __future__ import annotations
 
@@ -7,10 +8,20 @@ import argparse
 import os
 import re
 import sys
+import uuid
+from collections.abc import Mapping
 from pathlib import Path
 
 from meshrun.cliargs import Subparsers, add_command, add_group, add_set, add_target, default_config
 from meshrun.config import Config, ConfigError, load_config, split_overrides, validate_for_world
+from meshrun.launch.hostfile import (
+    HostfileError,
+    HostfilePlan,
+    forwarded_env,
+    nproc_for,
+    parse_hostfile,
+    ssh_options,
+)
 from meshrun.launch.k8s import (
     KINDS,
     K8sJob,
@@ -276,3 +287,74 @@ def add_slurm_parser(sub: Subparsers) -> None:
     s.add_argument("--config", help="TOML config file for the job")
     add_set(s)
     add_target(s)
+
+
+# --- meshrun launch --hostfile ---------------------------------------------------------------
+
+# Launch flags every host gets as given (attribute of the parsed args, flag).
+FORWARDED_FLAGS = (
+    ("config", "--config"),
+    ("max_restarts", "--max-restarts"),
+    ("interface", "--interface"),
+    ("join_timeout", "--join-timeout"),
+)
+# Flags the hostfile decides: host i is node rank i of len(hosts) nodes.
+_TOPOLOGY_FLAGS = (("node_rank", "--node-rank"),)
+
+
+def launch_from_args(a: argparse.Namespace, cfg: Config) -> int:
+    """``meshrun launch --hostfile``: build the plan, check the hosts, run."""
+    from meshrun.launch.remote import EXIT_INTERRUPTED, launch_hostfile  # threads, ssh: on use
+
+    plan = plan_from_args(a, cfg, os.environ, os.getcwd(), sys.executable)
+    try:
+        return launch_hostfile(plan)
+    except KeyboardInterrupt:  # during the host check: nothing was started yet
+        print("meshrun launch --hostfile: interrupted; nothing started", file=sys.stderr)
+        return EXIT_INTERRUPTED
+
+
+def plan_from_args(
+    a: argparse.Namespace, cfg: Config, environ: Mapping[str, str], cwd: str, python: str
+) -> HostfilePlan:
+    """The plan for ``meshrun launch --hostfile`` from its parsed flags and loaded config;
+    every conflict is an error here, before any ssh."""
+    hosts = parse_hostfile(a.hostfile)
+    for attr, flag in _TOPOLOGY_FLAGS:
+        if getattr(a, attr, None) is not None:
+            raise HostfileError(
+                f"{flag} cannot go with --hostfile: host i of the file is node rank i"
+            )
+    if a.nnodes is not None and a.nnodes != str(len(hosts)):
+        raise HostfileError(
+            f"--nnodes {a.nnodes!r} does not match --hostfile {a.hostfile!r}, which lists "
+            f"{len(hosts)} hosts; drop --nnodes (elastic MIN:MAX is not available with a hostfile)"
+        )
+    default = a.nproc_per_node or cfg.launch.nproc_per_node or None
+    nproc = nproc_for(hosts, default, a.hostfile)
+    if nproc is not None:
+        validate_for_world(cfg, nproc * len(hosts))
+    return HostfilePlan(
+        hosts=hosts,
+        nproc_per_node=nproc,
+        launch_args=forward_flags(a),
+        cwd=cwd,
+        python=python,
+        rdzv_endpoint=a.rdzv_endpoint or cfg.launch.rdzv_endpoint,
+        rdzv_id=a.rdzv_id or f"meshrun-{uuid.uuid4().hex[:8]}",
+        env=forwarded_env(environ),
+        ssh_args=ssh_options(getattr(a, "ssh_opt", None) or [], environ),
+        source=a.hostfile,
+    )
+
+
+def forward_flags(a: argparse.Namespace) -> list[str]:
+    """The parsed launch flags as every host's ``meshrun launch`` gets them, then the target."""
+    flags = []
+    for attr, flag in FORWARDED_FLAGS:
+        value = getattr(a, attr, None)
+        if value is not None:
+            flags += [flag, str(value)]
+    for key, value in getattr(a, "set", []):
+        flags += ["--set", f"{key}={value}"]
+    return [*flags, *(["-m"] if a.module else []), a.target, *a.args]

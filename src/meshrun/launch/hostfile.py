@@ -13,7 +13,6 @@ Hostfile format, one host per line, ``#`` starts a comment::
 
 from __future__ import annotations
 
-import argparse
 import re
 import shlex
 import uuid
@@ -21,7 +20,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from meshrun.config import Config, ConfigError, validate_for_world
+from meshrun.config import ConfigError
 
 DEFAULT_RDZV_PORT = 29500  # torchrun's own default
 SSH_CONNECT_TIMEOUT_S = 5
@@ -215,60 +214,3 @@ def remote_command(plan: HostfilePlan, node_rank: int) -> str:
 def check_command(plan: HostfilePlan) -> str:
     """What the reachability check runs: the directory and the Python must exist there."""
     return f"cd {shlex.quote(plan.cwd)} && test -x {shlex.quote(plan.python)}"
-
-
-# Launch flags every host gets as given (attribute of the parsed args, flag).
-FORWARDED_FLAGS = (
-    ("config", "--config"),
-    ("max_restarts", "--max-restarts"),
-    ("interface", "--interface"),
-    ("join_timeout", "--join-timeout"),
-)
-# Flags the hostfile decides: host i is node rank i of len(hosts) nodes.
-_TOPOLOGY_FLAGS = (("node_rank", "--node-rank"),)
-
-
-def forward_flags(a: argparse.Namespace) -> list[str]:
-    """The parsed launch flags as every host's ``meshrun launch`` gets them, then the target."""
-    flags = []
-    for attr, flag in FORWARDED_FLAGS:
-        value = getattr(a, attr, None)
-        if value is not None:
-            flags += [flag, str(value)]
-    for key, value in getattr(a, "set", []):
-        flags += ["--set", f"{key}={value}"]
-    return [*flags, *(["-m"] if a.module else []), a.target, *a.args]
-
-
-def plan_from_args(
-    a: argparse.Namespace, cfg: Config, environ: Mapping[str, str], cwd: str, python: str
-) -> HostfilePlan:
-    """The plan for ``meshrun launch --hostfile`` from its parsed flags and loaded config;
-    every conflict is an error here, before any ssh."""
-    hosts = parse_hostfile(a.hostfile)
-    for attr, flag in _TOPOLOGY_FLAGS:
-        if getattr(a, attr, None) is not None:
-            raise HostfileError(
-                f"{flag} cannot go with --hostfile: host i of the file is node rank i"
-            )
-    if a.nnodes is not None and a.nnodes != str(len(hosts)):
-        raise HostfileError(
-            f"--nnodes {a.nnodes!r} does not match --hostfile {a.hostfile!r}, which lists "
-            f"{len(hosts)} hosts; drop --nnodes (elastic MIN:MAX is not available with a hostfile)"
-        )
-    default = a.nproc_per_node or cfg.launch.nproc_per_node or None
-    nproc = nproc_for(hosts, default, a.hostfile)
-    if nproc is not None:
-        validate_for_world(cfg, nproc * len(hosts))
-    return HostfilePlan(
-        hosts=hosts,
-        nproc_per_node=nproc,
-        launch_args=forward_flags(a),
-        cwd=cwd,
-        python=python,
-        rdzv_endpoint=a.rdzv_endpoint or cfg.launch.rdzv_endpoint,
-        rdzv_id=a.rdzv_id or f"meshrun-{uuid.uuid4().hex[:8]}",
-        env=forwarded_env(environ),
-        ssh_args=ssh_options(getattr(a, "ssh_opt", None) or [], environ),
-        source=a.hostfile,
-    )

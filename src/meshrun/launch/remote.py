@@ -9,8 +9,6 @@ client terminated, which ends the channel just the same.
 
 from __future__ import annotations
 
-import argparse
-import os
 import queue
 import signal
 import subprocess
@@ -24,13 +22,11 @@ from dataclasses import dataclass
 from types import FrameType
 from typing import IO
 
-from meshrun.config import Config
 from meshrun.launch.hostfile import (
     HostEntry,
     HostfileError,
     HostfilePlan,
     check_command,
-    plan_from_args,
     remote_command,
     ssh_argv,
 )
@@ -245,16 +241,6 @@ def _stop_signals() -> Iterator[None]:
     finally:
         for sig, old in saved.items():
             signal.signal(sig, old if old is not None else signal.SIG_DFL)
-
-
-def launch_from_args(a: argparse.Namespace, cfg: Config) -> int:
-    """``meshrun launch --hostfile``: build the plan, check the hosts, run."""
-    plan = plan_from_args(a, cfg, os.environ, os.getcwd(), sys.executable)
-    try:
-        return launch_hostfile(plan)
-    except KeyboardInterrupt:  # during the host check: nothing was started yet
-        print("meshrun launch --hostfile: interrupted; nothing started", file=sys.stderr)
-        return EXIT_INTERRUPTED
 
 
 def launch_hostfile(plan: HostfilePlan) -> int:
