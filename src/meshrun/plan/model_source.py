@@ -259,7 +259,10 @@ def _import_transformers(spec: str) -> tuple[Any, Any]:
 
 def _hf_config(spec: str, transformers: Any, kind: str, data: dict[str, Any],
                kwargs: dict[str, Any]) -> Any:  # fmt: skip
-    known = set(data) | set(transformers.AutoConfig.for_model(kind).to_dict())
+    known = set(data)
+    if kwargs:  # the fields of the architecture's default config, for the names a user may set
+        with contextlib.suppress(Exception):
+            known |= set(transformers.AutoConfig.for_model(kind).to_dict())
     unknown = sorted(set(kwargs) - known)
     if unknown:
         close = {m for k in unknown for m in difflib.get_close_matches(k, known, n=2)}
