@@ -55,14 +55,8 @@ from meshrun.parallel.pp import (
 )
 from meshrun.parallel.precision import apply_autocast, build_grad_scaler, build_mp_policy
 from meshrun.parallel.report import describe_layout
-from meshrun.parallel.tp import (
-    TPPlan,
-    apply_tp,
-    check_tp_plan,
-    default_tp_plan,
-    loss_parallel_plan,
-    sequence_parallel_plan,
-)
+from meshrun.parallel.structure import ModelSpec, ModelStructure, find_structure
+from meshrun.parallel.tp import TPPlan, apply_tp, build_tp_plan, count_split, default_tp_plan
 from meshrun.parallel.zero import build_optimizer, check_optimizer
 
 __all__ = [
@@ -78,6 +72,7 @@ __all__ = [
     "clip_grad_norm_",
     "data_parallel_stage",
     "default_tp_plan",
+    "find_structure",
     "is_block",
     "maybe_loss_parallel",
     "parallelize",
@@ -120,38 +115,34 @@ def parallelize(
     *,
     tp_plan: TPPlan | None = None,
     parallelize_fn: ParallelizeFn | None = None,
-    wrap: WrapPredicate = is_block,
+    wrap: WrapPredicate | None = None,
     comm_hook_wrap: Callable[[Any], Any] | None = None,
+    spec: ModelSpec | None = None,
 ) -> nn.Module:
     """Apply the configured layout to ``model`` and return a real torch module: the model itself
     (tensor parallel, FSDP2: changed in place) or, for DDP, the DDP wrapper around it.
 
-    ``tp_plan`` (module-name patterns to ParallelStyles) replaces :func:`default_tp_plan`;
+    The model's structure (blocks, tied parameters, heads, TP plan) is read once by
+    :func:`find_structure`, with ``spec`` (a :class:`ModelSpec`) first. ``tp_plan`` (module-name
+    patterns to ParallelStyles or plan strings) replaces the structure's plan;
     ``parallelize_fn(model, mesh)`` replaces meshrun's tensor-parallel step entirely (it gets
-    the whole mesh). ``wrap(name, module)`` chooses FSDP's units (default: each block).
-    ``comm_hook_wrap(hook)`` wraps DDP's comm hook (the monitor's timing, monitor/comm.py).
+    the whole mesh). ``wrap(name, module)`` chooses FSDP's and AC's units (default: the
+    structure's blocks). ``comm_hook_wrap(hook)`` wraps DDP's comm hook (monitor/comm.py).
     """
     dims = ParallelDims.from_mesh(mesh)
-    if dims.pp > 1:
-        raise ConfigError(
-            f"parallel.pp = {dims.pp}: a pipelined model is driven by its schedule, not called "
-            "by the loop; use pipe = run.pipeline(model, loss_fn) and run.pipeline_step(pipe, "
-            "inputs, targets) (docs/parallel.md), or set parallel.pp=1"
-        )
+    check_whole_model_layout(cfg, dims)
     zero = data_parallel_stage(cfg, dims)
     check_offload(cfg, device)
     mp_policy = build_mp_policy(cfg, zero)  # checked before anything changes
-    if cfg.loss_parallel and dims.tp == 1:
-        raise ConfigError(
-            f"parallel.loss_parallel = true splits the logits over the tp dim, but the mesh has "
-            f"tp=1 ({dims.describe()}); set parallel.tp > 1 or parallel.loss_parallel=false"
-        )
+    structure = find_structure(model, spec)
+    log.info("model structure: %s", structure.describe())
+    wrap = wrap or units_of(structure, cfg, zero, dims)
     meta = has_meta_params(model)
     if not meta:
         model = model.to(device)
     model = maybe_sync_batchnorm(model, mesh, cfg, device, broadcasts_buffers=zero < 2)
     if mesh is not None:
-        maybe_apply_tp(model, mesh, dims, cfg, tp_plan, parallelize_fn)
+        maybe_apply_tp(model, mesh, dims, cfg, tp_plan, parallelize_fn, structure)
     if cfg.activation_checkpoint:
         n = apply_ac(model, cfg.activation_checkpoint, wrap)
         log.info("activation checkpointing: %d blocks (every %d)", n, cfg.activation_checkpoint)
@@ -170,6 +161,18 @@ def parallelize(
         apply_autocast(model, cfg, device)
     if mesh is None or zero >= 2 or dims.dp == 1:
         return model
+    return _ddp(model, mesh, cfg, device, dims, zero, comm_hook_wrap)
+
+
+def _ddp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    cfg: ParallelConfig,
+    device: torch.device,
+    dims: ParallelDims,
+    zero: int,
+    comm_hook_wrap: Callable[[Any], Any] | None,
+) -> nn.Module:
     ddp = apply_ddp(model, mesh, cfg, device)
     log.info(
         "DDP%s over %d ranks (bucket_cap_mb=%s, static_graph=%s, comm hook %s)",
@@ -179,6 +182,39 @@ def parallelize(
     return ddp
 
 
+def check_whole_model_layout(cfg: ParallelConfig, dims: ParallelDims) -> None:
+    """What :func:`parallelize` refuses before anything changes: a pipelined mesh (driven by
+    its schedule instead) and loss parallel without a tp dim."""
+    if dims.pp > 1:
+        raise ConfigError(
+            f"parallel.pp = {dims.pp}: a pipelined model is driven by its schedule, not called "
+            "by the loop; use pipe = run.pipeline(model, loss_fn) and run.pipeline_step(pipe, "
+            "inputs, targets) (docs/parallel.md), or set parallel.pp=1"
+        )
+    if cfg.loss_parallel and dims.tp == 1:
+        raise ConfigError(
+            f"parallel.loss_parallel = true splits the logits over the tp dim, but the mesh has "
+            f"tp=1 ({dims.describe()}); set parallel.tp > 1 or parallel.loss_parallel=false"
+        )
+
+
+def units_of(
+    structure: ModelStructure, cfg: ParallelConfig, zero: int, dims: ParallelDims
+) -> WrapPredicate:
+    """FSDP's and AC's units: the structure's blocks. With none found, FSDP2 makes the whole
+    model one unit (one all-gather of every parameter) and AC has nothing to wrap: said."""
+    if structure.blocks_fqn is None and ((zero >= 2 and dims.dp > 1) or cfg.activation_checkpoint):
+        log.warning(
+            "no repeated blocks found in %s: %s; pass run.parallelize(model, spec=ModelSpec("
+            "blocks='path.to.blocks')) or wrap=...",
+            structure.model_class,
+            "FSDP2 shards the whole model as one unit (all its parameters gathered at once)"
+            if zero >= 2
+            else "activation checkpointing wraps nothing",
+        )
+    return structure.is_block
+
+
 def maybe_apply_tp(
     model: nn.Module,
     mesh: DeviceMesh,
@@ -186,29 +222,28 @@ def maybe_apply_tp(
     cfg: ParallelConfig,
     tp_plan: TPPlan | None,
     parallelize_fn: ParallelizeFn | None,
+    structure: ModelStructure | None = None,
 ) -> None:
-    """The user's ``parallelize_fn``, else tensor parallel by ``tp_plan`` (or the default plan)
-    when the mesh has a tp dim > 1, else nothing."""
+    """The user's ``parallelize_fn``, else tensor parallel by ``tp_plan`` (or the structure's
+    plan: parallel/structure.py) when the mesh has a tp dim > 1, else nothing."""
     if parallelize_fn is not None:
         parallelize_fn(model, mesh)
-    elif dims.tp > 1:
-        plan = default_tp_plan(model) if tp_plan is None else tp_plan
-        check_tp_plan(model, plan, dims.tp)  # on the plain plan: it names the split layers
-        if cfg.sequence_parallel:
-            plan = sequence_parallel_plan(model, plan)
-        if cfg.loss_parallel:
-            # Not checked for divisibility: DTensor shards the vocabulary unevenly (the demo's
-            # 257 over tp=2 gives the one-process loss and gradient: measured).
-            plan = loss_parallel_plan(model, plan)
-        apply_tp(model, tp_mesh(mesh), plan)
-        extras = [
-            ("sequence parallel", cfg.sequence_parallel),
-            ("loss parallel", cfg.loss_parallel),
-        ]
-        log.info(
-            "tensor parallel over %d ranks: %d modules split%s",
-            *(dims.tp, len(plan), "".join(f" (+ {n})" for n, on in extras if on)),
+        return
+    if dims.tp == 1:
+        return
+    structure = structure or find_structure(model)
+    if tp_plan is not None:
+        structure = dataclasses.replace(
+            structure, tp_plan=dict(tp_plan), tp_plan_source="tp_plan argument"
         )
+    plan = build_tp_plan(model, structure, dims.tp, cfg.sequence_parallel, cfg.loss_parallel)
+    apply_tp(model, tp_mesh(mesh), plan, structure.tied)
+    extras = [("sequence parallel", cfg.sequence_parallel), ("loss parallel", cfg.loss_parallel)]
+    log.info(
+        "tensor parallel over %d ranks: %d modules split (plan: %s)%s",
+        *(dims.tp, count_split(model), structure.tp_plan_source or "given"),
+        "".join(f" (+ {n})" for n, on in extras if on),
+    )
 
 
 def maybe_loss_parallel(cfg: ParallelConfig) -> AbstractContextManager[None]:

@@ -230,9 +230,9 @@ def _list_of(model: nn.Module, classes: set[str] | None) -> tuple[str, list[str]
         kinds = {type(m).__name__ for _, m in kids}
         if len(kinds) != 1 or (classes is not None and not kinds & classes):
             continue
-        if classes is None and len(kids) < 2:
-            continue
         conventional = name.rpartition(".")[2] in BLOCK_LIST_NAMES
+        if classes is None and len(kids) < 2 and not conventional:
+            continue  # one module in an unnamed container is no evidence of a block list
         rank = (int(conventional), len(kids))
         if best is None or rank > best[:2]:
             best = (*rank, name, kids)

@@ -1,21 +1,25 @@
-"""Tensor parallel with DTensor ``parallelize_module``.
+"""Tensor parallel with DTensor ``parallelize_module``, from the model's structure.
 
-A plan maps module-name patterns (``*`` matches one name, as in ``blocks.*.attn.q``) to
-``ParallelStyle`` objects. :func:`default_tp_plan` finds the usual transformer shapes inside
-each block of a ``blocks``/``layers``/``h`` ModuleList: q/k/v (and the MLP's up/gate) split
-column-wise, the attention output and the MLP's down projection row-wise, so each block needs
-one all-reduce after attention and one after the MLP (Megatron-LM's layout). Embeddings, norms
-and the head stay replicated.
+A plan maps module-name patterns (``*`` matches one name, as in ``blocks.*.attn.q``) to a
+``ParallelStyle`` or a Hugging Face plan string (``"colwise"``, ``"rowwise"``,
+``"embedding_rowwise"``, ...: :data:`HF_STYLES`). The plan comes from
+:mod:`meshrun.parallel.structure`: the user's, the model's own (transformers' ``_tp_plan``), or
+the convention (q/k/v and the MLP's up/gate column-wise, the attention output and the MLP's
+down row-wise: Megatron-LM's layout, one all-reduce after attention and one after the MLP).
+:func:`resolve_tp_plan` expands the patterns to module FQNs and translates the strings;
+:func:`check_tp_plan` refuses, before anything changes, every split that cannot give whole
+heads (fused q/k/v projections, transformers' ``Conv1D``, head or feature counts ``tp`` does
+not divide, a tied parameter split on one side only).
 """
 
 from __future__ import annotations
 
-import fnmatch
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
@@ -27,40 +31,106 @@ from torch.distributed.tensor.parallel import (
 )
 
 from meshrun.config import ConfigError
-from meshrun.parallel.fsdp import is_block
+from meshrun.parallel.fsdp import WrapPredicate, is_block
+from meshrun.parallel.structure import (
+    COLWISE,
+    ROWWISE,
+    ModelStructure,
+    convention_tp_plan,
+    find_structure,
+    matching_modules,
+)
 
-TPPlan = Mapping[str, ParallelStyle]
+TPPlan = Mapping[str, Any]  # pattern -> ParallelStyle or a Hugging Face plan string
 
-# Last names of nn.Linear layers in common blocks (GPT-2, Llama, nanoGPT, meshrun's demo).
-COLWISE = {"q", "k", "v", "q_proj", "k_proj", "v_proj", "wq", "wk", "wv"}
-COLWISE |= {"up", "gate", "up_proj", "gate_proj", "w1", "w3", "fc1", "c_fc"}
-ROWWISE = {"proj", "o_proj", "wo", "out_proj", "down", "down_proj", "w2", "fc2"}
 HEAD_ATTRS = ("n_head", "num_heads", "n_heads", "n_kv_head", "num_key_value_heads")
 OUTPUT_HEADS = ("lm_head", "output", "head")  # the vocabulary projection, outside the blocks
 
+# Hugging Face plan strings (transformers/distributed/tensor_parallel.py) as DTensor styles.
+# ``replicate`` maps to None: the module is left whole on every rank (the same numbers as a
+# replicated DTensor, with no DTensor in the way of FSDP or the optimizer).
+HF_STYLES: dict[str, Callable[[], ParallelStyle | None]] = {
+    "colwise": ColwiseParallel,
+    "rowwise": RowwiseParallel,
+    "colwise_rep": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "colwise_gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "gather_output": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "rowwise_rep": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "rowwise_split_input": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_rowwise": lambda: RowwiseParallel(input_layouts=Replicate()),
+    "embedding_colwise": lambda: ColwiseParallel(output_layouts=Replicate()),
+    "sequence_parallel": SequenceParallel,
+    "replicate": lambda: None,
+}
+
 
 def default_tp_plan(model: nn.Module) -> dict[str, ParallelStyle]:
-    """Column-/row-wise styles for the recognised linear layers inside each block."""
-    plan: dict[str, ParallelStyle] = {}
-    for name, module in model.named_modules():
-        if not isinstance(module, nn.Linear) or not _inside_block(name):
-            continue
-        last = name.rpartition(".")[2]
-        if last in COLWISE:
-            plan[name] = ColwiseParallel()
-        elif last in ROWWISE:
-            plan[name] = RowwiseParallel()
+    """The convention plan (:func:`~meshrun.parallel.structure.convention_tp_plan`) as styles:
+    column-/row-wise for the recognised linear layers inside each block."""
+    structure = find_structure(model)
+    plan = convention_tp_plan(model, structure.blocks_fqn)
     if not plan:
         raise ConfigError(
             f"parallel.tp > 1 but meshrun found no tensor-parallel plan for "
-            f"{type(model).__name__}: no nn.Linear named {sorted(COLWISE | ROWWISE)} inside a "
-            "blocks/layers/h ModuleList; pass run.parallelize(model, tp_plan={...}) or "
+            f"{type(model).__name__}: no nn.Linear named {sorted(COLWISE | ROWWISE)} inside "
+            "a list of repeated blocks; pass run.parallelize(model, tp_plan={...}) or "
             "parallelize_fn=..."
         )
-    return plan
+    return translate_plan(plan)
 
 
-def sequence_parallel_plan(model: nn.Module, plan: TPPlan) -> dict[str, ParallelStyle]:
+def translate_plan(plan: TPPlan) -> dict[str, ParallelStyle]:
+    """Plan strings to DTensor styles (``replicate`` entries dropped); unknown ones refused."""
+    out: dict[str, ParallelStyle] = {}
+    for name, value in plan.items():
+        style = value if isinstance(value, ParallelStyle) else _style_of(name, value)
+        if style is not None:
+            out[name] = style
+    return out
+
+
+def _style_of(name: str, value: object) -> ParallelStyle | None:
+    make = HF_STYLES.get(value) if isinstance(value, str) else None
+    if make is None:
+        raise ConfigError(
+            f"tensor-parallel plan entry {name!r}: {value!r} is not a style meshrun can apply; "
+            f"supported plan strings: {sorted(HF_STYLES)}, or any torch ParallelStyle "
+            "(ColwiseParallel(), ...); for others (packed_colwise, moe_tp_experts, "
+            "local_*) pass parallelize_fn=..."
+        )
+    return make()
+
+
+def resolve_tp_plan(model: nn.Module, structure: ModelStructure) -> dict[str, ParallelStyle]:
+    """The structure's plan expanded to the FQNs of the modules it splits, as styles: the
+    keys are the modules really split (the log counts them)."""
+    if structure.tp_plan is None:
+        raise ConfigError(_no_plan_reason(model, structure))
+    return translate_plan(matching_modules(model, structure.tp_plan))
+
+
+def _no_plan_reason(model: nn.Module, structure: ModelStructure) -> str:
+    name = type(model).__name__
+    conv1d = [n for n, m in model.named_modules() if type(m).__name__ == "Conv1D"]
+    why = "its config declares no base_model_tp_plan and " if structure.family == "hf" else ""
+    if conv1d:
+        why += (
+            f"its projections are transformers' Conv1D ({conv1d[0]}, ...: the weight stored "
+            "transposed, [in, out]), which DTensor's column-/row-wise styles do not shard"
+        )
+    else:
+        why += f"no nn.Linear named {sorted(COLWISE | ROWWISE)} inside repeated blocks"
+    if structure.fused_qkv:
+        why += f", and q/k/v are one fused projection ({structure.fused_qkv[0]})"
+    return (
+        f"parallel.tp > 1 but meshrun has no tensor-parallel plan for {name}: {why}; pass "
+        "run.parallelize(model, tp_plan={...}) or parallelize_fn=..., or set parallel.tp=1"
+    )
+
+
+def sequence_parallel_plan(
+    model: nn.Module, plan: TPPlan, wrap: WrapPredicate = is_block
+) -> dict[str, ParallelStyle]:
     """``plan`` plus sequence parallel inside each block: the block's input is split along the
     sequence (a local slice, no communication), norms run on the slices, each attention/MLP
     module all-gathers its input, its row-wise output layer reduce-scatters back to slices
@@ -74,10 +144,13 @@ def sequence_parallel_plan(model: nn.Module, plan: TPPlan) -> dict[str, Parallel
         out[name] = PrepareModuleInput(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
         )
+    blocks = [n for n, m in model.named_modules() if n and wrap(n, m)]
     for name, module in model.named_modules():
-        if name and is_block(name, module):
+        if name in blocks:
             out[name] = _BlockSequenceSplit()
-        elif _inside_block(name) and isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+        elif any(name.startswith(b + ".") for b in blocks) and isinstance(
+            module, (nn.LayerNorm, nn.RMSNorm)
+        ):
             out[name] = SequenceParallel()
     return out
 
@@ -109,36 +182,105 @@ def loss_parallel_plan(model: nn.Module, plan: TPPlan) -> dict[str, ParallelStyl
             "use_local_output=False), or set parallel.loss_parallel=false"
         )
     head = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
-    return {**plan, heads[0]: head}
+    return {**translate_plan(plan), heads[0]: head}
 
 
-def _inside_block(name: str) -> bool:
-    parts = name.split(".")
-    return any(is_block(".".join(parts[: i + 1]), None) for i in range(len(parts) - 1))
-
-
-def check_tp_plan(model: nn.Module, plan: TPPlan, tp: int) -> None:
-    """tp must divide every split dimension and every head count: an error naming the module."""
-    for name, (module, style) in _match(model, plan).items():
-        if not isinstance(module, nn.Linear):
-            continue
+def check_tp_plan(
+    model: nn.Module, plan: TPPlan, tp: int, structure: ModelStructure | None = None
+) -> None:
+    """Before anything changes: every split gives each rank whole heads and whole features,
+    or an error naming the module, the value and the fix."""
+    structure = structure or find_structure(model)
+    split = {n: (model.get_submodule(n), s) for n, s in _expand(model, plan).items()}
+    _check_module_kinds(split, structure)
+    for name, (module, style) in split.items():
         dim, size = _split_dim(module, style)
         if dim and size % tp:
             raise ConfigError(
                 f"parallel.tp = {tp} does not divide {name}.{dim} = {size} "
                 f"({type(style).__name__}); choose tp in {_divisors(size)}"
             )
+    _check_heads(model, structure, tp)
+    _check_tied(structure, split)
+
+
+def _expand(model: nn.Module, plan: TPPlan) -> dict[str, ParallelStyle]:
+    return translate_plan(matching_modules(model, plan))
+
+
+def _check_module_kinds(
+    split: dict[str, tuple[nn.Module, ParallelStyle]], structure: ModelStructure
+) -> None:
+    """Fused q/k/v and transformers' Conv1D cannot be split by a per-module style."""
+    for name, (module, _) in split.items():
+        if type(module).__name__ == "Conv1D":
+            raise ConfigError(
+                f"tensor parallel cannot split {name}: a transformers Conv1D stores its weight "
+                "transposed ([in, out]) and DTensor's column-/row-wise styles shard "
+                "nn.Linear's [out, in]; leave it out of tp_plan, or pass parallelize_fn=..."
+            )
+    for fused in structure.fused_qkv:
+        parent = fused.rpartition(".")[0]
+        touched = [n for n in split if n.startswith(parent + ".")]
+        if touched:
+            raise ConfigError(
+                f"tensor parallel cannot split the attention {parent}: {fused} computes q, k "
+                "and v in one projection, so a column-wise split gives a rank all of q and "
+                "part of k instead of whole heads, and the attention's forward splits and "
+                "reshapes by the full width; leave the attention out of tp_plan (split the "
+                "MLP only, e.g. {'transformer.h.*.mlp.c_fc': 'colwise', "
+                "'transformer.h.*.mlp.c_proj': 'rowwise'}), or set parallel.tp=1"
+            )
+
+
+def _check_heads(model: nn.Module, structure: ModelStructure, tp: int) -> None:
+    where = structure.sources.get("heads", "model")
+    counts = [(where, structure.num_heads)]
+    if structure.num_kv_heads != structure.num_heads:
+        kv_name = "num_key_value_heads" if where.startswith("config.") else "kv heads"
+        counts.append((f"{where.rpartition('.')[0] or 'model'}.{kv_name}", structure.num_kv_heads))
     for name, module in model.named_modules():
-        for attr in HEAD_ATTRS:
-            n = getattr(module, attr, None)
-            if isinstance(n, int) and n % tp:
-                raise ConfigError(
-                    f"parallel.tp = {tp} does not divide {name or 'model'}.{attr} = {n}: each "
-                    f"tensor-parallel rank must hold whole heads; choose tp in {_divisors(n)}"
-                )
+        counts += [(f"{name or 'model'}.{a}", getattr(module, a, None)) for a in HEAD_ATTRS]
+    for label, n in counts:
+        if isinstance(n, int) and not isinstance(n, bool) and n % tp:
+            raise ConfigError(
+                f"parallel.tp = {tp} does not divide {label} = {n}: each tensor-parallel rank "
+                f"must hold whole heads; choose tp in {_divisors(n)}"
+            )
 
 
-def _split_dim(module: nn.Linear, style: ParallelStyle) -> tuple[str, int]:
+def _weight_shard_dim(module: nn.Module, style: ParallelStyle) -> int | None:
+    """The dim of ``module.weight`` that ``style`` shards (Linear [out, in], Embedding [V, C])."""
+    colwise = isinstance(style, ColwiseParallel)
+    if isinstance(style, (ColwiseParallel, RowwiseParallel)):
+        if isinstance(module, nn.Embedding):
+            return 1 if colwise else 0
+        return 0 if colwise else 1
+    return None
+
+
+def _check_tied(
+    structure: ModelStructure, split: dict[str, tuple[nn.Module, ParallelStyle]]
+) -> None:
+    """A tied pair is split the same way on both sides (then re-tied by :func:`apply_tp`),
+    or not at all: one side split and the other whole would train two tensors."""
+    for a, b in structure.tied:
+        dims = []
+        for fqn in (a, b):
+            entry = split.get(fqn.rpartition(".")[0])
+            dims.append(None if entry is None else _weight_shard_dim(*entry))
+        if dims[0] != dims[1]:
+            raise ConfigError(
+                f"{a} and {b} are one tensor (tied), but the tensor-parallel plan shards them "
+                f"differently (dim {dims[0]} vs dim {dims[1]}; None: not split), which would "
+                "train them as two tensors; split both along the vocabulary (the embedding "
+                "'embedding_rowwise', the head 'colwise') or neither, or untie them"
+            )
+
+
+def _split_dim(module: nn.Module, style: ParallelStyle) -> tuple[str, int]:
+    if not isinstance(module, nn.Linear):
+        return "", 0
     if isinstance(style, ColwiseParallel):
         return "out_features", module.out_features
     if isinstance(style, RowwiseParallel):
@@ -146,21 +288,59 @@ def _split_dim(module: nn.Linear, style: ParallelStyle) -> tuple[str, int]:
     return "", 0
 
 
-def _match(model: nn.Module, plan: TPPlan) -> dict[str, tuple[nn.Module, ParallelStyle]]:
-    """Modules named by the plan's patterns (``*`` matches one name, as parallelize_module)."""
-    out: dict[str, tuple[nn.Module, ParallelStyle]] = {}
-    for name, module in model.named_modules():
-        for pattern, style in plan.items():
-            parts, pats = name.split("."), pattern.split(".")
-            if len(parts) == len(pats) and all(map(fnmatch.fnmatchcase, parts, pats)):
-                out[name] = (module, style)
-    return out
-
-
 def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def apply_tp(model: nn.Module, mesh: DeviceMesh, plan: TPPlan) -> nn.Module:
-    """Split ``model`` in place over the 1-D ``tp`` mesh by ``plan`` (checked: check_tp_plan)."""
-    return parallelize_module(model, mesh, dict(plan))
+def apply_tp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    plan: TPPlan,
+    tied: tuple[tuple[str, str], ...] = (),
+) -> nn.Module:
+    """Split ``model`` in place over the 1-D ``tp`` mesh by ``plan`` (checked: check_tp_plan).
+
+    ``parallelize_module`` makes each module's parameters new DTensor Parameters, so a tied
+    pair split on both sides becomes two tensors: the second name is pointed at the first's
+    DTensor again (the placements are equal, checked), so they stay one tensor."""
+    parallelize_module(model, mesh, translate_plan(plan))
+    for a, b in tied:
+        keep = model.get_parameter(a)
+        if isinstance(keep, DTensor) and model.get_parameter(b) is not keep:
+            owner, _, attr = b.rpartition(".")
+            setattr(model.get_submodule(owner), attr, keep)
+    return model
+
+
+def build_tp_plan(
+    model: nn.Module,
+    structure: ModelStructure,
+    tp: int,
+    sequence_parallel: bool = False,
+    loss_parallel: bool = False,
+) -> dict[str, ParallelStyle]:
+    """The structure's plan, checked (:func:`check_tp_plan`), expanded to module FQNs, plus
+    sequence parallel and loss parallel when asked."""
+    plan = resolve_tp_plan(model, structure)
+    check_tp_plan(model, plan, tp, structure)  # on the plain plan: it names the split layers
+    if sequence_parallel:
+        if structure.family == "hf":
+            raise ConfigError(
+                f"parallel.sequence_parallel = true is not supported on transformers' "
+                f"{structure.model_class}: its decoder layers take position embeddings and "
+                "masks for the whole sequence and its norms are not torch's LayerNorm/RMSNorm; "
+                "set parallel.sequence_parallel=false"
+            )
+        plan = sequence_parallel_plan(model, plan, structure.is_block)
+    if loss_parallel:
+        # Not checked for divisibility: DTensor shards the vocabulary unevenly (the demo's
+        # 257 over tp=2 gives the one-process loss and gradient: measured).
+        plan = loss_parallel_plan(model, plan)
+    return plan
+
+
+def count_split(model: nn.Module) -> int:
+    """Modules whose own parameters are DTensors: what tensor parallel really split."""
+    return sum(
+        any(isinstance(p, DTensor) for p in m.parameters(recurse=False)) for m in model.modules()
+    )
