@@ -26,7 +26,6 @@ from meshrun.plan.cost import (
     fsdp_units,
     gather_time,
     gpt_params,
-    group_bandwidth,
     group_link,
     logits_flops,
     stage_params,
@@ -156,9 +155,9 @@ def test_collectives_follow_the_nccl_tests_conventions() -> None:
     assert gather_time(8, 1e9, 1e9) == pytest.approx(7 / 8)
     assert all_reduce_time(1, 1e9, 1e9) == 0.0
     c = Cluster(2, 8, 80 * GB, 1e15, intra_bw=400e9, inter_bw=50e9, comm_efficiency=1.0)
-    assert group_bandwidth(c, 8, 1) == 400e9  # tp=8 inside a node
-    assert group_bandwidth(c, 2, 8) == 50e9  # 2 replicas 8 GPUs apart: across nodes
-    assert group_bandwidth(c, 16, 1) == 50e9
+    assert group_link(c, 8, 1).bw == 400e9  # tp=8 inside a node
+    assert group_link(c, 2, 8).bw == 50e9  # 2 replicas 8 GPUs apart: across nodes
+    assert group_link(c, 16, 1).bw == 50e9
 
 
 def test_alpha_beta_adds_the_ring_steps_latency() -> None:

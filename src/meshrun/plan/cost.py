@@ -121,11 +121,6 @@ def group_link(c: Cluster, size: int, stride: int) -> Link:
     return Link(size, bw, latency, bw * c.all_gather_ratio, bw * c.reduce_scatter_ratio)
 
 
-def group_bandwidth(c: Cluster, size: int, stride: int) -> float:
-    """The all-reduce bus bandwidth of :func:`group_link`."""
-    return group_link(c, size, stride).bw
-
-
 @dataclass
 class StepTime:
     """Seconds per optimizer step, split the way a profiler would show it."""
