@@ -262,10 +262,9 @@ def _validate(spec: LaunchSpec) -> None:
             f"LaunchSpec needs exactly one of script or module, got "
             f"script={spec.script!r}, module={spec.module!r}"
         )
+    # The [launch] keys were checked when the spec was made; here 0 (= auto) is no count.
     if spec.nproc_per_node < 1:
         raise ValueError(f"nproc_per_node must be >= 1, got {spec.nproc_per_node}")
-    if spec.max_restarts < 0:
-        raise ValueError(f"max_restarts must be >= 0, got {spec.max_restarts}")
 
 
 def _run_agent(
