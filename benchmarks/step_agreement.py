@@ -157,6 +157,7 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
             "after_ms": statistics.median(p["a_ms"] for p in pairs),
             "before_ms": statistics.median(p["b_ms"] for p in pairs),
             "before_over_after": statistics.median(p["ratio"] for p in pairs),
+            "saved_ms": statistics.median(p["b_ms"] - p["a_ms"] for p in pairs),
             "ratio_range": [min(p["ratio"] for p in pairs), max(p["ratio"] for p in pairs)],
         }
     out["exchanges"] = result["exchanges"]
