@@ -20,7 +20,7 @@ class _RankFilter(logging.Filter):
         return True
 
 
-def setup_logging(rank: int, run_dir: Path | None, level: str = "info") -> logging.Logger:
+def init_logging(rank: int, run_dir: Path | None, level: str = "info") -> logging.Logger:
     """Configure the ``meshrun`` logger for this rank (idempotent: replaces our handlers)."""
     log = logging.getLogger(LOGGER_NAME)
     for h in list(log.handlers):

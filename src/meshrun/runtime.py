@@ -42,7 +42,7 @@ from meshrun.config import (
 )
 from meshrun.data import ResumableSampler, build_dataloader
 from meshrun.hostmem import set_mmap_threshold
-from meshrun.logs import setup_logging
+from meshrun.logs import init_logging
 from meshrun.loop import StepLoop
 from meshrun.mesh import ParallelDims, build_mesh
 from meshrun.monitor import MetricsLogger
@@ -162,7 +162,7 @@ class Run:
         self.run_dir = cfg.resolved_run_dir()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         check_shared_run_dir(self.run_dir, env.hostname)  # before anything relies on it
-        self.log = setup_logging(self.rank, self.run_dir, cfg.job.log_level)
+        self.log = init_logging(self.rank, self.run_dir, cfg.job.log_level)
         _seed(cfg.job.seed, self.rank)
         self.metrics = MetricsLogger(
             self.run_dir,
