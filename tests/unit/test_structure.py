@@ -114,3 +114,21 @@ def test_tp_refusals_name_the_reason_before_anything_is_split() -> None:
     with pytest.raises(ConfigError, match=r"one tensor \(tied\)"):
         build_tp_plan(tied, find_structure(tied, ModelSpec(tp_plan=one_side)), 2)
     assert torch.equal(tied.lm_head.weight, tied.model.embed_tokens.weight)  # nothing changed
+
+
+def test_fsdp_without_blocks_is_said_not_silent(caplog: pytest.LogCaptureFixture) -> None:
+    from meshrun.config import ParallelConfig
+    from meshrun.mesh import ParallelDims
+    from meshrun.parallel import units_of
+
+    cnn = find_structure(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten()))
+    dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=2, tp=1)
+    with caplog.at_level("WARNING", logger="meshrun"):
+        wrap = units_of(cnn, ParallelConfig(zero=3), 3, dims)
+    assert "no repeated blocks found in Sequential" in caplog.text
+    assert "whole model as one unit" in caplog.text and not wrap("0", None)
+    caplog.clear()
+    llama = find_structure(byo_models.tiny_llama())
+    with caplog.at_level("WARNING", logger="meshrun"):
+        wrap = units_of(llama, ParallelConfig(zero=3), 3, dims)
+    assert caplog.text == "" and wrap("model.layers.3", None)

@@ -143,6 +143,28 @@ def parallelize(
     model = maybe_sync_batchnorm(model, mesh, cfg, device, broadcasts_buffers=zero < 2)
     if mesh is not None:
         maybe_apply_tp(model, mesh, dims, cfg, tp_plan, parallelize_fn, structure)
+    apply_block_layouts(model, mesh, cfg, dims, zero, mp_policy, wrap)
+    if meta:
+        materialize(model, device)
+    log.info(describe_layout(model, mesh, cfg, zero))
+    if zero < 2:
+        apply_autocast(model, cfg, device)
+    if mesh is None or zero >= 2 or dims.dp == 1:
+        return model
+    return _ddp(model, mesh, cfg, device, dims, zero, comm_hook_wrap)
+
+
+def apply_block_layouts(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    cfg: ParallelConfig,
+    dims: ParallelDims,
+    zero: int,
+    mp_policy: MixedPrecisionPolicy,
+    wrap: WrapPredicate,
+) -> None:
+    """What :func:`parallelize` applies per block, in its order: activation checkpointing,
+    ``torch.compile``, then FSDP2 (zero 2/3) with each block its own unit."""
     if cfg.activation_checkpoint:
         n = apply_ac(model, cfg.activation_checkpoint, wrap)
         log.info("activation checkpointing: %d blocks (every %d)", n, cfg.activation_checkpoint)
@@ -154,14 +176,6 @@ def parallelize(
             "FSDP2 ZeRO-%d over %s (params %s, reduce %s)",
             *(zero, dims.describe(), cfg.param_dtype, cfg.reduce_dtype),
         )
-    if meta:
-        materialize(model, device)
-    log.info(describe_layout(model, mesh, cfg, zero))
-    if zero < 2:
-        apply_autocast(model, cfg, device)
-    if mesh is None or zero >= 2 or dims.dp == 1:
-        return model
-    return _ddp(model, mesh, cfg, device, dims, zero, comm_hook_wrap)
 
 
 def _ddp(
