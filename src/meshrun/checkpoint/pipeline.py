@@ -1,7 +1,8 @@
 """Pipeline-parallel state: this rank's stage modules seen as one module with the model's names.
 
-``run.pipeline`` splits a GPT-shaped model into ``StageModule``s that keep the original
-parameter names (``tok_emb``, ``blocks.3.attn.q.weight``, ``lm_head``; see parallel/pp.py).
+``run.pipeline`` splits a model into ``StageModule``s that keep the original parameter names
+(``tok_emb``, ``blocks.3.attn.q.weight``, ``model.layers.2.mlp.up_proj.weight``, ``lm_head``;
+see parallel/pp.py).
 Gathering a rank's stages (unwrapped from DDP) into one container gives a module whose FQNs
 are exactly the unsplit model's, so DCP's ``get_state_dict``/``set_state_dict`` work on it as on
 any model: every rank writes the parameters (and optimizer state) of its own stages, and the
@@ -20,27 +21,30 @@ from meshrun.checkpoint.state import decode_json, encode_json
 
 __all__ = ["PipelineView", "gather_optim_plain", "maybe_pipeline_view"]
 
-_PARTS = ("tok_emb", "pos_emb", "drop", "norm", "lm_head")
-
 
 class PipelineView(nn.Module):
-    """A container of this rank's stage parts under the unsplit model's names (never called)."""
+    """A container of this rank's stage parts under the unsplit model's names (never called).
+    Each stage names its parts by their FQNs in the whole model (``meshrun_parts.fqns``)."""
 
     def __init__(self, stages: list[nn.Module]) -> None:
         super().__init__()
-        blocks = nn.ModuleDict()
         for m in stages:
             stage = m.module if isinstance(m, DDP) else m
-            for part in _PARTS:
-                sub = getattr(stage, part, None)
-                if isinstance(sub, nn.Module):
-                    self.add_module(part, sub)
-            for name, block in stage.get_submodule("blocks").named_children():
-                blocks[name] = block
-        self.blocks = blocks
+            for fqn in stage.meshrun_parts.fqns:  # type: ignore[union-attr]
+                _attach(self, fqn, stage.get_submodule(fqn))
 
     def forward(self, *args: Any) -> Any:
         raise TypeError("a PipelineView only names the stages' parameters for checkpoints")
+
+
+def _attach(root: nn.Module, fqn: str, module: nn.Module) -> None:
+    *path, leaf = fqn.split(".")
+    node = root
+    for name in path:
+        if name not in node._modules:
+            node.add_module(name, nn.ModuleDict())
+        node = node.get_submodule(name)
+    node.add_module(leaf, module)
 
 
 def maybe_pipeline_view(model: Any) -> nn.Module | None:

@@ -51,8 +51,10 @@ from meshrun.parallel.pp import (
     Pipeline,
     build_pipeline,
     build_stage_modules,
+    pipeline_eval,
     pipeline_step,
 )
+from meshrun.parallel.pp_tied import bind_tied
 from meshrun.parallel.precision import apply_autocast, build_grad_scaler, build_mp_policy
 from meshrun.parallel.report import describe_layout
 from meshrun.parallel.structure import ModelSpec, ModelStructure, find_structure
@@ -77,6 +79,7 @@ __all__ = [
     "maybe_loss_parallel",
     "parallelize",
     "parallelize_pipeline",
+    "pipeline_eval",
     "pipeline_step",
     "set_grad_sync",
 ]
@@ -305,12 +308,15 @@ def parallelize_pipeline(
     tp_plan: TPPlan | None = None,
     wrap: WrapPredicate = is_block,
     scaler: ShardedGradScaler | None = None,
+    spec: ModelSpec | None = None,
 ) -> Pipeline:
     """Pipeline parallel: split ``model`` into this rank's stages, then parallelize each stage
     module on the non-pp sub-mesh in the order of :func:`parallelize` (tensor parallel, AC,
     compile, then FSDP2 or DDP over the dp dims), then build the schedule. The user's loop
     calls :func:`pipeline_step` instead of the model (see ``parallel/pp.py``); under fp16
-    ``scaler`` (:func:`build_grad_scaler`) scales each chunk's loss inside the schedule."""
+    ``scaler`` (:func:`build_grad_scaler`) scales each chunk's loss inside the schedule.
+    ``spec`` tells meshrun the model's structure where it cannot find it (its blocks, split
+    points, tied pairs: parallel/structure.py); tied parameters on two stages stay tied."""
     dims = ParallelDims.from_mesh(mesh)
     check_layout(cfg, vars(dims))  # e.g. tp x ZeRO-1, pp_microbatches < pp
     if cfg.param_dtype == "float16" and scaler is None:
@@ -323,15 +329,19 @@ def parallelize_pipeline(
     check_offload(cfg, device)
     mp_policy = build_mp_policy(cfg, zero)  # checked before anything changes
     model = model.to(device)
+    stages = build_stage_modules(model, mesh, cfg, spec)
+    log.info(stages.describe)
     modules = [
         parallelize_stage(m, mesh, dims, cfg, device, zero, mp_policy, tp_plan, wrap)
-        for m in build_stage_modules(model, mesh, cfg)
+        for m in stages.modules
     ]
     log.info(
         "pipeline: %d stage(s) on this rank of %d, schedule %s, %d chunks per micro-batch",
         *(len(modules), dims.pp * len(modules), cfg.pp_schedule, cfg.pp_microbatches),
     )
-    return build_pipeline(modules, mesh, cfg, loss_fn, device, scaler)
+    pipe = build_pipeline(modules, mesh, cfg, loss_fn, device, scaler)
+    pipe.tied = bind_tied(stages.tied, modules, stages.ids, mesh)
+    return pipe
 
 
 def parallelize_stage(
@@ -348,7 +358,7 @@ def parallelize_stage(
     """One pipeline stage module, parallelized in place like a whole model by
     :func:`parallelize`: TP, AC, compile, then FSDP2 (zero 2/3) or replication (zero 0/1, see
     :func:`apply_replicate`) over the dp dims."""
-    if cfg.loss_parallel and getattr(stage, "lm_head", None) is None:
+    if cfg.loss_parallel and not getattr(stage, "is_last", True):
         cfg = dataclasses.replace(cfg, loss_parallel=False)  # only the last stage has the head
     stage = maybe_sync_batchnorm(stage, mesh, cfg, device, broadcasts_buffers=False)
     maybe_apply_tp(stage, mesh, dims, cfg, tp_plan, None)

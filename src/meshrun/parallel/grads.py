@@ -43,8 +43,14 @@ def clip_grad_norm_(
             by_mesh.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
     if not by_mesh and pp_group is None:
         return torch.tensor(0.0)
+    # A pipeline's second copy of a tied parameter (parallel/pp_tied.py) holds the same gradient
+    # as the first: counted once, as one process counts the one tensor.
     norms = [
-        _full(torch.nn.utils.get_total_norm([p.grad for p in ps if p.grad is not None], norm_type))
+        _full(
+            torch.nn.utils.get_total_norm(
+                [p.grad for p in ps if p.grad is not None and not _replica(p)], norm_type
+            )
+        )
         for ps in by_mesh.values()
     ]
     total = torch.nn.utils.get_total_norm(norms, norm_type) if norms else torch.tensor(0.0)
@@ -55,6 +61,10 @@ def clip_grad_norm_(
     for ps in by_mesh.values():
         torch.nn.utils.clip_grads_with_norm_(ps, max_norm, total)  # reads each p.grad
     return total
+
+
+def _replica(p: torch.Tensor) -> bool:
+    return bool(getattr(p, "meshrun_tied_replica", False))
 
 
 def _full(norm: torch.Tensor) -> torch.Tensor:

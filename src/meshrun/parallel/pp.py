@@ -22,13 +22,20 @@ steps plain aliases of their DTensor parameters (:meth:`Pipeline.local_parameter
 ``pipeline_step`` keeps in step. Loss parallel: only the last stage holds the head, and its
 ``schedule.step`` (which computes the loss and runs the backward) runs in ``loss_parallel()``.
 
-Stages are built for GPT-2 shaped models (``tok_emb``, ``pos_emb``, ``drop``, a ``blocks``
-ModuleList, ``norm``, ``lm_head``, like ``meshrun.demo.model.GPT``); the stage modules keep the
-original parameter names (``blocks.3.attn.q.weight``), so checkpoints stay comparable.
+Stages are built from the model's structure (parallel/structure.py: its blocks, what runs
+before and after them; a Hugging Face model's ``_pp_plan``; parallel/pp_split.py) for any model
+whose structure is known: the demo GPT, nanoGPT, Hugging Face causal LMs (Llama, Qwen2, GPT-2,
+...), or the user's ``ModelSpec``. Stage modules keep the model's own FQNs
+(``model.layers.3.mlp.up_proj.weight``), so checkpoints, TP plans and FSDP units stay those of
+the unsplit model; every stage is checked against the model's own forward before training
+(parallel/pp_stages.py). Tied parameters that span two stages (nanoGPT's and GPT-2's
+``lm_head`` = ``wte``) are kept tied (parallel/pp_tied.py). :func:`pipeline_eval` is the
+forward-only call for evaluation.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, field
@@ -50,51 +57,31 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshrun.config import ConfigError, ParallelConfig
+from meshrun.parallel.pp_split import split_blocks, split_model
+from meshrun.parallel.pp_stages import StageModule, check_stages_reproduce, hf_context
+from meshrun.parallel.pp_tied import (
+    TiedCopy,
+    TiedPair,
+    plan_tied,
+    stash_tied_grads,
+    sync_tied_grads,
+)
+from meshrun.parallel.structure import ModelSpec, ModelStructure, find_structure, is_hf_model
 
 if TYPE_CHECKING:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-GPT_PARTS = ("tok_emb", "pos_emb", "drop", "blocks", "norm", "lm_head")
+__all__ = [
+    "Pipeline",
+    "Stages",
+    "build_pipeline",
+    "build_stage_modules",
+    "pipeline_eval",
+    "pipeline_step",
+    "split_blocks",
+]
+
 LossFn = Callable[[Tensor, Tensor], Tensor]
-
-
-class StageModule(nn.Module):
-    """The blocks ``first_block .. first_block + len(blocks)`` of a GPT-shaped model, with the
-    embeddings on the first stage and the final norm and head on the last."""
-
-    def __init__(self, model: nn.Module, blocks: range, first: bool, last: bool) -> None:
-        super().__init__()
-        part = model.get_submodule  # typed access to the GPT parts (checked by the caller)
-        self.tok_emb = part("tok_emb") if first else None
-        self.pos_emb = part("pos_emb") if first else None
-        self.drop = part("drop") if first else None
-        self.blocks = nn.ModuleDict({str(i): part(f"blocks.{i}") for i in blocks})
-        self.norm = part("norm") if last else None
-        self.lm_head = part("lm_head") if last else None
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.tok_emb is not None and self.pos_emb is not None and self.drop is not None:
-            pos = torch.arange(x.shape[1], device=x.device)
-            x = self.drop(self.tok_emb(x) + self.pos_emb(pos))
-        for block in self.blocks.values():
-            x = block(x)
-        if self.norm is not None and self.lm_head is not None:
-            x = self.lm_head(self.norm(x))
-        return x
-
-
-def split_blocks(n_blocks: int, n_stages: int) -> list[range]:
-    """Contiguous, balanced block ranges (equal blocks: equal parameters and compute)."""
-    if n_stages > n_blocks:
-        raise ConfigError(
-            f"parallel.pp x stages per rank = {n_stages} pipeline stages, but the model has only "
-            f"{n_blocks} blocks; use at most {n_blocks} stages (lower parallel.pp or "
-            "parallel.pp_schedule=1f1b)"
-        )
-    base, extra = divmod(n_blocks, n_stages)
-    sizes = [base + (1 if s < extra else 0) for s in range(n_stages)]
-    starts = [sum(sizes[:s]) for s in range(n_stages)]
-    return [range(a, a + n) for a, n in zip(starts, sizes, strict=True)]
 
 
 def stages_per_rank(cfg: ParallelConfig) -> int:
@@ -116,6 +103,9 @@ class Pipeline:
     loss_parallel: bool = False  # the last stage's loss runs inside loss_parallel()
     # (stage parameter, plain alias of its local data): see local_parameters
     local_views: list[tuple[nn.Parameter, nn.Parameter]] = field(default_factory=list)
+    # This rank's copies of tied parameters that span two stages (parallel/pp_tied.py).
+    tied: list[TiedCopy] = field(default_factory=list)
+    loss_fn: LossFn | None = None  # the loss the schedule computes, unscaled (pipeline_eval)
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (all its stages), for the optimizer."""
@@ -165,21 +155,48 @@ def _views_after_step(pipe: Pipeline) -> None:
         alias.grad = None if p.grad is None else _local(p.grad)
 
 
+@dataclass
+class Stages:
+    """This rank's stage modules (before parallelization), their indices in the pipeline, the
+    tied pairs that span two stages, and the start-up line that says how the model was split."""
+
+    modules: list[StageModule]
+    ids: list[int]
+    tied: list[TiedPair]
+    describe: str
+    structure: ModelStructure  # the whole model's (TP plans name the model's FQNs)
+
+    def structure_of(self, stage: StageModule) -> ModelStructure:
+        """The model's structure as one stage sees it: tied pairs only where the stage holds
+        both names (pairs across stages are kept tied by parallel/pp_tied.py)."""
+        held = set(stage.state_dict(keep_vars=True))
+        inside = tuple(t for t in self.structure.tied if set(t) <= held)
+        return dataclasses.replace(self.structure, tied=inside)
+
+
 def build_stage_modules(
-    model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig
-) -> list[StageModule]:
-    """This rank's stages: with v stages per rank, rank r holds stages r, r + pp, ... (looped)."""
-    missing = [p for p in GPT_PARTS if not hasattr(model, p)]
-    if missing:
-        raise ConfigError(
-            f"parallel.pp = {cfg.pp}: meshrun splits GPT-shaped models ({', '.join(GPT_PARTS)}); "
-            f"{type(model).__name__} has no {', '.join(missing)}"
-        )
+    model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, spec: ModelSpec | None = None
+) -> Stages:
+    """This rank's stages: with v stages per rank, rank r holds stages r, r + pp, ... (looped).
+    Every stage is built on every rank (they only reference the model's modules) so that all
+    of them are checked, in a row, against the model's own forward before any training."""
+    structure = find_structure(model, spec)
     pp, v = cfg.pp, stages_per_rank(cfg)
-    ranges = split_blocks(len(model.blocks), pp * v)  # type: ignore[arg-type]
+    blocks = structure.block_names() if structure.blocks_fqn else []
+    block_kwargs, shared = (
+        hf_context(model, blocks) if is_hf_model(model) and blocks else (None, ())
+    )
+    split = split_model(model, structure, pp * v, shared)
+    every = [StageModule(model, parts, block_kwargs) for parts in split.parts]
+    check_stages_reproduce(model, every)
+    tied = plan_tied(structure.tied, split.parts, pp)
     me = mesh["pp"].get_local_rank()
     ids = [me + k * pp for k in range(v)]
-    return [StageModule(model, ranges[i], i == 0, i == pp * v - 1) for i in ids]
+    names = ", ".join(
+        " = ".join(t.fqns) + f" (stages {t.stages[0]} and {t.stages[1]})" for t in tied
+    )
+    line = f"pipeline split: {split.describe()} | tied across stages: {names or 'none'}"
+    return Stages([every[i] for i in ids], ids, tied, line, structure)
 
 
 def build_pipeline(
@@ -228,7 +245,9 @@ def build_pipeline(
     last_rank = dist.get_global_rank(group, last_local)
     is_last = n - 1 in ids
     lp = cfg.loss_parallel and is_last
-    return Pipeline(modules, schedule, 0 in ids, is_last, group, last_rank, scaler, lp)
+    pipe = Pipeline(modules, schedule, 0 in ids, is_last, group, last_rank, scaler, lp)
+    pipe.loss_fn = loss_fn
+    return pipe
 
 
 def pipeline_step(pipe: Pipeline, inputs: Tensor, targets: Tensor) -> Tensor:
@@ -238,11 +257,13 @@ def pipeline_step(pipe: Pipeline, inputs: Tensor, targets: Tensor) -> Tensor:
     kwargs: dict[str, Any] = {"target": targets, "losses": losses} if pipe.is_last else {}
     args = (inputs,) if pipe.is_first else ()
     _views_before_step(pipe)
+    saved = stash_tied_grads(pipe.tied)
     # Loss parallel: the schedule computes the loss on the vocab-sharded logits and runs its
     # backward inside step(), so the whole step runs in the context (it only changes DTensor
     # log-softmax / nll-loss, which nothing but the loss uses).
     with loss_parallel() if pipe.loss_parallel else nullcontext():
         pipe.schedule.step(*args, **kwargs)
+    sync_tied_grads(pipe.tied, saved)  # before the aliases read the gradients
     _views_after_step(pipe)
     # The chunks' losses carry 1/chunks already: their sum is the mean over the micro-batch.
     loss = (
@@ -252,6 +273,27 @@ def pipeline_step(pipe: Pipeline, inputs: Tensor, targets: Tensor) -> Tensor:
         loss = loss / pipe.scaler.get_scale()  # a power of two: the division is exact
     dist.broadcast(loss, src=pipe.last_rank, group=pipe.group)
     return loss
+
+
+def pipeline_eval(pipe: Pipeline, inputs: Tensor, targets: Tensor) -> Tensor:
+    """Forward only (evaluation): the micro-batch's mean loss, ``pipe.loss_fn`` on the last
+    stage's logits, on every rank of the pipeline. No gradients, no change to any state; call
+    it with the stage modules in eval mode (``for m in pipe.modules: m.eval()``) as one would
+    call ``model.eval()``.
+
+    The schedule's ``eval`` runs the chunks forward only (torch.distributed.pipelining); it
+    takes the targets because it computes its chunk losses (with the training scale), so the
+    loss returned here is recomputed from the merged logits instead."""
+    if pipe.loss_fn is None:
+        raise ValueError("pipeline_eval: this Pipeline was built without a loss_fn")
+    args = (inputs,) if pipe.is_first else ()
+    target = targets if pipe.is_last else None
+    with torch.no_grad(), loss_parallel() if pipe.loss_parallel else nullcontext():
+        logits = pipe.schedule.eval(*args, target=target)
+        loss = _full(pipe.loss_fn(logits, targets)).float() if pipe.is_last else None
+    out = loss if loss is not None else torch.zeros(())
+    dist.broadcast(out, src=pipe.last_rank, group=pipe.group)
+    return out
 
 
 def _full(loss: Tensor) -> Tensor:
