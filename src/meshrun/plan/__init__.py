@@ -1,6 +1,6 @@
 """``meshrun plan``: a memory, compute and communication cost model that recommends a layout.
 
-Pure: imports no torch and no process-group code (``model_inspect`` imports torch lazily, only
+Pure: imports no torch and no process-group code (``inspect_model`` imports torch lazily, only
 for ``--model``). Entry points: :func:`search` ranks every layout, :func:`evaluate_one` checks
 one, :func:`evaluate` is the cost model itself. Formulas and sources: docs/plan.md.
 """
