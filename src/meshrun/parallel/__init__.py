@@ -332,7 +332,10 @@ def parallelize_pipeline(
     stages = build_stage_modules(model, mesh, cfg, spec)
     log.info(stages.describe)
     modules = [
-        parallelize_stage(m, mesh, dims, cfg, device, zero, mp_policy, tp_plan, wrap)
+        parallelize_stage(
+            *(m, mesh, dims, cfg, device, zero, mp_policy, tp_plan, wrap),
+            stages.structure_of(m),
+        )
         for m in stages.modules
     ]
     log.info(
@@ -354,14 +357,17 @@ def parallelize_stage(
     mp_policy: MixedPrecisionPolicy,
     tp_plan: TPPlan | None,
     wrap: WrapPredicate,
+    structure: ModelStructure | None = None,
 ) -> nn.Module:
     """One pipeline stage module, parallelized in place like a whole model by
     :func:`parallelize`: TP, AC, compile, then FSDP2 (zero 2/3) or replication (zero 0/1, see
-    :func:`apply_replicate`) over the dp dims."""
+    :func:`apply_replicate`) over the dp dims. ``structure``: the whole model's, as this stage
+    sees it (``Stages.structure_of``): the stage keeps the model's FQNs, so its TP plan and
+    head counts apply."""
     if cfg.loss_parallel and not getattr(stage, "is_last", True):
         cfg = dataclasses.replace(cfg, loss_parallel=False)  # only the last stage has the head
     stage = maybe_sync_batchnorm(stage, mesh, cfg, device, broadcasts_buffers=False)
-    maybe_apply_tp(stage, mesh, dims, cfg, tp_plan, None)
+    maybe_apply_tp(stage, mesh, dims, cfg, tp_plan, None, structure)
     if cfg.activation_checkpoint:
         apply_ac(stage, cfg.activation_checkpoint, wrap)
     if cfg.compile:
