@@ -30,6 +30,7 @@ from meshrun.data.iterable import ResumableIterable
 from meshrun.data.loader import WaitClock
 from meshrun.data.sampler import ResumableSampler
 from meshrun.monitor import MetricsLogger, StepMonitor, memory_stats
+from meshrun.monitor.throughput import resolve_tokens_per_sample
 from meshrun.parallel import clip_grad_norm_, set_grad_sync
 from meshrun.parallel.report import log_state_table
 
@@ -101,7 +102,7 @@ class StepLoop:
         self._boundary = accum == 1
         self._loss_sum: torch.Tensor | None = None
         self._t_last = time.perf_counter()
-        self._tokens_per_sample = 1
+        self._tokens_per_sample: int | None = None  # None: not known, samples/s only
         self._sampler: ResumableSampler | None = None
         self._iterable: ResumableIterable[Any] | None = None  # its position is in the dataset
         self.data_wait = WaitClock()  # this rank's time blocked on the loader, per step
@@ -181,9 +182,7 @@ class StepLoop:
 
     def _inspect_first(self, batch: Any, tokens_per_sample: int | None) -> None:
         t = _first_tensor(batch)
-        if tokens_per_sample is None:
-            tokens_per_sample = int(t.shape[1]) if t is not None and t.dim() >= 2 else 1
-        self._tokens_per_sample = tokens_per_sample
+        self._tokens_per_sample = resolve_tokens_per_sample(batch, tokens_per_sample)
         if t is not None and t.dim() >= 1 and t.shape[0] != self.micro_batch:
             log.warning(
                 "the loader's batch has %d samples but data.micro_batch = %d: throughput figures "
@@ -268,7 +267,7 @@ class StepLoop:
             lr=lr,
             step_time_s=step_time,
             samples=self.global_batch,
-            tokens=self.global_batch * self._tokens_per_sample,
+            tokens=self._tokens_per_sample and self.global_batch * self._tokens_per_sample,
             extra={
                 **(memory_stats(self.device) | self.monitor.host.sample() if logged else {}),
                 **wait,

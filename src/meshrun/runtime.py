@@ -46,7 +46,7 @@ from meshrun.logs import init_logging
 from meshrun.loop import StepLoop
 from meshrun.mesh import ParallelDims, build_mesh
 from meshrun.monitor import MetricsLogger
-from meshrun.monitor.mfu import peak_flops, precision_of
+from meshrun.monitor.mfu import ModelFlops, constant_per_token, model_flops, start_mfu
 from meshrun.parallel import (
     Pipeline,
     build_grad_scaler,
@@ -242,6 +242,7 @@ class Run:
         ``tp_plan``, ``parallelize_fn``, ``wrap``); returns a real torch module: the model,
         changed in place, or its DDP wrapper."""
         options.setdefault("comm_hook_wrap", self.loop.monitor.comm_hook_wrap())
+        self.set_model_flops(model_flops(model, self.config.metrics.flops_per_sample))
         out = parallelize(model, self.mesh, self.config.parallel, self.device, **options)
         self.loop.models.append(out)
         if self.loop.scaler is None:
@@ -269,6 +270,7 @@ class Run:
 
         if self.loop.scaler is None:  # fp16: the schedule scales each chunk's loss
             self.loop.scaler = build_grad_scaler(self.config.parallel, self.device)
+        self.set_model_flops(model_flops(model, self.config.metrics.flops_per_sample))
         pipe = parallelize_pipeline(
             model, self.mesh, self.config.parallel, self.device, scaled, scaler=self.loop.scaler
         )
@@ -363,19 +365,23 @@ class Run:
         self, loader: Iterable[Any], steps: int | None = None, tokens_per_sample: int | None = None
     ) -> Iterator[Any]:
         """Micro-batches on the device until ``optim.steps`` optimizer steps (see loop.py)."""
+        if tokens_per_sample is None:  # 0 in the config: not known
+            tokens_per_sample = self.config.metrics.tokens_per_sample or None
         return self.loop.steps(loader, steps, tokens_per_sample)
 
     def set_flops_per_token(self, flops_per_token: float) -> None:
         """Report MFU in the metrics. ``flops_per_token``: the model's training FLOPs per token
         (forward + backward, e.g. the planner's formula: docs/plan.md); the peak comes from
-        ``metrics.peak_flops`` or the planner's GPU table (monitor/mfu.py)."""
-        name = torch.cuda.get_device_name(self.device) if self.device.type == "cuda" else ""
-        precision = precision_of(self.config.parallel.param_dtype)
-        peak, source = peak_flops(self.config.metrics.peak_flops, self.device.type, name, precision)
-        if peak > 0:
-            self.metrics.set_flops_per_token(flops_per_token, peak)
-        if self.is_main:
-            self.log.info("MFU: %s", f"against {source}" if peak > 0 else f"not reported: {source}")
+        ``metrics.peak_flops`` or the GPU table (monitor/mfu.py). ``metrics.flops_per_sample``
+        and Hugging Face causal LMs need no call (``run.parallelize`` sets them)."""
+        self.set_model_flops(constant_per_token(flops_per_token, "run.set_flops_per_token"))
+
+    def set_model_flops(self, flops: ModelFlops | None) -> None:
+        """Report MFU from ``flops`` (per sample or per token, monitor/mfu.py); None: none."""
+        if flops is not None:
+            line = start_mfu(self.metrics, flops, self.config, self.device)
+            if self.is_main:
+                self.log.info(line)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``(loss / accumulation).backward()``; see loop.py for why this is the right scale.
