@@ -257,9 +257,9 @@ def maybe_apply_tp(
     apply_tp(model, tp_mesh(mesh), plan, structure.tied)
     extras = [("sequence parallel", cfg.sequence_parallel), ("loss parallel", cfg.loss_parallel)]
     log.info(
-        "tensor parallel over %d ranks: %d modules split (plan: %s)%s",
-        *(dims.tp, count_split(model), structure.tp_plan_source or "given"),
-        "".join(f" (+ {n})" for n, on in extras if on),
+        "tensor parallel over %d ranks: %d modules split%s (plan: %s)",
+        *(dims.tp, count_split(model), "".join(f" (+ {n})" for n, on in extras if on)),
+        structure.tp_plan_source or "given",
     )
 
 
