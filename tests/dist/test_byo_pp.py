@@ -3,9 +3,9 @@
 GPT (tied head) through their structure, each trained 5 steps (fp32, SGD with momentum,
 clipping) and compared per step with one process on the same global batch.
 
-One 2-rank spawn runs PP 2 with GPipe and 1F1B on each model (and interleaved on Llama); one
-4-rank spawn runs PP 2 x DP 2 (FSDP2 ZeRO-3 and replicate) on Llama, Qwen2, nanoGPT and GPT-2,
-and PP 2 x TP 2 on Llama (its config.base_model_tp_plan applied to each stage).
+One 2-rank spawn runs PP 2 with GPipe and 1F1B on each model (and interleaved on Llama and
+nanoGPT); one 4-rank spawn runs PP 2 x DP 2 (FSDP2 ZeRO-3 and replicate) on Llama, Qwen2,
+nanoGPT and GPT-2, and PP 2 x TP 2 on Llama (its config.base_model_tp_plan on each stage).
 For the tied models the two copies of ``wte`` / ``lm_head`` (on the first and the last stage)
 are compared bitwise after the 5 steps: no layout trains them untied. After training every
 layout evaluates a held-out batch with ``pipeline_eval`` (forward only), compared with the
