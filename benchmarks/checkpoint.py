@@ -107,9 +107,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     nparams = sum(p.numel() for p in model.parameters())
     times: dict[str, list[float]] = {}
     for i in range(args.repeats):
-        run.loop.step = i + 1  # a new step each time: save() returns early for a saved step
+        run.state.step = i + 1  # a new step each time: save() returns early for a saved step
         times.setdefault("meshrun save", []).append(timed(run.save_checkpoint))
-        run.loop.step += 100
+        run.state.step += 100
         blocked, durable, overlapped = _async_save(run, model)
         times.setdefault("meshrun async: blocked", []).append(blocked)
         times.setdefault("meshrun async: durable", []).append(durable)

@@ -20,11 +20,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.distributed.tensor import DTensor
 
+from meshrun.agreement import StepAgreement
 from meshrun.config import MonitorConfig
 from meshrun.data.iterable import ResumableIterable
 from meshrun.data.loader import WaitClock
@@ -33,6 +32,7 @@ from meshrun.monitor import MetricsLogger, StepMonitor, memory_stats
 from meshrun.monitor.throughput import resolve_tokens_per_sample
 from meshrun.parallel import clip_grad_norm_, set_grad_sync
 from meshrun.parallel.report import log_state_table
+from meshrun.state import TrainState
 
 log = logging.getLogger("meshrun")
 
@@ -76,6 +76,8 @@ class StepLoop:
         dp_group: ProcessGroup | None,
         metrics: MetricsLogger,
         monitor: MonitorConfig | None = None,
+        state: TrainState | None = None,
+        agreement: StepAgreement | None = None,
     ) -> None:
         if min(accum, global_batch, micro_batch) < 1:
             # An unset global batch (0) is resolved before the loop (launcher or Run): a 0 here
@@ -85,41 +87,29 @@ class StepLoop:
                 f"global_batch={global_batch}, micro_batch={micro_batch}; derive an unset "
                 "data.global_batch with meshrun.config.resolve_global_batch first"
             )
-        self.accum = accum
-        self.global_batch = global_batch
-        self.micro_batch = micro_batch
-        self.total_steps = total_steps
-        self.grad_clip = grad_clip
+        self.accum, self.global_batch, self.micro_batch = accum, global_batch, micro_batch
+        self.total_steps, self.grad_clip, self.log_every = total_steps, grad_clip, log_every
+        self.device, self.dp_group, self.metrics = device, dp_group, metrics
+        # Counters, models, schedulers, data position, scaler: shared with the checkpoints.
+        self.state = TrainState() if state is None else state
         self._state_reported = False  # the per-rank model-state table, once per process
-        self.log_every = log_every
-        self.device = device
-        self.dp_group = dp_group
-        self.metrics = metrics
-        self.step = 0  # optimizer steps done
-        self.micro = 0  # index of the current micro-step inside the accumulation window
-        self.models: list[nn.Module] = []
-        self.schedulers: list[torch.optim.lr_scheduler.LRScheduler] = []
         self._boundary = accum == 1
         self._loss_sum: torch.Tensor | None = None
         self._t_last = time.perf_counter()
         self._tokens_per_sample: int | None = None  # None: not known, samples/s only
-        self._sampler: ResumableSampler | None = None
-        self._iterable: ResumableIterable[Any] | None = None  # its position is in the dataset
         self.data_wait = WaitClock()  # this rank's time blocked on the loader, per step
         self.grad_norm = math.nan  # global gradient norm of the last step (when clipping)
-        self.pp_group: ProcessGroup | None = None  # set by run.pipeline: stages' norms combine
-        # fp16 loss scaler (parallel.param_dtype = float16), set by run.parallelize: it scales
-        # the loss in backward, unscales before clipping and skips steps with inf/nan gradients.
-        self.scaler: ShardedGradScaler | None = None
-        # Step breakdown, numerics guard (one small collective per step), stragglers.
+        # Step breakdown, numerics guard (it exchanges the run's one per-step agreement),
+        # stragglers.
         self.monitor = StepMonitor(
             monitor or MonitorConfig(),
             device=device,
             distributed=dist.is_initialized(),
             hostname=socket.gethostname(),
             metrics=metrics,
+            agreement=agreement,
         )
-        self.monitor.models = self.models  # DDP models get their all-reduce timed
+        self.monitor.models = self.state.models  # DDP models get their all-reduce timed
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -128,7 +118,7 @@ class StepLoop:
     ) -> Iterator[Any]:
         """Yield micro-batches (on the device) until ``steps`` optimizer steps are done in all.
         The hang watchdog is armed while this runs (monitor.step_timeout_s)."""
-        self.monitor.loop_starts(self.step)
+        self.monitor.loop_starts(self.state.step)
         try:
             yield from self._steps(loader, steps, tokens_per_sample)
         finally:
@@ -138,21 +128,21 @@ class StepLoop:
         self, loader: Iterable[Any], steps: int | None, tokens_per_sample: int | None
     ) -> Iterator[Any]:
         target = self.total_steps if steps is None else steps
-        if self.step >= target:
+        if self.state.step >= target:
             # Typically a resumed run that had already finished: say so rather than exit quietly.
             log.warning(
                 "nothing to train: already at step %d of %d (resumed from a finished run?); "
                 "raise optim.steps, use a new job.run_dir, or set checkpoint.resume=never",
-                self.step,
+                self.state.step,
                 target,
             )
         sampler = getattr(loader, "sampler", None)
-        self._sampler = sampler if isinstance(sampler, ResumableSampler) else None
+        self.state.sampler = sampler if isinstance(sampler, ResumableSampler) else None
         dataset = getattr(loader, "dataset", None)
-        self._iterable = dataset if isinstance(dataset, ResumableIterable) else None
+        self.state.iterable = dataset if isinstance(dataset, ResumableIterable) else None
         self._t_last = time.perf_counter()
         first = True
-        while self.step < target:
+        while self.state.step < target:
             produced = False
             for batch in self.data_wait.wrap(loader):
                 produced = True
@@ -160,25 +150,25 @@ class StepLoop:
                     self._inspect_first(batch, tokens_per_sample)
                     first = False
                 yield from self._one_micro_step(batch)
-                if self.step >= target:
+                if self.state.step >= target:
                     return
             if not produced:
                 raise RuntimeError("the data loader produced no batches: is the dataset empty?")
 
     def _one_micro_step(self, batch: Any) -> Iterator[Any]:
-        self._boundary = self.micro == self.accum - 1
-        for m in self.models:
+        self._boundary = self.state.micro == self.accum - 1
+        for m in self.state.models:
             set_grad_sync(m, self._boundary)
-        before = self.step
+        before = self.state.step
         batch = to_device(batch, self.device)
         self.monitor.batch_ready()
         yield batch
-        if self._boundary and self.step == before:
+        if self._boundary and self.state.step == before:
             raise RuntimeError(
                 "the step loop reached an optimizer boundary but run.optimizer_step(optimizer) "
                 "was not called: call it once per micro-batch, after run.backward(loss)"
             )
-        self.micro = 0 if self._boundary else self.micro + 1
+        self.state.micro = 0 if self._boundary else self.state.micro + 1
 
     def _inspect_first(self, batch: Any, tokens_per_sample: int | None) -> None:
         t = _first_tensor(batch)
@@ -201,7 +191,7 @@ class StepLoop:
         self.record_loss(loss)
         t0 = self.monitor.backward_starts()
         scaled = loss / self.accum
-        (scaled if self.scaler is None else self.scaler.scale(scaled)).backward()
+        (scaled if self.state.scaler is None else self.state.scaler.scale(scaled)).backward()
         self.monitor.add("backward_s", t0)
 
     def record_loss(self, loss: torch.Tensor) -> None:
@@ -217,7 +207,7 @@ class StepLoop:
         if not self._boundary:
             return False
         # Every rank learns whether any rank's loss is NaN/Inf; all skip (or stop) together.
-        guard = self.monitor.guard(self._loss_sum, self.accum, self.step + 1)
+        guard = self.monitor.guard(self._loss_sum, self.accum, self.state.step + 1)
         t0 = time.perf_counter()
         if guard.finite:
             self._apply_update(optimizer)
@@ -227,29 +217,29 @@ class StepLoop:
         lr = float(optimizer.param_groups[0]["lr"])
         optimizer.zero_grad(set_to_none=True)
         self.monitor.add("optimizer_s", t0)
-        for s in self.schedulers:
+        for s in self.state.schedulers:
             s.step()
-        self.step += 1
-        if self._sampler is not None:
-            self._sampler.step(self.global_batch)
-        if self._iterable is not None:
-            self._iterable.step(self.global_batch)
+        self.state.step += 1
+        if self.state.sampler is not None:
+            self.state.sampler.step(self.global_batch)
+        if self.state.iterable is not None:
+            self.state.iterable.step(self.global_batch)
         self._record(lr, guard.loss)
         return True
 
     def _apply_update(self, optimizer: torch.optim.Optimizer) -> None:
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
+        if self.state.scaler is not None:
+            self.state.scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
         if self.grad_clip > 0:
             params = [p for g in optimizer.param_groups for p in g["params"]]
             # The norm of the whole gradient, also when it is sharded (FSDP2, TP DTensors).
-            norm = clip_grad_norm_(params, self.grad_clip, pp_group=self.pp_group)
+            norm = clip_grad_norm_(params, self.grad_clip, pp_group=self.state.pp_group)
             self.grad_norm = float(norm)
-        if self.scaler is None:
+        if self.state.scaler is None:
             optimizer.step()
         else:  # skipped on every rank alike when any rank found inf/nan (parallel/precision.py)
-            self.scaler.step(optimizer)
-            self.scaler.update()
+            self.state.scaler.step(optimizer)
+            self.state.scaler.update()
 
     # --- metrics -------------------------------------------------------------------------
 
@@ -257,12 +247,12 @@ class StepLoop:
         """``loss``: the global mean loss, from the guard's collective (NaN on a skipped step)."""
         now = time.perf_counter()
         step_time, self._t_last = now - self._t_last, now
-        logged = self.step % self.log_every == 0 or self.step == self.total_steps
+        logged = self.state.step % self.log_every == 0 or self.state.step == self.total_steps
         self._loss_sum = None
         wait = self._data_wait(step_time)
-        phases = self.monitor.end_step(self.step, step_time, wait["data_wait_s"])
+        phases = self.monitor.end_step(self.state.step, step_time, wait["data_wait_s"])
         self.metrics.log_step(
-            self.step,
+            self.state.step,
             loss=loss,
             lr=lr,
             step_time_s=step_time,

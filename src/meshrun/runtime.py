@@ -5,47 +5,33 @@ a plain function elsewhere (``parallel``, ``data``, ``schedule``, ``loop``)."""
 from __future__ import annotations
 
 import atexit
-import copy
 import logging
-import os
-import random
 import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from contextlib import AbstractContextManager
-from datetime import timedelta
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Literal, cast
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.utils.data import DataLoader, Dataset
 
+from meshrun.agreement import StepAgreement
 from meshrun.checkpoint import Checkpointer, Stateful
-from meshrun.checkpoint.resumed_batch import resume_global_batch
 from meshrun.cluster import ClusterEnv, detect
 from meshrun.config import (
-    CONFIG_ENV,
     Config,
     ConfigError,
-    apply_overrides,
     grad_accumulation,
-    load_config,
-    resolve_global_batch,
-    split_overrides,
     validate_for_world,
     write_config,
 )
 from meshrun.data import ResumableSampler, build_dataloader
-from meshrun.hostmem import set_mmap_threshold
 from meshrun.logs import init_logging
-from meshrun.loop import StepLoop
-from meshrun.mesh import ParallelDims, build_mesh
-from meshrun.monitor import MetricsLogger
+from meshrun.mesh import ParallelDims
 from meshrun.monitor.mfu import ModelFlops, constant_per_token, model_flops, start_mfu
 from meshrun.parallel import (
     Pipeline,
@@ -55,81 +41,26 @@ from meshrun.parallel import (
     maybe_loss_parallel,
     parallelize,
     parallelize_pipeline,
+    pipeline_eval,
     pipeline_step,
 )
 from meshrun.schedule import build_lr_scheduler, scale_lr
+from meshrun.startup import (
+    build_loop,
+    build_metrics,
+    checkpoint_facts,
+    init_seeds,
+    mesh_text,
+    resolve_batch,
+    resolve_config,
+    start_process,
+)
+from meshrun.state import TrainState
 from meshrun.storage import check_shared_run_dir
 
 _ACTIVE: Run | None = None
 _RETIRED: list[Run] = []  # closed runs, never destroyed before exit (see Run.close)
 _FAILED = False  # set by our excepthook: an uncaught exception must skip the final barrier
-
-
-def _pick_device(cfg: Config, env: ClusterEnv) -> tuple[torch.device, str]:
-    """cuda + nccl with one GPU per local rank, else cpu + gloo; never a silent fallback."""
-    want, backend = cfg.job.device, cfg.job.backend
-    has_cuda = torch.cuda.is_available()
-    if want == "cuda" and not has_cuda:
-        raise ConfigError("job.device = 'cuda' but no CUDA device is visible; use job.device=cpu")
-    use_cuda = want == "cuda" or (want == "auto" and has_cuda)
-    if backend == "nccl" and not use_cuda:
-        raise ConfigError("job.backend = 'nccl' needs CUDA devices; use job.backend=gloo on CPU")
-    if use_cuda:
-        if env.local_rank >= torch.cuda.device_count():
-            raise ConfigError(
-                f"local rank {env.local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
-                "start at most one process per GPU (meshrun launch --nproc-per-node)"
-            )
-        torch.cuda.set_device(env.local_rank)
-        device = torch.device("cuda", env.local_rank)
-    else:
-        device = torch.device("cpu")
-    if backend == "auto":
-        backend = "nccl" if use_cuda else "gloo"
-    return device, backend
-
-
-def _init_process_group(env: ClusterEnv, backend: str, device: torch.device, cfg: Config) -> None:
-    if dist.is_initialized():
-        return
-    if env.kind != "torchelastic":
-        # SLURM/MPI give ranks but not torch's env:// variables: fill them in.
-        os.environ.update(
-            MASTER_ADDR=env.master_addr,
-            MASTER_PORT=str(env.master_port),
-            RANK=str(env.rank),
-            WORLD_SIZE=str(env.world_size),
-            LOCAL_RANK=str(env.local_rank),
-        )
-    dist.init_process_group(
-        backend=backend,
-        timeout=timedelta(seconds=cfg.job.timeout_s),
-        device_id=device if device.type == "cuda" else None,
-    )
-
-
-def _seed(seed: int, rank: int) -> None:
-    # Same torch seed everywhere: every rank builds identical initial weights.
-    torch.manual_seed(seed)
-    # Rank-offset seeds for Python/NumPy: data augmentation differs per rank.
-    random.seed(seed + rank)
-    np.random.seed((seed + rank) % 2**32)
-
-
-def _resolve_config(config: Config | str | Path | None, argv: Sequence[str] | None) -> Config:
-    overrides, _ = split_overrides(sys.argv[1:] if argv is None else argv)
-    if isinstance(config, Config):
-        return apply_overrides(copy.deepcopy(config), overrides)
-    path = config if config is not None else os.environ.get(CONFIG_ENV)
-    return load_config(path, overrides)
-
-
-def _resolve_batch(cfg: Config, world_size: int) -> str:
-    """Fill in an unset data.global_batch; return where it came from ("" when it was set)."""
-    if resume_global_batch(cfg) is not None:
-        validate_for_world(cfg, world_size)  # the saved batch must divide on this world too
-        return "from the checkpoint it resumes"
-    return "micro_batch x dp" if resolve_global_batch(cfg, [world_size]) else ""
 
 
 class Run:
@@ -145,16 +76,9 @@ class Run:
         # Without a launcher's resolved config an unset global batch is the resumed
         # checkpoint's, else derived from this world; from here on everything (loop, sampler,
         # checkpoints, LR) sees the number.
-        self._batch_source = _resolve_batch(cfg, env.world_size)
+        self._batch_source = resolve_batch(cfg, env.world_size)
         self._default_run_dir = not cfg.job.run_dir
-        self.device, self.backend = _pick_device(cfg, env)
-        if self.device.type == "cpu":  # host memory holds the model: see meshrun/hostmem.py
-            set_mmap_threshold(cfg.job.cpu_mmap_threshold_kib)
-        if env.distributed:
-            _init_process_group(env, self.backend, self.device, cfg)
-        self.mesh: DeviceMesh | None = (
-            build_mesh(self.dims, self.device.type) if dist.is_initialized() else None
-        )
+        self.device, self.backend, self.mesh = start_process(cfg, env, self.dims)
         self.dp_size = self.dims.dp
         self.dp_rank = self.dims.dp_rank(self.rank)
         self.accum = grad_accumulation(cfg.data, self.dp_size)
@@ -163,34 +87,21 @@ class Run:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         check_shared_run_dir(self.run_dir, env.hostname)  # before anything relies on it
         self.log = init_logging(self.rank, self.run_dir, cfg.job.log_level)
-        _seed(cfg.job.seed, self.rank)
-        self.metrics = MetricsLogger(
-            self.run_dir,
-            is_main=self.is_main,
-            jsonl=cfg.metrics.jsonl,
-            log_every=cfg.metrics.log_every,
-            total_steps=cfg.optim.steps,
-            progress=cfg.metrics.progress,
-            world_size=self.world_size,
-            tensorboard=cfg.metrics.tensorboard,
+        init_seeds(cfg.job.seed, self.rank)
+        self.metrics = build_metrics(cfg, self.run_dir, self.is_main, self.world_size)
+        # What is trained and where it is: the loop advances it, checkpoints save it.
+        self.state = TrainState()
+        # The one per-step collective: the loop exchanges it, the checkpoints read it.
+        agreement = StepAgreement(self.device)
+        self.loop = build_loop(
+            cfg, self.accum, self.device, self.mesh, self.metrics, self.state, agreement
         )
-        self.loop = StepLoop(
-            accum=self.accum,
-            global_batch=cfg.data.global_batch,
-            micro_batch=cfg.data.micro_batch,
-            total_steps=cfg.optim.steps,
-            grad_clip=cfg.optim.grad_clip,
-            log_every=cfg.metrics.log_every,
-            device=self.device,
-            dp_group=self.mesh.get_group("dp") if self.mesh is not None else None,
-            metrics=self.metrics,
-            monitor=cfg.monitor,
-        )
-        self.checkpointer = Checkpointer(cfg, self.run_dir, self.loop, self.device)
+        facts = checkpoint_facts(cfg, self.run_dir, self.accum, self.device)
+        self.checkpointer = Checkpointer(cfg.checkpoint, facts, self.state, self.metrics, agreement)
         self._closed = False
         if self.is_main:
             write_config(cfg, self.run_dir / "config.toml")
-            self._announce()
+            _announce(self)
         # One line per process start: `meshrun report` reads the world size, the batch
         # arithmetic and the restarts (a second start in the same file) from it.
         self.metrics.log_event(
@@ -204,37 +115,6 @@ class Run:
             host=self.cluster.hostname,
         )
 
-    def _announce(self) -> None:
-        c = self.config
-        self.log.info(
-            "%d process(es) [%s] on %s + %s | mesh %s | global batch %d%s = micro %d x accum %d"
-            " x dp %d | run dir %s",
-            self.world_size,
-            self.cluster.kind,
-            self.device.type,
-            self.backend if dist.is_initialized() else "no process group",
-            self._mesh_text(),
-            c.data.global_batch,
-            f" (data.global_batch unset: {self._batch_source})" if self._batch_source else "",
-            c.data.micro_batch,
-            self.accum,
-            self.dp_size,
-            self.run_dir,
-        )
-        if self._default_run_dir:  # a directory appears in the cwd: say where and how to move it
-            self.log.info(
-                "job.run_dir unset: this run writes its config, logs, metrics and checkpoints "
-                "to %s (in %s); set --job.run_dir=DIR to change it",
-                self.run_dir,
-                Path.cwd(),
-            )
-
-    def _mesh_text(self) -> str:
-        if self.mesh is None:
-            return "none (one process)"
-        names = self.mesh.mesh_dim_names or ()
-        return " x ".join(f"{n}={s}" for n, s in zip(names, self.mesh.shape, strict=True))
-
     # --- techniques (each a plain function; Run only passes its state) -------------------
 
     def parallelize(self, model: nn.Module, **options: Any) -> nn.Module:
@@ -244,23 +124,27 @@ class Run:
         options.setdefault("comm_hook_wrap", self.loop.monitor.comm_hook_wrap())
         self.set_model_flops(model_flops(model, self.config.metrics.flops_per_sample))
         out = parallelize(model, self.mesh, self.config.parallel, self.device, **options)
-        self.loop.models.append(out)
-        if self.loop.scaler is None:
-            self.loop.scaler = build_grad_scaler(self.config.parallel, self.device)
+        self.state.models.append(out)
+        if self.state.scaler is None:
+            self.state.scaler = build_grad_scaler(self.config.parallel, self.device)
         return out
 
     @property
     def grad_scaler(self) -> ShardedGradScaler | None:
         """The fp16 loss scaler (``parallel.param_dtype = float16``, after :meth:`parallelize`),
         else None; ``run.backward``/``run.optimizer_step`` use it and ``run.resume`` saves it."""
-        return self.loop.scaler
+        return self.state.scaler
 
     def pipeline(
-        self, model: nn.Module, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        **options: Any,
     ) -> Pipeline:
         """Pipeline parallel (``parallel.pp > 1``): this rank's stages and their schedule. The
         loop calls ``run.pipeline_step(pipe, inputs, targets)`` instead of the model and
-        ``run.backward``; the optimizer takes ``pipe.parameters()``. See parallel/pp.py."""
+        ``run.backward``; the optimizer takes ``pipe.parameters()``. See parallel/pp.py.
+        ``options`` go to ``meshrun.parallel.parallelize_pipeline`` (``spec``, ``tp_plan``)."""
         if self.mesh is None:
             raise ConfigError("run.pipeline needs a process group: start with parallel.pp > 1")
         accum = self.accum
@@ -268,14 +152,16 @@ class Run:
         def scaled(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
             return loss_fn(output, target) / accum  # what run.backward does, per chunk
 
-        if self.loop.scaler is None:  # fp16: the schedule scales each chunk's loss
-            self.loop.scaler = build_grad_scaler(self.config.parallel, self.device)
+        if self.state.scaler is None:  # fp16: the schedule scales each chunk's loss
+            self.state.scaler = build_grad_scaler(self.config.parallel, self.device)
         self.set_model_flops(model_flops(model, self.config.metrics.flops_per_sample))
         pipe = parallelize_pipeline(
-            model, self.mesh, self.config.parallel, self.device, scaled, scaler=self.loop.scaler
+            *(model, self.mesh, self.config.parallel, self.device, scaled),
+            scaler=self.state.scaler,
+            **options,
         )
-        self.loop.models.extend(pipe.modules)
-        self.loop.pp_group = pipe.group
+        self.state.models.extend(pipe.modules)
+        self.state.pp_group = pipe.group
         return pipe
 
     def pipeline_step(
@@ -286,6 +172,13 @@ class Run:
         loss = pipeline_step(pipe, inputs, targets) * self.accum
         self.loop.record_loss(loss)
         return loss
+
+    def pipeline_eval(
+        self, pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        """Forward only (evaluation): this micro-batch's mean loss on every rank of the
+        pipeline, not counted in the training metrics (see parallel/pp.py ``pipeline_eval``)."""
+        return pipeline_eval(pipe, inputs, targets) * self.accum  # loss_fn carries 1/accum
 
     def optimizer(
         self,
@@ -316,7 +209,7 @@ class Run:
     def lr_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         """Warmup + decay from ``[optim]``; stepped by :meth:`optimizer_step`."""
         sched = build_lr_scheduler(optimizer, self.config.optim)
-        self.loop.schedulers.append(sched)
+        self.state.schedulers.append(sched)
         return sched
 
     def sampler(
@@ -400,7 +293,8 @@ class Run:
         self.checkpointer.before_update()  # an async save's background copy must end first
         stepped = self.loop.optimizer_step(optimizer)
         if stepped:  # every `checkpoint.interval` steps, at the step boundary
-            self.checkpointer.note_optimizer(optimizer)
+            if self.state.optimizer is None:  # interval saves work without run.resume
+                self.state.optimizer = optimizer
             # The watchdog allows a save more than a step (the phase), not the agreement on
             # whether to save, which runs every step.
             self.checkpointer.maybe_save(self.step, phase=lambda: self.phase("checkpoint"))
@@ -423,8 +317,8 @@ class Run:
         """Register what is checkpointed (model, optimizer, the loader's data position, user
         objects by name; schedulers from :meth:`lr_scheduler` are included) and load the
         checkpoint chosen by ``checkpoint.resume``. Returns the step resumed at (0 = fresh)."""
-        if self.loop.scaler is not None and "grad_scaler" not in named:
-            scaler = cast(Stateful, self.loop.scaler)  # its scale must survive restarts
+        if self.state.scaler is not None and "grad_scaler" not in named:
+            scaler = cast(Stateful, self.state.scaler)  # its scale must survive restarts
             named = {**named, "grad_scaler": scaler}
         self.checkpointer.register(model, optimizer, loader, named)
         step = self.checkpointer.resume()
@@ -440,7 +334,7 @@ class Run:
     @property
     def step(self) -> int:
         """Optimizer steps done so far."""
-        return self.loop.step
+        return self.state.step
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
         """Sum over the data-parallel ranks (e.g. eval loss sums and counts, once at the end)."""
@@ -486,6 +380,32 @@ class Run:
         self.close(failed=exc is not None)
 
 
+def _announce(run: Run) -> None:
+    c = run.config
+    run.log.info(
+        "%d process(es) [%s] on %s + %s | mesh %s | global batch %d%s = micro %d x accum %d"
+        " x dp %d | run dir %s",
+        run.world_size,
+        run.cluster.kind,
+        run.device.type,
+        run.backend if dist.is_initialized() else "no process group",
+        mesh_text(run.mesh),
+        c.data.global_batch,
+        f" (data.global_batch unset: {run._batch_source})" if run._batch_source else "",
+        c.data.micro_batch,
+        run.accum,
+        run.dp_size,
+        run.run_dir,
+    )
+    if run._default_run_dir:  # a directory appears in the cwd: say where and how to move it
+        run.log.info(
+            "job.run_dir unset: this run writes its config, logs, metrics and checkpoints "
+            "to %s (in %s); set --job.run_dir=DIR to change it",
+            run.run_dir,
+            Path.cwd(),
+        )
+
+
 def init(config: Config | str | Path | None = None, argv: Sequence[str] | None = None) -> Run:
     """Start meshrun in this process.
 
@@ -496,7 +416,7 @@ def init(config: Config | str | Path | None = None, argv: Sequence[str] | None =
     global _ACTIVE
     if _ACTIVE is not None:
         raise RuntimeError("meshrun.init() was already called in this process; use that Run")
-    cfg = _resolve_config(config, argv)
+    cfg = resolve_config(config, argv)
     run = Run(cfg, detect())
     _ACTIVE = run
     _install_excepthook()

@@ -73,9 +73,9 @@ def train(rank: int, layout: dict[str, Any], run_dir: str, steps: int, inject: b
     model = parallelize(build_model(), mesh, cfg, CPU)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loop = make_loop(rank, run_dir, steps, dims.dp)
-    loop.models.append(model)
+    loop.state.models.append(model)
     for tokens in loop.steps(batches(steps)):
-        step = loop.step + 1
+        step = loop.state.step + 1
         loss = loss_of(model, tokens)
         if inject and step >= INJECT_FROM and step % EVERY == 0:
             if rank == 1:
@@ -91,8 +91,8 @@ def train_pp(rank: int, run_dir: str) -> None:
     pipe = parallelize_pipeline(build_model(n_layer=4), mesh, cfg, CPU, lm_loss)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     loop = make_loop(rank, run_dir, STEPS, dims.dp)
-    loop.models.extend(pipe.modules)
-    loop.pp_group = pipe.group
+    loop.state.models.extend(pipe.modules)
+    loop.state.pp_group = pipe.group
     for tokens in loop.steps(batches(STEPS)):
         loop.record_loss(pipeline_step(pipe, tokens[:, :-1], tokens[:, 1:]))
         loop.optimizer_step(opt)

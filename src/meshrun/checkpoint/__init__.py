@@ -1,8 +1,12 @@
 """Checkpoints: the whole training state, sharded with ``torch.distributed.checkpoint``,
 committed atomically with a verified manifest, resumed from the newest valid one on any world
 size. ``Run`` owns a :class:`Checkpointer` (``run.resume``, ``run.save_checkpoint`` and the
-saves every ``checkpoint.interval`` steps); ``layout`` is the pure part (naming, manifest,
-validation, retention). See docs/checkpoint.md."""
+saves every ``checkpoint.interval`` steps), which reads and writes the run's ``TrainState``
+(meshrun/state.py) and takes ``[checkpoint]`` and a :class:`RunFacts` record, not the whole
+config. One module per concern: ``targets`` (what is saved), ``commit`` (protocol, manifest,
+retention), ``async_save`` (staging), ``preemption`` (signals), ``resume`` (load, re-shard);
+``layout`` is the pure part (naming, manifest, validation, retention). See
+docs/checkpoint.md."""
 
 from typing import TYPE_CHECKING
 
@@ -10,8 +14,10 @@ from meshrun._lazy import lazy_exports
 
 if TYPE_CHECKING:
     from meshrun.checkpoint.checks import CheckpointError
+    from meshrun.checkpoint.facts import RunFacts
     from meshrun.checkpoint.layout import CheckpointInfo, list_checkpoints, problems
-    from meshrun.checkpoint.manager import Checkpointer, Stateful
+    from meshrun.checkpoint.manager import Checkpointer
+    from meshrun.checkpoint.targets import Stateful
 
 __getattr__ = lazy_exports(
     globals(),
@@ -21,7 +27,8 @@ __getattr__ = lazy_exports(
         "list_checkpoints": "meshrun.checkpoint.layout",
         "problems": "meshrun.checkpoint.layout",
         "Checkpointer": "meshrun.checkpoint.manager",
-        "Stateful": "meshrun.checkpoint.manager",
+        "RunFacts": "meshrun.checkpoint.facts",
+        "Stateful": "meshrun.checkpoint.targets",
     },
 )
 
@@ -29,6 +36,7 @@ __all__ = [
     "CheckpointError",
     "CheckpointInfo",
     "Checkpointer",
+    "RunFacts",
     "Stateful",
     "list_checkpoints",
     "problems",

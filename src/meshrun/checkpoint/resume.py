@@ -1,0 +1,198 @@
+"""Resume: choose the checkpoint, load it into this run's layout (DCP re-shards), restore the
+schedulers, the data position, the step and the RNG streams, and rescale the LR when the global
+batch changed (``checkpoint.allow_new_global_batch``)."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
+
+from meshrun.checkpoint import layout
+from meshrun.checkpoint.checks import CheckpointError, check_keys, layout_text, pick, reseed
+from meshrun.checkpoint.commit import STATE_FILE, rank_file
+from meshrun.checkpoint.facts import RunFacts
+from meshrun.checkpoint.pipeline import PipelineView
+from meshrun.checkpoint.state import decode_json, merge_state, restore_rng, split_state
+from meshrun.checkpoint.targets import Targets
+from meshrun.checkpoint.zero1 import is_zero1, zero1_load, zero1_load_template
+from meshrun.config import CheckpointConfig
+from meshrun.schedule import scale_lr
+
+__all__ = ["Resume", "choose"]
+
+log = logging.getLogger("meshrun")
+
+
+def choose(root: Path, mode: str, rank: int) -> Path | None:
+    """The checkpoint to resume from (rank 0 validates, all ranks get its answer)."""
+    answer: list[Any] = [None, None]
+    if rank == 0:
+        try:
+            answer[0] = pick(root, mode)
+        except CheckpointError as e:
+            answer[1] = str(e)
+    if dist.is_initialized():
+        dist.broadcast_object_list(answer, src=0)
+    if answer[1] is not None:
+        raise CheckpointError(answer[1])
+    return None if answer[0] is None else Path(answer[0])
+
+
+class Resume:
+    """Loads the checkpoint ``checkpoint.resume`` names into the registered targets."""
+
+    def __init__(self, cfg: CheckpointConfig, facts: RunFacts, targets: Targets) -> None:
+        self.cfg = cfg
+        self.facts = facts
+        self.targets = targets
+
+    def load(self) -> int | None:
+        """Load the checkpoint chosen by ``checkpoint.resume``; return its step (None: none)."""
+        f = self.facts
+        path = choose(f.root, self.cfg.resume, f.rank)
+        if path is None:
+            if f.rank == 0 and self.cfg.resume == "auto":
+                log.info("no valid checkpoint under %s: starting at step 0", f.root)
+            return None
+        model, optimizer = self.targets.resolve()
+        saved = json.loads((path / STATE_FILE).read_text())
+        manifest = layout.read_manifest(path)
+        lr_factor = self._check_batch(path, manifest)
+        full = self._load_tensors(path, model, optimizer, saved["plain"])
+        for name, obj in self.targets.named.items():
+            obj.load_state_dict(full["user"][name])
+        self._restore_rest(path, saved, manifest)
+        if lr_factor != 1.0:
+            self._rescale_lr(optimizer, lr_factor)
+        return int(saved["step"])
+
+    def _load_tensors(
+        self,
+        path: Path,
+        model: nn.Module,
+        optimizer: torch.optim.Optimizer,
+        plain: dict[str, Any],
+    ) -> dict[str, Any]:
+        """Load model, optimizer and user tensors from ``path`` into this run's layout (DCP
+        re-shards); returns the merged state (for the user objects)."""
+        user = {name: obj.state_dict() for name, obj in self.targets.named.items()}
+        if not is_zero1(optimizer):
+            msd, osd = get_state_dict(model, optimizer)
+            tensors, _ = split_state({"model": msd, "optim": osd, "user": user})
+            check_keys(path, tensors, known=self._other_stages_keys(model, tensors))
+            dcp.load(tensors, checkpoint_id=str(path))
+            full = merge_state(tensors, plain)
+            set_state_dict(
+                model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optim"]
+            )
+            return full
+        # ZeRO-1: each rank loads the optimizer state of the parameters it owns now.
+        meta = dcp.FileSystemReader(str(path)).read_metadata()
+        stage = isinstance(model, PipelineView)  # pp x ZeRO-1: this rank's stages only
+        template, seen = zero1_load_template(model, optimizer, meta, partial=stage)
+        tensors, _ = split_state({"model": get_model_state_dict(model), "user": user})
+        check_keys(path, tensors, known=seen | self._other_stages_keys(model, tensors))
+        dcp.load({**tensors, "optim": {"state": template}}, checkpoint_id=str(path))
+        full = merge_state(tensors, plain)
+        set_model_state_dict(model, full["model"])
+        zero1_load(model, optimizer, template, plain["optim"], partial=stage)
+        return full
+
+    def _other_stages_keys(self, model: nn.Module, tensors: dict[str, Any]) -> set[str]:
+        """Under pipeline parallelism each rank holds only its stages: the keys of the others
+        (all-gathered) are known to this run, not extra."""
+        if not isinstance(model, PipelineView) or not dist.is_initialized():
+            return set()
+        from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
+        every: list[Any] = [None] * self.facts.world
+        dist.all_gather_object(every, sorted(flatten_state_dict(tensors)[0]))
+        return {k for keys in every for k in keys}
+
+    def _restore_rest(self, path: Path, saved: dict[str, Any], manifest: dict[str, Any]) -> None:
+        state, f = self.targets.state, self.facts
+        scheds = decode_json(saved["plain"]["schedulers"])
+        if len(scheds) != len(state.schedulers):
+            raise CheckpointError(
+                f"{path.name} holds {len(scheds)} LR scheduler(s), this run has "
+                f"{len(state.schedulers)}: create the same schedulers (run.lr_scheduler) before run.resume"
+            )
+        for sched, sd in zip(state.schedulers, scheds, strict=True):
+            sched.load_state_dict(sd)
+        sampler = self.targets.sampler
+        if saved["sampler"] is not None and sampler is None:
+            log.warning(
+                "%s: the data position was not restored: pass the loader to run.resume(model, optimizer, loader)",
+                path.name,
+            )
+        elif saved["sampler"] is not None and sampler is not None:
+            sampler.load_state_dict(saved["sampler"])
+        state.set_position(int(saved["step"]))
+        same_world = manifest["world_size"] == f.world
+        if same_world:
+            restore_rng(json.loads((path / rank_file(f.rank)).read_text()))
+        else:
+            reseed(f.seed, int(saved["step"]), f.rank)
+        if f.rank == 0:
+            log.info("%s", self._plan_text(path, saved, manifest, same_world))
+
+    def _plan_text(
+        self, path: Path, saved: dict[str, Any], m: dict[str, Any], same_world: bool
+    ) -> str:
+        f = self.facts
+        pos = f"{saved['sampler']['consumed']} samples" if saved["sampler"] else "not saved"
+        head = f"resumed from {path} (step {saved['step']}, data position {pos})"
+        if same_world:
+            return head
+        return (
+            f"{head}; resharding: saved on {m['world_size']} ranks (dp {m['dp_size']}, accum "
+            f"{m['accum']}, {m['layout']}) -> {f.world} ranks (dp {f.dp}, accum "
+            f"{f.accum}, {layout_text(self.targets.model)}); global batch {m['global_batch']} "
+            "kept; model/optimizer tensors re-sharded by DCP; per-rank RNG streams re-seeded "
+            "from (seed, step, rank) since ranks changed"
+        )
+
+    def _check_batch(self, path: Path, m: dict[str, Any]) -> float:
+        """The LR factor for this run's global batch vs the checkpoint's (1.0 if equal)."""
+        old, new = int(m["global_batch"]), self.facts.global_batch
+        if old == new:
+            return 1.0
+        rule = self.facts.lr_scaling
+        if not self.cfg.allow_new_global_batch:
+            raise CheckpointError(
+                f"{path.name} was trained with data.global_batch = {old}, this run has {new}: "
+                f"set --data.global_batch={old} to continue the same run (accumulation is "
+                "re-derived for any number of ranks), or --checkpoint.allow_new_global_batch=true "
+                f"to change it (the LR is then rescaled by optim.lr_scaling = {rule!r})"
+            )
+        factor = scale_lr(1.0, new, old, rule)
+        if self.facts.rank == 0:
+            log.warning(
+                "%s: global batch %d -> %d (checkpoint.allow_new_global_batch): LR x %.4g "
+                "(optim.lr_scaling = %s); the data position carries over in samples",
+                *(path.name, old, new, factor, rule),
+            )
+        return factor
+
+    def _rescale_lr(self, optimizer: torch.optim.Optimizer, factor: float) -> None:
+        # The restored LR (and the schedulers' base LRs, which later steps derive from) belong
+        # to the old global batch; scale both so the schedule continues at the new batch's LR.
+        for group in optimizer.param_groups:
+            for key in ("lr", "initial_lr"):
+                if key in group:
+                    group[key] = group[key] * factor
+        for sched in self.targets.state.schedulers:
+            sched.base_lrs = [lr * factor for lr in sched.base_lrs]

@@ -1,0 +1,197 @@
+"""What ``meshrun.init()`` settles and builds for a ``Run``: the config (file, launcher, argv
+overrides, the global batch); the process-wide effects (the device, the process group and its
+mesh, the seeds); the metrics logger, the step loop and the checkpoints' record of the run.
+Each is called once per process by ``init``/``Run`` (runtime.py), which keeps only the facade."""
+
+from __future__ import annotations
+
+import copy
+import os
+import random
+import sys
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshrun.agreement import StepAgreement
+from meshrun.checkpoint import RunFacts
+from meshrun.checkpoint.resumed_batch import resume_global_batch
+from meshrun.cluster import ClusterEnv
+from meshrun.config import (
+    CONFIG_ENV,
+    Config,
+    ConfigError,
+    apply_overrides,
+    load_config,
+    resolve_global_batch,
+    split_overrides,
+    to_toml,
+    validate_for_world,
+)
+from meshrun.hostmem import set_mmap_threshold
+from meshrun.loop import StepLoop
+from meshrun.mesh import ParallelDims, build_mesh
+from meshrun.monitor import MetricsLogger
+from meshrun.state import TrainState
+
+__all__ = [
+    "build_loop",
+    "build_metrics",
+    "checkpoint_facts",
+    "init_process_group",
+    "init_seeds",
+    "mesh_text",
+    "pick_device",
+    "resolve_batch",
+    "resolve_config",
+    "start_process",
+]
+
+
+def pick_device(cfg: Config, env: ClusterEnv) -> tuple[torch.device, str]:
+    """cuda + nccl with one GPU per local rank, else cpu + gloo; never a silent fallback."""
+    want, backend = cfg.job.device, cfg.job.backend
+    has_cuda = torch.cuda.is_available()
+    if want == "cuda" and not has_cuda:
+        raise ConfigError("job.device = 'cuda' but no CUDA device is visible; use job.device=cpu")
+    use_cuda = want == "cuda" or (want == "auto" and has_cuda)
+    if backend == "nccl" and not use_cuda:
+        raise ConfigError("job.backend = 'nccl' needs CUDA devices; use job.backend=gloo on CPU")
+    if use_cuda:
+        if env.local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"local rank {env.local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
+                "start at most one process per GPU (meshrun launch --nproc-per-node)"
+            )
+        torch.cuda.set_device(env.local_rank)
+        device = torch.device("cuda", env.local_rank)
+    else:
+        device = torch.device("cpu")
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    return device, backend
+
+
+def init_process_group(env: ClusterEnv, backend: str, device: torch.device, cfg: Config) -> None:
+    if dist.is_initialized():
+        return
+    if env.kind != "torchelastic":
+        # SLURM/MPI give ranks but not torch's env:// variables: fill them in.
+        os.environ.update(
+            MASTER_ADDR=env.master_addr,
+            MASTER_PORT=str(env.master_port),
+            RANK=str(env.rank),
+            WORLD_SIZE=str(env.world_size),
+            LOCAL_RANK=str(env.local_rank),
+        )
+    dist.init_process_group(
+        backend=backend,
+        timeout=timedelta(seconds=cfg.job.timeout_s),
+        device_id=device if device.type == "cuda" else None,
+    )
+
+
+def init_seeds(seed: int, rank: int) -> None:
+    # Same torch seed everywhere: every rank builds identical initial weights.
+    torch.manual_seed(seed)
+    # Rank-offset seeds for Python/NumPy: data augmentation differs per rank.
+    random.seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+
+
+def resolve_config(config: Config | str | Path | None, argv: Sequence[str] | None) -> Config:
+    overrides, _ = split_overrides(sys.argv[1:] if argv is None else argv)
+    if isinstance(config, Config):
+        return apply_overrides(copy.deepcopy(config), overrides)
+    path = config if config is not None else os.environ.get(CONFIG_ENV)
+    return load_config(path, overrides)
+
+
+def resolve_batch(cfg: Config, world_size: int) -> str:
+    """Fill in an unset data.global_batch; return where it came from ("" when it was set)."""
+    if resume_global_batch(cfg) is not None:
+        validate_for_world(cfg, world_size)  # the saved batch must divide on this world too
+        return "from the checkpoint it resumes"
+    return "micro_batch x dp" if resolve_global_batch(cfg, [world_size]) else ""
+
+
+def start_process(
+    cfg: Config, env: ClusterEnv, dims: ParallelDims
+) -> tuple[torch.device, str, DeviceMesh | None]:
+    """The device, the process group (when launched distributed) and the mesh over it."""
+    device, backend = pick_device(cfg, env)
+    if device.type == "cpu":  # host memory holds the model: see meshrun/hostmem.py
+        set_mmap_threshold(cfg.job.cpu_mmap_threshold_kib)
+    if env.distributed:
+        init_process_group(env, backend, device, cfg)
+    mesh = build_mesh(dims, device.type) if dist.is_initialized() else None
+    return device, backend, mesh
+
+
+def mesh_text(mesh: DeviceMesh | None) -> str:
+    if mesh is None:
+        return "none (one process)"
+    names = mesh.mesh_dim_names or ()
+    return " x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape, strict=True))
+
+
+def build_metrics(cfg: Config, run_dir: Path, is_main: bool, world_size: int) -> MetricsLogger:
+    m = cfg.metrics
+    return MetricsLogger(
+        run_dir,
+        is_main=is_main,
+        jsonl=m.jsonl,
+        log_every=m.log_every,
+        total_steps=cfg.optim.steps,
+        progress=m.progress,
+        world_size=world_size,
+        tensorboard=m.tensorboard,
+    )
+
+
+def build_loop(
+    cfg: Config,
+    accum: int,
+    device: torch.device,
+    mesh: DeviceMesh | None,
+    metrics: MetricsLogger,
+    state: TrainState,
+    agreement: StepAgreement,
+) -> StepLoop:
+    return StepLoop(
+        accum=accum,
+        global_batch=cfg.data.global_batch,
+        micro_batch=cfg.data.micro_batch,
+        total_steps=cfg.optim.steps,
+        grad_clip=cfg.optim.grad_clip,
+        log_every=cfg.metrics.log_every,
+        device=device,
+        dp_group=mesh.get_group("dp") if mesh is not None else None,
+        metrics=metrics,
+        monitor=cfg.monitor,
+        state=state,
+        agreement=agreement,
+    )
+
+
+def checkpoint_facts(cfg: Config, run_dir: Path, accum: int, device: torch.device) -> RunFacts:
+    """What the checkpoints record and check besides ``[checkpoint]``: the resolved figures."""
+    distributed = dist.is_initialized()
+    return RunFacts(
+        root=Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints",
+        rank=dist.get_rank() if distributed else 0,
+        world=dist.get_world_size() if distributed else 1,
+        device=device,
+        accum=accum,
+        global_batch=cfg.data.global_batch,
+        micro_batch=cfg.data.micro_batch,
+        seed=cfg.job.seed,
+        lr_scaling=cfg.optim.lr_scaling,
+        config_toml=to_toml(cfg),
+        config_digest=cfg.digest(),
+    )

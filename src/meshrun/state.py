@@ -1,0 +1,48 @@
+"""The training state of one run, shared by the step loop and the checkpoints.
+
+``Run`` owns one :class:`TrainState`. The loop advances it (the step and micro-step counters,
+the data position of the loader it iterates), ``run.parallelize``/``run.pipeline``/
+``run.lr_scheduler`` add to it, and the checkpoint code saves and restores it, all through
+these public fields: neither reaches into the other's attributes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import nn
+from torch.distributed import ProcessGroup
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+if TYPE_CHECKING:  # names only: the state imports no meshrun subsystem, so any may import it
+    from meshrun.data.iterable import ResumableIterable
+    from meshrun.data.sampler import ResumableSampler
+
+__all__ = ["TrainState"]
+
+
+@dataclass
+class TrainState:
+    """What a run trains and where it is: the counters, the torch objects, the data position."""
+
+    step: int = 0  # optimizer steps done
+    micro: int = 0  # index of the current micro-step inside the accumulation window
+    models: list[nn.Module] = field(default_factory=list)  # from run.parallelize/run.pipeline
+    # The optimizer run.optimizer_step steps (the first one it saw): checkpoints save it
+    # when run.resume registered none.
+    optimizer: torch.optim.Optimizer | None = None
+    schedulers: list[torch.optim.lr_scheduler.LRScheduler] = field(default_factory=list)
+    # The loader's position, set when run.steps(loader) begins: the loop steps it once per
+    # optimizer step (a ResumableSampler's, or a ResumableIterable dataset's own).
+    sampler: ResumableSampler | None = None
+    iterable: ResumableIterable[Any] | None = None
+    # fp16 loss scaler (parallel.param_dtype = float16), set by run.parallelize: it scales the
+    # loss in backward, unscales before clipping and skips steps with inf/nan gradients.
+    scaler: ShardedGradScaler | None = None
+    pp_group: ProcessGroup | None = None  # set by run.pipeline: the stages' norms combine
+
+    def set_position(self, step: int) -> None:
+        """Continue at optimizer step ``step``, at the start of its accumulation window."""
+        self.step, self.micro = step, 0
