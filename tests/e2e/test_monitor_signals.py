@@ -51,12 +51,14 @@ def main() -> None:
     stall_at = int(os.environ.get("TEST_STALL_AT", "0"))
     phase = os.environ.get("TEST_STALL_PHASE", "")
     if phase == "agreement" and run.rank == 1:
-        # Stuck in the per-step agreement on whether to checkpoint (a private method, wrapped
-        # here only to put the stall exactly there): the peers wait for it in that collective.
-        agree = run.checkpointer._preempt_agreed
-        run.checkpointer._preempt_agreed = lambda: (
-            time.sleep(600) if run.step == stall_at else None
-        ) or agree()
+        # Stuck entering the per-step agreement (the one all-reduce that also carries whether to
+        # checkpoint; wrapped here only to put the stall exactly there): the peers wait for it
+        # in that collective.
+        agreement = run.checkpointer.agreement
+        exchange = agreement.exchange
+        agreement.exchange = lambda step, **kw: (
+            time.sleep(600) if step == stall_at else None
+        ) or exchange(step, **kw)
     for x, y in run.steps(run.dataloader(data)):
         if phase == "stop_in_save" and run.step + 1 == stall_at:
             # Every rank in a phase allowed 600 s, as in a checkpoint save; rank 1 stops
@@ -303,13 +305,13 @@ def test_a_rank_that_skips_a_collective_is_named_by_sequence_number(
 def test_a_rank_stuck_in_the_checkpoint_agreement_is_a_hang_within_the_step_timeout(
     jobs: Callable[..., subprocess.Popen[str]],
 ) -> None:
-    # Every step's end asks the ranks whether to checkpoint (preemption flag, a collective).
-    # That agreement runs under the step timeout, not the checkpoint phase's (1800 s), so a
-    # rank stopped there ends the job as any hang does.
+    # Every step's end reads whether to checkpoint (the preemption flag, agreed in the step's
+    # one all-reduce). That runs under the step timeout, not the checkpoint phase's (1800 s), so
+    # a rank stopped there ends the job as any hang does: its peers wait in the next collective.
     proc, out, report = run_stalled(
         jobs, {"TEST_STALL_AT": "8", "TEST_STALL_PHASE": "agreement"}, wait_s=120
     )
     assert proc.returncode != 0 and "meshrun: hang detected" in out, out[-3000:]
-    # Both ranks report from the train phase (not "checkpoint"), rank 0 in the collective.
+    # Both ranks report from the train phase (not "checkpoint"), rank 0 past rank 1's collective.
     assert re.search(r"rank 0 \([^)]*\) in phase train after step 8: waits at", report), report
-    assert "in all_reduce" in report and "rank 1 (" in report, report
+    assert "all_reduce" in report and "rank 1 (" in report, report
