@@ -307,11 +307,15 @@ def test_a_rank_stuck_in_the_checkpoint_agreement_is_a_hang_within_the_step_time
 ) -> None:
     # Every step's end reads whether to checkpoint (the preemption flag, agreed in the step's
     # one all-reduce). That runs under the step timeout, not the checkpoint phase's (1800 s), so
-    # a rank stopped there ends the job as any hang does: its peers wait in the next collective.
+    # a rank stuck entering it ends the job as any hang does: its peers wait in that collective.
     proc, out, report = run_stalled(
         jobs, {"TEST_STALL_AT": "8", "TEST_STALL_PHASE": "agreement"}, wait_s=120
     )
     assert proc.returncode != 0 and "meshrun: hang detected" in out, out[-3000:]
-    # Both ranks report from the train phase (not "checkpoint"), rank 0 past rank 1's collective.
-    assert re.search(r"rank 0 \([^)]*\) in phase train after step 8: waits at", report), report
-    assert "all_reduce" in report and "rank 1 (" in report, report
+    # Both ranks report from the train phase (not "checkpoint"), in step 8's exchange (after
+    # step 7): rank 0 waits in the agreement's all-reduce that rank 1 did not reach.
+    assert re.search(
+        r"rank 0 \([^)]*\) in phase train after step 7: waits at .* in all_reduce", report
+    ), report
+    assert re.search(r"rank 1 \([^)]*\) in phase train after step 7", report), report
+    assert re.search(r"rank\(s\) 1 did not reach #\d+", report), report
