@@ -13,8 +13,10 @@ directory on both sides, so the saved config (which names it) is the same too.
     python benchmarks/compare_runs.py run --src src --out after.json
     python benchmarks/compare_runs.py compare before.json after.json   # exit 1 on a difference
 
-Layouts: DDP 2, ZeRO-1 2, ZeRO-3 2, PP 2, DDP 2 with async interval saves, and a resume (a
-DDP 2 run of 4 steps, then the same run directory continued to 8 steps from its checkpoint).
+Layouts: DDP 2, ZeRO-1 2, ZeRO-3 2, PP 2, DDP 2 with async interval saves, a resume (a DDP 2
+run of 4 steps, then the same run directory continued to 8 steps from its checkpoint), and the
+rest of docs/parallel.md's table: TP 2, and on 4 processes DDP, ZeRO-1/2/3, HSDP, ZeRO-3 x TP 2,
+PP 2 x {ZeRO-3, DDP, ZeRO-1, TP 2}.
 """
 
 from __future__ import annotations
@@ -40,6 +42,18 @@ LAYOUTS: dict[str, list[tuple[int, list[str]]]] = {
     "pp2": [(STEPS, ["--parallel.pp=2"])],
     "ddp2_async": [(STEPS, ["--checkpoint.interval=2", "--checkpoint.async=true"])],
     "resume_ddp2": [(4, ["--checkpoint.interval=2"]), (8, ["--checkpoint.interval=2"])],
+    # The rest of docs/parallel.md's table (4 processes where it says so).
+    "tp2": [(STEPS, ["--parallel.tp=2"])],
+    "ddp4": [(STEPS, ["--nproc", "4"])],
+    "zero1_4": [(STEPS, ["--nproc", "4", "--parallel.zero=1"])],
+    "zero2_4": [(STEPS, ["--nproc", "4", "--parallel.zero=2"])],
+    "zero3_4": [(STEPS, ["--nproc", "4", "--parallel.zero=3"])],
+    "hsdp4": [(STEPS, ["--nproc", "4", "--parallel.zero=3", "--parallel.dp_replicate=2"])],
+    "zero3_tp2_4": [(STEPS, ["--nproc", "4", "--parallel.zero=3", "--parallel.tp=2"])],
+    "pp2_zero3_4": [(STEPS, ["--nproc", "4", "--parallel.pp=2", "--parallel.zero=3"])],
+    "pp2_ddp_4": [(STEPS, ["--nproc", "4", "--parallel.pp=2"])],
+    "pp2_zero1_4": [(STEPS, ["--nproc", "4", "--parallel.pp=2", "--parallel.zero=1"])],
+    "pp2_tp2_4": [(STEPS, ["--nproc", "4", "--parallel.pp=2", "--parallel.tp=2"])],
 }
 # The manifest and its marker hold a creation time; DCP's .metadata differs between two runs of
 # the same code (measured: the only file that did), so the tensors are compared loaded back.
@@ -51,7 +65,9 @@ def run_layout(name: str, src: Path, work: Path, timeout: float) -> dict[str, An
     shutil.rmtree(run_dir, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": str(src.resolve()), "OMP_NUM_THREADS": "1"}
     for steps, overrides in LAYOUTS[name]:
-        cmd = [sys.executable, "-m", "meshrun", "demo", "--nproc", "2", "--steps", str(steps)]
+        nproc = overrides[1] if overrides[:1] == ["--nproc"] else "2"
+        overrides = overrides[2:] if overrides[:1] == ["--nproc"] else overrides
+        cmd = [sys.executable, "-m", "meshrun", "demo", "--nproc", nproc, "--steps", str(steps)]
         cmd += ["--run-dir", str(run_dir), *overrides, *COMMON]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
