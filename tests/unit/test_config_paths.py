@@ -389,7 +389,7 @@ def test_an_unset_global_batch_is_the_resumed_checkpoints(
 
 @pytest.mark.timeout(180)  # imports torch: slow on a loaded machine
 def test_init_without_a_launcher_takes_the_resumed_batch_too(tmp_path: Path) -> None:
-    from meshrun.runtime import _resolve_batch
+    from meshrun.startup import resolve_batch as _resolve_batch
 
     cfg = load_config(None, [("job.run_dir", str(tmp_path))])
     assert _resolve_batch(cfg, 2) == "micro_batch x dp"  # nothing to resume: derived
