@@ -32,8 +32,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-import tomllib
-
 from meshrun.monitor.collectives import (
     Position,
     collective_lines,
@@ -408,14 +406,12 @@ def stopped_bound_s() -> float | None:
     """How long a worker may stay stopped: the resolved config's ``monitor.step_timeout_s``
     (the file the launcher hands its workers) + ``STOPPED_GRACE_S``; None when the watchdog is
     off (``step_timeout_s = 0``)."""
-    from meshrun.config import CONFIG_ENV, MonitorConfig  # the launcher's side only
+    from meshrun.config import CONFIG_ENV, MonitorConfig, load_config  # the launcher's side only
 
-    timeout_s = MonitorConfig().step_timeout_s
-    path = os.environ.get(CONFIG_ENV)
-    if path:
-        with contextlib.suppress(OSError, ValueError):
-            monitor = tomllib.loads(Path(path).read_text()).get("monitor", {})
-            timeout_s = float(monitor.get("step_timeout_s", timeout_s))
+    try:  # read as the workers read it: the defaults, then the file
+        timeout_s = load_config(os.environ.get(CONFIG_ENV)).monitor.step_timeout_s
+    except (OSError, ValueError):  # ConfigError is one; the workers will say what is wrong
+        timeout_s = MonitorConfig().step_timeout_s
     return timeout_s + STOPPED_GRACE_S if timeout_s > 0 else None
 
 
