@@ -36,8 +36,10 @@ from meshrun.diagnose.cli import add_bench_parser as _add_bench
 from meshrun.diagnose.cli import add_doctor_parser as _add_doctor
 from meshrun.diagnose.cli import use_doctor_worker
 from meshrun.diagnose.scale import add_parser as _add_scale_test
+from meshrun.ft.cli import add_parser as _add_lighthouse
 from meshrun.launch.cli import add_k8s_parser as _add_k8s
 from meshrun.launch.cli import add_slurm_parser as _add_slurm
+from meshrun.launch.ray_cli import add_parser as _add_ray
 from meshrun.launch.torchrun_flags import add_arguments as add_torchrun_flags
 from meshrun.monitor.cli import add_report_parser as _add_report
 from meshrun.plan.cli import add_parser as _add_plan
@@ -354,7 +356,8 @@ def _add_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 
 # Each subsystem contributes one `add_*(sub)` function; the order is the order of --help.
 SUBCOMMANDS = [_add_demo, _add_launch, _add_config, _add_data, _add_plan, _add_bench, _add_ckpt,
-               _add_doctor, _add_slurm, _add_k8s, _add_report, _add_scale_test]  # fmt: skip
+               _add_doctor, _add_slurm, _add_k8s, _add_ray, _add_lighthouse, _add_report,
+               _add_scale_test]  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

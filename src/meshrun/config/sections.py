@@ -211,6 +211,11 @@ class CheckpointConfig:
     keep_last: int = setting(3, "Keep the newest N checkpoints.", min=1)
     keep_every: int = setting(0, "Also keep every M-th step's checkpoint; 0 = none.", min=0)
     resume: str = setting("auto", "auto = newest valid checkpoint, never, or a path.")
+    init_from: str = setting(
+        "",
+        "A fresh run (nothing to resume) starts from these weights: a meshrun checkpoint "
+        "directory or a Hugging Face directory; weights only, no optimizer or step.",
+    )
     allow_new_global_batch: bool = setting(
         False,
         "Resume a checkpoint trained with another data.global_batch: the LR is rescaled by "
