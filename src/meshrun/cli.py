@@ -34,8 +34,8 @@ from meshrun.config import (
 from meshrun.data.cli import add_parser as _add_data
 from meshrun.diagnose.cli import add_bench_parser as _add_bench
 from meshrun.diagnose.cli import add_doctor_parser as _add_doctor
+from meshrun.diagnose.cli import add_scale_parser as _add_scale_test
 from meshrun.diagnose.cli import use_doctor_worker
-from meshrun.diagnose.scale import add_parser as _add_scale_test
 from meshrun.ft.cli import add_parser as _add_lighthouse
 from meshrun.launch.cli import add_k8s_parser as _add_k8s
 from meshrun.launch.cli import add_slurm_parser as _add_slurm

@@ -406,12 +406,9 @@ def test_init_without_a_launcher_takes_the_resumed_batch_too(tmp_path: Path) -> 
 def test_scale_test_keeps_one_derived_global_batch_for_every_size(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import argparse
+    from meshrun.diagnose.scale import ScaleRequest, scale_configs
 
-    from meshrun.diagnose.scale import _configs
-
-    a = argparse.Namespace(args=[], steps=None, config=None, set=[], out=str(tmp_path))
-    configs = _configs(a, None, [1, 2, 3])
+    configs = scale_configs(ScaleRequest(sizes=[1, 2, 3], out=tmp_path))
     assert {n: c.data.global_batch for n, c in configs.items()} == {1: 48, 2: 48, 3: 48}
     assert "8 x 6 = 48 (micro_batch x data-parallel size; 6 = lcm of the sizes [1, 2, 3])" in (
         capsys.readouterr().err

@@ -1,4 +1,5 @@
-"""``meshrun bench comm|compute|all|data`` and ``meshrun doctor``: their flags, the parent side
+"""``meshrun bench comm|compute|all|data``, ``meshrun doctor`` and ``meshrun scale-test``: their
+flags, the parent side
 of ``bench`` (a config and ``launch_local`` of diagnose/bench_worker.py on every rank) and
 ``launch --doctor``'s swap of the script for the doctor's worker.
 
@@ -18,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshrun.cliargs import Subparsers, add_command
+from meshrun.cliargs import Subparsers, add_command, add_set, add_target
 from meshrun.diagnose import doctor_checks as dc
 from meshrun.diagnose.doctor import WORKER_MODULE, DoctorOptions, exit_code, local_checks, render
 
@@ -169,3 +170,43 @@ def add_doctor_parser(sub: Subparsers) -> None:
     )
     p.add_argument("--config", help="TOML config file (data.num_workers, checkpoint.*)")
     p.add_argument("--json", action="store_true", help="print the checks as a JSON list")
+
+
+# --- meshrun scale-test ----------------------------------------------------------------------
+
+
+def cmd_scale_test(a: argparse.Namespace) -> int:
+    from meshrun.diagnose.scale import ScaleRequest, parse_sizes, run_scale_test
+
+    req = ScaleRequest(
+        sizes=parse_sizes(a.nproc),
+        out=Path(a.out),
+        target=a.target,
+        module=bool(a.module),
+        args=list(a.args),
+        steps=a.steps,
+        config=a.config,
+        sets=list(a.set),
+    )
+    return run_scale_test(req)
+
+
+def add_scale_parser(sub: Subparsers) -> None:
+    p = sub.add_parser(
+        "scale-test",
+        help="run one job at several process counts and report the scaling efficiency",
+        description="Run SCRIPT (or -m MODULE) once per process count on this node through "
+        "torchrun's agent, each in OUT/nproc<N>, then write OUT/report (meshrun report). The "
+        "global batch stays as configured (strong scaling). Arguments after the script go to "
+        "it; --section.key=value among them override the config, validated for every size "
+        "before any process starts.",
+    )
+    p.add_argument("--nproc", required=True, help="process counts, e.g. 1,2,4")
+    p.add_argument("--steps", type=int, help="optimizer steps per run (= --optim.steps)")
+    p.add_argument(
+        "--out", default="runs/scale-test", help="parent folder (default runs/scale-test)"
+    )
+    p.add_argument("--config", help="TOML config file")
+    add_set(p)
+    add_target(p)
+    p.set_defaults(fn=cmd_scale_test)

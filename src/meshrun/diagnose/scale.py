@@ -10,12 +10,11 @@ with the size yourself (separate runs, then ``meshrun report``) for weak scaling
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import sys
 from pathlib import Path
 
-from meshrun.cliargs import add_set, add_target, default_config
+from meshrun.cliargs import default_config
 from meshrun.config import (
     Config,
     ConfigError,
@@ -28,7 +27,7 @@ from meshrun.config import (
 from meshrun.monitor.report import ReportError
 from meshrun.monitor.report_html import summary_lines, write_report
 
-__all__ = ["add_parser", "parse_sizes", "run_dirs"]
+__all__ = ["ScaleRequest", "parse_sizes", "run_dirs", "run_scale_test", "scale_configs"]
 
 
 def parse_sizes(text: str) -> list[int]:
@@ -50,21 +49,35 @@ def run_dirs(parent: Path, sizes: list[int]) -> dict[int, Path]:
     return {n: parent / f"nproc{n}" for n in sizes}
 
 
-def _configs(a: argparse.Namespace, module: str | None, sizes: list[int]) -> dict[int, Config]:
+@dataclasses.dataclass
+class ScaleRequest:
+    """What ``meshrun scale-test`` was asked for (diagnose/cli.py fills it from its flags)."""
+
+    sizes: list[int]
+    out: Path
+    target: str | None = None  # a script path, or the module with ``module`` set
+    module: bool = False
+    args: list[str] = dataclasses.field(default_factory=list)  # after the script
+    steps: int | None = None
+    config: str | None = None
+    sets: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # --set pairs
+
+
+def scale_configs(req: ScaleRequest) -> dict[int, Config]:
     """Each size's resolved config, validated for its world size (no process started yet)."""
-    overrides, _ = split_overrides(list(a.args))
+    overrides, _ = split_overrides(list(req.args))
     keys = {k for k, _ in overrides}
     if "job.run_dir" in keys:
         raise ConfigError(
             "job.run_dir is set by scale-test (OUT/nproc<N> per size); leave it out and pass --out"
         )
-    if a.steps is not None and "optim.steps" in keys:
+    if req.steps is not None and "optim.steps" in keys:
         raise ConfigError("--steps and --optim.steps both given; pass one of them")
-    default = default_config(module)
+    default = default_config(req.target if req.module else None)
     out: dict[int, Config] = {}
-    for n, run_dir in run_dirs(Path(a.out), sizes).items():
-        steps = [] if a.steps is None else [("optim.steps", str(a.steps))]
-        cfg = load_config(a.config or default, [*a.set, *overrides, *steps])
+    for n, run_dir in run_dirs(req.out, req.sizes).items():
+        steps = [] if req.steps is None else [("optim.steps", str(req.steps))]
+        cfg = load_config(req.config or default, [*req.sets, *overrides, *steps])
         cfg.job.run_dir = str(run_dir)
         try:
             validate_for_world(cfg, n)
@@ -94,16 +107,16 @@ def _one_node(launch: LaunchConfig, nproc: int) -> LaunchConfig:
     return dataclasses.replace(launch, nproc_per_node=nproc, nnodes="1", rdzv_endpoint="")
 
 
-def cmd_scale_test(a: argparse.Namespace) -> int:
+def run_scale_test(req: ScaleRequest) -> int:
+    """Run every size one after the other, then write OUT/report; the exit status."""
     from meshrun.config import write_config
     from meshrun.launch.local import LaunchSpec, launch_local
 
-    if not a.target:
+    if not req.target:
         raise ConfigError("meshrun scale-test needs a script (train.py) or -m MODULE")
-    module = a.target if a.module else None
-    if module is None and not Path(a.target).is_file():
-        raise ConfigError(f"script {a.target!r} does not exist")
-    configs = _configs(a, module, parse_sizes(a.nproc))
+    if not req.module and not Path(req.target).is_file():
+        raise ConfigError(f"script {req.target!r} does not exist")
+    configs = scale_configs(req)
     done: list[Path] = []
     failed: list[int] = []
     for n, cfg in configs.items():
@@ -111,9 +124,9 @@ def cmd_scale_test(a: argparse.Namespace) -> int:
         print(f"meshrun scale-test: {n} process(es) -> {run_dir}", file=sys.stderr, flush=True)
         spec = LaunchSpec.of(
             _one_node(cfg.launch, n),
-            script=None if module else a.target,
-            module=module,
-            script_args=list(a.args),
+            script=None if req.module else req.target,
+            module=req.target if req.module else None,
+            script_args=list(req.args),
             config_path=str(write_config(cfg, run_dir / "config.toml")),
             run_dir=str(run_dir),
         )
@@ -121,7 +134,7 @@ def cmd_scale_test(a: argparse.Namespace) -> int:
             done.append(run_dir)
         else:
             failed.append(n)
-    return _report(done, failed, Path(a.out) / "report")
+    return _report(done, failed, req.out / "report")
 
 
 def _report(done: list[Path], failed: list[int], out: Path) -> int:
@@ -136,24 +149,3 @@ def _report(done: list[Path], failed: list[int], out: Path) -> int:
         return 2
     print("\n".join(summary_lines(report)))
     return 1 if failed else 0
-
-
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    p = sub.add_parser(
-        "scale-test",
-        help="run one job at several process counts and report the scaling efficiency",
-        description="Run SCRIPT (or -m MODULE) once per process count on this node through "
-        "torchrun's agent, each in OUT/nproc<N>, then write OUT/report (meshrun report). The "
-        "global batch stays as configured (strong scaling). Arguments after the script go to "
-        "it; --section.key=value among them override the config, validated for every size "
-        "before any process starts.",
-    )
-    p.add_argument("--nproc", required=True, help="process counts, e.g. 1,2,4")
-    p.add_argument("--steps", type=int, help="optimizer steps per run (= --optim.steps)")
-    p.add_argument(
-        "--out", default="runs/scale-test", help="parent folder (default runs/scale-test)"
-    )
-    p.add_argument("--config", help="TOML config file")
-    add_set(p)
-    add_target(p)
-    p.set_defaults(fn=cmd_scale_test)
