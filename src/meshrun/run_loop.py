@@ -1,0 +1,87 @@
+"""``Run``'s step methods: the backward and the optimizer step of the user's loop, the hang
+watchdog's phases, and the checkpoints (loop.py, checkpoint/)."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshrun.checkpoint import Stateful
+from meshrun.parallel import Pipeline, check_optimizer, maybe_loss_parallel
+from meshrun.run_base import RunFields
+
+
+class LoopMethods(RunFields):
+    """The step and checkpoint half of :class:`meshrun.Run` (a mixin: ``Run`` holds the
+    state)."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``(loss / accumulation).backward()``; see loop.py for why this is the right scale.
+        Under ``parallel.loss_parallel`` the backward runs inside ``loss_parallel()`` too."""
+        with maybe_loss_parallel(self.config.parallel):
+            self.loop.backward(loss)
+
+    def loss_parallel(self) -> AbstractContextManager[None]:
+        """Compute the loss inside this (``with run.loss_parallel(): loss = ...``): with
+        ``parallel.loss_parallel`` the logits are sharded over the vocabulary and cross-entropy
+        must run under ``torch.distributed.tensor.parallel.loss_parallel()``; else a no-op."""
+        return maybe_loss_parallel(self.config.parallel)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        check_optimizer(optimizer, self.config.parallel, self.dp_size)
+        self.checkpointer.before_update()  # an async save's background copy must end first
+        stepped = self.loop.optimizer_step(optimizer)
+        if stepped:  # every `checkpoint.interval` steps, at the step boundary
+            if self.state.optimizer is None:  # interval saves work without run.resume
+                self.state.optimizer = optimizer
+            # The watchdog allows a save more than a step (the phase), not the agreement on
+            # whether to save, which runs every step.
+            self.checkpointer.maybe_save(self.step, phase=lambda: self.phase("checkpoint"))
+        return stepped
+
+    def phase(self, name: str, timeout_s: float | None = None) -> AbstractContextManager[None]:
+        """``with run.phase("eval"):`` gives the block the hang watchdog's longer limit
+        (``timeout_s``, default ``monitor.phase_timeout_s``) instead of the step timeout."""
+        return self.loop.monitor.phase(name, timeout_s)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done so far."""
+        return self.state.step
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks (e.g. eval loss sums and counts, once at the end)."""
+        if self.mesh is not None:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh.get_group("dp"))
+        return value
+
+    # --- checkpoints (see checkpoint/) ----------------------------------------------------
+
+    def resume(
+        self,
+        model: nn.Module | Pipeline,
+        optimizer: torch.optim.Optimizer,
+        loader: Any = None,
+        **named: Stateful,
+    ) -> int:
+        """Register what is checkpointed (model, optimizer, the loader's data position, user
+        objects by name; schedulers from ``run.lr_scheduler`` are included) and load the
+        checkpoint chosen by ``checkpoint.resume``. Returns the step resumed at (0 = fresh)."""
+        if self.state.scaler is not None and "grad_scaler" not in named:
+            scaler = cast(Stateful, self.state.scaler)  # its scale must survive restarts
+            named = {**named, "grad_scaler": scaler}
+        self.checkpointer.register(model, optimizer, loader, named)
+        step = self.checkpointer.resume()
+        if step:
+            self.metrics.log_event("resume", from_step=step)  # later steps are redone
+        return step
+
+    def save_checkpoint(self) -> Path:
+        """Checkpoint the current step now (collective: call on every rank)."""
+        with self.phase("checkpoint"):
+            return self.checkpointer.save()
