@@ -1,7 +1,8 @@
 """How was this process started? TorchElastic (torchrun), SLURM srun, MPI, or plain Python.
 
 Each detector reads only environment variables, so this module is pure and unit-tested by
-passing a dict. The runtime turns the result into ``MASTER_ADDR``/``RANK``/... for ``env://``.
+passing a dict (the one exception, rank 0's address of an MPI job asked of MPI itself, lives
+in mpi_rendezvous.py and runs only on this process's own environment). The runtime turns the result into ``MASTER_ADDR``/``RANK``/... for ``env://``.
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import os
 import re
 import socket
+import sys
 import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -59,9 +61,13 @@ def expand_hostlist(spec: str) -> list[str]:
     return hosts
 
 
-def slurm_port(job_id: str) -> int:
-    """A port derived from the job id so every task of a job agrees without talking."""
+def derived_port(job_id: str) -> int:
+    """A port derived from a job id so every process of a job agrees without talking."""
     return 20000 + zlib.crc32(job_id.encode()) % 20000
+
+
+def slurm_port(job_id: str) -> int:
+    return derived_port(job_id)
 
 
 def _from_torchelastic(env: Mapping[str, str], host: str) -> ClusterEnv:
@@ -106,45 +112,130 @@ _MPI_VARS = {
         "OMPI_COMM_WORLD_LOCAL_RANK",
         "OMPI_COMM_WORLD_LOCAL_SIZE",
     ),
-    "MPICH/PMI": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    "MPICH": ("PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
     "PMIx": ("PMIX_RANK", "PMIX_SIZE", "PMIX_LOCAL_RANK", "PMIX_LOCAL_SIZE"),
 }
+# How each launcher passes a variable to every process, for the error that asks for one.
+_PASS_VARS = {
+    "Open MPI": "mpirun -x MASTER_ADDR=<address of rank 0's host> -x MASTER_PORT=29500",
+    "MPICH": "mpiexec -genv MASTER_ADDR <address of rank 0's host> -genv MASTER_PORT 29500",
+    "PMIx": "export MASTER_ADDR=<address of rank 0's host> MASTER_PORT=29500 to every process",
+}
+_PASS_PORT = {
+    "Open MPI": "mpirun -x MASTER_PORT=29500",
+    "MPICH": "mpiexec -genv MASTER_PORT 29500",
+    "PMIx": "export MASTER_PORT=29500 to every process",
+}
+# A job id every process of one MPI job sees (Open MPI 4; PMIx, also Open MPI 5): the port
+# of a one-host job is derived from it, as SLURM's from SLURM_JOB_ID. MPICH's Hydra sets none.
+MPI_JOB_ID_VARS = ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE")
 
 
-def _from_mpi(env: Mapping[str, str], host: str, names: tuple[str, str, str, str]) -> ClusterEnv:
-    rank_v, size_v, lrank_v, lsize_v = names
-    world = _int(env, size_v)
-    if world > 1 and "MASTER_ADDR" not in env:
-        raise ClusterError(
-            f"started by an MPI launcher ({rank_v} is set) with {world} processes, but MPI does "
-            "not say where rank 0 listens: export MASTER_ADDR=<host of rank 0> (and MASTER_PORT) "
-            "to every process, e.g. mpirun -x MASTER_ADDR=node01 -x MASTER_PORT=29500"
+def derive_mpi_master(env: Mapping[str, str], launcher: str) -> tuple[str, int] | None:
+    """Rank 0's endpoint from the launcher's variables alone, where they imply one: every
+    rank on this host (local size == world size) -> loopback, the port from MASTER_PORT or
+    the job id. None when they do not (many hosts, or no job id)."""
+    _, size_v, _, lsize_v = _MPI_VARS[launcher]
+    if lsize_v not in env or _int(env, lsize_v) != _int(env, size_v):
+        return None
+    if "MASTER_PORT" in env:
+        return "127.0.0.1", _int(env, "MASTER_PORT")
+    job = next((env[v] for v in MPI_JOB_ID_VARS if env.get(v)), None)
+    return None if job is None else ("127.0.0.1", derived_port(job))
+
+
+def mpi_master_error(env: Mapping[str, str], launcher: str, why_not_mpi4py: str) -> ClusterError:
+    rank_v, size_v, _, lsize_v = _MPI_VARS[launcher]
+    world, local = env[size_v], env.get(lsize_v, "unset")
+    mpi4py = f"mpi4py could not help ({why_not_mpi4py}); " if why_not_mpi4py else ""
+    started = f"started by {launcher}'s launcher ({rank_v} is set) with {size_v}={world}"
+    if local == world:  # one host: only the port is missing (MPICH's Hydra sets no job id)
+        return ClusterError(
+            f"{started} processes, all on this host (rank 0 at 127.0.0.1), but no port: "
+            f"{mpi4py}{launcher} sets no job id ({' or '.join(MPI_JOB_ID_VARS)}) to derive "
+            f"one from. Install mpi4py (pip install 'meshrun[mpi]'), or pass a free port: "
+            f"{_PASS_PORT[launcher]}"
         )
-    local_world = int(env.get(lsize_v, "1"))
+    return ClusterError(
+        f"{started} processes ({lsize_v}={local} on this host), but nothing says where rank 0 "
+        f"listens: {mpi4py}the launcher's variables give an address only when every rank is "
+        "on one host. Install mpi4py (pip install 'meshrun[mpi]') to let meshrun find it, or "
+        f"pass it to every process: {_PASS_VARS[launcher]}"
+    )
+
+
+def _mpi_master(env: Mapping[str, str], launcher: str, live: bool) -> tuple[str, int]:
+    world = _int(env, _MPI_VARS[launcher][1])
+    if "MASTER_ADDR" in env or world == 1:
+        return env.get("MASTER_ADDR", "127.0.0.1"), int(env.get("MASTER_PORT", "29500"))
+    if live:
+        return _ask_mpi(env, launcher, world)
+    derived = derive_mpi_master(env, launcher)
+    if derived is None:
+        raise mpi_master_error(env, launcher, "")
+    return derived
+
+
+def _ask_mpi(env: Mapping[str, str], launcher: str, world: int) -> tuple[str, int]:
+    """Over MPI itself (mpi4py), else the launcher's variables with a printed line saying so,
+    else the error. The one impure step of detection, for this process's own environment."""
+    from meshrun.mpi_rendezvous import MpiRendezvousError, find_endpoint
+
+    port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else 0
+    try:
+        found, why = find_endpoint(world, launcher, _MPI_VARS[launcher][1], port)
+    except MpiRendezvousError as err:
+        raise ClusterError(str(err)) from None
+    if found is not None:
+        return found.addr, found.port
+    derived = derive_mpi_master(env, launcher)
+    if derived is None:
+        raise mpi_master_error(env, launcher, why)
+    if env.get(_MPI_VARS[launcher][0]) == "0":
+        port_from = "MASTER_PORT" if "MASTER_PORT" in env else "the job id"
+        print(
+            f"meshrun: mpi: every rank on this host: rank 0 at {derived[0]}:{derived[1]} "
+            f"(port from {port_from}); mpi4py did not import ({why})",
+            file=sys.stderr,
+            flush=True,
+        )
+    return derived
+
+
+def _from_mpi(env: Mapping[str, str], host: str, launcher: str, live: bool) -> ClusterEnv:
+    rank_v, size_v, lrank_v, lsize_v = _MPI_VARS[launcher]
+    world = _int(env, size_v)
+    local_world = _int(env, lsize_v) if lsize_v in env else 1
     rank = _int(env, rank_v)
+    addr, port = _mpi_master(env, launcher, live)
     return ClusterEnv(
         kind="mpi",
         rank=rank,
         world_size=world,
-        local_rank=int(env.get(lrank_v, "0")),
+        local_rank=_int(env, lrank_v) if lrank_v in env else 0,
         local_world_size=local_world,
         node_rank=rank // max(1, local_world),
-        master_addr=env.get("MASTER_ADDR", "127.0.0.1"),
-        master_port=int(env.get("MASTER_PORT", "29500")),
+        master_addr=addr,
+        master_port=port,
         hostname=host,
     )
 
 
 def detect(env: Mapping[str, str] | None = None) -> ClusterEnv:
     """Detect the launcher from the environment; the first match wins (torchrun inside srun
-    is torchrun)."""
+    is torchrun).
+
+    With no ``env`` (this process's own environment) an MPI job without ``MASTER_ADDR``
+    asks MPI where rank 0 listens (mpi4py, :mod:`meshrun.mpi_rendezvous`); a given mapping is read
+    and nothing else (the launcher's variables, or an error naming what to set)."""
+    live = env is None
     env = os.environ if env is None else env
     host = socket.gethostname()
     if "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
         return _from_torchelastic(env, host)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and _int(env, "SLURM_NTASKS") > 1:
         return _from_slurm(env, host)
-    for names in _MPI_VARS.values():
+    for launcher, names in _MPI_VARS.items():
         if names[0] in env and names[1] in env:
-            return _from_mpi(env, host, names)
+            return _from_mpi(env, host, launcher, live)
     return ClusterEnv("single", 0, 1, 0, 1, 0, "127.0.0.1", 0, host)

@@ -6,7 +6,7 @@ import zlib
 
 import pytest
 
-from meshrun.cluster import ClusterError, detect, expand_hostlist, slurm_port
+from meshrun.cluster import ClusterError, derived_port, detect, expand_hostlist, slurm_port
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -164,10 +164,73 @@ def test_mpi_launchers(names: tuple[str, str, str, str]) -> None:
     assert c.distributed
 
 
-def test_mpi_with_more_than_one_process_needs_master_addr() -> None:
+def _ompi(rank: int, size: int, local_size: int, **extra: str) -> dict[str, str]:
+    return {
+        "OMPI_COMM_WORLD_RANK": str(rank),
+        "OMPI_COMM_WORLD_SIZE": str(size),
+        "OMPI_COMM_WORLD_LOCAL_RANK": str(rank % local_size),
+        "OMPI_COMM_WORLD_LOCAL_SIZE": str(local_size),
+        **extra,
+    }
+
+
+def test_open_mpi_on_one_host_derives_loopback_and_a_port_from_the_job_id() -> None:
+    # What mpirun -np 2 sets on one host (printed from a real run): no MASTER_ADDR.
+    found = {detect(_ompi(r, 2, 2, OMPI_MCA_ess_base_jobid="960495617")) for r in (0, 1)}
+    assert {(c.master_addr, c.master_port) for c in found} == {
+        ("127.0.0.1", derived_port("960495617"))
+    }
+    assert {(c.rank, c.local_rank, c.local_world_size) for c in found} == {(0, 0, 2), (1, 1, 2)}
+
+
+def test_a_pmix_namespace_is_a_job_id_too_and_master_port_wins() -> None:
+    c = detect(_ompi(0, 2, 2, PMIX_NAMESPACE="prterun-vm-77@1"))
+    assert c.master_port == derived_port("prterun-vm-77@1")
+    c = detect(_ompi(0, 2, 2, PMIX_NAMESPACE="x", MASTER_PORT="29611"))
+    assert (c.master_addr, c.master_port) == ("127.0.0.1", 29611)
+
+
+def test_derived_ports_are_in_range_and_differ_by_job() -> None:
+    ports = {derived_port(str(job)) for job in range(1000, 1020)}
+    assert all(20000 <= p < 40000 for p in ports) and len(ports) > 1
+    assert slurm_port("4242") == derived_port("4242")
+
+
+def test_mpi_across_hosts_without_master_addr_names_the_flags_to_pass() -> None:
+    with pytest.raises(ClusterError) as info:
+        detect(_ompi(0, 4, 2, OMPI_MCA_ess_base_jobid="7"))
+    text = str(info.value)
+    assert "OMPI_COMM_WORLD_SIZE=4" in text and "OMPI_COMM_WORLD_LOCAL_SIZE=2" in text
+    assert "mpirun -x MASTER_ADDR=<address of rank 0's host> -x MASTER_PORT=29500" in text
+    assert "pip install 'meshrun[mpi]'" in text
+    mpich = {"PMI_RANK": "0", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}
+    with pytest.raises(ClusterError, match=r"mpiexec -genv MASTER_ADDR .* -genv MASTER_PORT"):
+        detect(mpich)
+
+
+def test_mpich_on_one_host_has_no_job_id_so_it_asks_for_the_port_only() -> None:
+    env = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    with pytest.raises(ClusterError, match="mpiexec -genv MASTER_PORT 29500") as info:
+        detect(env)
+    assert "all on this host (rank 0 at 127.0.0.1)" in str(info.value)
+    c = detect({**env, "MASTER_PORT": "29612"})
+    assert (c.master_addr, c.master_port, c.local_rank, c.local_world_size) == (
+        "127.0.0.1",
+        29612,
+        1,
+        2,
+    )
+
+
+def test_mpi_without_a_local_size_is_not_taken_for_one_host() -> None:
     with pytest.raises(ClusterError, match="MASTER_ADDR") as info:
         detect({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"})
     assert "OMPI_COMM_WORLD_RANK" in str(info.value)
+
+
+def test_master_addr_from_the_env_wins_over_derivation() -> None:
+    c = detect(_ompi(3, 4, 2, MASTER_ADDR="10.0.0.7"))
+    assert (c.master_addr, c.master_port, c.node_rank) == ("10.0.0.7", 29500, 1)
 
 
 def test_mpi_with_one_process_needs_no_master_addr() -> None:
