@@ -1,15 +1,173 @@
-"""Sharded loading of a Hugging Face directory into an already parallelized model."""
+"""Sharded loading of a Hugging Face directory into an already parallelized model (docs/hf.md).
+
+``load_pretrained(model, directory, device=...)``, called on every rank after
+``run.parallelize`` (or ``run.pipeline``):
+
+1. the checkpoint's names, shapes and files come from the safetensors headers (reading.py);
+2. the model's names (wrappers' components cleaned off), ties and global shapes are matched
+   with them (names.py); under pipeline parallelism every rank holds only its stages, so the
+   names and shapes of all ranks are gathered first (one ``all_gather_object``) and every rank
+   takes the same decision. Missing or unexpected names and other shapes are one error,
+   raised on every rank before any weight is read;
+3. parameters still on the meta device are allocated (placing.py);
+4. each rank reads, tensor by tensor, only the region of the whole tensor it holds
+   (``get_slice``), straight into its local tensor. Nothing else is exchanged: no broadcast,
+   no rank holding the whole model. Peak host memory per rank: its shards plus one region
+   (at most the largest tensor) of mapped file pages.
+"""
 
 from __future__ import annotations
 
+import logging
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from torch import nn
+import torch
+import torch.distributed as dist
+from torch import Tensor
 
-__all__ = ["load_pretrained"]
+from meshrun.hf.names import NameMap, PretrainedError, match_names, mismatch_text
+from meshrun.hf.placing import (
+    alias_map,
+    declared_ties,
+    identity_ties,
+    ignored_unexpected,
+    local_region,
+    materialize_parts,
+    model_parts,
+    named_tensors,
+)
+from meshrun.hf.reading import TensorInfo, copy_region, read_index
+
+__all__ = ["LoadReport", "load_pretrained"]
+
+log = logging.getLogger("meshrun")
+
+# What one rank tells the others under pipeline parallelism: its names with global shapes,
+# and the tied pairs it knows of.
+Facts = tuple[dict[str, tuple[int, ...]], list[tuple[str, str]]]
 
 
-def load_pretrained(model: nn.Module, directory: str | Path, **options: Any) -> None:
-    """Load the weights of ``directory`` (config.json + safetensors) into ``model``."""
-    raise NotImplementedError("load_pretrained is not available yet in this version")
+@dataclass(frozen=True)
+class LoadReport:
+    """What one rank loaded: tensors written, bytes read from the files, how names matched."""
+
+    tensors: int
+    bytes_read: int
+    checkpoint_bytes: int  # the whole checkpoint's tensors
+    rule: str
+    seconds: float
+    allocated: bool  # this rank allocated parameters that were on the meta device
+
+
+def load_pretrained(
+    model: Any,
+    directory: str | Path,
+    *,
+    device: torch.device | str | None = None,
+    strict: bool = True,
+    partial: bool | None = None,
+) -> LoadReport:
+    """Fill ``model`` (parallelized, or the ``Pipeline`` of ``run.pipeline``; on the meta
+    device or allocated) with the weights of the Hugging Face ``directory``
+    (``model.safetensors``, or ``model.safetensors.index.json`` and its shards). Call it on
+    every rank. ``device``: where parameters still on the meta device are allocated (default:
+    the device of the model's allocated tensors, else CPU). ``strict=False`` logs unexpected
+    checkpoint tensors instead of refusing them; missing ones are always an error (they would
+    keep random values). ``partial``: this rank holds only part of the model (a pipeline's
+    stages): the names of all ranks are gathered (collective); default: a ``Pipeline`` or a
+    stage module is partial."""
+    t0 = time.perf_counter()
+    where = str(directory)
+    parts, is_part, tied = model_parts(model)
+    partial = is_part if partial is None else partial
+    tensors = named_tensors(parts)
+    index = read_index(Path(directory))
+    pairs = [*tied, *declared_ties(parts), *identity_ties(tensors)]
+    shapes, pairs = _gather(({k: tuple(t.shape) for k, t in tensors.items()}, pairs), partial)
+    names = match_names(list(shapes), index, alias_map(pairs), ignored_unexpected(parts))
+    _check(where, names, shapes, index, strict)
+    target = torch.device(device) if device is not None else _device_of(tensors)
+    allocated = materialize_parts(parts, target) > 0
+    if allocated:
+        tensors = named_tensors(parts)  # to_empty may replace the tensor objects
+    count, read = _fill(tensors, names, index)
+    report = LoadReport(
+        count,
+        read,
+        sum(i.nbytes for i in index.values()),
+        names.rule,
+        time.perf_counter() - t0,
+        allocated,
+    )
+    log.info(
+        "load_pretrained: %d tensors from %s (names: %s), %.1f MB read by this rank of %.1f MB, "
+        "%.2f s",
+        *(report.tensors, where, report.rule, read / 1e6, report.checkpoint_bytes / 1e6),
+        report.seconds,
+    )
+    return report
+
+
+def _fill(
+    tensors: dict[str, Tensor], names: NameMap, index: dict[str, TensorInfo]
+) -> tuple[int, int]:
+    """Read each tensor's local region from its checkpoint name; ``(tensors, bytes read)``."""
+    done: set[int] = set()
+    read = 0
+    for key, t in tensors.items():
+        if id(t) in done:  # one tensor under two names: loaded once
+            continue
+        done.add(id(t))
+        source = names.sources[key]
+        local, region = local_region(t)
+        if local.numel():
+            read += copy_region(index[source], source, region, local)
+    return len(done), read
+
+
+def _gather(mine: Facts, partial: bool) -> Facts:
+    """Under pipeline parallelism: every rank's names, shapes and ties (the same on all)."""
+    if not partial or not dist.is_initialized() or dist.get_world_size() == 1:
+        return mine
+    every: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(every, mine)
+    shapes: dict[str, tuple[int, ...]] = {}
+    pairs: list[tuple[str, str]] = []
+    for s, p in every:
+        shapes.update(s)
+        pairs += [tuple(x) for x in p]
+    return shapes, pairs
+
+
+def _check(
+    where: str,
+    names: NameMap,
+    shapes: dict[str, tuple[int, ...]],
+    index: dict[str, TensorInfo],
+    strict: bool,
+) -> None:
+    """Refuse what does not fit, before anything is read or allocated."""
+    other = [
+        (k, shapes[k], index[c].shape)
+        for k, c in names.sources.items()
+        if tuple(index[c].shape) != tuple(shapes[k])
+    ]
+    text = mismatch_text(where, names, other, strict)
+    if text:
+        raise PretrainedError(text)
+    if names.unexpected:
+        log.warning(
+            "load_pretrained(%s): %d checkpoint tensor(s) the model lacks are not loaded "
+            "(strict=False), e.g. %s",
+            *(where, len(names.unexpected), names.unexpected[:5]),
+        )
+
+
+def _device_of(tensors: dict[str, Tensor]) -> torch.device:
+    for t in tensors.values():
+        if t.device.type != "meta":
+            return t.device
+    return torch.device("cpu")
