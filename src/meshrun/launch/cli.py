@@ -11,6 +11,7 @@ import sys
 import uuid
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from meshrun.cliargs import Subparsers, add_command, add_group, add_set, add_target, default_config
 from meshrun.config import Config, ConfigError, load_config, split_overrides, validate_for_world
@@ -23,6 +24,7 @@ from meshrun.launch.hostfile import (
     ssh_options,
 )
 from meshrun.launch.k8s import (
+    BOTH,
     KINDS,
     K8sJob,
     check_config,
@@ -31,6 +33,7 @@ from meshrun.launch.k8s import (
     render,
     write_manifests,
 )
+from meshrun.launch.k8s_job import DEFAULT_RUNTIME
 from meshrun.launch.slurm_submit import DEFAULT_SIGNAL_BEFORE_S, SubmitSpec, render_sbatch, submit
 from meshrun.launch.yamlout import dump_documents
 
@@ -39,7 +42,7 @@ from meshrun.launch.yamlout import dump_documents
 
 def cmd_k8s_render(a: argparse.Namespace) -> int:
     job = job_from_args(a)
-    kinds = KINDS if a.kind == "both" else (a.kind,)
+    kinds = BOTH if a.kind == "both" else (a.kind,)
     check_job(job, kinds)
     check_config(job, a.config)
     if job.elastic and "jobset" in kinds:
@@ -58,6 +61,11 @@ def cmd_k8s_render(a: argparse.Namespace) -> int:
 
 
 def job_from_args(a: argparse.Namespace) -> K8sJob:
+    # --image is checked here, not by argparse's required=True: an unknown flag before the
+    # script makes argparse hand the rest of the line, --image too, to the script, and its
+    # "required: --image" then hid the real error, the unknown flag (argparse names it now).
+    if a.image is None:
+        raise ConfigError("meshrun k8s render needs --image IMAGE (with meshrun and the script)")
     if not a.target:
         raise ConfigError("meshrun k8s render needs a script (train.py) or -m MODULE")
     config_text = None
@@ -73,6 +81,7 @@ def job_from_args(a: argparse.Namespace) -> K8sJob:
         module=a.target if a.module else None,
         script_args=list(a.args),
         nodes=a.nodes,
+        nodes_flag=a.nodes_flag,
         nproc_per_node=a.nproc_per_node,
         gpus_per_node=a.gpus_per_node,
         namespace=a.namespace,
@@ -82,6 +91,7 @@ def job_from_args(a: argparse.Namespace) -> K8sJob:
         max_restarts=a.max_restarts,
         port=a.port,
         config_text=config_text,
+        runtime=a.runtime,
     )
 
 
@@ -99,16 +109,18 @@ def parse_env(items: list[str]) -> dict[str, str]:
 
 
 def add_k8s_parser(sub: Subparsers) -> None:
-    ksub = add_group(sub, "k8s", "render Kubernetes manifests (Kubeflow PyTorchJob, JobSet)")
+    ksub = add_group(
+        sub, "k8s", "render Kubernetes manifests (Kubeflow TrainJob, PyTorchJob, JobSet)"
+    )
     r = add_command(
         ksub,
         "render",
         cmd_k8s_render,
-        help="write PyTorchJob and/or JobSet manifests that run meshrun launch in every pod",
-        description="Write manifests for a multi-node job: a Kubeflow PyTorchJob and/or a "
-        "JobSet with a headless Service. Each pod runs `meshrun launch` on SCRIPT (or -m "
-        "MODULE); arguments after it go to the script. Inputs and the config are checked "
-        "before anything is written. See docs/kubernetes.md.",
+        help="write TrainJob, PyTorchJob or JobSet manifests that run meshrun launch in every pod",
+        description="Write manifests for a multi-node job: a Kubeflow Trainer v2 TrainJob, a "
+        "Kubeflow PyTorchJob and/or a JobSet with a headless Service. Each pod runs `meshrun "
+        "launch` on SCRIPT (or -m MODULE); arguments after it go to the script. Inputs and the "
+        "config are checked before anything is written. See docs/kubernetes.md.",
     )
     _add_k8s_pod_flags(r)
     _add_k8s_job_flags(r)
@@ -118,16 +130,13 @@ def add_k8s_parser(sub: Subparsers) -> None:
 def _add_k8s_pod_flags(r: argparse.ArgumentParser) -> None:
     r.add_argument(
         "--kind",
-        choices=["pytorchjob", "jobset", "both"],
+        choices=[*KINDS, "both"],
         default="both",
-        help="what to write (default both)",
+        help="what to write; both = pytorchjob and jobset (default both)",
     )
-    r.add_argument("--image", required=True, help="container image with meshrun and the script")
-    r.add_argument(
-        "--nodes",
-        default="1",
-        metavar="N|MIN:MAX",
-        help="pods: N, or MIN:MAX for elastic (default 1)",
+    r.add_argument("--image", help="container image with meshrun and the script (required)")
+    add_node_count(
+        r, default="1", metavar="N|MIN:MAX", help="pods: N, or MIN:MAX for elastic (default 1)"
     )
     r.add_argument(
         "--nproc-per-node",
@@ -163,7 +172,8 @@ def _add_k8s_job_flags(r: argparse.ArgumentParser) -> None:
         "--restart-policy",
         default="OnFailure",
         metavar="POLICY",
-        help="OnFailure (default), Never; PyTorchJob also Always, ExitCode",
+        help="OnFailure (default), Never; PyTorchJob also Always, ExitCode; TrainJob: the "
+        "runtime's (OnFailure)",
     )
     r.add_argument(
         "--max-restarts",
@@ -177,8 +187,34 @@ def _add_k8s_job_flags(r: argparse.ArgumentParser) -> None:
     )
     r.add_argument("--config", metavar="FILE", help="TOML config, shipped as a ConfigMap")
     r.add_argument(
+        "--runtime",
+        default=DEFAULT_RUNTIME,
+        metavar="NAME",
+        help=f"TrainJob: the ClusterTrainingRuntime it runs on (default {DEFAULT_RUNTIME})",
+    )
+    r.add_argument(
         "--output", metavar="DIR", help="directory for <kind>.yaml (default: print to stdout)"
     )
+
+
+class _NodeCount(argparse.Action):
+    """Store the value and the spelling typed (``a.nodes_flag``), so errors name that one."""
+
+    def __call__(
+        self,
+        parser: argparse.ArgumentParser,
+        namespace: argparse.Namespace,
+        values: object,
+        option_string: str | None = None,
+    ) -> None:
+        setattr(namespace, self.dest, values)
+        setattr(namespace, f"{self.dest}_flag", option_string or "--nodes")
+
+
+def add_node_count(p: argparse.ArgumentParser, **kwargs: Any) -> None:
+    """``--nodes N``, also spelled ``--nnodes N`` as in ``meshrun launch`` and torchrun."""
+    p.add_argument("--nodes", "--nnodes", action=_NodeCount, **kwargs)
+    p.set_defaults(nodes_flag="--nodes")
 
 
 # --- meshrun slurm submit --------------------------------------------------------------------
@@ -210,6 +246,8 @@ def build_spec(a: argparse.Namespace) -> tuple[SubmitSpec, Path]:
         raise ConfigError("meshrun slurm submit needs a script (train.py) or -m MODULE")
     if not a.module and not Path(a.target).is_file():
         raise ConfigError(f"script {a.target!r} does not exist")
+    if a.nodes < 1:  # here, not only in SubmitSpec.validate, to name the spelling typed
+        raise ConfigError(f"{a.nodes_flag} {a.nodes} is not allowed: must be >= 1")
     spec = SubmitSpec(
         target=a.target if a.module else os.path.abspath(a.target),
         module=a.module,
@@ -265,7 +303,7 @@ def add_slurm_parser(sub: Subparsers) -> None:
         "launch, which derives the topology from SLURM; output per node; SIGUSR1 before the "
         "time limit so the workers checkpoint) and submit it with sbatch.",
     )
-    s.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
+    add_node_count(s, type=int, default=1, help="nodes (default 1)")
     s.add_argument("--nproc-per-node", type=int, help="processes per node (default: GPUs, else 2)")
     s.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (default 0)")
     s.add_argument("--cpus-per-task", type=int, default=0, help="CPUs per node (default: nproc)")

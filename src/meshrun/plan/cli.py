@@ -351,7 +351,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     c = p.add_argument_group("cluster (table values overridable)")
-    c.add_argument("--nodes", type=int, default=1, help="nodes (1)")
+    c.add_argument("--nodes", "--nnodes", type=int, default=1, help="nodes (1)")
     c.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (8)")
     c.add_argument("--gpu", default="h100-sxm", help=f"one of {', '.join(GPUS)} (h100-sxm)")
     c.add_argument("--gpu-memory-gb", type=float, help="memory per GPU, GB (1e9 bytes)")
