@@ -22,6 +22,8 @@ import pytest
 from meshrun.launch.k8s import K8sJob
 from meshrun.launch.k8s_trainjob import render_trainjob
 
+pytestmark = pytest.mark.slow
+
 RUN_TIMEOUT_S = 420  # a hang guard on a loaded 2-core machine, not a timing assert
 DEMO = ["-m", "meshrun.demo", "--size", "tiny", "--steps", "3", "--corpus-bytes", "300000"]
 

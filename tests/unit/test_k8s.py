@@ -8,7 +8,8 @@ training SDK's generated models for the PyTorchJob, read through the SDK's own `
 deserialisation and written back: a field the model does not know, or a value of the wrong
 type, does not survive the round trip (or raises). The JobSet CRD has no PyPI validator: its
 envelope is checked against a small schema written here from the CRD's field names, and its
-Job template by ``kubernetes-validate``.
+Job template by ``kubernetes-validate``. The Trainer v2 TrainJob, whose CRD schema is checked in,
+is tested in test_k8s_trainjob.py.
 """
 
 from __future__ import annotations
