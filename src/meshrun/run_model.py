@@ -1,15 +1,18 @@
 """``Run``'s model methods: the layout (``parallelize``, ``pipeline``), the pipeline's step and
-evaluation, the optimizer that fits the layout, and the model's FLOPs for MFU. Each calls a
+evaluation, the optimizer that fits the layout (with parameter groups), the user's module
+inside the layout (``unwrap``), pretrained weights in, and the model's FLOPs for MFU. Each calls a
 plain function of ``meshrun.parallel`` / ``meshrun.monitor`` with the run's state."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshrun.config import ConfigError
 from meshrun.monitor.mfu import ModelFlops, constant_per_token, model_flops, start_mfu
@@ -95,11 +98,34 @@ class ModelMethods(RunFields):
         self,
         model: nn.Module | Pipeline,
         optimizer_class: type[torch.optim.Optimizer],
+        param_groups: Sequence[Mapping[str, Any]] | None = None,
         **kwargs: Any,
     ) -> torch.optim.Optimizer:
         """``optimizer_class(model.parameters(), **kwargs)``; under ``parallel.zero = 1`` its
-        state is sharded over the data-parallel ranks (a ZeroRedundancyOptimizer)."""
-        return build_optimizer(model, optimizer_class, self.mesh, self.config.parallel, **kwargs)
+        state is sharded over the data-parallel ranks (a ZeroRedundancyOptimizer). Build it
+        after :meth:`parallelize` / :meth:`pipeline` (FSDP2 and TP replace the parameters).
+
+        ``param_groups``: torch's parameter groups instead of ``model.parameters()``, e.g.
+        ``[{"params": matrices, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]``
+        made from the parallelized model; every trainable parameter must be in one group."""
+        cfg = self.config.parallel
+        return build_optimizer(model, optimizer_class, self.mesh, cfg, param_groups, **kwargs)
+
+    def unwrap(self, model: nn.Module | Pipeline) -> nn.Module:
+        """The user's own module inside what :meth:`parallelize` returned: DDP's ``.module``,
+        ``torch.compile``'s original module; FSDP2, TP and activation checkpointing change the
+        module in place, so it is the module itself. Its own methods (``generate``,
+        ``configure_optimizers``, ...) are reachable through it; under ZeRO-3/TP its parameters
+        are sharded DTensors. A :class:`Pipeline` has no whole model on any rank: refused."""
+        return unwrap_module(model)
+
+    def load_pretrained(self, model: nn.Module | Pipeline, directory: str | Path) -> Any:
+        """Load a Hugging Face directory (``config.json`` + safetensors) into ``model``, built
+        (on the meta device, or not) and already parallelized: each rank reads only the slices
+        it holds. Call it on every rank; returns ``meshrun.hf.load.load_pretrained``'s report."""
+        from meshrun.hf.load import load_pretrained  # the safetensors side: only when used
+
+        return load_pretrained(model, directory, device=self.device)
 
     def set_flops_per_token(self, flops_per_token: float) -> None:
         """Report MFU in the metrics. ``flops_per_token``: the model's training FLOPs per token
@@ -114,3 +140,20 @@ class ModelMethods(RunFields):
             line = start_mfu(self.metrics, flops, self.config, self.device)
             if self.is_main:
                 self.log.info(line)
+
+
+def unwrap_module(model: nn.Module | Pipeline) -> nn.Module:
+    """``run.unwrap``: DDP's and ``torch.compile``'s wrappers peeled off, in any order."""
+    if isinstance(model, Pipeline):
+        raise TypeError(
+            "run.unwrap(Pipeline): under pipeline parallelism no rank holds the whole model; "
+            "this rank's stages are pipe.modules (each a real module: "
+            "[run.unwrap(m) for m in pipe.modules])"
+        )
+    while True:
+        if isinstance(model, DDP):
+            model = model.module
+        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's
+            model = model._orig_mod
+        else:
+            return model

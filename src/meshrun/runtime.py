@@ -21,6 +21,7 @@ from meshrun.config import Config, grad_accumulation, validate_for_world, write_
 from meshrun.logs import init_logging
 from meshrun.mesh import ParallelDims
 from meshrun.run_data import DataMethods
+from meshrun.run_eval import EvalMethods
 from meshrun.run_loop import LoopMethods
 from meshrun.run_model import ModelMethods
 from meshrun.startup import (
@@ -41,11 +42,12 @@ _RETIRED: list[Run] = []  # closed runs, never destroyed before exit (see Run.cl
 _FAILED = False  # set by our excepthook: an uncaught exception must skip the final barrier
 
 
-class Run(ModelMethods, DataMethods, LoopMethods):
+class Run(ModelMethods, DataMethods, LoopMethods, EvalMethods):
     """The runtime of one training process. Create it with :func:`init`.
 
     Its methods come in groups, each a small module: the model and its layout (run_model.py),
-    data and learning rate (run_data.py), the step and checkpoints (run_loop.py). This class
+    data and learning rate (run_data.py), the step and checkpoints (run_loop.py), the
+    all-rank evaluation (run_eval.py). This class
     builds the state they share (run_base.py's fields) and tears it down."""
 
     def __init__(self, cfg: Config, env: ClusterEnv) -> None:
@@ -161,17 +163,25 @@ def _announce(run: Run) -> None:
         )
 
 
-def init(config: Config | str | Path | None = None, argv: Sequence[str] | None = None) -> Run:
+def init(
+    config: Config | str | Path | None = None,
+    argv: Sequence[str] | None = None,
+    *,
+    keep_argv: bool = False,
+) -> Run:
     """Start meshrun in this process.
 
     Config: ``config`` (a Config or a TOML path), else the file named by ``MESHRUN_CONFIG``
     (set by ``meshrun launch``), else the defaults; then ``--section.key=value`` overrides from
     ``argv`` (default ``sys.argv[1:]``; other arguments are left for the script's own parser).
+    Overrides taken from ``sys.argv`` are removed from it, so the script's own parser, called
+    after ``init()``, sees only its own arguments; ``keep_argv=True`` leaves ``sys.argv`` as
+    it was.
     """
     global _ACTIVE
     if _ACTIVE is not None:
         raise RuntimeError("meshrun.init() was already called in this process; use that Run")
-    cfg = resolve_config(config, argv)
+    cfg = resolve_config(config, argv, keep_argv)
     run = Run(cfg, detect())
     _ACTIVE = run
     _install_excepthook()

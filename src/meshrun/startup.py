@@ -27,6 +27,7 @@ from meshrun.config import (
     Config,
     ConfigError,
     apply_overrides,
+    grad_accumulation,
     load_config,
     resolve_global_batch,
     split_overrides,
@@ -104,12 +105,23 @@ def init_seeds(seed: int, rank: int) -> None:
     np.random.seed((seed + rank) % 2**32)
 
 
-def resolve_config(config: Config | str | Path | None, argv: Sequence[str] | None) -> Config:
-    overrides, _ = split_overrides(sys.argv[1:] if argv is None else argv)
+def resolve_config(
+    config: Config | str | Path | None, argv: Sequence[str] | None, keep_argv: bool = False
+) -> Config:
+    """The config: ``config`` (a Config or a TOML path), else ``MESHRUN_CONFIG``'s file, else
+    the defaults; then the ``--section.key=value`` overrides of ``argv`` (default
+    ``sys.argv[1:]``). Overrides read from ``sys.argv`` are removed from it once applied
+    (unless ``keep_argv``): a script's own strict parser (``parse_args()``, nanoGPT's
+    configurator) would reject ``--optim.steps=...`` as unknown."""
+    overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
     if isinstance(config, Config):
-        return apply_overrides(copy.deepcopy(config), overrides)
-    path = config if config is not None else os.environ.get(CONFIG_ENV)
-    return load_config(path, overrides)
+        cfg = apply_overrides(copy.deepcopy(config), overrides)
+    else:
+        path = config if config is not None else os.environ.get(CONFIG_ENV)
+        cfg = load_config(path, overrides)
+    if argv is None and overrides and not keep_argv:
+        sys.argv[1:] = rest  # in place: a reference to sys.argv held elsewhere sees it too
+    return cfg
 
 
 def resolve_batch(cfg: Config, world_size: int) -> str:
@@ -163,6 +175,15 @@ def build_loop(
     state: TrainState,
     agreement: StepAgreement,
 ) -> StepLoop:
+    """The step loop; under ``fault_tolerance.replica_groups > 1`` with this group's torchft
+    Manager, and the accumulation over every group's data-parallel ranks."""
+    replicas = None
+    if cfg.fault_tolerance.enabled:
+        from meshrun.ft.replica import ReplicaGroup
+
+        dp = mesh.get_group("dp").size() if mesh is not None else 1
+        accum = grad_accumulation(cfg.data, dp * cfg.fault_tolerance.replica_groups)
+        replicas = ReplicaGroup(cfg.fault_tolerance, state, metrics, dp)
     return StepLoop(
         accum=accum,
         global_batch=cfg.data.global_batch,
@@ -176,6 +197,7 @@ def build_loop(
         monitor=cfg.monitor,
         state=state,
         agreement=agreement,
+        replicas=replicas,
     )
 
 

@@ -13,6 +13,7 @@ under ``zero = 1`` is an error at the first step (:func:`check_optimizer`), neve
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,6 +23,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from meshrun.config import ConfigError, ParallelConfig
 from meshrun.parallel.foreach import with_foreach_default
+from meshrun.parallel.param_groups import check_param_groups
 from meshrun.parallel.pp import Pipeline
 
 
@@ -30,12 +32,15 @@ def build_optimizer(
     optimizer_class: type[torch.optim.Optimizer],
     mesh: DeviceMesh | None,
     cfg: ParallelConfig,
+    param_groups: Sequence[Mapping[str, Any]] | None = None,
     **kwargs: Any,
 ) -> torch.optim.Optimizer:
     """``optimizer_class(model.parameters(), **kwargs)``, with its state sharded over the
     ``dp`` ranks when ``cfg.zero == 1`` (a ZeroRedundancyOptimizer, itself a torch Optimizer).
     ``model`` may be a :class:`Pipeline`: its optimizer takes this rank's stages' parameters
-    (under ZeRO-1 through :meth:`Pipeline.local_parameters`)."""
+    (under ZeRO-1 through :meth:`Pipeline.local_parameters`). ``param_groups`` (dicts with a
+    ``"params"`` list and per-group options) replace ``model.parameters()``: see
+    parallel/param_groups.py for the checks."""
     params = [p for p in model.parameters() if p.requires_grad]
     zero1 = cfg.zero == 1 and mesh is not None and mesh.get_group("dp").size() > 1
     if zero1 and isinstance(model, Pipeline):
@@ -45,11 +50,15 @@ def build_optimizer(
         params = model.local_parameters()
     # Decided on the tensors the optimizer really steps (the aliases above are plain).
     kwargs = with_foreach_default(optimizer_class, params, kwargs)
+    aliases = None
+    if zero1 and isinstance(model, Pipeline):  # ZeRO steps the aliases (above) in the groups
+        aliases = {id(p): a for p, a in model.local_views}
+    chosen = params if param_groups is None else check_param_groups(model, param_groups, aliases)
     if not zero1:
-        return optimizer_class(params, **kwargs)
+        return optimizer_class(chosen, **kwargs)
     assert mesh is not None  # zero1 implies it
     return ZeroRedundancyOptimizer(
-        params, optimizer_class=optimizer_class, process_group=mesh.get_group("dp"), **kwargs
+        chosen, optimizer_class=optimizer_class, process_group=mesh.get_group("dp"), **kwargs
     )
 
 

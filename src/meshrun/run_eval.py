@@ -1,0 +1,136 @@
+"""``run.evaluate``: a held-out loss computed on every rank, whatever the layout.
+
+Why on every rank: under ZeRO-3 / FSDP2, TP and PP each forward is itself collective (FSDP2
+all-gathers the parameters, TP all-reduces activations, PP sends them between stages), so an
+evaluation run by rank 0 alone waits forever for the others. Every rank therefore runs the same
+number of forwards: the ranks agree, batch by batch, whether any still has one (one small
+all-reduce per batch), and a rank whose share ended earlier (the eval sampler gives each sample
+exactly once, so shares may differ by one sample) repeats its last batch with weight 0. The sums
+of loss x count go over the data-parallel ranks once at the end (tp ranks hold equal values and
+a pipeline's ranks the broadcast loss, so the dp sum counts every sample once).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshrun.loop import to_device
+from meshrun.parallel import Pipeline, pipeline_eval
+from meshrun.run_base import RunFields
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+class EvalMethods(RunFields):
+    """The evaluation part of :class:`meshrun.Run` (a mixin: ``Run`` holds the state)."""
+
+    def evaluate(
+        self,
+        model: nn.Module | Pipeline,
+        batches: Iterable[Any],
+        loss_fn: LossFn | None = None,
+        *,
+        max_batches: int | None = None,
+    ) -> float:
+        """The mean loss over ``batches`` (this rank's share, e.g. ``run.dataloader(val,
+        mode="eval")``), weighted by batch size and summed over the data-parallel ranks; the
+        same float on every rank. Call it on every rank. Runs under ``torch.no_grad()`` with
+        every module in eval mode, then restores each module's mode.
+
+        ``loss_fn(model, batch)`` returns the batch's mean loss (the batch moved to the device;
+        its size is its first tensor's first dim). Under pipeline parallelism ``loss_fn`` may be
+        omitted: each batch is ``(inputs, targets)`` and the loss is the one given to
+        ``run.pipeline`` (``run.pipeline_eval``). ``max_batches``: at most that many per rank."""
+        fn = self._eval_loss_fn(model, loss_fn)
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # [sum, count]
+        with torch.no_grad(), self.loop.monitor.phase("eval", None), _eval_mode(model):
+            for batch, weight in self._agreed_batches(batches, max_batches):
+                loss = fn(model, batch)
+                n = _batch_size(batch)
+                totals += weight * torch.stack([loss.detach().double() * n, torch.tensor(n)])
+        if self.mesh is not None:
+            dist.all_reduce(totals, group=self.mesh.get_group("dp"))
+        if totals[1] == 0:
+            raise ValueError("run.evaluate: no rank had a batch to evaluate (empty batches)")
+        return float(totals[0] / totals[1])
+
+    def _eval_loss_fn(self, model: nn.Module | Pipeline, loss_fn: LossFn | None) -> LossFn:
+        if loss_fn is not None:
+            return loss_fn
+        if not isinstance(model, Pipeline):
+            raise TypeError(
+                f"run.evaluate({type(model).__name__}, ...) needs loss_fn(model, batch) -> the "
+                "batch's mean loss; only a Pipeline (run.pipeline) has a loss of its own"
+            )
+        accum = self.accum
+
+        def pipeline_loss(pipe: Pipeline, batch: Any) -> torch.Tensor:
+            inputs, targets = batch
+            return pipeline_eval(pipe, inputs, targets) * accum  # its loss_fn carries 1/accum
+
+        return pipeline_loss
+
+    def _agreed_batches(
+        self, batches: Iterable[Any], max_batches: int | None
+    ) -> Iterator[tuple[Any, float]]:
+        """(batch on the device, weight) until no rank has a batch left: every rank yields
+        the same number of times, weight 0 for a repeat of its last batch."""
+        it, last, taken = iter(batches), None, 0
+        while True:
+            batch = next(it, None) if max_batches is None or taken < max_batches else None
+            taken += 1
+            mine = torch.tensor([batch is not None, batch is None and last is None])
+            agreed = self._any_rank(mine)
+            if not agreed[0]:
+                return
+            if agreed[1]:  # some rank has nothing to repeat while others still evaluate
+                raise ValueError(
+                    "run.evaluate: a rank has no batch at all while others have some; give "
+                    "every data-parallel rank at least one (an eval set of at least dp x "
+                    f"micro-batch samples; dp = {self.dp_size})"
+                )
+            if batch is not None:
+                last = to_device(batch, self.device)
+            yield last, 1.0 if batch is not None else 0.0
+
+    def _any_rank(self, flags: torch.Tensor) -> torch.Tensor:
+        if not dist.is_initialized():
+            return flags
+        out = flags.to(self.device, torch.int32)
+        dist.all_reduce(out, op=dist.ReduceOp.MAX)  # the whole world: every forward is shared
+        return out.cpu()
+
+
+class _eval_mode:
+    """Every module of ``model`` in eval mode inside the block; each one's own mode after."""
+
+    def __init__(self, model: nn.Module | Pipeline) -> None:
+        roots = model.modules if isinstance(model, Pipeline) else [model]
+        self.modes = [(m, m.training) for root in roots for m in root.modules()]
+
+    def __enter__(self) -> None:
+        for m, _ in self.modes:
+            m.training = False  # what Module.eval() sets, module by module
+
+    def __exit__(self, *exc: object) -> None:
+        for m, mode in self.modes:
+            m.training = mode
+
+
+def _batch_size(batch: Any) -> int:
+    if isinstance(batch, torch.Tensor):
+        return int(batch.shape[0]) if batch.dim() else 1
+    values = batch.values() if isinstance(batch, dict) else batch
+    if isinstance(values, Iterable) and not isinstance(values, (str, bytes)):
+        for v in values:
+            if isinstance(v, (torch.Tensor, dict, list, tuple)):
+                return _batch_size(v)
+    raise TypeError(
+        f"run.evaluate: cannot tell the size of a batch of type {type(batch).__name__}; give "
+        "batches that are tensors or dicts/tuples/lists holding tensors"
+    )
