@@ -354,9 +354,13 @@ def _add_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     init.set_defaults(fn=cmd_config_init)
 
 
+def _add_ray_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    _add_ray(sub, prepare=_prepare)  # the launch layer cannot import this module's _prepare
+
+
 # Each subsystem contributes one `add_*(sub)` function; the order is the order of --help.
 SUBCOMMANDS = [_add_demo, _add_launch, _add_config, _add_data, _add_plan, _add_bench, _add_ckpt,
-               _add_doctor, _add_slurm, _add_k8s, _add_ray, _add_lighthouse, _add_report,
+               _add_doctor, _add_slurm, _add_k8s, _add_ray_launch, _add_lighthouse, _add_report,
                _add_scale_test]  # fmt: skip
 
 
