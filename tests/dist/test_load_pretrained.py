@@ -31,6 +31,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 import byo_models
+import meshrun
 from _dist import run_distributed
 from meshrun.config import ParallelConfig, check_layout
 from meshrun.hf import load_pretrained
@@ -51,6 +52,12 @@ CASES: dict[str, Case] = {
     "DDP": ("llama", {"zero": 0}, "parallelize"),
     "PP 2": ("llama", {"pp": 2, "pp_microbatches": 2}, "pipeline"),
     "PP 2 tied": ("llama_tied", {"pp": 2, "pp_microbatches": 2}, "pipeline"),
+}
+# Compositions on 4 ranks: 2-D meshes (FSDP2 over dp_shard with TP, HSDP's replicate x shard).
+FOUR_RANKS: dict[str, Case] = {
+    "ZeRO-3 2 x TP 2": ("llama", {"zero": 3, "tp": 2}, "parallelize"),
+    "HSDP 2 x 2": ("llama", {"zero": 3, "dp_replicate": 2}, "parallelize"),
+    "PP 2 x ZeRO-3 2": ("llama", {"pp": 2, "zero": 3, "pp_microbatches": 2}, "pipeline"),
 }
 
 
@@ -141,10 +148,12 @@ def load_case(rank: int, case: Case, dirs: dict[str, Path]) -> dict[str, Any]:
     return {"logits": logits, "report": report, "tied": tied_state(model)}
 
 
-def load_cases(rank: int, world_size: int, dirs: dict[str, Path]) -> dict[str, Any]:
+def load_cases(
+    rank: int, world_size: int, dirs: dict[str, Path], cases: dict[str, Case]
+) -> dict[str, Any]:
     dist.init_process_group("gloo")
     out = {}
-    for label, case in CASES.items():
+    for label, case in cases.items():
         try:
             out[label] = load_case(rank, case, dirs)
         except Exception as e:  # name the layout: one launch runs them all
@@ -159,27 +168,37 @@ def _embedding(d: Path) -> Tensor:
         return f.get_tensor("model.embed_tokens.weight")
 
 
-@pytest.mark.timeout(400)
-def test_load_pretrained_under_zero3_tp_ddp_pp_matches_from_pretrained(tmp_path: Path) -> None:
-    dirs = save_dirs(tmp_path)
-    refs = {name: reference_logits(d) for name, d in dirs.items()}
-    results = run_distributed(load_cases, 2, dirs, timeout=370)
-    for label, (name, _, how) in CASES.items():
+def check_logits(
+    results: list[dict[str, Any]], cases: dict[str, Case], refs: dict[str, Tensor]
+) -> dict[str, list[int]]:
+    """Every case's logits against from_pretrained's; returns each rank's bytes read."""
+    reads = {}
+    for label, (name, _, how) in cases.items():
         per_rank = [r[label] for r in results]
         logits = [r["logits"] for r in per_rank if r["logits"] is not None]
         assert logits, label
         diff = max(float((x - refs[name]).abs().max()) for x in logits)
-        read = [r["report"].bytes_read for r in per_rank]
+        reads[label] = [r["report"].bytes_read for r in per_rank]
         total = per_rank[0]["report"].checkpoint_bytes
-        print(f"{label}: max |logit - from_pretrained| = {diff:.2g}, bytes read {read} of {total}")
+        print(
+            f"{label}: max |logit - from_pretrained| = {diff:.2g}, read {reads[label]} of {total}"
+        )
         assert diff <= ATOL, f"{label}: {diff}"
         if how == "pipeline":
             before = next(r["before"] for r in per_rank if r["before"] is not None)
             assert float((before - refs[name]).abs().max()) > 1e-2, label  # the load mattered
-        else:
-            assert {r["tied"] for r in per_rank} <= {"one tensor", "equal"} or name == "llama"
+        elif name == "llama_tied":
+            assert {r["tied"] for r in per_rank} <= {"one tensor", "equal"}, label
+    return reads
+
+
+@pytest.mark.timeout(400)
+def test_load_pretrained_under_zero3_tp_ddp_pp_matches_from_pretrained(tmp_path: Path) -> None:
+    dirs = save_dirs(tmp_path)
+    refs = {name: reference_logits(d) for name, d in dirs.items()}
+    results = run_distributed(load_cases, 2, dirs, CASES, timeout=370)
+    reads = check_logits(results, CASES, refs)
     # Each rank read only its slices: FSDP2 shards every tensor, pipeline stages split them.
-    reads = {label: [r[label]["report"].bytes_read for r in results] for label in CASES}
     total = {label: results[0][label]["report"].checkpoint_bytes for label in CASES}
     for label in ("ZeRO-3", "ZeRO-3 tied, own fully_shard on meta", "PP 2"):
         assert sum(reads[label]) == total[label], (label, reads[label], total[label])
@@ -192,3 +211,154 @@ def test_load_pretrained_under_zero3_tp_ddp_pp_matches_from_pretrained(tmp_path:
     assert sum(reads["PP 2 tied"]) == total["PP 2 tied"] + embedding.numel() * 4
     copies = [t for r in results for t in r["PP 2 tied"]["copies"].values()]
     assert len(copies) == 2 and all(torch.equal(c, embedding) for c in copies)
+
+
+@pytest.mark.timeout(480)
+def test_load_pretrained_on_2d_meshes_and_pp_x_zero3(tmp_path: Path) -> None:
+    dirs = save_dirs(tmp_path)
+    refs = {"llama": reference_logits(dirs["llama"])}
+    results = run_distributed(load_cases, 4, dirs, FOUR_RANKS, timeout=450)
+    reads = check_logits(results, FOUR_RANKS, refs)
+    total = results[0]["ZeRO-3 2 x TP 2"]["report"].checkpoint_bytes
+    # HSDP: each replica group reads the checkpoint once, shared between its 2 shards.
+    assert sum(reads["HSDP 2 x 2"]) == 2 * total
+    assert sum(reads["PP 2 x ZeRO-3 2"]) == total  # stages x shards: every byte once
+    assert all(r < total // 2 for r in reads["ZeRO-3 2 x TP 2"])
+
+
+# --- peak host memory per rank ----------------------------------------------------------------
+
+# 58.7 M parameters, 235 MB in fp32; the largest tensors (embeddings, head) 33.5 MB each.
+BIG = {
+    "hidden_size": 1024,
+    "intermediate_size": 2048,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "vocab_size": 8192,
+    "max_position_embeddings": 64,
+    "tie_word_embeddings": False,
+}
+# Beyond the shard and one tensor: the allocator's slack, Python objects and page rounding.
+RSS_MARGIN = 24 << 20
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+def peak_rss(rank: int, world_size: int, d: Path) -> dict[str, Any]:
+    """Peak RSS while load_pretrained allocates and fills a ZeRO-3 model left on meta.
+    VmHWM (the kernel's peak resident set) is reset to the current RSS by writing 5 to
+    /proc/self/clear_refs, so the peak is this call's alone; the baseline is VmRSS then."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dist.init_process_group("gloo")
+    mesh = build_mesh(ParallelDims.from_config(ParallelConfig(zero=3), world_size), "cpu")
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig.from_pretrained(d))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    Path("/proc/self/clear_refs").write_text("5")
+    base = _status_kb("VmRSS") << 10
+    report = load_pretrained(model, d, device=CPU)
+    peak = _status_kb("VmHWM") << 10
+    w = model.model.embed_tokens.weight  # this rank's rows, against the file's
+    rows = w.to_local().shape[0]
+    index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    with safe_open(str(d / index["model.embed_tokens.weight"]), framework="pt") as f:
+        want = f.get_slice("model.embed_tokens.weight")[rank * rows : (rank + 1) * rows]
+    return {
+        "base": base,
+        "peak": peak,
+        "report": report,
+        "rows_ok": torch.equal(w.to_local(), want),
+    }
+
+
+@pytest.mark.timeout(400)
+def test_peak_rss_per_rank_is_its_shard_plus_one_tensor(tmp_path: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError as e:  # a kernel or sandbox without it: the peak cannot be reset
+        pytest.skip(f"/proc/self/clear_refs is not writable here ({e})")
+    torch.manual_seed(0)
+    big = LlamaForCausalLM(LlamaConfig(**BIG, dtype=torch.float32))
+    model_bytes = sum(p.numel() * 4 for p in big.parameters())
+    largest = max(p.numel() * 4 for p in big.parameters())
+    big.save_pretrained(tmp_path, max_shard_size="100MB")
+    del big
+    assert model_bytes >= 200e6 and len(list(tmp_path.glob("*.safetensors"))) >= 2
+    bound = model_bytes // 2 + largest + RSS_MARGIN
+    for rank, r in enumerate(run_distributed(peak_rss, 2, tmp_path, timeout=370)):
+        grew = r["peak"] - r["base"]
+        print(
+            f"rank {rank}: peak RSS during load_pretrained {r['peak'] / 1e6:.1f} MB = baseline "
+            f"{r['base'] / 1e6:.1f} MB + {grew / 1e6:.1f} MB; bound {bound / 1e6:.1f} MB = "
+            f"model {model_bytes / 1e6:.1f} / 2 + largest tensor {largest / 1e6:.1f} + margin "
+            f"{RSS_MARGIN / 1e6:.1f}; read {r['report'].bytes_read / 1e6:.1f} MB"
+        )
+        assert r["rows_ok"], rank
+        assert r["report"].bytes_read == model_bytes // 2
+        assert grew <= bound, f"rank {rank}: {grew / 1e6:.1f} MB > {bound / 1e6:.1f} MB"
+
+
+# --- checkpoint.init_from -------------------------------------------------------------------
+
+
+def run_config(tmp: Path, name: str, init_from: str = "", **parallel: int) -> meshrun.Config:
+    cfg = meshrun.Config()
+    cfg.job.run_dir, cfg.job.device, cfg.job.timeout_s = str(tmp / name), "cpu", 60.0
+    cfg.data.global_batch, cfg.data.micro_batch = 2, 1
+    cfg.metrics.progress = False
+    cfg.checkpoint.dir, cfg.checkpoint.init_from = str(tmp / name / "ckpt"), init_from
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    return cfg
+
+
+def fresh_run(cfg: meshrun.Config, seed: int, save: bool = False) -> dict[str, Any]:
+    """A run on a meta-built Llama: resume (nothing to resume: init_from applies), the logits,
+    optionally a checkpoint of its weights."""
+    run = meshrun.init(cfg, argv=[])
+    model = run.parallelize(build("llama", meta=True, seed=seed))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    start = run.resume(model, opt)
+    with torch.no_grad():
+        logits = _full(byo_models.logits_of(model.eval(), fixed_ids()))
+    path = str(run.save_checkpoint()) if save else ""
+    out = {"start": start, "step": run.step, "logits": logits, "path": path}
+    run.close()
+    return out
+
+
+def init_from_runs(rank: int, world_size: int, tmp: Path, hf_dir: Path) -> dict[str, Any]:
+    saved = fresh_run(run_config(tmp, "a", zero=3), seed=5, save=True)
+    # A meshrun checkpoint saved under ZeRO-3 starts a TP 2 run (DCP re-shards).
+    from_ckpt = fresh_run(run_config(tmp, "b", init_from=saved["path"], tp=2), seed=1)
+    # Its checkpoint root works too (the newest valid step); the HF directory under ZeRO-3.
+    from_root = fresh_run(run_config(tmp, "c", init_from=str(tmp / "a" / "ckpt"), zero=3), seed=1)
+    from_hf = fresh_run(run_config(tmp, "d", init_from=str(hf_dir), zero=3), seed=1)
+    return {"saved": saved, "ckpt": from_ckpt, "root": from_root, "hf": from_hf}
+
+
+@pytest.mark.timeout(400)
+def test_init_from_a_meshrun_checkpoint_or_an_hf_directory(tmp_path: Path) -> None:
+    hf_dir = save_dirs(tmp_path / "hf")["llama"]
+    want_hf = reference_logits(hf_dir)
+    results = run_distributed(init_from_runs, 2, tmp_path, hf_dir, timeout=370)
+    for r in results:
+        saved = r["saved"]["logits"]
+        assert float((saved - want_hf).abs().max()) > 1e-2  # other weights than the HF ones
+        for key, want in (("ckpt", saved), ("root", saved), ("hf", want_hf)):
+            got = r[key]
+            diff = float((got["logits"] - want).abs().max())
+            print(f"init_from {key}: max |logit diff| {diff:.2g}, start {got['start']}")
+            assert diff <= ATOL, (key, diff)
+            assert got["start"] == 0 and got["step"] == 0  # weights only: a fresh run

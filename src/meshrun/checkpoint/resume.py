@@ -24,6 +24,7 @@ from meshrun.checkpoint import layout
 from meshrun.checkpoint.checks import CheckpointError, check_keys, layout_text, pick, reseed
 from meshrun.checkpoint.commit import STATE_FILE, rank_file
 from meshrun.checkpoint.facts import RunFacts
+from meshrun.checkpoint.init_from import load_initial_weights
 from meshrun.checkpoint.pipeline import PipelineView
 from meshrun.checkpoint.state import decode_json, merge_state, restore_rng, split_state
 from meshrun.checkpoint.targets import Targets
@@ -66,6 +67,10 @@ class Resume:
         if path is None:
             if f.rank == 0 and self.cfg.resume == "auto":
                 log.info("no valid checkpoint under %s: starting at step 0", f.root)
+            if self.cfg.init_from:  # a fresh run: weights only (checkpoint/init_from.py)
+                load_initial_weights(
+                    Path(self.cfg.init_from), self.targets.resolve()[0], f.device, f.rank
+                )
             return None
         model, optimizer = self.targets.resolve()
         saved = json.loads((path / STATE_FILE).read_text())
