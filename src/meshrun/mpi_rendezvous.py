@@ -82,7 +82,7 @@ def _announce(endpoint: Endpoint, rank: int, local_rank: int, set_vars: list[str
     if set_vars and local_rank == 0:  # one line per host
         _say(
             f"rank {rank} on {socket.gethostname()} reaches {endpoint.addr} through interface "
-            f"{endpoint.ifname} ({'='.join(set_vars)}={endpoint.ifname})"
+            f"{endpoint.ifname} (set {', '.join(set_vars)})"
         )
 
 
