@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.utils.data import Dataset
@@ -25,7 +26,6 @@ import meshrun
 from _dist import run_distributed
 from meshrun.checkpoint import CheckpointError, layout
 from meshrun.checkpoint.checks import pick
-from meshrun.checkpoint.export import read_safetensors
 from meshrun.cli import main as cli_main
 
 GLOBAL_BATCH = 16
@@ -189,11 +189,7 @@ def check_cli_verify_and_export(tmp: Path, saved: Path, tampered: Path, probe_lo
     for name in ("model.safetensors", "model.pt"):
         out = tmp / name
         assert cli_main(["ckpt", "export", str(layout.step_dir(saved, STEPS)), str(out)]) == 0
-        sd = (
-            read_safetensors(out)
-            if name.endswith("safetensors")
-            else torch.load(out, weights_only=True)
-        )
+        sd = load_file(out) if name.endswith("safetensors") else torch.load(out, weights_only=True)
         plain = build_model()
         plain.load_state_dict(sd, strict=True)
         probe = Indexed()[list(range(8))]  # type: ignore[index]

@@ -10,6 +10,8 @@ from meshrun.checkpoint import layout
 
 __all__ = ["add_parser"]
 
+_DTYPE_CHOICES = ("bf16", "fp16", "fp32")  # export_hf.DTYPES' keys (torch: not imported here)
+
 
 def _dir_size(path: Path) -> int:
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
@@ -82,14 +84,39 @@ def cmd_export(a: argparse.Namespace) -> int:
         print(f"{path} is not a valid checkpoint: {'; '.join(bad)}")
         return 1
     try:
-        from meshrun.checkpoint.export import export  # torch: only when needed
-
-        infos = export(path, Path(a.out), prefix=a.prefix, max_bytes=a.max_mb << 20)
+        return _export_hf(a, path) if a.hf else _export_file(a, path)
     except ValueError as e:
         print(f"meshrun ckpt export: error: {e}")
         return 2
-    total = sum(i.nbytes for i in infos)
+
+
+def _export_file(a: argparse.Namespace, path: Path) -> int:
+    from meshrun.checkpoint.export import DTYPES, export  # torch: only when needed
+
+    dtype = DTYPES[a.dtype] if a.dtype else None
+    infos = export(path, Path(a.out), prefix=a.prefix, max_bytes=a.max_mb << 20, dtype=dtype)
+    total = sum(i.nbytes_as(dtype or i.dtype) for i in infos)
     print(f"wrote {a.out}: {len(infos)} tensors, {total / 1e6:.1f} MB")
+    return 0
+
+
+def _export_hf(a: argparse.Namespace, path: Path) -> int:
+    from meshrun.checkpoint.export import DTYPES
+    from meshrun.checkpoint.export_hf import export_hf, parse_size
+
+    done = export_hf(
+        path,
+        Path(a.out),
+        shard_bytes=parse_size(a.shard_size),
+        dtype=DTYPES[a.dtype] if a.dtype else None,
+        prefix=a.prefix,
+        max_bytes=a.max_mb << 20,
+    )
+    tied = f"; tied, written once: {', '.join(done.tied)}" if done.tied else ""
+    print(
+        f"wrote {a.out}: {done.tensors} tensors, {done.total_size / 1e6:.1f} MB in "
+        f"{len(done.files)} file(s){tied}; load it with from_pretrained({str(a.out)!r})"
+    )
     return 0
 
 
@@ -107,9 +134,27 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     ver = csub.add_parser("verify", help="recompute checksums; exit 1 if any checkpoint is invalid")
     ver.add_argument("path", help="a checkpoint directory, or a root holding several")
     ver.set_defaults(fn=cmd_verify)
-    exp = csub.add_parser("export", help="consolidate into one .safetensors or .pt file")
+    exp = csub.add_parser(
+        "export", help="consolidate into one .safetensors or .pt file, or (--hf) an HF directory"
+    )
     exp.add_argument("path", help="a checkpoint directory")
-    exp.add_argument("out", help="output file: NAME.safetensors (streamed) or NAME.pt")
+    exp.add_argument(
+        "out", help="NAME.safetensors (streamed) or NAME.pt; with --hf a new directory"
+    )
+    exp.add_argument(
+        "--hf",
+        action="store_true",
+        help="write a Hugging Face directory (config.json, sharded safetensors, index) that "
+        "from_pretrained loads; needs a checkpoint of a transformers model",
+    )
+    exp.add_argument(
+        "--shard-size", default="5GB", help="with --hf: largest weight file (default: 5GB)"
+    )
+    exp.add_argument(
+        "--dtype",
+        choices=sorted(_DTYPE_CHOICES),
+        help="convert floating-point tensors (default: as saved)",
+    )
     exp.add_argument("--prefix", default="model.", help="tensors to export (default: model.)")
     exp.add_argument("--max-mb", type=int, default=256, help="memory bound while streaming")
     exp.set_defaults(fn=cmd_export)

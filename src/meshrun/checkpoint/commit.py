@@ -21,6 +21,7 @@ import torch.distributed as dist
 from meshrun.checkpoint import layout
 from meshrun.checkpoint.checks import CheckpointError, space_text
 from meshrun.checkpoint.facts import RunFacts, any_rank, barrier
+from meshrun.checkpoint.hf_files import HF_FILES
 from meshrun.checkpoint.state import capture_rng
 from meshrun.checkpoint.targets import SAMPLER_AT_SAVE
 from meshrun.checkpoint.writer import HashingFileSystem
@@ -104,6 +105,8 @@ class Commit:
             layout.write_file_durably(
                 tmp / STATE_FILE, json.dumps(self._global_state(step, plain)).encode()
             )
+            for name, text in plain.get(HF_FILES, {}).items():  # listed in the manifest too
+                layout.write_file_durably(tmp / name, text.encode())
             meta = self._meta(layout_name)
             manifest = layout.build_manifest(tmp, step=step, meta=meta, known=hashed)
             if final.exists():  # an older save of the same step (e.g. before a restart)
@@ -119,7 +122,7 @@ class Commit:
         return {
             "step": step,
             "sampler": plain[SAMPLER_AT_SAVE],
-            "plain": {k: v for k, v in plain.items() if k != SAMPLER_AT_SAVE},
+            "plain": {k: v for k, v in plain.items() if k not in (SAMPLER_AT_SAVE, HF_FILES)},
             "config_toml": self.facts.config_toml,
         }
 

@@ -1,18 +1,23 @@
 """Read a sharded checkpoint in one process: its tensor table, and an export to one file.
 
-``export`` consolidates the model weights (by default) into a ``.safetensors`` file, written
-tensor by tensor so that memory stays bounded by ``max_bytes`` however big the model, or into
-a ``.pt`` file (``torch.save``: the whole model in memory; load it with ``weights_only=True``).
-The safetensors format is simple enough to write here (an 8-byte header length, a JSON
-header of dtypes, shapes and offsets, then raw little-endian bytes), so it needs no package.
+``export`` consolidates the model weights (by default) into a ``.safetensors`` file or into a
+``.pt`` file (``torch.save``: the whole model in memory; load it with ``weights_only=True``).
+Every safetensors file is written by the ``safetensors`` library (``save_file``); the
+Hugging Face directory export (``export_hf.py``) writes its shards with the same
+:func:`write_safetensors`.
+
+Memory: ``save_file`` takes the whole file's tensors at once, so they are staged in a
+file-backed shared mapping (``torch.from_file``) next to the output, filled from
+the checkpoint in groups of at most ``max_bytes``. The process's own (anonymous) memory stays
+bounded by ``max_bytes`` however big the file; the staged pages are page cache the kernel can
+write back and drop, and the staging file is removed once the output is written.
 """
 
 from __future__ import annotations
 
-import json
-import struct
+import os
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,20 +25,10 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-__all__ = ["TensorInfo", "export", "read_safetensors", "tensor_table"]
+__all__ = ["DTYPES", "TensorInfo", "export", "tensor_table", "write_safetensors"]
 
-_ST_DTYPES = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --dtype
+_ALIGN = 64  # each staged tensor starts on a 64-byte boundary (any dtype's alignment)
 
 
 @dataclass(frozen=True)
@@ -44,7 +39,10 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        n = self.dtype.itemsize
+        return self.nbytes_as(self.dtype)
+
+    def nbytes_as(self, dtype: torch.dtype) -> int:
+        n = dtype.itemsize
         for s in self.shape:
             n *= s
         return n
@@ -62,7 +60,7 @@ def tensor_table(path: Path) -> list[TensorInfo]:
 
 
 def _load_chunks(
-    path: Path, infos: list[TensorInfo], max_bytes: int
+    path: Path, infos: Sequence[TensorInfo], max_bytes: int
 ) -> Iterator[dict[str, torch.Tensor]]:
     """Load the tensors in groups of at most ``max_bytes`` (one tensor if it alone is bigger)."""
     group: list[TensorInfo] = []
@@ -80,70 +78,89 @@ def _load_chunks(
 
 
 def export(
-    path: Path, out: Path, *, prefix: str = "model.", max_bytes: int = 256 << 20
+    path: Path,
+    out: Path,
+    *,
+    prefix: str = "model.",
+    max_bytes: int = 256 << 20,
+    dtype: torch.dtype | None = None,
 ) -> list[TensorInfo]:
-    """Write the tensors whose names start with ``prefix`` (stripped) to ``out``."""
+    """Write the tensors whose names start with ``prefix`` (stripped) to ``out``, floating-point
+    ones converted to ``dtype`` if given."""
     infos = [i for i in tensor_table(path) if i.name.startswith(prefix)]
     if not infos:
         raise ValueError(f"{path}: no tensors named {prefix!r}*; see `meshrun ckpt inspect`")
     if out.suffix == ".safetensors":
-        _write_safetensors(path, out, infos, prefix, max_bytes)
+        names = [i.name[len(prefix) :] for i in infos]
+        write_safetensors(path, out, infos, names, max_bytes=max_bytes, dtype=dtype)
     elif out.suffix in (".pt", ".pth"):
         sd: dict[str, torch.Tensor] = {}
+        infos_of = {i.name: i for i in infos}
         for chunk in _load_chunks(path, infos, max_bytes):
-            sd.update({k[len(prefix) :]: v for k, v in chunk.items()})
+            sd.update(
+                {
+                    k[len(prefix) :]: v.to(_target_dtype(infos_of[k], dtype))
+                    for k, v in chunk.items()
+                }
+            )
         torch.save(sd, out)
     else:
         raise ValueError(f"export to {out}: the name must end in .safetensors or .pt")
     return infos
 
 
-def _write_safetensors(
-    path: Path, out: Path, infos: list[TensorInfo], prefix: str, max_bytes: int
-) -> None:
-    header: dict[str, object] = {}
-    offset = 0
-    for i in infos:
-        if i.dtype not in _ST_DTYPES:
-            raise ValueError(f"{i.name}: dtype {i.dtype} has no safetensors code; export to .pt")
-        header[i.name[len(prefix) :]] = {
-            "dtype": _ST_DTYPES[i.dtype],
-            "shape": list(i.shape),
-            "data_offsets": [offset, offset + i.nbytes],
+def write_safetensors(
+    path: Path,
+    out: Path,
+    infos: Sequence[TensorInfo],
+    names: Sequence[str],
+    *,
+    max_bytes: int,
+    dtype: torch.dtype | None = None,
+) -> int:
+    """Write the checkpoint's tensors ``infos`` under ``names`` to the safetensors file ``out``
+    (floating-point tensors converted to ``dtype`` if given); returns the tensor bytes written."""
+    from safetensors.torch import save_file  # a runtime dependency; imported when exporting
+
+    targets = [_target_dtype(i, dtype) for i in infos]
+    offsets, total = _layout(infos, targets)
+    staging = out.with_name(f".{out.name}.staging")
+    try:
+        flat = torch.from_file(str(staging), shared=True, size=max(total, 1), dtype=torch.uint8)
+        views = {
+            i.name: flat[o : o + i.nbytes_as(t)].view(t).view(i.shape)
+            for i, t, o in zip(infos, targets, offsets, strict=True)
         }
-        offset += i.nbytes
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
-    with open(out, "wb") as fh:
-        fh.write(struct.pack("<Q", len(blob)) + blob)
         for chunk in _load_chunks(path, infos, max_bytes):
-            for info in infos:
-                if info.name in chunk:
-                    fh.write(_raw_bytes(chunk[info.name]))
-
-
-def _raw_bytes(t: torch.Tensor) -> bytes:
-    flat = t.contiguous().reshape(-1)
-    return flat.view(torch.uint8).numpy().tobytes() if flat.numel() else b""
-
-
-def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    """Read a safetensors file (small helper; the `safetensors` package reads it too)."""
-    codes = {v: k for k, v in _ST_DTYPES.items()}
-    data = Path(path).read_bytes()
-    (n,) = struct.unpack("<Q", data[:8])
-    header = json.loads(data[8 : 8 + n])
-    base = 8 + n
-    out = {}
-    for name, h in header.items():
-        if name == "__metadata__":
-            continue
-        lo, hi = h["data_offsets"]
-        raw = bytearray(data[base + lo : base + hi])
-        dtype = codes[h["dtype"]]
-        out[name] = (
-            torch.frombuffer(raw, dtype=dtype).reshape(h["shape"])
-            if raw
-            else torch.empty(h["shape"], dtype=dtype)
+            for name, tensor in chunk.items():
+                views[name].copy_(tensor)  # converts the dtype where asked
+        save_file(
+            {n: views[i.name] for n, i in zip(names, infos, strict=True)},
+            str(out),
+            metadata={"format": "pt"},  # what transformers' save_pretrained writes
         )
-    return out
+        del views, flat  # unmaps the staging file
+        out.chmod(0o666 & ~_umask())  # save_file creates it 0600; other files follow the umask
+    finally:
+        staging.unlink(missing_ok=True)
+    return sum(i.nbytes_as(t) for i, t in zip(infos, targets, strict=True))
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _target_dtype(info: TensorInfo, dtype: torch.dtype | None) -> torch.dtype:
+    """Floating-point tensors take ``dtype``; integer and bool tensors keep theirs."""
+    return dtype if dtype is not None and info.dtype.is_floating_point else info.dtype
+
+
+def _layout(infos: Sequence[TensorInfo], dtypes: Sequence[torch.dtype]) -> tuple[list[int], int]:
+    """Byte offsets of the staged tensors in one buffer, and its size."""
+    offsets, at = [], 0
+    for info, dt in zip(infos, dtypes, strict=True):
+        offsets.append(at)
+        at += -(-info.nbytes_as(dt) // _ALIGN) * _ALIGN
+    return offsets, at

@@ -17,6 +17,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
 from meshrun.checkpoint.checks import CheckpointError
+from meshrun.checkpoint.hf_files import HF_FILES, hf_files
 from meshrun.checkpoint.pipeline import PipelineView, gather_optim_plain, maybe_pipeline_view
 from meshrun.checkpoint.state import split_state
 from meshrun.checkpoint.zero1 import is_zero1, zero1_state_dict
@@ -118,6 +119,7 @@ class Targets:
         # sampler has moved on (a JSON round trip makes it a copy).
         sampler = self.sampler.state_dict() if self.sampler is not None else None
         plain[SAMPLER_AT_SAVE] = json.loads(json.dumps(sampler))
+        plain[HF_FILES] = hf_files(model)  # config.json of a transformers model, for export
         return tensors, plain
 
     def _warn_unregistered(self, optimizer: torch.optim.Optimizer) -> None:
