@@ -16,7 +16,7 @@ import math
 import socket
 import time
 from collections.abc import Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ from meshrun.monitor.throughput import resolve_tokens_per_sample
 from meshrun.parallel import clip_grad_norm_, set_grad_sync
 from meshrun.parallel.report import log_state_table
 from meshrun.state import TrainState
+
+if TYPE_CHECKING:  # built by startup.build_loop only under fault_tolerance.replica_groups > 1
+    from meshrun.ft.replica import ReplicaGroup
 
 log = logging.getLogger("meshrun")
 
@@ -78,6 +81,7 @@ class StepLoop:
         monitor: MonitorConfig | None = None,
         state: TrainState | None = None,
         agreement: StepAgreement | None = None,
+        replicas: ReplicaGroup | None = None,
     ) -> None:
         if min(accum, global_batch, micro_batch) < 1:
             # An unset global batch (0) is resolved before the loop (launcher or Run): a 0 here
@@ -110,6 +114,8 @@ class StepLoop:
             agreement=agreement,
         )
         self.monitor.models = self.state.models  # DDP models get their all-reduce timed
+        self.replicas, self._target = replicas, total_steps  # torchft groups: ft/replica.py
+        self._boundary_calls = 0  # optimizer_step calls on a boundary (committed or not)
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -141,9 +147,15 @@ class StepLoop:
         dataset = getattr(loader, "dataset", None)
         self.state.iterable = dataset if isinstance(dataset, ResumableIterable) else None
         self._t_last = time.perf_counter()
+        self._target = target
+        if self.replicas is not None:
+            self.replicas.check_sampler(self.state.sampler)
+        self._maybe_start_quorum()
         first = True
         while self.state.step < target:
             produced = False
+            if self.replicas is not None:  # a new iteration starts at the sampler's position
+                self.replicas.data_moved = False
             for batch in self.data_wait.wrap(loader):
                 produced = True
                 if first:
@@ -152,6 +164,8 @@ class StepLoop:
                 yield from self._one_micro_step(batch)
                 if self.state.step >= target:
                     return
+                if self.replicas is not None and self.replicas.data_moved:
+                    break  # healed or uncommitted: read from the (new) position again
             if not produced:
                 raise RuntimeError("the data loader produced no batches: is the dataset empty?")
 
@@ -159,11 +173,11 @@ class StepLoop:
         self._boundary = self.state.micro == self.accum - 1
         for m in self.state.models:
             set_grad_sync(m, self._boundary)
-        before = self.state.step
+        before = self._boundary_calls
         batch = to_device(batch, self.device)
         self.monitor.batch_ready()
         yield batch
-        if self._boundary and self.state.step == before:
+        if self._boundary and self._boundary_calls == before:
             raise RuntimeError(
                 "the step loop reached an optimizer boundary but run.optimizer_step(optimizer) "
                 "was not called: call it once per micro-batch, after run.backward(loss)"
@@ -203,12 +217,16 @@ class StepLoop:
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step (and zero) the optimizer on a boundary micro-step; return whether this was one.
-        A step the numerics guard skips (NaN/Inf loss on some rank) still counts as a step."""
+        A step the numerics guard skips (NaN/Inf loss on some rank) still counts as a step;
+        under replica groups a step the quorum does not commit does not (False)."""
         if not self._boundary:
             return False
+        self._boundary_calls += 1
         # Every rank learns whether any rank's loss is NaN/Inf; all skip (or stop) together.
         guard = self.monitor.guard(self._loss_sum, self.accum, self.state.step + 1)
         t0 = time.perf_counter()
+        if self.replicas is not None:
+            return self._replicated_step(optimizer, guard.loss, guard.finite, t0)
         if guard.finite:
             self._apply_update(optimizer)
         if not self._state_reported:  # the state exists now: which rank holds how much of it
@@ -227,6 +245,44 @@ class StepLoop:
         self._record(lr, guard.loss)
         return True
 
+    def _replicated_step(
+        self, optimizer: torch.optim.Optimizer, loss: float, finite: bool, t0: float
+    ) -> bool:
+        """The boundary under replica groups: average across the live groups, then step only
+        if the quorum commits. An uncommitted step is not counted: the same data is read again
+        (the position did not move) and the next quorum reconfigures around a lost group."""
+        assert self.replicas is not None
+        self.replicas.apply_pending_optimizer(optimizer)
+        outcome = self.replicas.sync(loss, finite)
+        if not outcome.committed:  # no step taken: False, so nothing runs "after a step"
+            optimizer.zero_grad(set_to_none=True)
+            self._loss_sum = None
+            self.replicas.data_moved = True
+            self._maybe_start_quorum()
+            return False
+        self._apply_update(optimizer)
+        lr = float(optimizer.param_groups[0]["lr"])
+        optimizer.zero_grad(set_to_none=True)
+        self.monitor.add("optimizer_s", t0)
+        for s in self.state.schedulers:
+            s.step()
+        self.state.step += 1
+        # Shares of missing groups are not trained (fault_tolerance.missing_group = shrink).
+        trained = self.global_batch * outcome.live_groups // self.replicas.cfg.replica_groups
+        if self.state.sampler is not None:
+            self.state.sampler.step(self.global_batch)
+        if self.state.iterable is not None:
+            self.state.iterable.step(self.global_batch)
+        self._record(
+            lr, outcome.loss, trained, {"live_groups": outcome.live_groups, "committed": True}
+        )
+        self._maybe_start_quorum()
+        return True
+
+    def _maybe_start_quorum(self) -> None:
+        if self.replicas is not None and self.state.step < self._target:
+            self.replicas.start_step()
+
     def _apply_update(self, optimizer: torch.optim.Optimizer) -> None:
         if self.state.scaler is not None:
             self.state.scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
@@ -243,8 +299,15 @@ class StepLoop:
 
     # --- metrics -------------------------------------------------------------------------
 
-    def _record(self, lr: float, loss: float) -> None:
-        """``loss``: the global mean loss, from the guard's collective (NaN on a skipped step)."""
+    def _record(
+        self,
+        lr: float,
+        loss: float,
+        samples: int | None = None,
+        ft: dict[str, float | str] | None = None,
+    ) -> None:
+        """``loss``: the global mean loss, from the guard's collective (NaN on a skipped step);
+        ``samples``: those trained (default the global batch); ``ft``: replica-group figures."""
         now = time.perf_counter()
         step_time, self._t_last = now - self._t_last, now
         logged = self.state.step % self.log_every == 0 or self.state.step == self.total_steps
@@ -256,12 +319,14 @@ class StepLoop:
             loss=loss,
             lr=lr,
             step_time_s=step_time,
-            samples=self.global_batch,
-            tokens=self._tokens_per_sample and self.global_batch * self._tokens_per_sample,
+            samples=self.global_batch if samples is None else samples,
+            tokens=self._tokens_per_sample
+            and (self.global_batch if samples is None else samples) * self._tokens_per_sample,
             extra={
                 **(memory_stats(self.device) | self.monitor.host.sample() if logged else {}),
                 **wait,
                 **phases,
+                **(ft or {}),
             },
         )
         self.monitor.add("loop_s", now)  # metrics and monitoring: the next step's time

@@ -27,6 +27,7 @@ from meshrun.config import (
     Config,
     ConfigError,
     apply_overrides,
+    grad_accumulation,
     load_config,
     resolve_global_batch,
     split_overrides,
@@ -174,6 +175,15 @@ def build_loop(
     state: TrainState,
     agreement: StepAgreement,
 ) -> StepLoop:
+    """The step loop; under ``fault_tolerance.replica_groups > 1`` with this group's torchft
+    Manager, and the accumulation over every group's data-parallel ranks."""
+    replicas = None
+    if cfg.fault_tolerance.enabled:
+        from meshrun.ft.replica import ReplicaGroup
+
+        dp = mesh.get_group("dp").size() if mesh is not None else 1
+        accum = grad_accumulation(cfg.data, dp * cfg.fault_tolerance.replica_groups)
+        replicas = ReplicaGroup(cfg.fault_tolerance, state, metrics, dp)
     return StepLoop(
         accum=accum,
         global_batch=cfg.data.global_batch,
@@ -187,6 +197,7 @@ def build_loop(
         monitor=cfg.monitor,
         state=state,
         agreement=agreement,
+        replicas=replicas,
     )
 
 

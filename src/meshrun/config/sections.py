@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, get_type_hints
 
+from meshrun.config.fault_tolerance import FaultToleranceConfig
 from meshrun.config.fields import ConfigError, check_section, key_of, setting
 from meshrun.config.launch_values import check_launch_values
 
@@ -351,6 +352,7 @@ class Config:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     monitor: MonitorConfig = field(default_factory=MonitorConfig)
     launch: LaunchConfig = field(default_factory=LaunchConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
 
     def __post_init__(self) -> None:
         validate(self)

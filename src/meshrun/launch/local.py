@@ -28,6 +28,7 @@ from meshrun.launch import multinode
 from meshrun.launch.handshake import Handshake, HandshakeError, local_node_info, say_stderr
 from meshrun.launch.multinode import NetworkPlan
 from meshrun.launch.netif import NetworkError
+from meshrun.launch.replicas import GroupPlan, launch_replica_groups
 from meshrun.launch.summary import HangStates, find_attempt_dir, summarize_failures
 from meshrun.launch.torchrun_flags import FLAGS
 from meshrun.monitor.watchdog import hang_report, hang_states, watch_for_hangs
@@ -64,6 +65,9 @@ class LaunchSpec(LaunchConfig):
     log_dir_flag: str = ""  # torchrun's --log-dir; "" = RUN_DIR/logs
     local_addr: str = ""  # torchrun's --local-addr; "" = loopback, or the chosen interface's
     torchrun_args: list[str] = field(default_factory=list)  # the rest, handed to the agent
+    # --replica-groups N (> 1: N torchrun jobs, launch/replicas.py) and --lighthouse HOST:PORT
+    replica_groups: int = 0
+    lighthouse: str = ""
 
     @classmethod
     def of(cls, launch: LaunchConfig, **fields: Any) -> LaunchSpec:
@@ -167,6 +171,8 @@ def rendezvous_endpoint(spec: LaunchSpec, port: int) -> str:
 
 def launch_local(spec: LaunchSpec) -> int:
     """Run ``spec`` under torchrun's agent; return the exit code, never raise for a worker."""
+    if spec.replica_groups > 1:
+        return launch_replica_groups(_group_plan(spec))
     port = 0 if spec.rdzv_endpoint else find_free_port()
     try:
         network = _plan_network(spec)
@@ -182,6 +188,24 @@ def launch_local(spec: LaunchSpec) -> int:
         if network is None:
             return _run_agent(argv, spec, known_runs, None)
         return _run_multinode(argv, spec, network, known_runs)
+
+
+def _group_plan(spec: LaunchSpec) -> GroupPlan:
+    """``--replica-groups``: each group a torchrun job of its own (its rendezvous id, port,
+    run dir and config), built by :func:`build_torchrun_args` as one job would be."""
+    assert spec.config_path, "meshrun launch writes the resolved config first"
+
+    def argv_for(index: int, run_dir: str, config_path: str) -> list[str]:
+        group = dataclasses.replace(
+            spec, nproc_per_node=spec.nproc_per_node // spec.replica_groups, run_dir=run_dir,
+            config_path=config_path, rdzv_id=f"{spec.rdzv_id}-group{index}", replica_groups=0,
+        )  # fmt: skip
+        return build_torchrun_args(group, find_free_port())
+
+    return GroupPlan(
+        spec.replica_groups, spec.nproc_per_node, spec.nnodes, spec.config_path,
+        spec.lighthouse, argv_for, dict(spec.extra_env),
+    )  # fmt: skip
 
 
 def _run_multinode(

@@ -159,6 +159,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "every torchrun flag, in both spellings (--nproc-per-node or --nproc_per_node), with "
         "torchrun's meaning (docs/launch.md: torchrun compatibility)",
     )
+    add_replica_arguments(p)
     for flag in FLAGS:
         if flag.type is None:
             group.add_argument(*flag.options, dest=flag.dest, action="store_true",
@@ -168,6 +169,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                                choices=flag.choices,
                                metavar=None if flag.choices else METAVARS.get(flag.dest, "NAME"),
                                help=flag.help)  # fmt: skip
+
+
+def add_replica_arguments(p: argparse.ArgumentParser) -> None:
+    """meshrun's own flags for replica-group fault tolerance (docs/fault_tolerance.md)."""
+    group = p.add_argument_group(
+        "replica groups (torchft)",
+        "split the processes into groups that survive each other's failures "
+        "(docs/fault_tolerance.md)",
+    )
+    group.add_argument(
+        "--replica-groups",
+        type=int,
+        default=None,
+        metavar="N",
+        help="N replica groups of nproc-per-node / N processes each, each its "
+        "own torchrun job (default fault_tolerance.replica_groups, 1 = off)",
+    )
+    group.add_argument("--lighthouse", default=None, metavar="HOST:PORT",
+                       help="torchft's lighthouse (`meshrun lighthouse`); default: meshrun "
+                       "starts one on loopback for this job")  # fmt: skip
 
 
 def given(a: argparse.Namespace) -> list[Flag]:
@@ -237,6 +258,8 @@ def resolve(a: argparse.Namespace, nproc_of: Callable[[str], int] | None = None)
         "log_dir_flag": a.log_dir or "",
         "local_addr": a.local_addr or "",
         "torchrun_args": passthrough_argv(a),
+        "replica_groups": getattr(a, "replica_groups", None) or 0,
+        "lighthouse": getattr(a, "lighthouse", None) or "",
     }
     if a.logs_specs:
         notes.append(

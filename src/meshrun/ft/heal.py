@@ -1,0 +1,91 @@
+"""What a live replica group sends a restarted one, and how the restarted one takes it.
+
+The state is everything a step depends on: the model weights, the optimizer's state, the LR
+schedulers, the fp16 scaler, the counters and the data position (the sampler's ``consumed``:
+the healed group continues the data stream where its peers are, neither replaying nor
+skipping). torchft moves it over HTTP between the groups' ranks of the same index, so each
+rank sends and receives its own shard under FSDP2.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_leaves
+
+from meshrun.state import TrainState
+
+__all__ = ["HealState", "Loaded", "StateCodec"]
+
+
+@dataclass(frozen=True)
+class Loaded:
+    """One heal, as the metrics report it."""
+
+    source: str  # the group the state came from
+    nbytes: int  # tensor bytes received
+    step: int
+
+
+class HealState:
+    """Whether the current quorum healed this group (set by the Manager's load callback)."""
+
+    def __init__(self) -> None:
+        self.loaded: Loaded | None = None
+
+    def begin(self) -> None:
+        self.loaded = None
+
+
+class StateCodec:
+    """``save()`` on the group that sends, ``load()`` on the group that heals."""
+
+    def __init__(self, state: TrainState, group_index: int) -> None:
+        self.state = state
+        self.group_index = group_index
+        self._pending_optimizer: dict[str, Any] | None = None
+
+    def save(self) -> dict[str, Any]:
+        s = self.state
+        return {
+            "source": f"group {self.group_index}",
+            "step": s.step,
+            "models": [m.state_dict() for m in s.models],
+            "optimizer": None if s.optimizer is None else s.optimizer.state_dict(),
+            "schedulers": [sch.state_dict() for sch in s.schedulers],
+            "scaler": None if s.scaler is None else s.scaler.state_dict(),
+            "sampler": None if s.sampler is None else s.sampler.state_dict(),
+            "iterable": None if s.iterable is None else s.iterable.state_dict(),
+        }
+
+    def load(self, blob: dict[str, Any]) -> Loaded:
+        s = self.state
+        if len(blob["models"]) != len(s.models):
+            raise RuntimeError(
+                f"healing: the peer trains {len(blob['models'])} models, this group "
+                f"{len(s.models)}; every replica group must run the same script and layout"
+            )
+        for model, sd in zip(s.models, blob["models"], strict=True):
+            model.load_state_dict(sd)
+        for sch, sd in zip(s.schedulers, blob["schedulers"], strict=True):
+            sch.load_state_dict(sd)
+        if s.scaler is not None and blob["scaler"] is not None:
+            s.scaler.load_state_dict(blob["scaler"])
+        if s.sampler is not None and blob["sampler"] is not None:
+            s.sampler.load_state_dict(blob["sampler"])
+        if s.iterable is not None and blob["iterable"] is not None:
+            s.iterable.load_state_dict(blob["iterable"])
+        self._pending_optimizer = blob["optimizer"]
+        if s.optimizer is not None:
+            self.apply_pending_optimizer(s.optimizer)
+        s.set_position(int(blob["step"]))
+        nbytes = sum(t.numel() * t.element_size() for t in tree_leaves(blob)
+                     if isinstance(t, torch.Tensor))  # fmt: skip
+        return Loaded(str(blob["source"]), nbytes, int(blob["step"]))
+
+    def apply_pending_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        if self._pending_optimizer is not None:
+            optimizer.load_state_dict(self._pending_optimizer)
+            self._pending_optimizer = None

@@ -1,0 +1,242 @@
+"""One replica group's side of torchft: the quorum before each step, the cross-group gradient
+average, the commit decision, and healing from a live peer (docs/fault_tolerance.md).
+
+Inside a group the layout runs as without fault tolerance (DDP, FSDP2, ...): after the
+group's own backward sync every rank holds the gradient of its group's share of the batch
+(whole under DDP, its shard under FSDP2). Rank ``r`` of each group then averages those local
+tensors with rank ``r`` of the other live groups through torchft's Manager (the same shape on
+every group: the groups run the same layout), so the result is the gradient of the live
+groups' whole batch. torchft's own DDP wrapper is not used: its comm hook asserts
+(``assert fut._fut``) when a peer dies inside the all-reduce; here the error goes to the
+Manager, and ``should_commit`` then refuses the step on every rank of the group.
+
+The quorum is synchronous (``use_async_quorum=False``): a restarted group loads its peer's
+state before its first forward, so no step of it trains on stale weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshrun.config import ConfigError
+from meshrun.config.fault_tolerance import FaultToleranceConfig
+from meshrun.data.sampler import ResumableSampler
+from meshrun.ft.heal import HealState, StateCodec
+from meshrun.monitor import MetricsLogger
+from meshrun.state import TrainState
+
+__all__ = ["ReplicaGroup", "StepOutcome", "check_hostname"]
+
+log = logging.getLogger("meshrun")
+
+
+@dataclass(frozen=True)
+class StepOutcome:
+    """What the cross-group step decided (the same on every rank of the group)."""
+
+    committed: bool
+    loss: float  # the mean loss over the live groups (NaN when not committed)
+    live_groups: int
+
+
+def check_hostname() -> str:
+    """torchft advertises ``http://<hostname>:port`` for healing: the name must resolve."""
+    name = socket.gethostname()
+    try:
+        socket.getaddrinfo(name, None)
+    except OSError as err:
+        raise ConfigError(
+            f"fault_tolerance: this host's name {name!r} does not resolve ({err}); torchft "
+            "advertises it to the peers that heal from this group. Add it to /etc/hosts "
+            "(e.g. `127.0.1.1 <name>`) or fix the DNS, then start again"
+        ) from err
+    return name
+
+
+class ReplicaGroup:
+    """torchft's Manager for this process, with the step loop's three calls:
+    :meth:`start_step` before a step's first micro-batch, :meth:`sync` at the optimizer
+    boundary, :meth:`close` at the end."""
+
+    def __init__(
+        self, cfg: FaultToleranceConfig, state: TrainState, metrics: MetricsLogger, dp: int
+    ) -> None:
+        from torchft import Manager, ProcessGroupGloo
+
+        if not cfg.lighthouse:
+            raise ConfigError(
+                "fault_tolerance.replica_groups > 1 but fault_tolerance.lighthouse is empty: "
+                "start the job with `meshrun launch --replica-groups N` (it starts one), or "
+                "pass --lighthouse HOST:PORT of a running `meshrun lighthouse`"
+            )
+        self.cfg, self.state, self.metrics, self.dp = cfg, state, metrics, dp
+        self.codec = StateCodec(state, cfg.group_index)
+        self.heal = HealState()
+        timeout = timedelta(seconds=cfg.timeout_s)
+        self.manager = Manager(
+            pg=ProcessGroupGloo(timeout=timeout),
+            load_state_dict=self._load,
+            state_dict=self.codec.save,
+            min_replica_size=cfg.quorum_size(),
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            store_addr=os.environ["MASTER_ADDR"],
+            store_port=int(os.environ["MASTER_PORT"]),
+            lighthouse_addr=f"http://{cfg.lighthouse.removeprefix('http://')}",
+            # The trailing digits name the group in torchft's logs and global ranks.
+            replica_id=f"meshrun_group_{cfg.group_index}",
+            hostname=check_hostname(),
+            init_sync=False,  # every group seeds the same initial weights (init_seeds)
+        )
+        self.live_groups = 0
+        self.data_moved = False  # a heal set a new data position: the loop restarts its loader
+
+    # --- the step -------------------------------------------------------------------------
+
+    def start_step(self) -> None:
+        """The quorum of this step (blocks until one of ``min_replicas`` groups forms); a
+        group behind the others loads a live peer's state here (healing)."""
+        t0 = time.perf_counter()
+        self.heal.begin()
+        self.manager.start_quorum()
+        live = self.manager.num_participants()
+        if self.manager.current_step() == 0 and live < self.cfg.replica_groups:
+            live = self._wait_for_all_groups(live)
+        if live != self.live_groups and self.live_groups:
+            word = "left" if live < self.live_groups else "joined"
+            self.metrics.log_event("ft_groups", step=self.state.step, live_groups=live, change=word)
+            log.warning("replica groups: %d live (a group %s) at step %d", live, word,
+                        self.state.step)  # fmt: skip
+        self.live_groups = live
+        if self.heal.loaded is not None:
+            self.data_moved = True
+            self._log_heal(time.perf_counter() - t0)
+
+    def _wait_for_all_groups(self, live: int) -> int:
+        """A fresh job's first step waits for every group (they start seconds apart) rather
+        than training the first steps on fewer: every group in this quorum sees the same
+        count, so all of them ask again, until all are in or ``quorum_timeout_s`` passed."""
+        deadline = time.monotonic() + self.cfg.quorum_timeout_s
+        while live < self.cfg.replica_groups and time.monotonic() < deadline:
+            time.sleep(0.2)
+            self.manager.start_quorum()
+            live = self.manager.num_participants()
+        if (
+            live < self.cfg.replica_groups
+            and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+        ):
+            # A restarted group that finds no peer to heal from must not train from step 0
+            # alone: the job has likely ended (its peers finished) or lost every group.
+            raise RuntimeError(
+                f"replica group {self.cfg.group_index} restarted but only {live} of "
+                f"{self.cfg.replica_groups} groups answered in {self.cfg.quorum_timeout_s:.0f} s "
+                "(fault_tolerance.quorum_timeout_s): no live group to heal from"
+            )
+        if live < self.cfg.replica_groups:
+            log.warning("replica groups: starting with %d of %d groups after %.0f s",
+                        live, self.cfg.replica_groups, self.cfg.quorum_timeout_s)  # fmt: skip
+        return live
+
+    def sync(self, loss: float, finite: bool) -> StepOutcome:
+        """Average the gradients (and the loss) over the live groups; whether to commit."""
+        buf, grads = self._pack(loss, finite)
+        try:
+            self.manager.allreduce(buf).wait()
+        except Exception as err:  # a dead peer: Gloo's "Connection reset by peer", a timeout
+            self.manager.report_error(err)
+        if self.manager.errored() is None and float(buf[-2]) > 0:
+            # Some group's loss was NaN/Inf: no group commits (the numerics guard's rule).
+            self.manager.report_error(FloatingPointError("non-finite loss in a replica group"))
+        committed = self.manager.should_commit()
+        if committed:
+            _unpack(buf, grads)
+            return StepOutcome(True, float(buf[-1]), self.live_groups)
+        self.metrics.log_event(
+            "ft_uncommitted", step=self.state.step + 1, live_groups=self.live_groups,
+            error=_one_line(self.manager.errored()),
+        )  # fmt: skip
+        return StepOutcome(False, float("nan"), self.live_groups)
+
+    def check_sampler(self, sampler: ResumableSampler | None) -> None:
+        """The loader must read this group's share of the global batch (ft/data.py)."""
+        want = self.cfg.replica_groups * self.dp
+        if sampler is not None and sampler.world_size != want:
+            raise ConfigError(
+                f"replica groups: the loader's sampler splits the global batch over "
+                f"{sampler.world_size} ranks, but {self.cfg.replica_groups} groups x {self.dp} "
+                f"data-parallel ranks read it ({want}): build its ResumableSampler with "
+                "rank, world_size = meshrun.ft.data_share(run.config.fault_tolerance, "
+                "run.dp_rank, run.dp_size)"
+            )
+
+    def apply_pending_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Load a healed optimizer state the step loop could not place before it knew the
+        optimizer (a restarted group heals before its first ``optimizer_step``)."""
+        self.codec.apply_pending_optimizer(optimizer)
+
+    def close(self) -> None:
+        self.manager.shutdown(wait=False)
+
+    # --- internals ------------------------------------------------------------------------
+
+    def _load(self, blob: dict[str, Any]) -> None:
+        self.heal.loaded = self.codec.load(blob)
+
+    def _log_heal(self, seconds: float) -> None:
+        loaded = self.heal.loaded
+        assert loaded is not None
+        self.metrics.log_event(
+            "ft_heal", step=self.state.step, bytes=loaded.nbytes, seconds=round(seconds, 4),
+            source=loaded.source, live_groups=self.live_groups,
+        )  # fmt: skip
+        log.warning(
+            "replica group %d healed from %s: %d bytes in %.2f s, continuing at step %d",
+            self.cfg.group_index, loaded.source, loaded.nbytes, seconds, self.state.step,
+        )  # fmt: skip
+
+    def _pack(self, loss: float, finite: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """One flat float32 buffer: the local gradients, a non-finite flag, the loss."""
+        grads = _local_grads(self.state.models)
+        parts = [g.detach().reshape(-1).float() for g in grads]
+        tail = torch.tensor([0.0 if finite else 1.0, loss if finite else 0.0])
+        return torch.cat([*parts, tail]), grads
+
+
+def _local_grads(models: Sequence[nn.Module]) -> list[torch.Tensor]:
+    """This rank's gradient tensors (the local shard of a DTensor), in parameter order."""
+    out = []
+    for model in models:
+        for p in model.parameters():
+            if p.grad is not None:
+                g = p.grad
+                out.append(g.to_local() if hasattr(g, "to_local") else g)
+    return out
+
+
+def _unpack(buf: torch.Tensor, grads: list[torch.Tensor]) -> None:
+    offset = 0
+    for g in grads:
+        n = g.numel()
+        g.copy_(buf[offset : offset + n].view_as(g).to(g.dtype))
+        offset += n
+
+
+def _one_line(err: BaseException | None) -> str:
+    if err is None:
+        return ""
+    inner = getattr(err, "original_exception", err)
+    return f"{type(inner).__name__}: {' '.join(str(inner).split())}"[:300]

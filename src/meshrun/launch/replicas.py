@@ -1,0 +1,219 @@
+"""``meshrun launch --replica-groups N``: N replica groups on this node, each its own torchrun
+job (its own world, TCPStore and restarts), and torchft's lighthouse for them
+(docs/fault_tolerance.md).
+
+A group that fails is restarted by its own agent (``--max-restarts``) and heals from a live
+group; the other groups' processes never restart. The launcher starts the lighthouse itself
+on loopback unless ``--lighthouse`` names one, and stops it (and every group) at the end.
+torch elastic starts workers in their own session (setsid), so stopping a group kills its
+agent's workers by PID too, not only the agent's process group.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from meshrun.config import CONFIG_ENV, Config, apply_overrides, load_config, validate_for_world
+from meshrun.config import write_config as write_config_file
+
+__all__ = ["GroupPlan", "group_config", "launch_replica_groups", "run_lighthouse"]
+
+LOCAL_HOST = "127.0.0.1"
+
+STOP_GRACE_S = 10.0  # after SIGTERM, how long a group's agent gets before SIGKILL
+
+
+class _Stop(Exception):
+    """SIGTERM/SIGINT reached the launcher: stop every group."""
+
+
+def group_pairs(
+    cfg: Config, groups: int, index: int, lighthouse: str, nproc: int
+) -> list[tuple[str, str]]:
+    """The keys that make group ``index``'s config: its index, the lighthouse, its own run
+    directory (each group's rank 0 writes its metrics and logs there), its process count."""
+    return [
+        ("fault_tolerance.replica_groups", str(groups)),
+        ("fault_tolerance.group_index", str(index)),
+        ("fault_tolerance.lighthouse", lighthouse),
+        ("job.run_dir", str(cfg.resolved_run_dir() / f"group{index}")),
+        ("launch.nproc_per_node", str(nproc)),
+    ]
+
+
+def group_config(cfg: Config, groups: int, index: int, lighthouse: str, nproc: int) -> Config:
+    """Group ``index``'s copy of the resolved config (:func:`group_pairs`), checked for its
+    world."""
+    out = copy.deepcopy(cfg)
+    pairs = group_pairs(cfg, groups, index, lighthouse, nproc)
+    apply_overrides(out, pairs, source="meshrun launch --replica-groups")
+    validate_for_world(out, nproc * int(cfg.launch.nnodes))
+    return out
+
+
+@dataclass
+class GroupPlan:
+    """What ``launch_local`` hands over for ``--replica-groups``: the counts, the resolved
+    config, and how to build one group's torchrun argv (local.py owns torchrun's flags)."""
+
+    groups: int
+    nproc_per_node: int  # all groups together
+    nnodes: str
+    config_path: str
+    lighthouse: str  # --lighthouse; "" = the config's, else an embedded one
+    # (group index, its run dir, its config path) -> torchrun argv
+    argv_for: Callable[[int, str, str], list[str]]
+    extra_env: dict[str, str] = field(default_factory=dict)
+
+
+def launch_replica_groups(plan: GroupPlan) -> int:
+    """Start ``plan.groups`` torchrun jobs of ``nproc_per_node / groups`` processes; wait for
+    all; return 0 when every group finished, else the first failing group's exit code."""
+    groups = plan.groups
+    if plan.nproc_per_node % groups:
+        raise ValueError(
+            f"--replica-groups {groups} does not divide --nproc-per-node "
+            f"{plan.nproc_per_node}: each group gets nproc-per-node / N processes"
+        )
+    if plan.nnodes != "1":
+        raise ValueError(
+            "--replica-groups starts every group on this node; across nodes start one "
+            "`meshrun launch` per group with --lighthouse HOST:PORT and "
+            "--set fault_tolerance.group_index=G (docs/fault_tolerance.md)"
+        )
+    cfg = load_config(plan.config_path)
+    nproc = plan.nproc_per_node // groups
+    with run_lighthouse(plan.lighthouse or cfg.fault_tolerance.lighthouse, cfg, groups) as addr:
+        procs = [_start_group(plan, cfg, g, addr, nproc) for g in range(groups)]
+        return _wait(procs)
+
+
+@contextmanager
+def run_lighthouse(given: str, cfg: Config, groups: int) -> Iterator[str]:
+    """``given`` when set (a lighthouse someone else runs); else one on loopback for the life
+    of the block, with the config's quorum size and heartbeat timeout."""
+    if given:
+        yield given.removeprefix("http://")
+        return
+    from torchft.coordination import LighthouseServer
+
+    os.environ.setdefault("RUST_LOG", "warn")  # else a line per quorum tick on the console
+
+    ft = dataclasses.replace(cfg.fault_tolerance, replica_groups=groups)
+    port = _free_port()
+    server = LighthouseServer(
+        bind=f"{LOCAL_HOST}:{port}",
+        min_replicas=ft.quorum_size(),
+        join_timeout_ms=ft.heartbeat_timeout_ms,
+        heartbeat_timeout_ms=ft.heartbeat_timeout_ms,
+    )
+    say(f"lighthouse on {LOCAL_HOST}:{port} (min_replicas {ft.quorum_size()} of {groups})")
+    try:
+        yield f"{LOCAL_HOST}:{port}"
+    finally:
+        server.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOCAL_HOST, 0))
+        return int(sock.getsockname()[1])
+
+
+def _start_group(
+    plan: GroupPlan, cfg: Config, index: int, lighthouse: str, nproc: int
+) -> subprocess.Popen[bytes]:
+    gcfg = group_config(cfg, plan.groups, index, lighthouse, nproc)
+    run_dir = gcfg.resolved_run_dir()
+    (run_dir / "logs").mkdir(parents=True, exist_ok=True)
+    path = run_dir / "config.toml"
+    write_config_file(gcfg, path)
+    # The workers apply the script's --section.key=value overrides over the config file
+    # (meshrun.init): the group's own keys go last, so a --job.run_dir there cannot undo them.
+    tail = [f"--{k}={v}" for k, v in group_pairs(cfg, plan.groups, index, lighthouse, nproc)]
+    argv = [*plan.argv_for(index, str(run_dir), str(path)), *tail]
+    env = {**os.environ, **plan.extra_env, CONFIG_ENV: str(path.resolve())}
+    # The restarts need it (local.py's SHARE_STORE_ENV); OMP threads: cores / processes.
+    env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    cores = max(1, (os.cpu_count() or 1) // plan.nproc_per_node)
+    env.setdefault("OMP_NUM_THREADS", str(cores))
+    env.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
+    say(f"group {index}: {nproc} process(es), run dir {run_dir}")
+    return subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", *argv], env=env, start_new_session=True
+    )
+
+
+def _wait(procs: list[subprocess.Popen[bytes]]) -> int:
+    previous = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    for sig in previous:
+        signal.signal(sig, _raise_stop)
+    try:
+        while any(p.poll() is None for p in procs):
+            time.sleep(0.2)
+    except _Stop:
+        say("stopping every replica group")
+        for p in procs:
+            stop_group(p)
+        return 128 + signal.SIGTERM
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    codes = [p.returncode for p in procs]
+    for index, code in enumerate(codes):
+        if code:
+            say(f"group {index} failed (exit code {code})")
+    return next((c for c in codes if c), 0)
+
+
+def _raise_stop(signum: int, frame: object) -> None:
+    raise _Stop(signum)
+
+
+def stop_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the agent (it stops its workers), then SIGKILL it and any worker left: the
+    workers are in sessions of their own, outside the agent's process group."""
+    workers = descendants(proc.pid)
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=STOP_GRACE_S)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    for pid in workers:
+        with suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below ``pid`` (read from /proc; empty where there is none)."""
+    parents: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            parents[int(entry.name)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found, frontier = [], [pid]
+    while frontier:
+        kids = [c for c, p in parents.items() if p in frontier]
+        found += kids
+        frontier = kids
+    return found
+
+
+def say(text: str) -> None:
+    print(f"meshrun launch: {text}", file=sys.stderr, flush=True)

@@ -1,0 +1,145 @@
+"""A small training job for the replica-group tests (tests/e2e/test_ft.py, benchmarks/ft.py).
+
+It records what the tests compare: every process start (its PID) in RUN_DIR/pids.txt, and at
+the end a checksum of this rank's parameters in RUN_DIR/checksum.rank<r>.json.
+
+Faults, by environment (the group's index comes from the config, so only the named group's
+processes act; a marker file keeps a restarted worker from repeating a kill it already did):
+- FT_KILL_STEPS="G:S1,S2,..": group G's rank 0 SIGKILLs itself in the forward of step S.
+- FT_KILL_IN_ALLREDUCE="G:S": group G's rank 0 dies at step S's cross-group all-reduce,
+  after its peers are in it (they see the connection reset mid-collective).
+- FT_RESUME=1: register model, optimizer and loader with run.resume (shared checkpoints).
+- FT_SLEEP_S: seconds to sleep each step (room for the faults to land mid-run).
+- FT_HOLD_AT=S, FT_ALONE=K: the groups without faults take at most K steps alone, then wait
+  for the missing group's next process; from step S on they wait for its last one (_hold).
+"""
+
+import hashlib
+import json
+import os
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+import meshrun
+from meshrun.data.sampler import ResumableSampler
+from meshrun.ft import data_share
+
+
+def _plan(name: str, group: int) -> list[int]:
+    text = os.environ.get(name, "")
+    if not text:
+        return []
+    g, _, steps = text.partition(":")
+    return [int(s) for s in steps.split(",") if s] if int(g) == group else []
+
+
+def _once(run_dir: Path, tag: str) -> bool:
+    """True the first time ``tag`` is asked for in this run directory (across restarts)."""
+    marker = run_dir / f"done.{tag}"
+    if marker.exists():
+        return False
+    marker.write_text("1")
+    return True
+
+
+def _die() -> None:
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _hook_allreduce(run: meshrun.Run, step: int, run_dir: Path) -> None:
+    manager = run.loop.replicas.manager  # type: ignore[union-attr]
+    original = manager.allreduce
+
+    def allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        if run.step + 1 == step and _once(run_dir, f"allreduce{step}"):
+            time.sleep(1.0)  # the peers enter the all-reduce and wait for this rank
+            _die()
+        return original(tensor, *args, **kwargs)
+
+    manager.allreduce = allreduce
+
+
+def _count(path: Path) -> int:
+    return len(path.read_text().split()) if path.exists() else 0
+
+
+def _hold(run: meshrun.Run, groups: int, alone: int, final: bool) -> None:
+    """Test hook, survivors' rank 0: after ``FT_ALONE`` steps without a group (or before the
+    last steps, ``final``), wait until that group's newest process is up (RUN_DIR/ready.txt
+    counts the processes started, done.kill* the kills done), so that every planned kill and
+    heal happens within the run whatever a restart costs on a loaded machine."""
+    root = run.run_dir.parent
+    deadline = time.monotonic() + 600
+    for g in range(groups):
+        d = root / f"group{g}"
+        planned = len(_plan("FT_KILL_STEPS", g)) + len(_plan("FT_KILL_IN_ALLREDUCE", g))
+        while time.monotonic() < deadline:
+            done = len(list(d.glob("done.*")))
+            up = _count(d / "ready.txt") >= done + 1
+            if up and (done == planned or not final):
+                break
+            if not final and alone < int(os.environ.get("FT_ALONE", "3")):
+                break
+            time.sleep(0.2)
+
+
+def _checksum(model: nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+@meshrun.main
+def main() -> None:
+    run = meshrun.init()
+    ft = run.config.fault_tolerance
+    run_dir = run.run_dir
+    with open(run_dir / "pids.txt", "a") as f:
+        f.write(f"{run.rank} {os.getpid()}\n")
+    x = torch.randn(4096, 16, generator=torch.Generator().manual_seed(0))
+    data = TensorDataset(x, x @ torch.randn(16, 1, generator=torch.Generator().manual_seed(1)))
+    model = run.parallelize(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rank, world = data_share(ft, run.dp_rank, run.dp_size)
+    sampler = ResumableSampler(len(data), rank=rank, world_size=world,
+                               global_batch=run.config.data.global_batch, seed=run.config.job.seed)  # fmt: skip
+    loader = DataLoader(data, batch_size=run.config.data.micro_batch, sampler=sampler)
+    if os.environ.get("FT_RESUME"):  # the restart-from-checkpoint baseline (benchmarks/ft.py)
+        run.resume(model, opt, loader)
+    kills = _plan("FT_KILL_STEPS", ft.group_index) if run.rank == 0 else []
+    in_allreduce = _plan("FT_KILL_IN_ALLREDUCE", ft.group_index) if run.rank == 0 else []
+    if in_allreduce:
+        _hook_allreduce(run, in_allreduce[0], run_dir)
+    sleep_s = float(os.environ.get("FT_SLEEP_S", "0"))
+    hold_at = int(os.environ.get("FT_HOLD_AT", "0"))
+    faulty = _plan("FT_KILL_STEPS", ft.group_index) + _plan("FT_KILL_IN_ALLREDUCE", ft.group_index)
+    alone = 0  # steps this group took while another was missing
+    with open(run_dir / "ready.txt", "a") as f:
+        f.write(f"{os.getpid()}\n")
+    for inputs, targets in run.steps(loader):
+        step = run.step + 1
+        due = [k for k in kills if k <= step and not (run_dir / f"done.kill{k}").exists()]
+        if due and _once(run_dir, f"kill{due[0]}"):
+            print(f"ft_worker: group {ft.group_index} dies at step {step}", flush=True)
+            _die()
+        if run.rank == 0 and run.loop.state.micro == 0 and not faulty and ft.enabled:
+            live = run.loop.replicas.live_groups  # type: ignore[union-attr]
+            alone = alone + 1 if live < ft.replica_groups else 0
+            _hold(run, ft.replica_groups, alone, final=step >= hold_at > 0)
+        loss = nn.functional.mse_loss(model(inputs), targets)
+        run.backward(loss)
+        if run.optimizer_step(opt) and sleep_s:
+            time.sleep(sleep_s)
+    out = {"step": run.step, "checksum": _checksum(model), "pid": os.getpid()}
+    (run_dir / f"checksum.rank{run.rank}.json").write_text(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
