@@ -123,14 +123,22 @@ class _eval_mode:
 
 
 def _batch_size(batch: Any) -> int:
+    n = _first_dim(batch)
+    if n is None:
+        raise TypeError(
+            f"run.evaluate: cannot tell the size of a batch of type {type(batch).__name__}; give "
+            "batches that are tensors or dicts/tuples/lists holding tensors"
+        )
+    return n
+
+
+def _first_dim(batch: Any) -> int | None:
+    """The first dim of the first tensor in ``batch`` (nested dicts, lists, tuples)."""
     if isinstance(batch, torch.Tensor):
         return int(batch.shape[0]) if batch.dim() else 1
-    values = batch.values() if isinstance(batch, dict) else batch
-    if isinstance(values, Iterable) and not isinstance(values, (str, bytes)):
-        for v in values:
-            if isinstance(v, (torch.Tensor, dict, list, tuple)):
-                return _batch_size(v)
-    raise TypeError(
-        f"run.evaluate: cannot tell the size of a batch of type {type(batch).__name__}; give "
-        "batches that are tensors or dicts/tuples/lists holding tensors"
-    )
+    if isinstance(batch, (dict, list, tuple)):
+        for v in batch.values() if isinstance(batch, dict) else batch:
+            n = _first_dim(v)
+            if n is not None:
+                return n
+    return None

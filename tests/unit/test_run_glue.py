@@ -109,3 +109,13 @@ def test_param_groups_are_checked_against_the_model() -> None:
         check_param_groups(model, [list(model.parameters())])  # type: ignore[list-item]
     model[1].requires_grad_(False)  # frozen parameters need no group
     assert len(check_param_groups(model, groups_of(model))) == 2
+
+
+def test_a_batch_counts_by_its_first_tensor() -> None:
+    from meshrun.run_eval import _batch_size
+
+    batch = {"names": ["a", "b", "c"], "image": torch.zeros(3, 2), "label": torch.zeros(3)}
+    assert _batch_size(batch) == 3  # a list of strings first is passed over
+    assert _batch_size([torch.zeros(5, 1), torch.zeros(5)]) == 5
+    with pytest.raises(TypeError, match="cannot tell the size"):
+        _batch_size({"names": ["a"]})
