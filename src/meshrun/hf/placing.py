@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -63,9 +64,14 @@ def model_parts(model: Any) -> tuple[list[nn.Module], bool, list[tuple[str, str]
 
 def named_tensors(parts: Sequence[nn.Module]) -> dict[str, Tensor]:
     """Every parameter and persistent buffer under every name (tied ones under each), cleaned
-    of wrapper components: the names a checkpoint of this model holds."""
+    of wrapper components: the names a checkpoint of this model holds. FSDP2 units are
+    resharded first: after a forward that kept them gathered (``reshard_after_forward`` off,
+    the root's default) the modules hold the unsharded tensors, which FSDP2 overwrites."""
     out: dict[str, Tensor] = {}
     for part in parts:
+        for m in part.modules():
+            if isinstance(m, FSDPModule):
+                m.reshard()
         for path, m in part.named_modules(remove_duplicate=False):
             owned = [(n, t) for n, t in m._parameters.items() if t is not None]
             owned += [
