@@ -106,9 +106,8 @@ def run_lighthouse(given: str, cfg: Config, groups: int) -> Iterator[str]:
     if given:
         yield given.removeprefix("http://")
         return
+    os.environ.setdefault("RUST_LOG", "warn")  # read at import: else a line per quorum tick
     from torchft.coordination import LighthouseServer
-
-    os.environ.setdefault("RUST_LOG", "warn")  # else a line per quorum tick on the console
 
     ft = dataclasses.replace(cfg.fault_tolerance, replica_groups=groups)
     port = _free_port()
