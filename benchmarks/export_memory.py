@@ -4,11 +4,12 @@
 
 Writes a DCP checkpoint of 32 matrices of 6 MB and one of 16 MB (one process, no process
 group), then runs each export in a fresh process and prints, above that process's baseline
-(after its imports): the peak resident set (VmHWM, which counts mapped file pages) and the peak
-anonymous memory (RssAnon, sampled every 2 ms by a thread: the process's own heap). The export
-stages each output file in a file-backed mapping and fills it in groups of at most --max-mb
+(after its imports), sampled every 2 ms by a thread from /proc/self/status: the peak resident
+set (VmRSS), its anonymous part (RssAnon: the process's own heap), its mapped file pages
+(RssFile) and shared memory (RssShmem: a tmpfs output directory). The export stages each
+output file in a file-backed mapping and fills it in groups of at most --max-mb
 (docs/checkpoint.md, "Memory"): RssAnon should stay near --max-mb (plus DCP's read buffers),
-VmHWM near the largest output file.
+RssFile near the largest output file.
 """
 
 from __future__ import annotations
@@ -21,21 +22,25 @@ import warnings
 from pathlib import Path
 
 CHILD = r"""
-import resource, sys, threading, time
+import sys, threading, time
 from pathlib import Path
 from meshrun.checkpoint import export, export_hf  # imported before the baseline
+import safetensors.torch
 
-peak = [0]
+KEYS = ("VmRSS", "RssAnon", "RssFile", "RssShmem")
+peak, now = dict.fromkeys(KEYS, 0), dict.fromkeys(KEYS, 0)
 def sample():
     while True:
         for line in open("/proc/self/status"):
-            if line.startswith("RssAnon"):
-                peak[0] = max(peak[0], int(line.split()[1]))
+            key = line.split(":")[0]
+            if key in KEYS:
+                now[key] = int(line.split()[1])
+                peak[key] = max(peak[key], now[key])
         time.sleep(0.002)
 
 threading.Thread(target=sample, daemon=True).start()
-time.sleep(0.05)
-base_hwm, base_anon = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, peak[0]
+time.sleep(0.1)
+base = dict(now)
 ckpt, out, max_mb, shard = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 if shard == "-":
     export.export(ckpt, out, max_bytes=max_mb << 20)
@@ -48,9 +53,8 @@ else:
     for k, g in enumerate(groups):
         sel = [i for i in infos if i.name in set(g)]
         export.write_safetensors(ckpt, out / f"{k}.safetensors", sel, g, max_bytes=max_mb << 20)
-time.sleep(0.05)
-hwm = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(f"VmHWM +{(hwm - base_hwm) / 1024:.0f} MB, RssAnon +{(peak[0] - base_anon) / 1024:.0f} MB")
+time.sleep(0.1)
+print(", ".join(f"{k} +{(peak[k] - base[k]) / 1024:.0f} MB" for k in KEYS))
 """
 
 
