@@ -18,6 +18,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from meshrun.loop import to_device
 from meshrun.parallel import Pipeline, pipeline_eval
@@ -50,14 +51,19 @@ class EvalMethods(RunFields):
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # [sum, count]
         with torch.no_grad(), self.loop.monitor.phase("eval", None), _eval_mode(model):
             for batch, weight in self._agreed_batches(batches, max_batches):
-                loss = fn(model, batch)
-                n = _batch_size(batch)
-                totals += weight * torch.stack([loss.detach().double() * n, torch.tensor(n)])
+                totals += weight * self._sum_and_count(fn(model, batch), _batch_size(batch))
         if self.mesh is not None:
             dist.all_reduce(totals, group=self.mesh.get_group("dp"))
         if totals[1] == 0:
             raise ValueError("run.evaluate: no rank had a batch to evaluate (empty batches)")
         return float(totals[0] / totals[1])
+
+    def _sum_and_count(self, loss: torch.Tensor, n: int) -> torch.Tensor:
+        if isinstance(loss, DTensor):  # under loss_parallel: a replicated DTensor
+            loss = loss.full_tensor()
+        out = torch.tensor([0.0, n], dtype=torch.float64, device=self.device)
+        out[0] = loss.detach().double() * n
+        return out
 
     def _eval_loss_fn(self, model: nn.Module | Pipeline, loss_fn: LossFn | None) -> LossFn:
         if loss_fn is not None:

@@ -150,10 +150,9 @@ def unwrap_module(model: nn.Module | Pipeline) -> nn.Module:
             "this rank's stages are pipe.modules (each a real module: "
             "[run.unwrap(m) for m in pipe.modules])"
         )
+    module = model
     while True:
-        if isinstance(model, DDP):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):  # torch.compile's
-            model = model._orig_mod
-        else:
-            return model
+        inner = module.module if isinstance(module, DDP) else getattr(module, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):  # _orig_mod: torch.compile's OptimizedModule
+            return module
+        module = inner
