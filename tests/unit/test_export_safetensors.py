@@ -8,13 +8,15 @@ committed as meshrun commits them, then exported by the CLI and read back with t
   ``save_pretrained`` writes it) and an untied Llama; names that torch's wrappers insert never
   reach the files; names that match neither way stop it with both lists; a checkpoint without
   ``config.json`` is refused naming the flag and the fixes;
-- ``hf_files`` finds the transformers model under torch's wrappers.
+- ``hf_files`` finds the transformers model under torch's wrappers;
+- no hand-written safetensors format code is left in src/ or tests/.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -163,3 +165,18 @@ def test_hf_files_finds_the_model_under_wrappers() -> None:
         assert config["architectures"] == ["LlamaForCausalLM"] and config["model_type"] == "llama"
         assert "generation_config.json" in files
     assert hf_files(nn.Linear(2, 2)) == {}
+
+
+def test_no_hand_written_safetensors_code_remains() -> None:
+    """Every safetensors read and write goes through the library: no 8-byte header length
+    packed by hand, no header offsets parsed, anywhere in src/ or tests/."""
+    root = Path(__file__).resolve().parents[2]
+    header = re.compile(r"struct\.(un)?pack(_from|_into)?\(\s*['\"]<Q|" + "data_" + "offsets")
+    found = [
+        f"{p.relative_to(root)}:{n}"
+        for top in ("src", "tests")
+        for p in sorted((root / top).rglob("*.py"))
+        for n, line in enumerate(p.read_text().splitlines(), start=1)
+        if header.search(line)
+    ]
+    assert found == [], f"hand-written safetensors format code: {found}"
