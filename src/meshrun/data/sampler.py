@@ -191,10 +191,11 @@ class ResumableSampler(Sampler[int]):
         )
         if order == LEGACY_ORDER and self._shuffle and self._order != LEGACY_ORDER:
             warnings.warn(
-                "sampler state has no 'order' (saved by a meshrun whose sampler drew "
-                "torch.randperm(num_samples) per epoch): this run keeps that order so that it "
-                "neither replays nor skips data, at its cost of num_samples indices per rank "
-                "per epoch; a new run uses the keyed per-index order",
+                f"sampler state is in order {LEGACY_ORDER} (no 'order' key: saved by a meshrun "
+                "whose sampler drew torch.randperm(num_samples) per epoch, or by a run resumed "
+                "from one): this run keeps that order so that it neither replays nor skips "
+                "data, at its cost of num_samples indices per rank per epoch; a new run uses "
+                "the keyed per-index order",
                 stacklevel=3,
             )
         self._order = order
