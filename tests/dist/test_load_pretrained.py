@@ -12,7 +12,10 @@ copies on two pipeline stages both hold the checkpoint's embedding.
 
 A second launch measures the peak RSS of each rank while ``load_pretrained`` fills a 235 MB
 model (fp32) under ZeRO-3 on 2 ranks; a third starts runs from ``checkpoint.init_from``: a
-meshrun checkpoint saved under ZeRO-3 (loaded into TP 2) and the Hugging Face directory.
+meshrun checkpoint saved under ZeRO-3 (loaded into TP 2), its checkpoint root, and the
+Hugging Face directory (its own launch: a second process group in a process that ran the
+pipeline cases timed out connecting). A 4-rank launch loads into 2-D meshes
+(ZeRO-3 x TP 2, HSDP 2 x 2) and PP 2 x ZeRO-3 2.
 """
 
 from __future__ import annotations
