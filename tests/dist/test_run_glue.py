@@ -5,7 +5,10 @@ layout) trains 3 steps like one AdamW on the global batch; groups made before a 
 ZeRO-3 gives the one-process loss on an eval set that splits unevenly over the ranks (3 batches
 on rank 0, 2 on rank 1: without the per-batch agreement the ZeRO-3 forward would wait forever).
 
-One spawn serves every check (process starts cost seconds)."""
+Under PP 2 x ZeRO-1 2 (4 ranks) the groups reach ZeRO as the plain aliases it steps, and every
+stage parameter trains, equal across the data-parallel replicas.
+
+One spawn serves the 2-rank checks (process starts cost seconds)."""
 
 from __future__ import annotations
 
@@ -145,3 +148,57 @@ def test_param_groups_and_evaluate_on_two_ranks(tmp_path: Path) -> None:
         assert out["training_after"] is True
     assert [o["batches"] for o in outs] == [3, 2]  # the uneven shares the agreement covers
     assert outs[0]["eval_ddp"] == outs[1]["eval_ddp"]
+
+
+def pp_zero1_groups(rank: int, world: int, run_dir: str) -> dict[str, Any]:
+    """PP 2 x ZeRO-1 2: weight-decay groups of the stage parameters, stepped by ZeRO through
+    the plain aliases of Pipeline.local_parameters."""
+    import torch.distributed as dist
+    from test_layouts import build_model  # the PP x ZeRO-1 tests' model and data
+    from test_layouts_pp import N_LAYER, Windows, lm_loss
+
+    cfg = meshrun.Config()
+    cfg.job.run_dir, cfg.job.device, cfg.job.timeout_s = run_dir, "cpu", 60.0
+    cfg.data.global_batch, cfg.data.micro_batch, cfg.optim.steps = 8, 4, 2
+    cfg.parallel.pp, cfg.parallel.zero, cfg.metrics.progress = 2, 1, False
+    run = meshrun.init(cfg, argv=[])
+    pipe = run.pipeline(build_model(n_layer=N_LAYER), lm_loss)
+    before = [full(p) for p in pipe.parameters()]
+    opt = run.optimizer(pipe, torch.optim.AdamW, groups_of_params(pipe.parameters()), lr=1e-2)
+    stepped = [p for g in opt.param_groups for p in g["params"]]
+    for batch in run.steps(run.dataloader(Windows())):
+        run.pipeline_step(pipe, batch["input"], batch["target"])
+        run.optimizer_step(opt)
+    after = [full(p) for p in pipe.parameters()]
+    mine = torch.cat([p.flatten() for p in after])
+    replicas = [torch.zeros_like(mine) for _ in range(run.dp_size)]
+    assert run.mesh is not None
+    dist.all_gather(replicas, mine, group=run.mesh.get_group("dp"))
+    out = {
+        "optimizer": type(opt).__name__,
+        "decay": [g["weight_decay"] for g in opt.param_groups],
+        "aliases": all(hasattr(p, "meshrun_view_of") for p in stepped),
+        "plain": not any(isinstance(p, DTensor) for p in stepped),
+        "changed": sum(not torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+        "params": len(after),
+        "replicas_equal": all(torch.equal(r, replicas[0]) for r in replicas),
+    }
+    run.close()
+    return out
+
+
+def groups_of_params(params: list[nn.Parameter]) -> list[dict[str, Any]]:
+    return [
+        {"params": [p for p in params if p.dim() >= 2], "weight_decay": 0.5},
+        {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+    ]
+
+
+@pytest.mark.timeout(480)  # a hang guard for a loaded machine, not a timing assert
+def test_param_groups_under_pp_and_zero1(tmp_path: Path) -> None:
+    outs = run_distributed(pp_zero1_groups, 4, str(tmp_path / "run"), timeout=420)
+    for out in outs:
+        assert out["optimizer"] == "ZeroRedundancyOptimizer" and out["decay"] == [0.5, 0.0]
+        assert out["aliases"] and out["plain"], out
+        assert out["changed"] == out["params"] > 0, out  # every stage parameter trained
+        assert out["replicas_equal"], out
