@@ -39,13 +39,14 @@ DEMO = ["-m", "meshrun.demo", "--size", "tiny", "--corpus-bytes", "300000"]
 DEMO += ["--metrics.progress=false", "--job.timeout_s=120"]
 
 
-def base_env(tmp: Path, token: Path) -> dict[str, str]:
+def base_env(tmp: Path, token: Path, veth: bool = False) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     tmp.mkdir(parents=True, exist_ok=True)
+    if veth:  # across the namespaces: Gloo on the veth, not loopback
+        env["GLOO_SOCKET_IFNAME"] = netns.IFNAME
     return {
         **env, "OMP_NUM_THREADS": "1", "RAY_TMPDIR": str(tmp), "RAY_AUTH_MODE": "token",
         "RAY_AUTH_TOKEN_PATH": str(token), "RAY_USAGE_STATS_ENABLED": "0",
-        "GLOO_SOCKET_IFNAME": netns.IFNAME,
     }  # fmt: skip
 
 
@@ -99,12 +100,12 @@ def two_nodes(work: Path, token: Path, steps: list[str], ref: dict[int, float]) 
             [["--head", "--port=6379", "--include-dashboard=false"], [f"--address={head}"]]
         ):
             argv = net.argv(i, [*start, *extra, f"--node-ip-address={net.address(i)}"])
-            timed(argv, base_env(work / f"tmp-node{i}", token), work / f"ray-start{i}.log")
+            timed(argv, base_env(work / f"tmp-node{i}", token, True), work / f"ray-start{i}.log")
         print(f"{'ray start: head + second node':<44} {time.time() - t0:6.1f} s", flush=True)
         run_dir = work / "ray-two-nodes"
         argv = [sys.executable, "-m", "meshrun", "ray", "launch", "--address", head]
         argv += ["--workers", "2", *DEMO, *steps, f"--job.run_dir={run_dir}"]
-        env = base_env(work / "tmp-node0", token)
+        env = base_env(work / "tmp-node0", token, True)
         start_s, took = timed(net.argv(0, argv), env, work / "ray-two-nodes.log")
         report("meshrun ray launch --address (two nodes)", run_dir, start_s, took, ref)
         hosts = {json.loads(p.read_text())["host"] for p in run_dir.glob("logs/ray/*/where.json")}
