@@ -5,7 +5,7 @@ all-gathers the parameters, TP all-reduces activations, PP sends them between st
 evaluation run by rank 0 alone waits forever for the others. Every rank therefore runs the same
 number of forwards: the ranks agree, batch by batch, whether any still has one (one small
 all-reduce per batch), and a rank whose share ended earlier (the eval sampler gives each sample
-exactly once, so shares may differ by one sample) repeats its last batch with weight 0. The sums
+exactly once, so shares may differ by one sample) repeats its last batch, not counted. The sums
 of loss x count go over the data-parallel ranks once at the end (tp ranks hold equal values and
 a pipeline's ranks the broadcast loss, so the dp sum counts every sample once).
 """
@@ -50,8 +50,10 @@ class EvalMethods(RunFields):
         fn = self._eval_loss_fn(model, loss_fn)
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # [sum, count]
         with torch.no_grad(), self.loop.monitor.phase("eval", None), _eval_mode(model):
-            for batch, weight in self._agreed_batches(batches, max_batches):
-                totals += weight * self._sum_and_count(fn(model, batch), _batch_size(batch))
+            for batch, counted in self._agreed_batches(batches, max_batches):
+                loss = fn(model, batch)  # a repeat too: its forward is collective
+                if counted:
+                    totals += self._sum_and_count(loss, _batch_size(batch))
         if self.mesh is not None:
             dist.all_reduce(totals, group=self.mesh.get_group("dp"))
         if totals[1] == 0:
@@ -83,9 +85,9 @@ class EvalMethods(RunFields):
 
     def _agreed_batches(
         self, batches: Iterable[Any], max_batches: int | None
-    ) -> Iterator[tuple[Any, float]]:
-        """(batch on the device, weight) until no rank has a batch left: every rank yields
-        the same number of times, weight 0 for a repeat of its last batch."""
+    ) -> Iterator[tuple[Any, bool]]:
+        """(batch on the device, counted) until no rank has a batch left: every rank yields
+        the same number of times; a repeat of its last batch is not counted."""
         it, last, taken = iter(batches), None, 0
         while True:
             batch = next(it, None) if max_batches is None or taken < max_batches else None
@@ -102,7 +104,7 @@ class EvalMethods(RunFields):
                 )
             if batch is not None:
                 last = to_device(batch, self.device)
-            yield last, 1.0 if batch is not None else 0.0
+            yield last, batch is not None
 
     def _any_rank(self, flags: torch.Tensor) -> torch.Tensor:
         if not dist.is_initialized():
