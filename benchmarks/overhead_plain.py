@@ -25,13 +25,18 @@ from torch.utils.data import DataLoader
 
 CLOCK = Clock()
 DEMO_DIR = Path(__file__).resolve().parents[1] / "src" / "meshrun" / "demo"
+DATA_DIR = DEMO_DIR.parent / "data"
 
 
 def load_demo_module(name: str) -> ModuleType:
     """Load ``meshrun/demo/<name>.py`` by path. ``import meshrun.demo.model`` would run
     ``meshrun/__init__.py`` (process-group code, rich, numpy) and charge meshrun's import time
     to the plain variant's startup; the demo model and corpus themselves need only torch."""
-    spec = importlib.util.spec_from_file_location(f"_plain_{name}", DEMO_DIR / f"{name}.py")
+    return load_module(DEMO_DIR / f"{name}.py", f"_plain_{name}")
+
+
+def load_module(path: Path, name: str) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # dataclasses look their module up while building
@@ -39,35 +44,22 @@ def load_demo_module(name: str) -> ModuleType:
     return module
 
 
-MASK64 = (1 << 64) - 1
-
-
-def mix_seed(*parts: int) -> int:
-    """splitmix64 over the parts: the seed of meshrun's per-epoch permutation."""
-    h = 0
-    for part in parts:
-        x = ((h ^ (part & MASK64)) + 0x9E3779B97F4A7C15) & MASK64
-        x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
-        x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
-        h = x ^ (x >> 31)
-    return h
-
-
 def rank_indices(
     n: int, steps: int, global_batch: int, rank: int, world: int, seed: int
 ) -> list[int]:
     """This rank's dataset indices for ``steps`` global batches, in meshrun's order: stream
-    position p is ``perm(p // n)[p % n]`` and rank r takes positions r, r + world, ... of
-    each global batch."""
-    perms: dict[int, torch.Tensor] = {}
+    position p is epoch ``p // n``'s keyed permutation at ``p % n`` and rank r takes positions
+    r, r + world, ... of each global batch. The permutation module is loaded by path, as the
+    demo's modules are: it needs only NumPy, not meshrun's package."""
+    perm = load_module(DATA_DIR / "permutation.py", "_plain_permutation")
+    perms: dict[int, object] = {}
     out: list[int] = []
     for step in range(steps):
         for pos in range(step * global_batch + rank, (step + 1) * global_batch, world):
             epoch = pos // n
             if epoch not in perms:
-                gen = torch.Generator().manual_seed(mix_seed(seed, epoch))
-                perms[epoch] = torch.randperm(n, generator=gen)
-            out.append(int(perms[epoch][pos % n]))
+                perms[epoch] = perm.KeyedPermutation(n, perm.mix_seed(seed, epoch))
+            out.append(perms[epoch].at(pos % n))  # type: ignore[attr-defined]
     return out
 
 
