@@ -12,6 +12,7 @@ only initialises and all-reduces or only detects (the error paths). Skips when a
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import shutil
@@ -37,6 +38,8 @@ ROOT_OK = {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
 def _require(tool: str, package: str) -> None:
     if shutil.which(tool) is None:
         pytest.skip(f"{tool} is not installed (Debian: {package})")
+    if importlib.util.find_spec("mpi4py") is None:
+        pytest.skip("mpi4py is not installed (pip install -e '.[mpi]')")
 
 
 def _env(**extra: str) -> dict[str, str]:
