@@ -2,9 +2,10 @@
 cnn_classifier.py), each run as a user runs it: ``meshrun launch --nproc-per-node 2`` with a few
 steps, real torchrun and Gloo processes.
 
-hf_causal_lm runs once per layout (DDP, ZeRO-3, TP 2, PP 2). Its first ``run.evaluate`` (before
+hf_causal_lm runs once per sharded layout (ZeRO-3, TP 2, PP 2; DDP, its default, costs a launch
+more than it adds: cnn_classifier runs under it). Its first ``run.evaluate`` (before
 any step) is compared with one process's loss on the same validation windows: from the same
-seed (DDP, TP) or from the ``save_pretrained`` directory given by ``--init`` (ZeRO-3, PP; two
+seed (TP) or from the ``save_pretrained`` directory given by ``--init`` (ZeRO-3, PP; two
 safetensors files), so each layout's evaluation and, with ``--init``, ``run.load_pretrained``
 are checked against one process. The ZeRO-3 run's checkpoint is exported with
 ``meshrun ckpt export --hf`` and loaded with ``from_pretrained``: its loss is the run's last.
@@ -98,7 +99,6 @@ def losses_of(out: str) -> tuple[float, float, str]:
 
 
 LAYOUTS = {  # flags, from the pretrained directory, data-parallel size
-    "DDP": ([], False, 2),
     "ZeRO-3": (["--parallel.zero=3"], True, 2),
     "TP 2": (["--parallel.tp=2"], False, 1),
     "PP 2": (["--parallel.pp=2"], True, 1),
