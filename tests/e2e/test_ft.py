@@ -32,10 +32,13 @@ KEYS = [f"--optim.steps={STEPS}", "--data.micro_batch=8", "--data.global_batch=1
 FT_KEYS = ["--fault_tolerance.min_replicas=1", "--fault_tolerance.heartbeat_timeout_ms=1000"]
 
 
-def _launch(run_dir: Path, flags: list[str], env: dict[str, str], timeout: float) -> str:
+def _launch(
+    run_dir: Path, flags: list[str], env: dict[str, str], timeout: float, *more: str
+) -> str:
     ft = FT_KEYS if "--replica-groups" in flags else []
-    cmd = [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2", *flags,
-           str(WORKER), f"--job.run_dir={run_dir}", *KEYS, *ft]  # fmt: skip
+    base = [] if "--nproc-per-node" in flags else ["--nproc-per-node", "2"]
+    cmd = [sys.executable, "-m", "meshrun", "launch", *base, *flags, str(WORKER),
+           f"--job.run_dir={run_dir}", *KEYS, *ft, *more]  # fmt: skip
     proc = subprocess.run(
         cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True,
         text=True, timeout=timeout, check=False,
@@ -86,13 +89,17 @@ def test_replica_groups_train_what_plain_data_parallelism_trains(tmp_path: Path)
         assert _checksum(group)["checksum"] == _checksum(tmp_path / "dp")["checksum"]
 
 
-def _check_survived(run_dir: Path, kills: int) -> None:
+def _check_survived(run_dir: Path, kills: int, ranks: int = 1) -> None:
     """Group 0 never restarted and reached the end; group 1 restarted ``kills`` times, healed
-    as often, and ends with group 0's weights, bit for bit."""
+    as often, and ends with group 0's weights, bit for bit (rank by rank: its shards)."""
     survivor, healed = run_dir / "group0", run_dir / "group1"
-    assert len(_pids(survivor)) == 1, _pids(survivor)
-    assert _checksum(survivor)["pid"] == _pids(survivor)[0]
-    assert len(_pids(healed)) == kills + 1
+    assert len(_pids(survivor)) == ranks, _pids(survivor)
+    assert _checksum(survivor)["pid"] in _pids(survivor)
+    assert len(_pids(healed)) == ranks * (kills + 1)
+    for r in range(1, ranks):
+        mine = json.loads((survivor / f"checksum.rank{r}.json").read_text())
+        theirs = json.loads((healed / f"checksum.rank{r}.json").read_text())
+        assert mine["checksum"] == theirs["checksum"] and mine["pid"] in _pids(survivor)
     heals = _events(healed, "ft_heal")
     assert len(heals) == kills, heals
     assert all(h["source"] == "group 0" and int(h["bytes"]) > 0 for h in heals)  # type: ignore[call-overload]
@@ -122,3 +129,12 @@ def test_a_death_inside_the_all_reduce_leaves_that_step_uncommitted(tmp_path: Pa
     broken = _events(tmp_path / "group0", "ft_uncommitted")
     assert broken[0]["step"] == 5, broken
     assert "Connection" in str(broken[0]["error"]) or "closed" in str(broken[0]["error"])
+
+
+@pytest.mark.timeout(600)
+def test_two_groups_of_zero3_heal_shard_by_shard(tmp_path: Path) -> None:
+    """2 groups x 2 processes, ZeRO-3 (FSDP2) inside each: rank r heals from rank r."""
+    env = {"FT_KILL_STEPS": "1:4", "FT_HOLD_AT": str(STEPS - 3)}
+    flags = ["--nproc-per-node", "4", "--replica-groups", "2", "--max-restarts", "2"]
+    _launch(tmp_path, flags, env, 580, "--parallel.zero=3", "--data.micro_batch=4")
+    _check_survived(tmp_path, kills=1, ranks=2)

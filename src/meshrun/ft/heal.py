@@ -13,7 +13,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_leaves, tree_map
 
 from meshrun.state import TrainState
 
@@ -52,8 +53,8 @@ class StateCodec:
         return {
             "source": f"group {self.group_index}",
             "step": s.step,
-            "models": [m.state_dict() for m in s.models],
-            "optimizer": None if s.optimizer is None else s.optimizer.state_dict(),
+            "models": [_local(m.state_dict()) for m in s.models],
+            "optimizer": None if s.optimizer is None else _local(s.optimizer.state_dict()),
             "schedulers": [sch.state_dict() for sch in s.schedulers],
             "scaler": None if s.scaler is None else s.scaler.state_dict(),
             "sampler": None if s.sampler is None else s.sampler.state_dict(),
@@ -68,7 +69,7 @@ class StateCodec:
                 f"{len(s.models)}; every replica group must run the same script and layout"
             )
         for model, sd in zip(s.models, blob["models"], strict=True):
-            model.load_state_dict(sd)
+            _copy_into(model, sd)
         for sch, sd in zip(s.schedulers, blob["schedulers"], strict=True):
             sch.load_state_dict(sd)
         if s.scaler is not None and blob["scaler"] is not None:
@@ -87,5 +88,40 @@ class StateCodec:
 
     def apply_pending_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if self._pending_optimizer is not None:
-            optimizer.load_state_dict(self._pending_optimizer)
+            optimizer.load_state_dict(_as_params(optimizer, self._pending_optimizer))
             self._pending_optimizer = None
+
+
+def _local(tree: Any) -> Any:
+    """DTensors as their local shards: rank r of the peer group holds the shard rank r here
+    needs (the groups run the same layout), and a plain tensor travels without its mesh."""
+    return tree_map(lambda t: t.to_local() if isinstance(t, DTensor) else t, tree)
+
+
+@torch.no_grad()
+def _copy_into(model: torch.nn.Module, received: dict[str, Any]) -> None:
+    """Copy the peer's tensors into this model's own (its shards under FSDP2) in place."""
+    own = model.state_dict()
+    if set(own) != set(received):
+        raise RuntimeError(
+            f"healing: the peer's model has keys {sorted(set(received) ^ set(own))[:5]} that "
+            "this group's has not (or the other way): every group must run the same model"
+        )
+    for key, dst in own.items():
+        (dst.to_local() if isinstance(dst, DTensor) else dst).copy_(received[key])
+
+
+def _as_params(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
+    """The received optimizer state with each per-parameter shard made a DTensor again where
+    the parameter is one (an optimizer mixing them would fail at its next step)."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    for index, entry in sd["state"].items():
+        p = params[int(index)]
+        if not isinstance(p, DTensor):
+            continue
+        for name, value in entry.items():
+            if isinstance(value, torch.Tensor) and value.shape == p.to_local().shape:
+                entry[name] = DTensor.from_local(value, p.device_mesh, p.placements,
+                                                 run_check=False, shape=p.shape,
+                                                 stride=p.stride())  # fmt: skip
+    return sd

@@ -92,7 +92,8 @@ def _hold(run: meshrun.Run, groups: int, alone: int, final: bool) -> None:
 def _checksum(model: nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        local = p.to_local() if hasattr(p, "to_local") else p  # this rank's shard (FSDP2)
+        h.update(local.detach().cpu().contiguous().numpy().tobytes())
     return h.hexdigest()
 
 
@@ -121,8 +122,9 @@ def main() -> None:
     hold_at = int(os.environ.get("FT_HOLD_AT", "0"))
     faulty = _plan("FT_KILL_STEPS", ft.group_index) + _plan("FT_KILL_IN_ALLREDUCE", ft.group_index)
     alone = 0  # steps this group took while another was missing
-    with open(run_dir / "ready.txt", "a") as f:
-        f.write(f"{os.getpid()}\n")
+    if run.rank == 0:  # one line per start of the group (its rank 0)
+        with open(run_dir / "ready.txt", "a") as f:
+            f.write(f"{os.getpid()}\n")
     for inputs, targets in run.steps(loader):
         step = run.step + 1
         due = [k for k in kills if k <= step and not (run_dir / f"done.kill{k}").exists()]
