@@ -9,6 +9,8 @@ from typing import Any
 
 from ray.train import UserCallback
 
+from meshrun.launch.ray_summary import read_failures
+
 __all__ = ["RestartAnnouncer"]
 
 
@@ -18,15 +20,17 @@ def _short(exc: BaseException) -> str:
 
 
 class RestartAnnouncer(UserCallback):
-    def __init__(self, max_restarts: int) -> None:
+    def __init__(self, max_restarts: int, logs_dir: str) -> None:
         self.max_restarts = max_restarts
+        self.logs_dir = logs_dir  # the workers' files: who died first comes first
         self.failures = 0
 
     def after_exception(self, run_context: Any, worker_exceptions: dict[int, Exception]) -> None:
         self.failures += 1
-        ranks = ", ".join(
-            f"rank {r}: {_short(e)}" for r, e in sorted(worker_exceptions.items())[:4]
-        )
+        # Ray may report the victim with the cause (a peer's Gloo error with the killed rank):
+        # the summary's order, the rank that died or exited first leading.
+        order = [f.rank for f in read_failures(self.logs_dir, worker_exceptions)]
+        ranks = ", ".join(f"rank {r}: {_short(worker_exceptions[r])}" for r in order[:4])
         if self.failures <= self.max_restarts:
             then = f"Ray restarts it ({self.failures} of --max-restarts {self.max_restarts})"
         else:

@@ -137,7 +137,7 @@ def _trainer(spec: RayLaunchSpec) -> Any:
         resources["GPU"] = spec.gpus_per_worker
     # Any: mypy reads Ray Train V1's annotations, which know no (min, max) or V2 callbacks.
     workers: Any = (spec.min_workers, spec.workers) if spec.min_workers else spec.workers
-    callbacks: list[Any] = [RestartAnnouncer(spec.max_restarts)]
+    callbacks: list[Any] = [RestartAnnouncer(spec.max_restarts, str(spec.logs_dir))]
     return TorchTrainer(
         train_fn,
         train_loop_config=task.to_dict(),
