@@ -11,6 +11,7 @@ from torch.utils.data import DataLoader, Dataset
 
 from meshrun.config import ConfigError
 from meshrun.data import ResumableSampler, build_dataloader
+from meshrun.ft.data import data_share
 from meshrun.run_base import RunFields
 from meshrun.schedule import build_lr_scheduler, scale_lr
 
@@ -43,10 +44,13 @@ class DataMethods(RunFields):
     def sampler(
         self, dataset_len: int, *, mode: Literal["train", "eval"] = "train"
     ) -> ResumableSampler:
+        rank, world = self.dp_rank, self.dp_size
+        if mode == "train":  # with replica groups, this group's share of the global batch
+            rank, world = data_share(self.config.fault_tolerance, rank, world)
         return ResumableSampler(
             dataset_len,
-            rank=self.dp_rank,
-            world_size=self.dp_size,
+            rank=rank,
+            world_size=world,
             global_batch=self.config.data.global_batch,
             seed=self.config.job.seed,
             shuffle=self.config.data.shuffle if mode == "train" else False,

@@ -65,7 +65,8 @@ class Run(ModelMethods, DataMethods, LoopMethods, EvalMethods):
         self.device, self.backend, self.mesh = start_process(cfg, env, self.dims)
         self.dp_size = self.dims.dp
         self.dp_rank = self.dims.dp_rank(self.rank)
-        self.accum = grad_accumulation(cfg.data, self.dp_size)
+        # Replica groups split the global batch over every group's data-parallel ranks.
+        self.accum = grad_accumulation(cfg.data, self.dp_size * cfg.fault_tolerance.replica_groups)
         self.is_main = self.rank == 0
         self.run_dir = cfg.resolved_run_dir()
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -27,7 +27,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import meshrun
-from meshrun.data.sampler import ResumableSampler
 from meshrun.ft import data_share
 
 
@@ -108,9 +107,9 @@ def main() -> None:
     data = TensorDataset(x, x @ torch.randn(16, 1, generator=torch.Generator().manual_seed(1)))
     model = run.parallelize(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    rank, world = data_share(ft, run.dp_rank, run.dp_size)
-    sampler = ResumableSampler(len(data), rank=rank, world_size=world,
-                               global_batch=run.config.data.global_batch, seed=run.config.job.seed)  # fmt: skip
+    # run.sampler reads this group's share of the global batch (meshrun.ft.data_share).
+    sampler = run.sampler(len(data))
+    assert (sampler.rank, sampler.world_size) == data_share(ft, run.dp_rank, run.dp_size)
     loader = DataLoader(data, batch_size=run.config.data.micro_batch, sampler=sampler)
     if os.environ.get("FT_RESUME"):  # the restart-from-checkpoint baseline (benchmarks/ft.py)
         run.resume(model, opt, loader)
