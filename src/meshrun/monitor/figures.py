@@ -87,10 +87,35 @@ def loss_png(runs: Sequence[RunFigures]) -> bytes | None:
         for s in run.data.sessions[1:]:
             if s.rows:
                 ax.axvline(int(s.rows[0]["step"]), color="#7f7f7f", linestyle="--", linewidth=1)
+        _mark_ft(ax, run)
     ax.set(xlabel="optimizer step", ylabel="loss (global batch mean)", title="Loss")
     ax.legend(fontsize="small")
     ax.grid(alpha=0.3)
     return _png(fig)
+
+
+# Replica-group events on the loss curve: (colour, line style, legend label).
+_FT_MARKS = {
+    "left": ("#d62728", "-.", "a replica group left"),
+    "joined": ("#2ca02c", "-.", "a replica group joined"),
+    "ft_heal": ("#17becf", "-", "healed from a peer"),
+    "ft_uncommitted": ("#ff7f0e", ":", "step not committed"),
+}
+
+
+def _mark_ft(ax: Axes, run: RunFigures) -> None:
+    """Vertical lines at replica-group events, each kind labelled once in the legend."""
+    labelled: set[str] = set()
+    for e in run.ft_events:
+        kind = str(e.get("change", "")) if e["event"] == "ft_groups" else str(e["event"])
+        if kind not in _FT_MARKS:
+            continue
+        color, style, label = _FT_MARKS[kind]
+        # A heal comes at the step its group joins: a wide pale band keeps both lines visible.
+        width, alpha = (5.0, 0.35) if kind == "ft_heal" else (1.2, 1.0)
+        ax.axvline(int(e["step"]), color=color, linestyle=style, linewidth=width, alpha=alpha,
+                   label=label if kind not in labelled else None)  # fmt: skip
+        labelled.add(kind)
 
 
 def throughput_png(runs: Sequence[RunFigures]) -> bytes | None:
@@ -185,8 +210,8 @@ def goodput_png(run: RunFigures) -> bytes | None:
         return None
     fig, ax = _figure(8.0, 2.4)
     left = 0.0
-    palette = ["#2ca02c", "#ff7f0e", "#1f77b4", "#d62728", "#9467bd", "#c7c7c7"]
-    for (name, seconds), color in zip(parts.items(), palette, strict=True):
+    palette = ["#2ca02c", "#ff7f0e", "#1f77b4", "#d62728", "#9467bd", "#c7c7c7", "#e377c2"]
+    for (name, seconds), color in zip(parts.items(), palette[: len(parts)], strict=True):
         ax.barh([0], [seconds], left=left, color=color, label=f"{name} {seconds:.1f} s")
         left += seconds
     ax.set(xlabel="wall seconds", yticks=[], title=f"Goodput {run.goodput.share:.0%}")

@@ -12,6 +12,11 @@ whose update is in the final model: not skipped by the numerics guard and not re
 restart. Its time is the run's median step time, so everything a step took beyond the median
 (stalls, jitter) is counted apart, as are checkpoint saves, restarts and what runs outside
 the step loop (start-up after init, evaluation, the final save).
+
+Under replica groups (``[fault_tolerance]``) a step the quorum did not commit is lost work: it
+leaves no step line, only an ``ft_uncommitted`` event. Its time runs from the record before
+it to that event, and goodput counts it apart (it would otherwise hide in the next step's
+time, or outside the loop when no step followed).
 """
 
 from __future__ import annotations
@@ -47,6 +52,8 @@ PARTS = ("data_wait_s", "forward_s", "backward_s", "sync_s", "optimizer_s", "loo
 # A step this many times the median (and 50 ms over it) is a stall worth listing.
 STALL_FACTOR = 3.0
 STALL_MIN_S = 0.05
+# The events replica-group fault tolerance writes (ft/replica.py), in the report's table.
+FT_EVENTS = ("ft_groups", "ft_uncommitted", "ft_heal")
 
 
 class ReportError(ValueError):
@@ -178,13 +185,16 @@ class Goodput:
     checkpoint_s: float  # training blocked by checkpoint saves
     slow_steps_s: float  # step time beyond the median: stalls and jitter
     outside_s: float  # outside the step loop: after init, restarts, eval, final save
+    # Steps the replica-group quorum did not commit; None for a run without replica groups,
+    # whose table then reads as it always did.
+    uncommitted_s: float | None = None
 
     @property
     def share(self) -> float:
         return self.useful_s / self.wall_s if self.wall_s > 0 else math.nan
 
     def parts(self) -> dict[str, float]:
-        return {
+        out = {
             "useful steps": self.useful_s,
             "slow steps (beyond the median)": self.slow_steps_s,
             "checkpoint saves": self.checkpoint_s,
@@ -192,6 +202,9 @@ class Goodput:
             "redone after restart": self.redone_s,
             "outside the step loop": self.outside_s,
         }
+        if self.uncommitted_s is not None:
+            out["uncommitted steps (replica groups)"] = self.uncommitted_s
+        return out
 
 
 @dataclass
@@ -216,6 +229,8 @@ class RunFigures:
     checkpoints: list[dict[str, Any]]
     goodput: Goodput
     notes: list[str]
+    # ft_groups / ft_uncommitted / ft_heal events in file order; empty without replica groups.
+    ft_events: list[dict[str, Any]] = field(default_factory=list)
 
 
 def analyse(data: RunData) -> RunFigures:
@@ -245,6 +260,7 @@ def analyse(data: RunData) -> RunFigures:
         checkpoints=checkpoints,
         goodput=_goodput(data, median),
         notes=notes + _log_every_note(data),
+        ft_events=[e for s in data.sessions for e in s.events if e.get("event") in FT_EVENTS],
     )
 
 
@@ -328,15 +344,42 @@ def _goodput(data: RunData, median: float) -> Goodput:
     skipped = len(data.events("nonfinite"))
     ckpt_all = sum(float(e["blocked_s"]) for e in data.events("checkpoint"))
     useful = distinct - skipped
+    lost_in, lost_out = _uncommitted_time(data)
     return Goodput(
         wall_s=wall,
         useful_s=useful * median,
         skipped_s=skipped * median,
         redone_s=(executed - distinct) * median,
         checkpoint_s=ckpt_all,
-        slow_steps_s=max(steps_s - executed * median - ckpt_in, 0.0),
-        outside_s=max(wall - steps_s - (ckpt_all - ckpt_in), 0.0),
+        slow_steps_s=max(steps_s - executed * median - ckpt_in - lost_in, 0.0),
+        outside_s=max(wall - steps_s - (ckpt_all - ckpt_in) - lost_out, 0.0),
+        uncommitted_s=lost_in + lost_out if _has_replica_groups(data) else None,
     )
+
+
+def _has_replica_groups(data: RunData) -> bool:
+    return any("live_groups" in r for r in data.rows) or any(
+        e.get("event") in FT_EVENTS for s in data.sessions for e in s.events
+    )
+
+
+def _uncommitted_time(data: RunData) -> tuple[float, float]:
+    """Seconds of uncommitted steps (from the record before each ``ft_uncommitted`` event to
+    it): (inside the step time of the next committed step, after a session's last step)."""
+    inside = after = 0.0
+    for s in data.sessions:
+        last_row = float(s.rows[-1]["time"]) if s.rows else -math.inf
+        for e in s.of("ft_uncommitted"):
+            t = float(e["time"])
+            before = [float(r["time"]) for r in [*s.rows, *s.events] if float(r["time"]) < t]
+            if s.start is not None:
+                before.append(float(s.start["time"]))
+            lost = t - max(before) if before else 0.0
+            if t < last_row:
+                inside += lost
+            else:
+                after += lost
+    return inside, after
 
 
 def _wall_time(data: RunData) -> float:

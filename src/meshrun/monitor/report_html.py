@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from meshrun.monitor import figures
 from meshrun.monitor.report import (
@@ -200,6 +201,7 @@ def _write_run(page: _Page, run: RunFigures, prefix: str) -> None:
         "no per-rank records: one process, or fewer steps than monitor.straggler_every",
     )
     _write_events(page, run)
+    _write_ft(page, run)
     page.figure(prefix + "memory", figures.memory_png(run), "memory on rank 0", "no memory figures")
 
 
@@ -262,6 +264,26 @@ def _write_events(page: _Page, run: RunFigures) -> None:
             page.table(header, rows)
         else:
             page.add(f"<p class=note>no {title}</p>")
+
+
+def _write_ft(page: _Page, run: RunFigures) -> None:
+    """Replica-group events (docs/fault_tolerance.md); no section for a run without them."""
+    if not run.ft_events:
+        return
+    page.add("<h3>Fault-tolerance events (replica groups)</h3>")
+    page.table(["step", "what", "from", "bytes", "seconds"], [_ft_row(e) for e in run.ft_events])
+
+
+def _ft_row(e: dict[str, Any]) -> list[str]:
+    kind, live = e["event"], e.get("live_groups", "?")
+    if kind == "ft_heal":
+        return [str(e["step"]), f"healed ({live} groups live)", str(e.get("source", "")),
+                f"{int(e['bytes']):,}", f"{float(e['seconds']):.3f}"]  # fmt: skip
+    if kind == "ft_uncommitted":
+        what = f"step not committed ({live} groups live): {e.get('error', '')}"
+    else:  # ft_groups
+        what = f"a group {e.get('change', 'changed')} ({live} groups live)"
+    return [str(e["step"]), what, "", "", ""]
 
 
 def _pct(x: float) -> str:
