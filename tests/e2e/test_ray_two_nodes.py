@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import os
 import secrets
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -66,6 +67,20 @@ def run_in(net: netns.Hosts, i: int, argv: list[str], env: dict[str, str], log: 
 def test_one_job_runs_across_two_ray_nodes(tmp_path: Path) -> None:
     root = Path(tempfile.mkdtemp(prefix="mrray-"))  # short: Ray's socket paths must fit 107 B
     (root / "token").write_text(secrets.token_hex(32))
+    try:
+        out = _two_node_job(root, tmp_path)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    print(out[-3000:])
+    lines = [line for line in out.splitlines() if "ranks on hosts: " in line]
+    assert lines, out[-4000:]
+    hosts = lines[-1].split("ranks on hosts: ")[1].split(" ")[0].split(",")
+    assert sorted(hosts) == ["node0", "node1"], lines
+    assert "(gloo)" in lines[-1]
+
+
+def _two_node_job(root: Path, tmp_path: Path) -> str:
+    """Start the two nodes, run the job from the head's namespace; its output."""
     with netns.hosts(2) as net:
         head = f"{net.address(0)}:6379"
         start = [RAY, "start", "--num-cpus=1"]
@@ -78,10 +93,4 @@ def test_one_job_runs_across_two_ray_nodes(tmp_path: Path) -> None:
         argv = [sys.executable, "-m", "meshrun", "ray", "launch", "--address", head]
         argv += ["--workers", "2", str(SCRIPTS / "ray_hosts.py"), "--optim.steps=2"]
         argv += [f"--job.run_dir={tmp_path / 'run'}", "--job.timeout_s=60"]
-        out = run_in(net, 0, argv, node_env(root, 0), tmp_path / "launch.log")
-    print(out[-3000:])
-    lines = [line for line in out.splitlines() if "ranks on hosts: " in line]
-    assert lines, out[-4000:]
-    hosts = lines[-1].split("ranks on hosts: ")[1].split(" ")[0].split(",")
-    assert sorted(hosts) == ["node0", "node1"], lines
-    assert "(gloo)" in lines[-1]
+        return run_in(net, 0, argv, node_env(root, 0), tmp_path / "launch.log")
