@@ -5,7 +5,7 @@ wrappers, parameter groups are checked against the parallelized model, and ``run
 weights each batch by its size and gives every module its own mode back.
 
 The multi-process side (ZeRO-1/ZeRO-3 groups, evaluation with uneven shares) is
-tests/dist/test_run_glue.py."""
+tests/dist/test_run_glue_ranks.py."""
 
 from __future__ import annotations
 
