@@ -96,3 +96,19 @@ def test_report_html_has_the_events_table_and_a_plain_run_does_not(tmp_path: Pat
     write_report([tmp_path / "plain"], tmp_path / "out_plain")
     html = (tmp_path / "out_plain" / "report.html").read_text()
     assert "Fault-tolerance" not in html and "uncommitted" not in html
+
+
+def test_a_restarted_group_that_healed_ran_only_the_steps_after_its_heal(tmp_path: Path) -> None:
+    """The healed group's own file: steps 1-4, killed, restarted, healed to step 7 from group
+    0, steps 8-10. Steps 5-7 came from the peer: in its model, but not run (nor redone) here."""
+    recs: list[dict[str, Any]] = [start(T0)]
+    recs += [ft_row(s, T0 + 1.0 + s * STEP_S) for s in range(1, 5)]
+    t = T0 + 10.0
+    recs += [start(t), {"event": "ft_heal", "time": t + 0.5, "step": 7, "bytes": 6940,
+                        "seconds": 0.2, "source": "group 0", "live_groups": 2}]  # fmt: skip
+    recs += [ft_row(s, t + 0.5 + (s - 7) * STEP_S) for s in range(8, 11)]
+    g = analyse(load_run(write_run(tmp_path / "healed", recs))).goodput
+    assert g.useful_s == pytest.approx(7 * STEP_S)  # 4 + 3 steps run by this group
+    assert g.redone_s == pytest.approx(0.0, abs=1e-9)
+    assert g.slow_steps_s == pytest.approx(0.0, abs=1e-9)
+    assert math.fsum(g.parts().values()) == pytest.approx(g.wall_s)

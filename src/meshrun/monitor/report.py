@@ -334,13 +334,16 @@ def _log_every_note(data: RunData) -> list[str]:
 def _goodput(data: RunData, median: float) -> Goodput:
     wall = _wall_time(data)
     executed, steps_s, ckpt_in = 0, 0.0, 0.0
-    for s in data.sessions:
+    healed_in, healed = _healed_steps(data)
+    for s, gap in zip(data.sessions, healed_in, strict=True):
         first, last = _session_steps(s)
-        executed += last - first + 1 if last else 0
-        steps_s += _session_step_time(s, last - first + 1 if last else 0)
+        ran = (last - first + 1 if last else 0) - gap
+        executed += ran
+        steps_s += _session_step_time(s, ran)
         # A save after step S blocks inside step S+1's time; the last one is after the loop.
         ckpt_in += sum(e["blocked_s"] for e in s.of("checkpoint") if e["after_step"] < last)
-    distinct = max(int(r["step"]) for r in data.rows)
+    # Steps a healed replica group took from a peer are in its model but not its time.
+    distinct = max(int(r["step"]) for r in data.rows) - healed
     skipped = len(data.events("nonfinite"))
     ckpt_all = sum(float(e["blocked_s"]) for e in data.events("checkpoint"))
     useful = distinct - skipped
@@ -361,6 +364,22 @@ def _has_replica_groups(data: RunData) -> bool:
     return any("live_groups" in r for r in data.rows) or any(
         e.get("event") in FT_EVENTS for s in data.sessions for e in s.events
     )
+
+
+def _healed_steps(data: RunData) -> tuple[list[int], int]:
+    """Steps received by ``ft_heal`` rather than run: (per session, those inside its step
+    range; all). A restarted group heals before its first step; a live one between steps."""
+    inside, total, prev_last = [], 0, 0
+    for s in data.sessions:
+        gap = 0
+        for e in s.of("ft_heal"):
+            before = [int(r["step"]) for r in s.rows if float(r["time"]) <= float(e["time"])]
+            base = max(before) if before else prev_last
+            gap += max(int(e["step"]) - base, 0) if before else 0
+            total += max(int(e["step"]) - base, 0)
+        inside.append(gap)
+        prev_last = max(prev_last, int(s.rows[-1]["step"])) if s.rows else prev_last
+    return inside, total
 
 
 def _uncommitted_time(data: RunData) -> tuple[float, float]:
@@ -399,7 +418,10 @@ def _session_steps(s: Session) -> tuple[int, int]:
         return 0, 0
     last = int(s.rows[-1]["step"])
     resumed = s.of("resume")
-    if resumed:
+    healed = [e for e in s.of("ft_heal") if float(e["time"]) <= float(s.rows[0]["time"])]
+    if healed:  # a restarted replica group continues at the step it healed to
+        first = int(healed[-1]["step"]) + 1
+    elif resumed:
         first = int(resumed[0]["from_step"]) + 1
     elif s.start is not None:
         first = 1  # started without a checkpoint
