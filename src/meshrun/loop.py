@@ -232,16 +232,7 @@ class StepLoop:
         if not self._state_reported:  # the state exists now: which rank holds how much of it
             self._state_reported = True
             log_state_table(optimizer, log)
-        lr = float(optimizer.param_groups[0]["lr"])
-        optimizer.zero_grad(set_to_none=True)
-        self.monitor.add("optimizer_s", t0)
-        for s in self.state.schedulers:
-            s.step()
-        self.state.step += 1
-        if self.state.sampler is not None:
-            self.state.sampler.step(self.global_batch)
-        if self.state.iterable is not None:
-            self.state.iterable.step(self.global_batch)
+        lr = self._advance(optimizer, t0)
         self._record(lr, guard.loss)
         return True
 
@@ -261,23 +252,29 @@ class StepLoop:
             self._maybe_start_quorum()
             return False
         self._apply_update(optimizer)
+        lr = self._advance(optimizer, t0)
+        # Shares of missing groups are not trained (fault_tolerance.missing_group = shrink).
+        trained = self.global_batch * outcome.live_groups // self.replicas.cfg.replica_groups
+        self._record(
+            lr, outcome.loss, trained, {"live_groups": outcome.live_groups, "committed": True}
+        )
+        self._maybe_start_quorum()
+        return True
+
+    def _advance(self, optimizer: torch.optim.Optimizer, t0: float) -> float:
+        """After an update: one step more, the schedulers and the data position (by the whole
+        global batch) moved; returns the step's LR."""
         lr = float(optimizer.param_groups[0]["lr"])
         optimizer.zero_grad(set_to_none=True)
         self.monitor.add("optimizer_s", t0)
         for s in self.state.schedulers:
             s.step()
         self.state.step += 1
-        # Shares of missing groups are not trained (fault_tolerance.missing_group = shrink).
-        trained = self.global_batch * outcome.live_groups // self.replicas.cfg.replica_groups
         if self.state.sampler is not None:
             self.state.sampler.step(self.global_batch)
         if self.state.iterable is not None:
             self.state.iterable.step(self.global_batch)
-        self._record(
-            lr, outcome.loss, trained, {"live_groups": outcome.live_groups, "committed": True}
-        )
-        self._maybe_start_quorum()
-        return True
+        return lr
 
     def _maybe_start_quorum(self) -> None:
         if self.replicas is not None and self.state.step < self._target:
