@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint format unit dist e2e clean
+.PHONY: demo test test-heavy lint format unit dist e2e clean
 
 $(STAMP): pyproject.toml requirements-dev.txt
 	$(PY) -m venv $(VENV)
@@ -20,6 +20,10 @@ demo: $(STAMP)
 
 test: $(STAMP) lint
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=30 tests
+
+# CI's suite plus the heavy variants (@pytest.mark.heavy: larger meshes, second spellings).
+test-heavy: $(STAMP) lint
+	MESHRUN_HEAVY_TESTS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=30 tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks

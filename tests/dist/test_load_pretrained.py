@@ -221,6 +221,7 @@ def test_load_pretrained_under_zero3_tp_ddp_pp_matches_from_pretrained(tmp_path:
     assert len(copies) == 2 and all(torch.equal(c, embedding) for c in copies)
 
 
+@pytest.mark.heavy  # 4 ranks; the 2-rank test above shows every layout of the issue
 @pytest.mark.timeout(480)
 def test_load_pretrained_on_2d_meshes_and_pp_x_zero3(tmp_path: Path) -> None:
     dirs = save_dirs(tmp_path)

@@ -194,6 +194,7 @@ def groups_of_params(params: list[nn.Parameter]) -> list[dict[str, Any]]:
     ]
 
 
+@pytest.mark.heavy  # 4 ranks; ZeRO-1's groups against one process are the 2-rank test
 @pytest.mark.timeout(480)  # a hang guard for a loaded machine, not a timing assert
 def test_param_groups_under_pp_and_zero1(tmp_path: Path) -> None:
     outs = run_distributed(pp_zero1_groups, 4, str(tmp_path / "run"), timeout=420)

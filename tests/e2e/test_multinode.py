@@ -244,7 +244,7 @@ def _wait_for_step(run_dir: Path, step: int, cluster: Cluster, timeout: float) -
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("how", ["by itself", "on SIGTERM"])
+@pytest.mark.parametrize("how", ["by itself", pytest.param("on SIGTERM", marks=pytest.mark.heavy)])
 def test_a_host_cut_off_from_the_network_exits(tmp_path: Path, how: str) -> None:
     """Host 1's link goes down mid-run. Its worker ends through the hang watchdog, while its
     agent is blocked in a call to the store it cannot reach (host 0's: the rendezvous's

@@ -68,7 +68,9 @@ def plain_losses(tmp_path_factory: pytest.TempPathFactory) -> list[float]:
 
 
 @pytest.mark.timeout(3 * RUN_TIMEOUT_S)
-@pytest.mark.parametrize("command", ["rendered", "torchrun-style"])
+@pytest.mark.parametrize(
+    "command", ["rendered", pytest.param("torchrun-style", marks=pytest.mark.heavy)]
+)
 def test_a_trainjob_pod_trains_as_meshrun_launch_does(
     command: str, plain_losses: list[float], tmp_path: Path
 ) -> None:
