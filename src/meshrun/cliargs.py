@@ -42,6 +42,17 @@ def add_target(
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
 
 
+def require_script(command: str, target: str | None, module: bool) -> None:
+    """The target of a command that starts it from this machine: given, and a script that
+    exists here unless it is a module (``-m``); the same errors from every such command."""
+    from meshrun.config.fields import ConfigError
+
+    if not target:
+        raise ConfigError(f"meshrun {command} needs a script (train.py) or -m MODULE")
+    if not module and not Path(target).is_file():
+        raise ConfigError(f"script {target!r} does not exist")
+
+
 def default_config(module: str | None) -> Path | None:
     """The config a target uses when no --config is given: the demo's own for ``-m
     meshrun.demo`` (so its settings hold under launch, scale-test and slurm), else none."""

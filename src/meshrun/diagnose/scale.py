@@ -14,7 +14,7 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from meshrun.cliargs import default_config
+from meshrun.cliargs import default_config, require_script
 from meshrun.config import (
     Config,
     ConfigError,
@@ -112,10 +112,7 @@ def run_scale_test(req: ScaleRequest) -> int:
     from meshrun.config import write_config
     from meshrun.launch.local import LaunchSpec, launch_local
 
-    if not req.target:
-        raise ConfigError("meshrun scale-test needs a script (train.py) or -m MODULE")
-    if not req.module and not Path(req.target).is_file():
-        raise ConfigError(f"script {req.target!r} does not exist")
+    require_script("scale-test", req.target, req.module)
     configs = scale_configs(req)
     done: list[Path] = []
     failed: list[int] = []

@@ -13,7 +13,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from meshrun.cliargs import Subparsers, add_command, add_group, add_set, add_target, default_config
+from meshrun.cliargs import (
+    Subparsers,
+    add_command,
+    add_group,
+    add_set,
+    add_target,
+    default_config,
+    require_script,
+)
 from meshrun.config import Config, ConfigError, load_config, split_overrides, validate_for_world
 from meshrun.launch.hostfile import (
     HostfileError,
@@ -242,10 +250,7 @@ def cmd_slurm_submit(a: argparse.Namespace) -> int:
 
 def build_spec(a: argparse.Namespace) -> tuple[SubmitSpec, Path]:
     """The submit spec from the flags, and the run directory (from the script's config)."""
-    if not a.target:
-        raise ConfigError("meshrun slurm submit needs a script (train.py) or -m MODULE")
-    if not a.module and not Path(a.target).is_file():
-        raise ConfigError(f"script {a.target!r} does not exist")
+    require_script("slurm submit", a.target, a.module)
     if a.nodes < 1:  # here, not only in SubmitSpec.validate, to name the spelling typed
         raise ConfigError(f"{a.nodes_flag} {a.nodes} is not allowed: must be >= 1")
     spec = SubmitSpec(

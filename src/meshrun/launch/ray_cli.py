@@ -13,7 +13,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from meshrun.cliargs import Subparsers, add_set, add_target, default_config
+from meshrun.cliargs import Subparsers, add_set, add_target, default_config, require_script
 from meshrun.config import Config, ConfigError, load_config, split_overrides
 
 __all__ = ["add_parser"]
@@ -78,11 +78,8 @@ def _warn_limits(cfg: Config, max_restarts: int) -> None:
 def _cmd_launch(a: argparse.Namespace) -> int:
     from meshrun.launch.ray_job import RayLaunchSpec, launch_ray
 
-    if not a.target:
-        raise ConfigError("meshrun ray launch needs a script (train.py) or -m MODULE")
+    require_script("ray launch", a.target, a.module)
     module = a.target if a.module else None
-    if module is None and not Path(a.target).is_file():
-        raise ConfigError(f"script {a.target!r} does not exist")
     _check_flags(a)
     overrides, _ = split_overrides(list(a.args))
     cfg = load_config(a.config or default_config(module), [*a.set, *overrides])
