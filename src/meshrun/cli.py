@@ -39,8 +39,8 @@ from meshrun.diagnose.cli import use_doctor_worker
 from meshrun.ft.cli import add_parser as _add_lighthouse
 from meshrun.launch.cli import add_k8s_parser as _add_k8s
 from meshrun.launch.cli import add_slurm_parser as _add_slurm
+from meshrun.launch.cli_torchrun import add_arguments as add_torchrun_flags
 from meshrun.launch.ray_cli import add_parser as _add_ray
-from meshrun.launch.torchrun_flags import add_arguments as add_torchrun_flags
 from meshrun.monitor.cli import add_report_parser as _add_report
 from meshrun.plan.cli import add_parser as _add_plan
 
@@ -124,7 +124,7 @@ def _nproc(flag: int | None, cfg: Config) -> int:
 
 
 def cmd_launch(a: argparse.Namespace) -> int:
-    from meshrun.launch import torchrun_flags
+    from meshrun.launch import cli_torchrun
 
     if a.doctor:
         use_doctor_worker(a)
@@ -132,7 +132,7 @@ def cmd_launch(a: argparse.Namespace) -> int:
     if not target:
         raise ConfigError("meshrun launch needs a script (train.py) or -m MODULE")
     module = target if a.module else None
-    for note in torchrun_flags.env_defaults(a, os.environ):  # PET_NPROC_PER_NODE=8 ...
+    for note in cli_torchrun.env_defaults(a, os.environ):  # PET_NPROC_PER_NODE=8 ...
         print(f"meshrun launch: {note}", file=sys.stderr)
     _check_target(target, module, a.no_python)
     args = list(a.args)
@@ -141,14 +141,14 @@ def cmd_launch(a: argparse.Namespace) -> int:
     if a.hostfile:  # one meshrun launch per listed host, over ssh (docs/hostfile.md)
         from meshrun.launch.cli import launch_from_args
 
-        if why := torchrun_flags.hostfile_refusal(a):
+        if why := cli_torchrun.hostfile_refusal(a):
             raise ConfigError(why)
         # Checked here as on each host; the hostfile decides the topology (launch/cli.py).
         apply_launch_flags(cfg, a, topology=False)
         return launch_from_args(a, cfg)
     if a.ssh_opt:
         raise ConfigError("--ssh-opt configures the ssh to each host: it needs --hostfile FILE")
-    torchrun = torchrun_flags.resolve(a)  # torchrun's flags: what they mean for this launch
+    torchrun = cli_torchrun.resolve(a)  # torchrun's flags: what they mean for this launch
     for note in torchrun.notes:
         print(f"meshrun launch: {note}", file=sys.stderr)
     a.nproc_per_node = torchrun.nproc_per_node

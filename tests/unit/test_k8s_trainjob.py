@@ -26,7 +26,7 @@ import yaml
 
 from meshrun.cli import build_parser, main
 from meshrun.config import ConfigError
-from meshrun.launch import torchrun_flags
+from meshrun.launch import cli_torchrun
 from meshrun.launch.k8s import K8sJob, check_job, render
 from meshrun.launch.k8s_trainjob import PET_VARIABLES, render_trainjob
 
@@ -188,11 +188,11 @@ def test_the_trainjob_command_is_meshrun_launchs_with_the_pet_variables() -> Non
     env |= {"PET_MASTER_ADDR": "gpt-node-0-0.gpt", "PET_MASTER_PORT": "29500"}
     argv = [kubelet_expand(arg, env) for arg in job["spec"]["trainer"]["command"]]
     a = build_parser().parse_args(argv[1:])
-    notes = torchrun_flags.env_defaults(a, env)
+    notes = cli_torchrun.env_defaults(a, env)
     assert (a.nnodes, a.nproc_per_node, a.node_rank) == ("3", 8, 2)
     assert a.rdzv_endpoint == "gpt-node-0-0.gpt:29500" and a.rdzv_id == "gpt"
     assert "--nnodes 3 from PET_NNODES (torchrun's environment default)" in notes
-    backend, _ = torchrun_flags.rendezvous(a, [])
+    backend, _ = cli_torchrun.rendezvous(a, [])
     assert backend == "c10d"  # the endpoint wins over torchrun's static reading of PET_MASTER_*
 
 

@@ -13,9 +13,10 @@ from torch.distributed.run import get_args_parser
 
 from meshrun.cli import build_parser, main
 from meshrun.config import ConfigError
-from meshrun.launch import torchrun_flags
+from meshrun.launch import cli_torchrun
+from meshrun.launch.cli_torchrun import resolve
 from meshrun.launch.local import LaunchSpec, build_torchrun_args
-from meshrun.launch.torchrun_flags import FLAGS, OTHER_FLAGS, REFUSED, Flag, flag_argv, resolve
+from meshrun.launch.torchrun_flags import FLAGS, OTHER_FLAGS, REFUSED, Flag, flag_argv
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -90,14 +91,14 @@ def test_both_spellings_parse_to_the_same_meaning(flag: Flag) -> None:
 def test_passed_flags_reach_the_agent_as_torchrun_reads_them(flag: Flag) -> None:
     for option in flag.options:
         given = [option, *_value(flag)]
-        argv = torchrun_flags.passthrough_argv(_parse(*given))
+        argv = cli_torchrun.passthrough_argv(_parse(*given))
         want = getattr(TORCHRUN.parse_args([*given, "train.py"]), flag.dest)
         assert getattr(TORCHRUN.parse_args([*argv, "train.py"]), flag.dest) == want
 
 
 def test_flag_argv_reproduces_the_command_line() -> None:
     a = _parse("--nproc_per_node=4", "--tee", "3", "--run_path", "--master_port=29555")
-    argv = [arg for f in torchrun_flags.given(a) for arg in flag_argv(f, getattr(a, f.dest))]
+    argv = [arg for f in cli_torchrun.given(a) for arg in flag_argv(f, getattr(a, f.dest))]
     again = _parse(*argv)
     assert all(getattr(again, f.dest) == getattr(a, f.dest) for f in FLAGS)
 
@@ -304,7 +305,7 @@ def test_pet_variables_fill_the_flags_not_given_as_torchrun_reads_them(
            "PET_MASTER_ADDR": "job-master-0", "PET_MASTER_PORT": "23456",
            "PET_STANDALONE": "0", "PET_MONITOR_INTERVAL": "0.5"}  # fmt: skip
     a = _parse("--nnodes", "3")  # a flag wins over its variable
-    notes = torchrun_flags.env_defaults(a, env)
+    notes = cli_torchrun.env_defaults(a, env)
     assert (a.nproc_per_node, a.nnodes, a.node_rank, a.master_port) == (4, "3", 1, 23456)
     assert a.standalone is None and a.monitor_interval == 0.5
     assert "--master-addr job-master-0 from PET_MASTER_ADDR" in " | ".join(notes)
@@ -332,4 +333,4 @@ def test_pet_variables_fill_the_flags_not_given_as_torchrun_reads_them(
 )
 def test_a_bad_pet_variable_names_itself(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        torchrun_flags.env_defaults(_parse(), env)
+        cli_torchrun.env_defaults(_parse(), env)

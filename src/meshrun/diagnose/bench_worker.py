@@ -1,17 +1,19 @@
-"""The worker of ``meshrun bench`` (``python -m meshrun.diagnose.bench_worker``, started on
-every rank by diagnose/cli.py through ``launch_local``): runs the measurements the parent asked
+"""The worker of ``meshrun bench`` (``python -m meshrun.diagnose.bench_worker REQUEST``, started
+on every rank by diagnose/cli.py through ``launch_local``): runs the measurements the parent asked
 for, prints them on rank 0 and merges them into the calibration file.
+
+The parent's request travels as one JSON argument (diagnose/bench_request.py), not as flags.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from meshrun.diagnose.bench_comm import bench_comm, bench_pairs
 from meshrun.diagnose.bench_compute import bench_compute, bench_fsdp, bench_tp, slowest_rank_rates
+from meshrun.diagnose.bench_request import BenchRequest
 from meshrun.diagnose.calibration import results_lines, write_calibration
 
 MODULE = "meshrun.diagnose.bench_worker"
@@ -20,15 +22,7 @@ MODULE = "meshrun.diagnose.bench_worker"
 def worker(argv: Sequence[str] | None = None) -> None:
     import meshrun
 
-    p = argparse.ArgumentParser(prog=MODULE)
-    p.add_argument("--kind", default="all")
-    p.add_argument("--out", required=True)
-    p.add_argument("--max-mb", type=float, default=16.0)
-    p.add_argument("--precision", default="fp32")
-    p.add_argument("--seconds", type=float, default=0.3)
-    p.add_argument("--pairs", action="store_true")
-    p.add_argument("--pair-mb", type=float, default=4.0)
-    a = p.parse_args(argv)
+    a = BenchRequest.from_argv(sys.argv[1:] if argv is None else argv)
     run = meshrun.init(argv=[])
     results = measure(a, run.device)
     if run.is_main:
@@ -37,7 +31,7 @@ def worker(argv: Sequence[str] | None = None) -> None:
         write_calibration(a.out, results, run.world_size, run.device)
 
 
-def measure(a: argparse.Namespace, device: Any) -> dict[str, Any]:
+def measure(a: BenchRequest, device: Any) -> dict[str, Any]:
     """Every measurement ``a.kind`` asks for, as the calibration file's ``measured`` parts."""
     results: dict[str, Any] = {}
     if a.kind in ("compute", "all"):

@@ -32,6 +32,7 @@ BENCH_WORKER = "meshrun.diagnose.bench_worker"
 
 def cmd_bench(a: argparse.Namespace) -> int:
     from meshrun.config import Config, ConfigError, write_config
+    from meshrun.diagnose.bench_request import BenchRequest
     from meshrun.launch.local import LaunchSpec, default_nproc_per_node, launch_local
 
     nproc = a.nproc_per_node or default_nproc_per_node()
@@ -44,11 +45,10 @@ def cmd_bench(a: argparse.Namespace) -> int:
     cfg.data.micro_batch, cfg.data.global_batch = 1, nproc
     cfg.metrics.progress = False
     config_path = write_config(cfg, Path(a.run_dir) / "config.toml")
-    args = ["--kind", a.kind, "--out", str(Path(a.out).resolve()), "--max-mb", str(a.max_mb),
-            "--precision", a.precision, "--seconds", str(a.seconds)]  # fmt: skip
-    if getattr(a, "pairs", False):
-        args += ["--pairs", "--pair-mb", str(a.pair_mb)]
-    spec = LaunchSpec(nproc_per_node=nproc, module=BENCH_WORKER, script_args=args,
+    request = BenchRequest(out=str(Path(a.out).resolve()), kind=a.kind, max_mb=a.max_mb,
+                           precision=a.precision, seconds=a.seconds,
+                           pairs=getattr(a, "pairs", False), pair_mb=getattr(a, "pair_mb", 4.0))  # fmt: skip
+    spec = LaunchSpec(nproc_per_node=nproc, module=BENCH_WORKER, script_args=request.to_argv(),
                       config_path=str(config_path), run_dir=a.run_dir)  # fmt: skip
     code = launch_local(spec)
     if code == 0:

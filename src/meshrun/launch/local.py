@@ -58,7 +58,7 @@ class LaunchSpec(LaunchConfig):
     config_path: str | None = None  # exported to the workers as MESHRUN_CONFIG
     run_dir: str = "runs/launch"  # the agent's per-rank logs go to RUN_DIR/logs
     extra_env: dict[str, str] = field(default_factory=dict)
-    # torchrun's own flags as the user gave them (meshrun launch's torchrun_flags.resolve):
+    # torchrun's own flags as the user gave them (meshrun launch's cli_torchrun.resolve):
     rdzv_backend: str = "c10d"  # or "static": torchrun's --master-addr/--master-port launch
     tee: str = ""  # torchrun's --tee; "" = stderr only ("2"), so stdout is torchrun's own
     redirects: str = ""  # torchrun's --redirects; "" = none
