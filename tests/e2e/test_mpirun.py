@@ -6,7 +6,7 @@ ssh, tests/sshd.py). mpi4py imports here (meshrun's ``mpi`` extra): meshrun asks
 hosts; bound to another MPI than the launcher's, it stops with the fix (docs/mpirun.md).
 
 Cost: one reference ``meshrun launch`` and one launch of the 8-step tiny demo per launcher
-(Open MPI one host, MPICH, Open MPI two hosts), plus three short launches of a script that
+(Open MPI one host, MPICH one host, Open MPI two hosts, MPICH two hosts), plus three short launches of a script that
 only initialises and all-reduces or only detects (the error paths). Skips when a launcher is not installed.
 """
 
@@ -176,3 +176,33 @@ def test_mpirun_across_two_hosts(reference: list[float], tmp_path: Path) -> None
         assert "OMPI_COMM_WORLD_SIZE=2 processes (OMPI_COMM_WORLD_LOCAL_SIZE=1 on" in p.stderr
         assert "mpi4py could not help (ImportError: hidden by test)" in p.stderr
         assert "mpirun -x MASTER_ADDR=<address of rank 0's host> -x MASTER_PORT=29500" in (p.stderr)
+
+
+def _ssh_wrapper(path: Path, ssh: sshd.SshSetup) -> str:
+    """An executable that runs ssh with the test's client options: Hydra's -launcher-exec
+    takes a program, not a command line."""
+    path.write_text(f'#!/bin/sh\nexec ssh {" ".join(ssh.client_args())} "$@"\n')
+    path.chmod(0o755)
+    return str(path)
+
+
+@pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S)
+def test_mpich_across_two_hosts(reference: list[float], tmp_path: Path) -> None:
+    """MPICH's Hydra in host 0 starts rank 1 on host 1 over ssh (``-hosts``, ``-launcher
+    ssh``); it passes its whole environment, so mpi4py is pointed at MPICH on both hosts by
+    the variables given to mpiexec alone. Rank 0 at host 0's veth, both hosts on it."""
+    _require("mpiexec.mpich", "mpich")
+    netns.require()
+    sshd.require()
+    env = _env(**_mpich_abi_dir(tmp_path))
+    with netns.hosts(2) as net, sshd.servers(net, [1], tmp_path / "ssh") as ssh:
+        a0, a1 = net.address(0), net.address(1)
+        mpiexec = ["mpiexec.mpich", "-hosts", f"{a0},{a1}", "-n", "2", "-launcher", "ssh"]
+        mpiexec += ["-launcher-exec", _ssh_wrapper(tmp_path / "ssh-opts", ssh)]
+        argv = net.argv(0, [*mpiexec, PY, *DEMO, "--run-dir", str(tmp_path / "run")])
+        out = _ok(_run(argv, env, tmp_path))
+        assert f"meshrun: mpi: rank 0 listens on {a0}:" in out
+        assert "(found over mpi4py, MPICH" in out
+        assert f"rank 0 on node0 reaches {a0} through interface eth-mr" in out
+        assert f"rank 1 on node1 reaches {a0} through interface eth-mr" in out
+        assert _losses(tmp_path / "run") == reference  # bitwise, as on one host
