@@ -40,6 +40,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from meshrun.launch.guard import descendants
+from meshrun.launch.orphans import orphan_guard
 from meshrun.launch.summary import signal_name
 from meshrun.monitor.watchdog import EXIT_HANG, local_workers
 
@@ -267,9 +268,11 @@ def watched_agent(
     rdzv_hint: str = "",
 ) -> Iterator[AgentWatch]:
     """Around ``torch.distributed.run.run``: announce restarts, bound a lost rendezvous and
-    the time from SIGTERM to exit (see the module docstring)."""
+    the time from SIGTERM to exit (see the module docstring); end the workers if this process
+    is killed (``orphans.py``)."""
     watch = AgentWatch(max_restarts, rdzv_bound_s, say, rdzv_hint)
-    with _metrics(watch), _failures(watch), _wakeup_pipe() as wakeup:
+    # orphan_guard: the workers end with this process even if it is SIGKILLed (orphans.py).
+    with _metrics(watch), _failures(watch), _wakeup_pipe() as wakeup, orphan_guard():
         thread = threading.Thread(
             target=watch.watch, args=(wakeup,), name="meshrun-agent-watch", daemon=True
         )

@@ -28,6 +28,7 @@ from meshrun.launch import multinode
 from meshrun.launch.handshake import Handshake, HandshakeError, local_node_info, say_stderr
 from meshrun.launch.multinode import NetworkPlan
 from meshrun.launch.netif import NetworkError
+from meshrun.launch.orphans import orphan_guard
 from meshrun.launch.replicas import GroupPlan, launch_replica_groups
 from meshrun.launch.summary import HangStates, find_attempt_dir, summarize_failures
 from meshrun.launch.torchrun_flags import FLAGS
@@ -172,7 +173,8 @@ def rendezvous_endpoint(spec: LaunchSpec, port: int) -> str:
 def launch_local(spec: LaunchSpec) -> int:
     """Run ``spec`` under torchrun's agent; return the exit code, never raise for a worker."""
     if spec.replica_groups > 1:
-        return launch_replica_groups(_group_plan(spec))
+        with orphan_guard():  # the groups' agents and workers end with us, even on SIGKILL
+            return launch_replica_groups(_group_plan(spec))
     port = 0 if spec.rdzv_endpoint else find_free_port()
     try:
         network = _plan_network(spec)
