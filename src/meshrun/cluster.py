@@ -126,6 +126,13 @@ _PASS_PORT = {
     "MPICH": "mpiexec -genv MASTER_PORT 29500",
     "PMIx": "export MASTER_PORT=29500 to every process",
 }
+# Variables only an MPI launcher's own daemons set, never srun: a process holding them was
+# started by mpirun/mpiexec, also inside a SLURM allocation, whose SLURM_PROCID/SLURM_NTASKS
+# then describe the batch shell or the launcher's daemon step, not this process (printed from
+# a real job: under mpirun -np 2 in an sbatch script of --ntasks-per-node=2 both ranks see
+# SLURM_PROCID=0 and SLURM_NTASKS=2). srun --mpi=pmi2/pmix sets PMI_RANK/PMIX_RANK itself, equal
+# to SLURM_PROCID: there SLURM's variables are right and need no mpi4py.
+_MPI_OWN_VARS = {"Open MPI": "OMPI_COMM_WORLD_RANK", "MPICH": "MPI_LOCALRANKID"}
 # A job id every process of one MPI job sees (Open MPI 4; PMIx, also Open MPI 5): the port
 # of a one-host job is derived from it, as SLURM's from SLURM_JOB_ID. MPICH's Hydra sets none.
 MPI_JOB_ID_VARS = ("OMPI_MCA_ess_base_jobid", "PMIX_NAMESPACE")
@@ -233,9 +240,17 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterEnv:
     host = socket.gethostname()
     if "TORCHELASTIC_RUN_ID" in env or all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK")):
         return _from_torchelastic(env, host)
+    launcher = _mpi_launcher(env)
+    if launcher and _MPI_OWN_VARS.get(launcher, "") in env:  # mpirun inside SLURM too
+        return _from_mpi(env, host, launcher, live)
     if "SLURM_PROCID" in env and "SLURM_NTASKS" in env and _int(env, "SLURM_NTASKS") > 1:
         return _from_slurm(env, host)
-    for launcher, names in _MPI_VARS.items():
-        if names[0] in env and names[1] in env:
-            return _from_mpi(env, host, launcher, live)
+    if launcher:
+        return _from_mpi(env, host, launcher, live)
     return ClusterEnv("single", 0, 1, 0, 1, 0, "127.0.0.1", 0, host)
+
+
+def _mpi_launcher(env: Mapping[str, str]) -> str:
+    """The MPI launcher whose rank and size variables are set ("" for none)."""
+    names = (name for name, (rank, size, _, _) in _MPI_VARS.items() if rank in env and size in env)
+    return next(names, "")

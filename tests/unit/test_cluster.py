@@ -174,6 +174,26 @@ def _ompi(rank: int, size: int, local_size: int, **extra: str) -> dict[str, str]
     }
 
 
+# The batch shell's SLURM variables, as every process of mpirun/mpiexec in an sbatch script of
+# --ntasks-per-node=2 inherits them (printed from a real job): the same for both ranks.
+BATCH_SHELL = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "SLURM_NTASKS": "2", "SLURM_LOCALID": "0"}
+
+
+def test_mpirun_inside_a_slurm_allocation_is_mpi_not_the_batch_shells_task() -> None:
+    ranks = {detect({**BATCH_SHELL, **_ompi(r, 2, 2, OMPI_MCA_ess_base_jobid="9")}) for r in (0, 1)}
+    assert {(c.kind, c.rank, c.local_rank) for c in ranks} == {("mpi", 0, 0), ("mpi", 1, 1)}
+    hydra = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
+    c = detect({**BATCH_SHELL, **hydra, "MASTER_PORT": "29611"})
+    assert (c.kind, c.rank, c.master_addr, c.master_port) == ("mpi", 1, "127.0.0.1", 29611)
+
+
+def test_srun_with_a_pmi_plugin_stays_slurm() -> None:
+    # srun --mpi=pmi2 sets PMI_RANK = SLURM_PROCID but no MPI_LOCALRANKID: SLURM's variables
+    # are this process's, and give rank 0's host without mpi4py.
+    c = detect({**_slurm_task(5), "PMI_RANK": "5", "PMI_SIZE": "8", "PMIX_RANK": "5"})
+    assert (c.kind, c.rank, c.master_addr) == ("slurm", 5, "gpu01")
+
+
 def test_open_mpi_on_one_host_derives_loopback_and_a_port_from_the_job_id() -> None:
     # What mpirun -np 2 sets on one host (printed from a real run): no MASTER_ADDR.
     found = {detect(_ompi(r, 2, 2, OMPI_MCA_ess_base_jobid="960495617")) for r in (0, 1)}
