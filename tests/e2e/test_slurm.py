@@ -9,9 +9,11 @@ accounting storage, so ``sacct`` has nothing to read without slurmdbd.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -33,11 +35,11 @@ DEMO = ["-m", "meshrun.demo", "--corpus-bytes", "200000", "--metrics.progress=fa
 cluster = slurm.slurm_cluster  # the session's one-node SLURM (started once, stopped at the end)
 
 
-def _submit(s: slurm.Slurm, *argv: str) -> tuple[str, str]:
+def _submit(s: slurm.Slurm, *argv: str, env: dict[str, str] | None = None) -> tuple[str, str]:
     """``meshrun slurm submit ARGV``; returns the job id and the printed line."""
     r = subprocess.run(
         [sys.executable, "-m", "meshrun", "slurm", "submit", *argv],
-        env=s.env,
+        env=s.env if env is None else env,
         capture_output=True,
         text=True,
         timeout=120,
@@ -77,6 +79,59 @@ def test_submitted_demo_runs_to_completion(cluster: slurm.Slurm, tmp_path: Path)
     assert "step 4/4" in out, out
     assert (run_dir / "checkpoints" / "step_00000004").is_dir()
     batch_out = (run_dir / "slurm" / f"meshrun-run-{job}.out").read_text()
+    assert f"job {job} finished with exit code 0" in batch_out
+
+
+def _direct_launcher_or_skip(s: slurm.Slurm, launcher: str) -> dict[str, str]:
+    """The extra environment a job of ``--launcher LAUNCHER`` needs here, or skip."""
+    if launcher == "mpirun":
+        if shutil.which("mpirun") is None or importlib.util.find_spec("mpi4py") is None:
+            pytest.skip("mpirun (Debian: openmpi-bin) or mpi4py (the mpi extra) not installed")
+        # sbatch passes the submitter's environment; Open MPI refuses root without these.
+        return {"OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    probe = s.run(["srun", "-N1", "--mpi=pmix", "true"], check=False, timeout=60)
+    if probe.returncode != 0:  # SLURM's pmix plugin loads libpmix.so at run time
+        pytest.skip(f"srun --mpi=pmix fails here (Debian: libpmix-dev): {probe.stderr[-300:]}")
+    return {}
+
+
+@pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+@pytest.mark.timeout(200)
+def test_submitted_demo_under_a_direct_launcher(
+    cluster: slurm.Slurm, tmp_path: Path, launcher: str
+) -> None:
+    """``--launcher mpirun|srun``: one SLURM task per worker, no meshrun launch or torchrun;
+    meshrun.init() takes the ranks from Open MPI's variables (rank 0's endpoint over mpi4py)
+    or from SLURM's, never from the batch shell's SLURM_PROCID, and trains to the end."""
+    extra = _direct_launcher_or_skip(cluster, launcher)
+    run_dir = tmp_path / "run"
+    job, line = _submit(
+        cluster,
+        *("--launcher", launcher, "--nodes", "1", "--nproc-per-node", "2", "--time", "10"),
+        *("--set", "checkpoint.interval=2"),  # reaches the workers through the config file
+        *DEMO,
+        *("--size", "tiny", "--steps", "4", f"--job.run_dir={run_dir}"),
+        env={**cluster.env, **extra},
+    )
+    state = cluster.wait_job(job, timeout=180)
+    batch_out = (run_dir / "slurm" / f"meshrun-run-{job}.out").read_text(errors="replace")
+    out = batch_out + _node_out(run_dir, job)
+    assert state == "COMPLETED", f"{state}\n{out}\n{cluster.logs()}"
+    script = (run_dir / "slurm" / "job.sbatch").read_text()
+    assert "#SBATCH --ntasks-per-node=2" in script and "#SBATCH --cpus-per-task=1" in script
+    assert "meshrun launch" not in script
+    assert "checkpoint.interval=2" not in script  # in the resolved config, not the command
+    resolved = (run_dir / "slurm" / "config.toml").read_text()
+    assert re.search(r"\[checkpoint\][^[]*\ninterval = 2\n", resolved), resolved
+    if launcher == "mpirun":
+        assert "(batch script and every rank)" in line
+        assert "meshrun: mpi: rank 0 listens on 127.0.0.1:" in out, out
+        assert "(found over mpi4py, Open MPI" in out
+    assert f"2 process(es) [{'mpi' if launcher == 'mpirun' else 'slurm'}]" in out, out
+    assert "step 4/4" in out, out
+    # interval 2 from --set: a checkpoint at step 2 as well as the final one
+    assert (run_dir / "checkpoints" / "step_00000002").is_dir()
+    assert (run_dir / "checkpoints" / "step_00000004").is_dir()
     assert f"job {job} finished with exit code 0" in batch_out
 
 

@@ -23,7 +23,12 @@ from meshrun.launch.slurm import (
     in_allocation,
     tasks_per_node,
 )
-from meshrun.launch.slurm_submit import SubmitSpec, render_sbatch, time_limit_seconds
+from meshrun.launch.slurm_submit import (
+    SubmitSpec,
+    check_direct_config,
+    render_sbatch,
+    time_limit_seconds,
+)
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -203,7 +208,7 @@ def test_sbatch_script_runs_one_launch_per_node() -> None:
     launch = "/venv/bin/python -m meshrun launch --nproc-per-node 8 train.py --lr 3e-4 '--note=a b'"
     assert launch in text
     assert 'scontrol requeue "$SLURM_JOB_ID"' in text
-    assert 'kill -USR1 "$SRUN_PID"' in text
+    assert 'kill -USR1 "$WORKERS_PID"' in text
 
 
 def test_sbatch_defaults_and_module_target() -> None:
@@ -219,6 +224,59 @@ def test_sbatch_script_is_valid_bash(tmp_path: Path) -> None:
     path.write_text(render_sbatch(_spec(requeue=True)))
     r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=20)
     assert r.returncode == 0, r.stderr
+
+
+TOML = '[job]\nname = "x"\n'
+
+
+def _direct(launcher: str, **kw: object) -> SubmitSpec:
+    return _spec(launcher=launcher, config_toml=TOML, config_path="/runs/x/slurm/config.toml", **kw)
+
+
+def test_sbatch_under_mpirun_starts_every_worker_itself() -> None:
+    text = render_sbatch(_direct("mpirun", nodes=2, nproc_per_node=4, cpus_per_task=8))
+    lines = text.splitlines()
+    assert "#SBATCH --ntasks-per-node=4" in lines and "#SBATCH --cpus-per-task=2" in lines
+    assert "mpirun -np 8 --map-by ppr:4:node --bind-to none \\" in lines
+    assert "    /venv/bin/python train.py --lr 3e-4 '--note=a b' &" in lines
+    assert "meshrun launch" not in text and "srun" not in text
+    # The resolved config reaches every rank as one file, as under meshrun launch.
+    assert (
+        f"cat > /runs/x/slurm/config.toml <<'MESHRUN_CONFIG_TOML'\n{TOML}MESHRUN_CONFIG_TOML"
+        in text
+    )
+    assert "export MESHRUN_CONFIG=/runs/x/slurm/config.toml" in lines
+    assert 'export OMP_NUM_THREADS="${OMP_NUM_THREADS:-2}"' in lines
+    assert 'kill -USR1 "$WORKERS_PID"' in text  # mpirun passes USR1 on to its processes
+
+
+def test_sbatch_under_srun_runs_one_task_per_process() -> None:
+    text = render_sbatch(_direct("srun", target="meshrun.demo", module=True, script_args=[]))
+    assert "srun --mpi=pmix --ntasks-per-node=2 --cpus-per-task=1 --kill-on-bad-exit=1" in text
+    assert "--output=/runs/x/slurm/%x-%j-node%n.out" in text
+    assert "    /venv/bin/python -m meshrun.demo &" in text.splitlines()
+    assert "#SBATCH --ntasks-per-node=2" in text and "meshrun launch" not in text
+
+
+@pytest.mark.parametrize("launcher", ["meshrun", "mpirun", "srun"])
+def test_every_launchers_script_is_valid_bash(tmp_path: Path, launcher: str) -> None:
+    path = tmp_path / "job.sbatch"
+    spec = _spec(requeue=True) if launcher == "meshrun" else _direct(launcher, requeue=True)
+    path.write_text(render_sbatch(spec))
+    r = subprocess.run(["bash", "-n", str(path)], capture_output=True, text=True, timeout=20)
+    assert r.returncode == 0, r.stderr
+
+
+def test_direct_launchers_refuse_what_only_torchruns_agent_does() -> None:
+    with pytest.raises(SlurmError, match=r"--cpus-per-task 3 with --launcher mpirun: .* multiple"):
+        render_sbatch(_direct("mpirun", cpus_per_task=3))
+    with pytest.raises(SlurmError, match=r"--launcher 'ompi' is not one of meshrun, mpirun, srun"):
+        render_sbatch(_spec(launcher="ompi"))
+    with pytest.raises(SlurmError, match=r"launch.max_restarts = 2 with --launcher srun"):
+        check_direct_config("srun", max_restarts=2, replica_groups=1)
+    with pytest.raises(SlurmError, match=r"replica_groups = 2 with --launcher mpirun: .*meshrun"):
+        check_direct_config("mpirun", max_restarts=0, replica_groups=2)
+    check_direct_config("meshrun", max_restarts=2, replica_groups=2)  # torchrun's agent does both
 
 
 @pytest.mark.parametrize(
@@ -262,6 +320,22 @@ def test_cli_dry_run_prints_the_script(tmp_path: Path, capsys: pytest.CaptureFix
     assert f"{sys.executable} -m meshrun launch --nproc-per-node 2 -m meshrun.demo" in out.out
     assert "warning" not in out.err  # interval = 0: the signal still saves (on_signal)
     assert not (tmp_path / "run").exists()  # a dry run writes nothing
+
+
+def test_cli_dry_run_under_mpirun_carries_the_resolved_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    argv = ["slurm", "submit", "--dry-run", "--launcher", "mpirun", "--set", "optim.steps=7"]
+    assert main([*argv, "-m", "meshrun.demo", f"--job.run_dir={tmp_path}/run"]) == 0
+    out = capsys.readouterr().out
+    assert f"export MESHRUN_CONFIG={tmp_path}/run/slurm/config.toml" in out
+    assert re.search(r"\[optim\][^[]*\nsteps = 7\n", out)  # --set, resolved at submit
+    assert "mpirun -np 2 " in out and "--set optim" not in out
+    assert not (tmp_path / "run").exists()  # the script writes the config when it runs
+    run = f"--job.run_dir={tmp_path}/run"
+    refused = [*argv[:5], "--set", "launch.max_restarts=1", "-m", "meshrun.demo", run]
+    assert main(refused) == 2
+    assert "launch.max_restarts = 1 with --launcher mpirun" in capsys.readouterr().err
 
 
 def test_cli_rejects_bad_flags_before_writing(

@@ -22,7 +22,15 @@ from meshrun.cliargs import (
     default_config,
     require_script,
 )
-from meshrun.config import Config, ConfigError, load_config, split_overrides, validate_for_world
+from meshrun.config import (
+    Config,
+    ConfigError,
+    load_config,
+    split_overrides,
+    to_toml,
+    validate_for_world,
+)
+from meshrun.launch import slurm_submit
 from meshrun.launch.hostfile import (
     HostfileError,
     HostfilePlan,
@@ -239,11 +247,9 @@ def cmd_slurm_submit(a: argparse.Namespace) -> int:
     Path(spec.output_dir).mkdir(parents=True, exist_ok=True)
     path.write_text(text)
     job_id = submit(path)
-    out = Path(spec.output_dir)
     print(
         f"meshrun slurm: submitted job {job_id} | script {path} | output "
-        f"{out / f'{spec.job_name}-{job_id}.out'} (batch script), "
-        f"{out / f'{spec.job_name}-{job_id}-node<N>.out'} (one per node) | run dir {run_dir}"
+        f"{slurm_submit.output_files(spec, job_id)} | run dir {run_dir}"
     )
     return 0
 
@@ -270,10 +276,16 @@ def build_spec(a: argparse.Namespace) -> tuple[SubmitSpec, Path]:
         workdir=os.getcwd(),
         config=os.path.abspath(a.config) if a.config else "",
         sets=[f"{k}={v}" for k, v in a.set],
+        launcher=a.launcher,
     )
     spec.validate()  # the flags first, then the config for the job's world size
     cfg = _checked_config(a, spec.nodes * spec.nproc_per_node)
     run_dir = cfg.resolved_run_dir()
+    if spec.direct:  # mpirun/srun: no meshrun launch on the node resolves the config
+        max_restarts, groups = cfg.launch.max_restarts, cfg.fault_tolerance.replica_groups
+        slurm_submit.check_direct_config(spec.launcher, max_restarts, groups)
+        spec.config_toml = to_toml(cfg)
+        spec.config_path = str(run_dir.absolute() / "slurm" / "config.toml")
     if spec.signal_before_s and not cfg.checkpoint.on_signal:
         print(
             "meshrun slurm: warning: checkpoint.on_signal = false, so the workers install no "
@@ -326,6 +338,13 @@ def add_slurm_parser(sub: Subparsers) -> None:
         f"{DEFAULT_SIGNAL_BEFORE_S})",
     )
     s.add_argument("--output", metavar="DIR", help="output files (default RUN_DIR/slurm)")
+    s.add_argument(
+        "--launcher",
+        choices=slurm_submit.LAUNCHERS,
+        default="meshrun",
+        help="what starts the workers: meshrun launch per node (default), mpirun, or srun "
+        "--mpi=pmix (one task per process; docs/slurm.md)",
+    )
     s.add_argument("--dry-run", action="store_true", help="print the script, submit nothing")
     s.add_argument("--config", help="TOML config file for the job")
     add_set(s)

@@ -1,6 +1,9 @@
 """``meshrun slurm submit``'s sbatch script (pure rendering from a :class:`SubmitSpec`, checked
-before anything is written) and the one call that hands it to ``sbatch``. The script runs
-``meshrun launch`` once per node, which derives the topology as launch/slurm.py describes."""
+before anything is written) and the one call that hands it to ``sbatch``. By default the
+script runs ``meshrun launch`` once per node, which derives the topology as launch/slurm.py
+describes; ``launcher="mpirun"`` or ``"srun"`` starts every worker directly instead (one SLURM
+task each), and ``meshrun.init()`` reads the ranks from Open MPI's or SLURM's variables
+(cluster.py, docs/slurm.md)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,9 @@ from pathlib import Path
 from meshrun.launch.slurm import SlurmError
 
 DEFAULT_SIGNAL_BEFORE_S = 120
+# "meshrun": srun starts one meshrun launch per node (torchrun's agent: restarts, elastic);
+# "mpirun": Open MPI's mpirun starts every worker; "srun": srun --mpi=pmix starts every worker.
+LAUNCHERS = ("meshrun", "mpirun", "srun")
 
 _TIME_FORMATS = (
     r"(?P<m>\d+)",
@@ -69,9 +75,21 @@ class SubmitSpec:
     python: str = sys.executable
     config: str = ""  # passed to meshrun launch --config
     sets: list[str] = field(default_factory=list)  # --set SECTION.KEY=VALUE
+    launcher: str = "meshrun"  # one of LAUNCHERS
+    # mpirun/srun: the resolved config (TOML) the script writes to config_path and exports as
+    # MESHRUN_CONFIG, as meshrun launch does on the node; no meshrun process runs there first.
+    config_toml: str = ""
+    config_path: str = ""
+
+    @property
+    def direct(self) -> bool:
+        """Workers started by mpirun/srun themselves, one SLURM task each (no meshrun launch)."""
+        return self.launcher != "meshrun"
 
     def validate(self) -> None:
         """Every flag checked before a file is written."""
+        if self.launcher not in LAUNCHERS:
+            raise SlurmError(f"--launcher {self.launcher!r} is not one of {', '.join(LAUNCHERS)}")
         for name, value, low in (
             ("--nodes", self.nodes, 1),
             ("--nproc-per-node", self.nproc_per_node, 1),
@@ -86,6 +104,7 @@ class SubmitSpec:
                 f"{self.gpus_per_node}: one process per GPU at most"
             )
         self._validate_signal()
+        self._validate_direct()
         if not re.fullmatch(r"[\w.+-]+", self.job_name):
             raise SlurmError(f"--job-name {self.job_name!r}: use letters, digits, . _ + -")
 
@@ -101,18 +120,55 @@ class SubmitSpec:
                 f"{self.time} ({limit} s): lower it or give a longer --time"
             )
 
+    def _validate_direct(self) -> None:
+        if self.direct and self.cpus % self.nproc_per_node:
+            raise SlurmError(
+                f"--cpus-per-task {self.cpus_per_task} with --launcher {self.launcher}: each of "
+                f"the {self.nproc_per_node} processes per node is its own SLURM task with the "
+                f"same CPUs; give a multiple of --nproc-per-node ({self.nproc_per_node}, "
+                f"{2 * self.nproc_per_node}, ...)"
+            )
+
     @property
     def cpus(self) -> int:
+        """CPUs per node."""
         return self.cpus_per_task or self.nproc_per_node
+
+    @property
+    def task_cpus(self) -> int:
+        """CPUs per SLURM task: a node's under meshrun launch, a process's under mpirun/srun."""
+        return self.cpus // self.nproc_per_node if self.direct else self.cpus
+
+
+def check_direct_config(launcher: str, max_restarts: int, replica_groups: int) -> None:
+    """What only meshrun launch (torchrun's agent) does, refused for mpirun/srun: they stop the
+    job at the first failed process and start nothing again."""
+    if launcher == "meshrun":
+        return
+    if max_restarts:
+        raise SlurmError(
+            f"launch.max_restarts = {max_restarts} with --launcher {launcher}: restarting the "
+            f"workers is torchrun's agent's, and {launcher} ends the job at the first failure; "
+            "use --launcher meshrun, or launch.max_restarts = 0 (--requeue still resumes a "
+            "preempted job from its checkpoint)"
+        )
+    if replica_groups > 1:
+        raise SlurmError(
+            f"fault_tolerance.replica_groups = {replica_groups} with --launcher {launcher}: "
+            "replica groups are torchrun jobs that meshrun launch starts and heals; use "
+            "--launcher meshrun, or fault_tolerance.replica_groups = 1"
+        )
 
 
 def _sbatch_header(spec: SubmitSpec) -> list[str]:
     out = Path(spec.output_dir)
+    # One meshrun launch per node, which starts the processes; or one task per process.
+    tasks = spec.nproc_per_node if spec.direct else 1
     lines = [
         f"--job-name={spec.job_name}",
         f"--nodes={spec.nodes}",
-        "--ntasks-per-node=1",  # one meshrun launch per node; it starts the processes
-        f"--cpus-per-task={spec.cpus}",
+        f"--ntasks-per-node={tasks}",
+        f"--cpus-per-task={spec.task_cpus}",
         f"--output={out / '%x-%j.out'}",
         "--open-mode=append",  # a requeued job adds to its output files, does not erase them
         f"--chdir={spec.workdir}",
@@ -137,32 +193,69 @@ def launch_argv(spec: SubmitSpec) -> list[str]:
         argv += ["--config", spec.config]
     for kv in spec.sets:
         argv += ["--set", kv]
-    argv += ["-m", spec.target] if spec.module else [spec.target]
-    return argv + spec.script_args
+    return argv + worker_argv(spec)[1:]
 
 
-_BODY = """\
+def worker_argv(spec: SubmitSpec) -> list[str]:
+    """The command of one worker: the script (or module) and its arguments."""
+    target = ["-m", spec.target] if spec.module else [spec.target]
+    return [spec.python, *target, *spec.script_args]
+
+
+_START = {
+    "meshrun": """\
 # One task per node: each runs meshrun launch, which derives nodes, node rank, master address
 # and port from SLURM and starts {nproc} processes through torchrun's agent.
 srun --ntasks-per-node=1 --cpus-per-task={cpus} --kill-on-bad-exit=1 --open-mode=append \\
     --output={node_out} \\
-    {launch} &
-SRUN_PID=$!
+    {command}""",
+    "srun": """\
+# One task per process: meshrun.init() reads its rank from SLURM_PROCID, rank 0's host from
+# the step's node list and a port from the job id; --mpi=pmix wires up MPI for a script that
+# uses it (SLURM's pmix plugin needs libpmix: Debian's libpmix-dev).
+srun --mpi=pmix --ntasks-per-node={nproc} --cpus-per-task={cpus} --kill-on-bad-exit=1 \\
+    --open-mode=append --output={node_out} \\
+    {command}""",
+    "mpirun": """\
+# Open MPI's mpirun starts {world} processes, {nproc} per node, on the allocation's nodes (it
+# reads them from SLURM); meshrun.init() reads the ranks from OMPI_COMM_WORLD_* and finds rank
+# 0's address and a free port over mpi4py (docs/mpirun.md). No binding to cores, as under
+# torchrun. Every rank's output goes to this script's output file.
+mpirun -np {world} --map-by ppr:{nproc}:node --bind-to none \\
+    -x OMP_NUM_THREADS -x MESHRUN_CONFIG \\
+    {command}""",
+}
 
-# Near the time limit SLURM sends USR1 to this shell (--signal=B:USR1@{sig}); srun passes it to
-# meshrun launch and its workers, which save a checkpoint at the next step and exit 0.
+_CONFIG = """\
+# The resolved config (file, --set and the script's overrides) for every worker, as meshrun
+# launch writes it on the node; and OMP_NUM_THREADS as it sets it (CPUs per process).
+mkdir -p {config_dir}
+cat > {config_path} <<'MESHRUN_CONFIG_TOML'
+{toml}
+MESHRUN_CONFIG_TOML
+export MESHRUN_CONFIG={config_path}
+export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-{cpus}}}"
+
+"""
+
+_BODY = """\
+{start} &
+WORKERS_PID=$!
+
+# Near the time limit SLURM sends USR1 to this shell (--signal=B:USR1@{sig}); {launcher} passes it
+# on to the workers, which save a checkpoint at the next step and exit 0.
 PREEMPTED=0
 on_usr1() {{
     echo "meshrun: SIGUSR1 from SLURM (time limit in {sig} s): workers checkpoint and stop"
     PREEMPTED=1
-    kill -USR1 "$SRUN_PID" 2>/dev/null
+    kill -USR1 "$WORKERS_PID" 2>/dev/null
 }}
 trap on_usr1 USR1
 
-# A trapped signal interrupts `wait`: wait again until srun has really finished.
+# A trapped signal interrupts `wait`: wait again until {launcher} has really finished.
 RC=0
-wait "$SRUN_PID" || RC=$?
-while kill -0 "$SRUN_PID" 2>/dev/null; do RC=0; wait "$SRUN_PID" || RC=$?; done
+wait "$WORKERS_PID" || RC=$?
+while kill -0 "$WORKERS_PID" 2>/dev/null; do RC=0; wait "$WORKERS_PID" || RC=$?; done
 {requeue}echo "meshrun: job $SLURM_JOB_ID finished with exit code $RC"
 exit "$RC"
 """
@@ -176,15 +269,34 @@ fi
 """
 
 
+def _start_lines(spec: SubmitSpec) -> str:
+    command = launch_argv(spec) if spec.launcher == "meshrun" else worker_argv(spec)
+    start = _START[spec.launcher].format(
+        nproc=spec.nproc_per_node,
+        world=spec.nodes * spec.nproc_per_node,
+        cpus=spec.task_cpus,
+        node_out=shlex.quote(str(Path(spec.output_dir) / "%x-%j-node%n.out")),
+        command=shlex.join(command),
+    )
+    if not spec.direct:
+        return start
+    if not spec.config_toml or not spec.config_path:
+        raise SlurmError(f"--launcher {spec.launcher}: the spec has no resolved config to pass")
+    config = _CONFIG.format(
+        config_dir=shlex.quote(str(Path(spec.config_path).parent)),
+        config_path=shlex.quote(spec.config_path),
+        toml=spec.config_toml.rstrip("\n"),
+        cpus=spec.task_cpus,
+    )
+    return config + start
+
+
 def render_sbatch(spec: SubmitSpec) -> str:
     """The whole sbatch script for ``spec`` (validated first)."""
     spec.validate()
-    node_out = Path(spec.output_dir) / "%x-%j-node%n.out"
     body = _BODY.format(
-        nproc=spec.nproc_per_node,
-        cpus=spec.cpus,
-        node_out=shlex.quote(str(node_out)),
-        launch=shlex.join(launch_argv(spec)),
+        start=_start_lines(spec),
+        launcher="srun" if spec.launcher == "meshrun" else spec.launcher,
         sig=spec.signal_before_s,
         requeue=_REQUEUE if spec.requeue else "",
     )
@@ -196,6 +308,15 @@ def render_sbatch(spec: SubmitSpec) -> str:
         "set -u",
     ]
     return "\n".join(head) + "\n" + body
+
+
+def output_files(spec: SubmitSpec, job_id: str) -> str:
+    """Where the job's output goes, for the line ``meshrun slurm submit`` prints."""
+    out = Path(spec.output_dir)
+    batch = out / f"{spec.job_name}-{job_id}.out"
+    if spec.launcher == "mpirun":
+        return f"{batch} (batch script and every rank)"
+    return f"{batch} (batch script), {out / f'{spec.job_name}-{job_id}-node<N>.out'} (one per node)"
 
 
 def submit(script: Path, sbatch: Sequence[str] = ("sbatch",)) -> str:
