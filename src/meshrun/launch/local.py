@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import Any, TypeAlias
+from typing import TYPE_CHECKING, Any, TypeAlias
 
 from meshrun.config import CONFIG_ENV, LaunchConfig
 from meshrun.launch import multinode
@@ -29,10 +29,11 @@ from meshrun.launch.handshake import Handshake, HandshakeError, local_node_info,
 from meshrun.launch.multinode import NetworkPlan
 from meshrun.launch.netif import NetworkError
 from meshrun.launch.orphans import orphan_guard
-from meshrun.launch.replicas import GroupPlan, launch_replica_groups
-from meshrun.launch.summary import HangStates, find_attempt_dir, summarize_failures
 from meshrun.launch.torchrun_flags import FLAGS
 from meshrun.monitor.watchdog import hang_report, hang_states, watch_for_hangs
+
+if TYPE_CHECKING:
+    from meshrun.launch.replicas import GroupPlan
 
 # torchrun's c10d rendezvous lets workers reuse the agent's TCP store by default; with
 # restarts that fails or hangs in 6 of 9 runs measured here, and never when disabled.
@@ -173,6 +174,8 @@ def rendezvous_endpoint(spec: LaunchSpec, port: int) -> str:
 def launch_local(spec: LaunchSpec) -> int:
     """Run ``spec`` under torchrun's agent; return the exit code, never raise for a worker."""
     if spec.replica_groups > 1:
+        from meshrun.launch.replicas import launch_replica_groups  # its threads: on use
+
         with orphan_guard():  # the groups' agents and workers end with us, even on SIGKILL
             return launch_replica_groups(_group_plan(spec))
     port = 0 if spec.rdzv_endpoint else find_free_port()
@@ -195,6 +198,8 @@ def launch_local(spec: LaunchSpec) -> int:
 def _group_plan(spec: LaunchSpec) -> GroupPlan:
     """``--replica-groups``: each group a torchrun job of its own (its rendezvous id, port,
     run dir and config), built by :func:`build_torchrun_args` as one job would be."""
+    from meshrun.launch.replicas import GroupPlan
+
     assert spec.config_path, "meshrun launch writes the resolved config first"
 
     def argv_for(index: int, run_dir: str, config_path: str) -> list[str]:
@@ -332,6 +337,9 @@ def _run_agent(
 def _report_failure(
     failures: Mapping[int, Any], spec: LaunchSpec, known_runs: set[str], started: float
 ) -> int:
+    # Read only when a run failed: a launch that succeeds never imports the summary.
+    from meshrun.launch.summary import HangStates, find_attempt_dir, summarize_failures
+
     attempt_dir = find_attempt_dir(spec.log_dir, spec.rdzv_id, known_runs)
     ended, waiting = hang_states(spec.run_dir, started)
     states = HangStates(ended=ended, waiting=waiting)
