@@ -4,17 +4,19 @@ A tiny Llama (tests/byo_models.py, from a LlamaConfig, nothing downloaded) is sa
 ``save_pretrained(max_shard_size=...)`` into many safetensors files, once untied and once with
 tied embeddings (``lm_head.weight`` then absent from the files). One 2-rank launch builds it on
 the meta device under ZeRO-3 (through ``parallelize``, and through the user's own
-``fully_shard`` on meta, where ``load_pretrained`` allocates), tensor parallel 2 and DDP, and on
-CPU with other weights under pipeline parallel 2, loads the directory, and compares the logits
-on a fixed batch with one process's ``from_pretrained`` (<= 1e-5). The bytes each rank read
-show it read only its slices (ZeRO-3 and PP: the ranks' reads sum to the checkpoint); the tied
-copies on two pipeline stages both hold the checkpoint's embedding.
+``fully_shard`` on meta, where ``load_pretrained`` allocates), tensor parallel 2, DDP and pipeline
+parallel 2 (each rank allocating only its stages; once more built on CPU with other weights),
+loads the directory, and compares the logits on a fixed batch (and under PP the loss) with one
+process's ``from_pretrained`` (<= 1e-5). The bytes each rank read show it read only its slices
+(ZeRO-3 and PP: the ranks' reads sum to the checkpoint); the tied copies on two pipeline
+stages both hold the checkpoint's embedding.
 
 A second launch measures the peak RSS of each rank while ``load_pretrained`` fills a 235 MB
-model (fp32) under ZeRO-3 on 2 ranks; a third starts runs from ``checkpoint.init_from``: a
+model (fp32) under ZeRO-3 on 2 ranks, then its stage of the same model built on meta under PP 2;
+a third starts runs from ``checkpoint.init_from``: a
 meshrun checkpoint saved under ZeRO-3 (loaded into TP 2), its checkpoint root, and the
 Hugging Face directory (two launches, one ``meshrun.init`` each). A 4-rank launch loads into 2-D meshes
-(ZeRO-3 x TP 2, HSDP 2 x 2) and PP 2 x ZeRO-3 2.
+(ZeRO-3 x TP 2, HSDP 2 x 2) and PP 2 composed with ZeRO-3 2, TP 2 and DP 2, built on meta.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ from meshrun.checkpoint.init_from import load_initial_weights
 from meshrun.config import ParallelConfig, check_layout
 from meshrun.hf import load_pretrained
 from meshrun.mesh import ParallelDims, build_mesh
-from meshrun.parallel import parallelize, parallelize_pipeline
+from meshrun.parallel import parallelize, parallelize_pipeline, pipeline_eval
 
 BATCH = 4
 ATOL = 1e-5
@@ -55,12 +57,15 @@ CASES: dict[str, Case] = {
     "DDP": ("llama", {"zero": 0}, "parallelize"),
     "PP 2": ("llama", {"pp": 2, "pp_microbatches": 2}, "pipeline"),
     "PP 2 tied": ("llama_tied", {"pp": 2, "pp_microbatches": 2}, "pipeline"),
+    "PP 2 tied, built on CPU": ("llama_tied", {"pp": 2, "pp_microbatches": 2}, "pipeline_cpu"),
 }
 # Compositions on 4 ranks: 2-D meshes (FSDP2 over dp_shard with TP, HSDP's replicate x shard).
 FOUR_RANKS: dict[str, Case] = {
     "ZeRO-3 2 x TP 2": ("llama", {"zero": 3, "tp": 2}, "parallelize"),
     "HSDP 2 x 2": ("llama", {"zero": 3, "dp_replicate": 2}, "parallelize"),
     "PP 2 x ZeRO-3 2": ("llama", {"pp": 2, "zero": 3, "pp_microbatches": 2}, "pipeline"),
+    "PP 2 x TP 2": ("llama", {"pp": 2, "tp": 2, "pp_microbatches": 2}, "pipeline"),
+    "PP 2 x DP 2": ("llama", {"pp": 2, "zero": 0, "pp_microbatches": 2}, "pipeline"),
 }
 
 
@@ -88,6 +93,10 @@ def save_dirs(root: Path) -> dict[str, Path]:
         assert len(list(d.glob("*.safetensors"))) >= 2, sorted(p.name for p in d.iterdir())
         out[name] = d
     return out
+
+
+def targets_of(ids: Tensor) -> Tensor:
+    return ids.roll(-1, dims=1)
 
 
 def reference_logits(d: Path) -> Tensor:
@@ -131,13 +140,16 @@ def load_case(rank: int, case: Case, dirs: dict[str, Path]) -> dict[str, Any]:
     dims = ParallelDims.from_config(cfg, dist.get_world_size())
     check_layout(cfg, vars(dims))
     mesh, ids = build_mesh(dims, "cpu"), fixed_ids()
-    if how == "pipeline":  # built on CPU: the stages are checked on a probe batch first
-        pipe = parallelize_pipeline(build(name, meta=False), mesh, cfg, CPU, lm_loss)
+    if how.startswith("pipeline"):  # on meta each rank allocates its stages only
+        model = build(name, meta=how == "pipeline")
+        pipe = parallelize_pipeline(model, mesh, cfg, CPU, lm_loss)
         before = pipe_logits(pipe, ids)
         report = load_pretrained(pipe, dirs[name], device=CPU)
         logits = pipe_logits(pipe, ids)
+        loss = pipeline_eval(pipe, ids, targets_of(ids))
         copies = {c.fqn: _full(c.param) for c in pipe.tied}
-        return {"before": before, "logits": logits, "report": report, "copies": copies}
+        out = {"before": before, "logits": logits, "report": report, "copies": copies}
+        return out | {"loss": float(loss)}
     model = build(name, meta=True)
     if how == "fully_shard":  # the user's own FSDP2, left on meta: load_pretrained allocates
         for layer in model.model.layers:
@@ -195,7 +207,10 @@ def check_logits(
         if how != "fully_shard":  # the weights before the load were others: it mattered
             before = next(r["before"] for r in per_rank if r["before"] is not None)
             assert float((before - refs[name]).abs().max()) > 1e-2, label
-        if how != "pipeline" and name == "llama_tied":
+        if how.startswith("pipeline"):  # the loss, on every rank of the pipeline
+            want = float(lm_loss(refs[name], targets_of(fixed_ids())))
+            assert all(abs(r["loss"] - want) <= ATOL for r in per_rank), (label, want)
+        elif name == "llama_tied":
             assert {r["tied"] for r in per_rank} <= {"one tensor", "equal"}, label
     return reads
 
@@ -216,9 +231,10 @@ def test_load_pretrained_under_zero3_tp_ddp_pp_matches_from_pretrained(tmp_path:
     # PP tied: the lm_head stage read the embedding (the files have no lm_head.weight), and
     # both copies hold the checkpoint's values.
     embedding = _embedding(dirs["llama_tied"])
-    assert sum(reads["PP 2 tied"]) == total["PP 2 tied"] + embedding.numel() * 4
-    copies = [t for r in results for t in r["PP 2 tied"]["copies"].values()]
-    assert len(copies) == 2 and all(torch.equal(c, embedding) for c in copies)
+    for label in ("PP 2 tied", "PP 2 tied, built on CPU"):
+        assert sum(reads[label]) == total[label] + embedding.numel() * 4, label
+        copies = [t for r in results for t in r[label]["copies"].values()]
+        assert len(copies) == 2 and all(torch.equal(c, embedding) for c in copies), label
 
 
 @pytest.mark.heavy  # 4 ranks; the 2-rank test above shows every layout of the issue
@@ -232,6 +248,8 @@ def test_load_pretrained_on_2d_meshes_and_pp_x_zero3(tmp_path: Path) -> None:
     # HSDP: each replica group reads the checkpoint once, shared between its 2 shards.
     assert sum(reads["HSDP 2 x 2"]) == 2 * total
     assert sum(reads["PP 2 x ZeRO-3 2"]) == total  # stages x shards: every byte once
+    assert sum(reads["PP 2 x DP 2"]) == 2 * total  # each replica reads its stage once
+    assert all(r < total // 2 for r in reads["PP 2 x TP 2"])  # a stage's half (norms whole)
     assert all(r < total // 2 for r in reads["ZeRO-3 2 x TP 2"])
 
 
@@ -289,8 +307,34 @@ def peak_rss(rank: int, world_size: int, d: Path) -> dict[str, Any]:
     }
 
 
+def pp_peak_rss(rank: int, world_size: int, d: Path) -> dict[str, Any]:
+    """Peak RSS from building the same model on meta through the PP 2 split, this rank's
+    stage allocated and initialised, to load_pretrained filling it. A launch of its own: after
+    the ZeRO-3 load in the same process 43 MB stayed resident, which later allocations could
+    reuse unseen."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    dist.init_process_group("gloo")
+    cfg = ParallelConfig(pp=2, pp_microbatches=2)
+    mesh = build_mesh(ParallelDims.from_config(cfg, world_size), "cpu")
+    Path("/proc/self/clear_refs").write_text("5")
+    base = _status_kb("VmRSS") << 10
+    with torch.device("meta"):
+        model = LlamaForCausalLM(LlamaConfig.from_pretrained(d))
+    pipe = parallelize_pipeline(model, mesh, cfg, CPU, lm_loss)
+    report = load_pretrained(pipe, d, device=CPU)
+    peak = _status_kb("VmHWM") << 10
+    stage = {k: v for m in pipe.modules for k, v in m.state_dict().items()}
+    index = json.loads((d / "model.safetensors.index.json").read_text())["weight_map"]
+    name = "model.embed_tokens.weight" if pipe.is_first else "lm_head.weight"
+    with safe_open(str(d / index[name]), framework="pt") as f:
+        equal = torch.equal(stage[name], f.get_tensor(name))
+    stage_bytes = sum(p.numel() * p.element_size() for p in pipe.parameters())
+    return {"base": base, "peak": peak, "report": report, "stage": stage_bytes, "ok": equal}
+
+
 @pytest.mark.timeout(400)
-def test_peak_rss_per_rank_is_its_shard_plus_one_tensor(tmp_path: Path) -> None:
+def test_peak_rss_per_rank_is_its_shard_or_stage_plus_one_tensor(tmp_path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     try:
@@ -316,6 +360,23 @@ def test_peak_rss_per_rank_is_its_shard_plus_one_tensor(tmp_path: Path) -> None:
         assert r["rows_ok"], rank
         assert r["report"].bytes_read == model_bytes // 2
         assert grew <= bound, f"rank {rank}: {grew / 1e6:.1f} MB > {bound / 1e6:.1f} MB"
+    for rank, r in enumerate(run_distributed(pp_peak_rss, 2, tmp_path, timeout=370)):
+        check_pp_rss(rank, r, model_bytes, largest)
+
+
+def check_pp_rss(rank: int, pp: dict[str, Any], model_bytes: int, largest: int) -> None:
+    """Under PP 2 on meta: the growth is about the rank's stage, never the whole model."""
+    grew, bound = pp["peak"] - pp["base"], pp["stage"] + largest + RSS_MARGIN
+    print(
+        f"rank {rank} PP 2 on meta: peak RSS from the meta build to the end of load_pretrained "
+        f"{pp['peak'] / 1e6:.1f} MB = baseline {pp['base'] / 1e6:.1f} MB + {grew / 1e6:.1f} MB; "
+        f"stage {pp['stage'] / 1e6:.1f} MB of model {model_bytes / 1e6:.1f} MB; bound "
+        f"{bound / 1e6:.1f} MB = stage + largest tensor + margin; read "
+        f"{pp['report'].bytes_read / 1e6:.1f} MB"
+    )
+    assert pp["ok"], rank
+    assert pp["report"].bytes_read == pp["stage"]  # its stage's tensors, nothing else
+    assert grew <= bound < model_bytes, f"rank {rank}: {grew / 1e6:.1f} MB > {bound / 1e6:.1f}"
 
 
 # --- checkpoint.init_from -------------------------------------------------------------------

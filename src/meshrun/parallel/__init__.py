@@ -328,7 +328,8 @@ def parallelize_pipeline(
     zero = data_parallel_stage(cfg, dims)
     check_offload(cfg, device)
     mp_policy = build_mp_policy(cfg, zero)  # checked before anything changes
-    model = model.to(device)
+    if not has_meta_params(model):  # on meta each rank allocates its stages (pp_meta.py)
+        model = model.to(device)
     stages = build_stage_modules(model, mesh, cfg, spec)
     log.info(stages.describe)
     modules = [
@@ -338,6 +339,7 @@ def parallelize_pipeline(
         )
         for m in stages.modules
     ]
+    stages.materialize(modules, device)
     log.info(
         "pipeline: %d stage(s) on this rank of %d, schedule %s, %d chunks per micro-batch",
         *(len(modules), dims.pp * len(modules), cfg.pp_schedule, cfg.pp_microbatches),

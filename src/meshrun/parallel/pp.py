@@ -31,12 +31,17 @@ the unsplit model; every stage is checked against the model's own forward before
 (parallel/pp_stages.py). Tied parameters that span two stages (nanoGPT's and GPT-2's
 ``lm_head`` = ``wte``) are kept tied (parallel/pp_tied.py). :func:`pipeline_eval` is the
 forward-only call for evaluation.
+
+A model built on the meta device is split as it is; each rank allocates and initialises only
+its own stages, after their layout (parallel/pp_meta.py), and the check against the model's
+forward compares shapes only (a meta model has no values). The stages keep a transformers
+model's class and configs (not the model), so a pipeline checkpoint saves its ``config.json``.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
@@ -57,6 +62,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import loss_parallel
 
 from meshrun.config import ConfigError, ParallelConfig
+from meshrun.parallel.pp_meta import StageInit, materialize_stages, stage_initializer
 from meshrun.parallel.pp_split import split_blocks, split_model
 from meshrun.parallel.pp_stages import StageModule, check_stages_reproduce, hf_context
 from meshrun.parallel.pp_tied import (
@@ -165,6 +171,13 @@ class Stages:
     tied: list[TiedPair]
     describe: str
     structure: ModelStructure  # the whole model's (TP plans name the model's FQNs)
+    init: StageInit | None = None  # the model was on the meta device: its initialiser
+
+    def materialize(self, modules: Sequence[nn.Module], device: torch.device) -> None:
+        """A meta model's stages, once parallelized: allocated and initialised
+        (parallel/pp_meta.py); nothing for a model built on a real device."""
+        if self.init is not None:
+            materialize_stages(modules, device, self.init)
 
     def structure_of(self, stage: StageModule) -> ModelStructure:
         """The model's structure as one stage sees it: tied pairs only where the stage holds
@@ -181,6 +194,8 @@ def build_stage_modules(
     Every stage is built on every rank (they only reference the model's modules) so that all
     of them are checked, in a row, against the model's own forward before any training."""
     structure = find_structure(model, spec)
+    meta = any(p.is_meta for p in model.parameters())
+    init = stage_initializer(model) if meta else None  # refused before anything changes
     pp, v = cfg.pp, stages_per_rank(cfg)
     blocks = structure.block_names() if structure.blocks_fqn else []
     block_kwargs, shared = (
@@ -188,15 +203,39 @@ def build_stage_modules(
     )
     split = split_model(model, structure, pp * v, shared)
     every = [StageModule(model, parts, block_kwargs) for parts in split.parts]
-    check_stages_reproduce(model, every)
+    checked = check_stages_reproduce(model, every)
+    source = _hf_source(model)
+    for stage in every:  # what a checkpoint saves as config.json (checkpoint/hf_files.py)
+        stage.meshrun_hf_source = source
     tied = plan_tied(structure.tied, split.parts, pp)
     me = mesh["pp"].get_local_rank()
     ids = [me + k * pp for k in range(v)]
     names = ", ".join(
         " = ".join(t.fqns) + f" (stages {t.stages[0]} and {t.stages[1]})" for t in tied
     )
-    line = f"pipeline split: {split.describe()} | tied across stages: {names or 'none'}"
-    return Stages([every[i] for i in ids], ids, tied, line, structure)
+    line = (
+        f"pipeline split: {split.describe()} | tied across stages: {names or 'none'} | "
+        f"checked against the model's forward: {checked}"
+    )
+    return Stages([every[i] for i in ids], ids, tied, line, structure, init)
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """A transformers model's class and configs, kept by its stages after the split (never
+    the model: its other stages' weights would stay alive), so that a pipeline checkpoint
+    saves ``config.json`` as a whole model's does."""
+
+    model_class: type
+    config: Any
+    generation_config: Any
+
+
+def _hf_source(model: nn.Module) -> HFSource | None:
+    config = getattr(model, "config", None)
+    if not callable(getattr(config, "to_json_string", None)):
+        return None
+    return HFSource(type(model), config, getattr(model, "generation_config", None))
 
 
 def build_pipeline(

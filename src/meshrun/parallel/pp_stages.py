@@ -21,7 +21,8 @@ blocks:
 Because that is a reconstruction, :func:`check_stages_reproduce` runs every stage in a row on
 a probe batch before training and refuses the split when it does not give the model's own
 logits (a model whose forward does more, e.g. scales its embeddings, is refused, not trained
-differently).
+differently). A model on the meta device has no values: both run on fake tensors and the shapes
+and dtypes of their logits are compared, and the start-up line says that only they were.
 """
 
 from __future__ import annotations
@@ -81,6 +82,7 @@ class StageModule(nn.Module):
         for fqn in parts.fqns:
             _attach(self, fqn, model.get_submodule(fqn))
         self.meshrun_parts = parts  # read by checkpoint's PipelineView (checkpoint/pipeline.py)
+        self.meshrun_hf_source: Any = None  # a transformers model's class and configs (pp.py)
         self.is_first = bool(parts.before)
         self.is_last = bool(parts.after)
         self._block_kwargs = block_kwargs
@@ -195,9 +197,8 @@ def _probe_ids(first: StageModule) -> Tensor:
     return torch.randint(0, vocab, (2, length), generator=g).to(device)
 
 
-def check_stages_reproduce(model: nn.Module, stages: Sequence[StageModule]) -> None:
-    """Run all stages in a row and the whole model on a probe batch (eval mode, no grad);
-    refuse the split, before any training, if the logits differ."""
+def _run_both(model: nn.Module, stages: Sequence[StageModule]) -> tuple[Tensor, Tensor]:
+    """The model's logits and the stages' (in a row) on a probe batch, eval mode, no grad."""
     was_training = model.training
     model.eval()
     try:
@@ -216,6 +217,40 @@ def check_stages_reproduce(model: nn.Module, stages: Sequence[StageModule]) -> N
                 x = stage(x)
     finally:
         model.train(was_training)
+    return x, want
+
+
+def _check_shapes_on_meta(model: nn.Module, stages: Sequence[StageModule]) -> str:
+    """A meta model has no values: run both on fake tensors (shapes and dtypes only; under
+    FakeTensorMode transformers skips its data-dependent mask checks, which plain meta tensors
+    cannot answer) and compare what comes out."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x, want = _run_both(model, stages)
+    if (tuple(x.shape), x.dtype) != (tuple(want.shape), want.dtype):
+        raise ConfigError(
+            f"parallel.pp: {type(model).__name__}'s pipeline stages give logits of shape "
+            f"{tuple(x.shape)} {x.dtype} on a probe batch, its forward {tuple(want.shape)} "
+            f"{want.dtype}: its forward does more than meshrun's stages rebuild; set "
+            "parallel.pp=1, or give the structure (ModelSpec) that matches it"
+        )
+    return (
+        f"shapes only ({list(want.shape)}): the model is on the meta device, so no values "
+        "can be compared; the stages are the same code as for the model built on a real "
+        "device, where its values are compared, and they depend on the model's class and "
+        "structure, not on its weights or sizes: to check a model class of your own, build it "
+        "once on a real device (a smaller config is enough)"
+    )
+
+
+def check_stages_reproduce(model: nn.Module, stages: Sequence[StageModule]) -> str:
+    """Run all stages in a row and the whole model on a probe batch (eval mode, no grad);
+    refuse the split, before any training, if the logits differ. A model on the meta device
+    is checked for shapes only. Returns what was checked, for the start-up line."""
+    if any(p.is_meta for p in model.parameters()):
+        return _check_shapes_on_meta(model, stages)
+    x, want = _run_both(model, stages)
     diff = float((x.float() - want.float()).abs().max()) if x.shape == want.shape else None
     scale = float(want.float().abs().max()) + 1e-6
     if diff is None or diff > 1e-4 * scale:
@@ -226,3 +261,4 @@ def check_stages_reproduce(model: nn.Module, stages: Sequence[StageModule]) -> N
             f"{got}, logits up to {scale:.3g}): its forward does more than meshrun's stages "
             "rebuild; set parallel.pp=1, or give the structure (ModelSpec) that matches it"
         )
+    return f"values on a probe batch (max |logit difference| {diff:.2g})"
