@@ -32,8 +32,9 @@ STEPS = 2
 LAYOUTS: dict[str, dict[str, Any]] = {
     "zero3_ac_tied": {"zero": 3, "activation_checkpoint": 1},
     "tp2": {"tp": 2},
+    "pp2_tied": {"pp": 2, "pp_microbatches": 2},
 }
-TIED = {"zero3_ac_tied": True, "tp2": False}
+TIED = {"zero3_ac_tied": True, "tp2": False, "pp2_tied": True}
 SHARD = "30KB"  # the 2-layer tiny Llama is ~110 kB in fp32: several shards
 
 
@@ -55,7 +56,11 @@ def probe() -> torch.Tensor:
     )
 
 
-def train_one(root: Path, name: str) -> dict[str, Any]:
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def config_of(root: Path, name: str) -> meshrun.Config:
     cfg = meshrun.Config()
     cfg.job.run_dir, cfg.job.device, cfg.job.timeout_s = str(root / name), "cpu", 120.0
     cfg.data.global_batch, cfg.data.micro_batch = 8, 4
@@ -64,7 +69,43 @@ def train_one(root: Path, name: str) -> dict[str, Any]:
     cfg.checkpoint.dir, cfg.checkpoint.interval = str(root / name / "ckpt"), STEPS
     for key, value in LAYOUTS[name].items():
         setattr(cfg.parallel, key, value)
-    run = meshrun.init(cfg, argv=[])
+    return cfg
+
+
+def train_pipeline(root: Path, name: str) -> dict[str, Any]:
+    """PP 2: the model built on meta, each rank's stage allocated and loaded from a
+    save_pretrained directory, trained, checkpointed; the last stage's logits and every
+    stage's weights (both copies of the tied embedding) come back."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    run = meshrun.init(config_of(root, name), argv=[])
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(
+            AutoConfig.from_pretrained(root / "pretrained"), attn_implementation="eager"
+        )
+    pipe = run.pipeline(model, lm_loss)
+    run.load_pretrained(pipe, root / "pretrained")
+    opt = torch.optim.AdamW(pipe.parameters(), lr=run.scaled_lr())
+    loader = run.dataloader(Tokens())
+    run.resume(pipe, opt, loader)
+    for batch in run.steps(loader):
+        run.pipeline_step(pipe, batch["x"][:, :-1], batch["x"][:, 1:])
+        run.optimizer_step(opt)
+    for m in pipe.modules:
+        m.eval()
+    with torch.no_grad():
+        x = probe()
+        out = pipe.schedule.eval(*((x,) if pipe.is_first else ()), target=x)
+    weights = {k: v.detach().clone() for m in pipe.modules for k, v in m.state_dict().items()}
+    run.close()
+    logits = out.detach().clone() if pipe.is_last else None
+    return {"logits": logits, "weights": weights}
+
+
+def train_one(root: Path, name: str) -> dict[str, Any]:
+    if LAYOUTS[name].get("pp", 1) > 1:
+        return train_pipeline(root, name)
+    run = meshrun.init(config_of(root, name), argv=[])
     model = run.parallelize(
         byo_models.tiny_llama(num_hidden_layers=2, tie_word_embeddings=TIED[name])
     )
@@ -74,7 +115,7 @@ def train_one(root: Path, name: str) -> dict[str, Any]:
     for batch in run.steps(loader):
         x = batch["x"]
         logits = byo_models.logits_of(model, x[:, :-1])
-        run.backward(F.cross_entropy(logits.reshape(-1, logits.size(-1)), x[:, 1:].reshape(-1)))
+        run.backward(lm_loss(logits, x[:, 1:]))
         run.optimizer_step(opt)
     with torch.no_grad():
         logits = byo_models.logits_of(model, probe()).detach().clone()
@@ -93,7 +134,19 @@ def train(rank: int, world_size: int, root: Path, name: str) -> dict[str, Any]:
 def trained(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
     """Each layout in its own launch (a second meshrun.init in one process is not supported)."""
     root = tmp_path_factory.mktemp("export_hf")
-    return root, {name: run_distributed(train, 2, root, name, timeout=600.0)[0] for name in LAYOUTS}
+    byo_models.tiny_llama(num_hidden_layers=2, tie_word_embeddings=True).save_pretrained(
+        root / "pretrained", max_shard_size="40KB"
+    )
+    return root, {
+        name: merged(run_distributed(train, 2, root, name, timeout=600.0)) for name in LAYOUTS
+    }
+
+
+def merged(ranks: list[dict[str, Any]]) -> dict[str, Any]:
+    """The ranks' results as one: the logits of a rank that has them (a pipeline's last
+    stage), the weights of every rank (a pipeline's stages; whole on each rank otherwise)."""
+    logits = next(r["logits"] for r in ranks if r["logits"] is not None)
+    return {"logits": logits, "weights": {k: v for r in ranks for k, v in r["weights"].items()}}
 
 
 def export(root: Path, name: str, out: Path, *extra: str) -> int:

@@ -4,7 +4,8 @@ writes a directory ``from_pretrained`` loads without the user saving the config 
 
 The model is found by walking the modules of what is saved (a DDP, FSDP2, torch.compile or
 activation-checkpointing wrapper holds the user's model as a submodule): the first one that is
-a transformers ``PreTrainedModel``. transformers is never imported here: a model built with it
+a transformers ``PreTrainedModel``; under pipeline parallelism, the class and configs the split
+kept. transformers is never imported here: a model built with it
 has already imported it.
 """
 
@@ -27,14 +28,19 @@ GENERATION_CONFIG = "generation_config.json"
 def hf_files(model: nn.Module) -> dict[str, str]:
     """``{file name: text}`` for a model holding a transformers model; ``{}`` otherwise."""
     hf = _find_pretrained(model)
-    if hf is None:
-        return {}
-    config = json.loads(hf.config.to_json_string())
+    if hf is not None:
+        cls, hf_config = _user_class(hf), hf.config
+        generation = getattr(hf, "generation_config", None)
+    else:
+        source = _pipeline_source(model)
+        if source is None:
+            return {}
+        cls, hf_config, generation = source.model_class, source.config, source.generation_config
+    config = json.loads(hf_config.to_json_string())
     # What save_pretrained records: the class from_pretrained rebuilds (and that export
     # rebuilds on the meta device to find tied weights).
-    config["architectures"] = [_user_class(hf).__name__]
+    config["architectures"] = [cls.__name__]
     files = {CONFIG: json.dumps(config, indent=2, sort_keys=True) + "\n"}
-    generation = getattr(hf, "generation_config", None)
     if generation is not None and hasattr(generation, "to_json_string"):
         files[GENERATION_CONFIG] = generation.to_json_string()
     return files
@@ -44,6 +50,17 @@ def _user_class(module: nn.Module) -> type:
     """The model's class, under the subclass FSDP2's ``fully_shard`` swaps in
     (``FSDPLlamaForCausalLM``, which from_pretrained cannot rebuild)."""
     return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+
+
+def _pipeline_source(model: nn.Module) -> Any:
+    """A pipeline's stages hold no transformers model, only parts of one: the split kept the
+    model's class and configs (parallel/pp.py ``HFSource``), which the checkpoint's view of the
+    stages carries (checkpoint/pipeline.py)."""
+    modeling = sys.modules.get("transformers.modeling_utils")
+    source = getattr(model, "meshrun_hf_source", None)
+    if modeling is None or source is None:
+        return None
+    return source if issubclass(source.model_class, modeling.PreTrainedModel) else None
 
 
 def _find_pretrained(model: nn.Module) -> Any:

@@ -32,6 +32,8 @@ class PipelineView(nn.Module):
             stage = m.module if isinstance(m, DDP) else m
             for fqn in stage.meshrun_parts.fqns:  # type: ignore[union-attr]
                 _attach(self, fqn, stage.get_submodule(fqn))
+            # A transformers model's class and configs, for config.json (hf_files.py).
+            self.meshrun_hf_source = getattr(stage, "meshrun_hf_source", None)
 
     def forward(self, *args: Any) -> Any:
         raise TypeError("a PipelineView only names the stages' parameters for checkpoints")
