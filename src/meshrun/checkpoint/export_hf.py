@@ -13,6 +13,11 @@ name it does not know, or one of its names the checkpoint lacks, stops the expor
 lists. Tied parameters (``lm_head`` tied to the embedding) are written once, under the name
 ``named_parameters()`` gives first, as ``save_pretrained`` does; ``from_pretrained`` ties the
 other back (measured here for a tied Llama and GPT-2).
+
+A pipeline-parallel checkpoint needs no mapping: its stages keep the unsplit model's FQNs, so
+it holds the model's own names (each stage wrote its part; a tied embedding and head, one
+tensor per stage, are both there and equal: the head is skipped as above), and its
+``config.json`` comes from the class and configs the split kept (``hf_files.py``).
 """
 
 from __future__ import annotations
@@ -102,7 +107,8 @@ def _read_config(path: Path) -> dict[str, Any]:
         raise ValueError(
             f"--hf: {path} has no {CONFIG}: a checkpoint keeps one only when the model it "
             "saved is a transformers model (a PreTrainedModel, e.g. LlamaForCausalLM, given to "
-            "run.parallelize/run.resume). Export without --hf (OUT.safetensors or OUT.pt: "
+            "run.parallelize, run.pipeline or run.resume; checkpoints written before pipeline "
+            "checkpoints kept it have none). Export without --hf (OUT.safetensors or OUT.pt: "
             "the weights alone), or save the checkpoint from a transformers model"
         ) from None
 
