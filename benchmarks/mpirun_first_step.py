@@ -76,7 +76,8 @@ def main() -> None:
             for name in order:
                 took = first_step_s(launchers[name], Path(tmp) / f"{name[:3]}{i}")
                 times[name].append(took)
-                print(f"round {i + 1} {name}: {took:.2f} s", flush=True)
+                load = Path("/proc/loadavg").read_text().split()[:3]  # others' jobs share the CPUs
+                print(f"round {i + 1} {name}: {took:.2f} s (loadavg {' '.join(load)})", flush=True)
     for name, values in times.items():
         print(f"{name}: median {statistics.median(values):.2f} s over {len(values)} runs "
               f"(min {min(values):.2f}, max {max(values):.2f})")  # fmt: skip
