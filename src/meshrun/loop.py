@@ -242,6 +242,8 @@ class StepLoop:
         """The boundary under replica groups: average across the live groups, then step only
         if the quorum commits. An uncommitted step is not counted: the same data is read again
         (the position did not move) and the next quorum reconfigures around a lost group."""
+        from meshrun.ft.replica import scaled_lr
+
         assert self.replicas is not None
         self.replicas.apply_pending_optimizer(optimizer)
         outcome = self.replicas.sync(loss, finite)
@@ -251,19 +253,23 @@ class StepLoop:
             self.replicas.data_moved = True
             self._maybe_start_quorum()
             return False
-        self._apply_update(optimizer)
-        lr = self._advance(optimizer, t0)
-        # Shares of missing groups are not trained (fault_tolerance.missing_group = shrink).
-        trained = self.global_batch * outcome.live_groups // self.replicas.cfg.replica_groups
-        self._record(
-            lr, outcome.loss, trained, {"live_groups": outcome.live_groups, "committed": True}
-        )
+        # The live groups' shares only (fault_tolerance.missing_group = shrink, ft/data.py):
+        # the position moves by them, the LR by optim.lr_scaling's rule for them.
+        with scaled_lr(optimizer, outcome.lr_factor):
+            self._apply_update(optimizer)
+        lr = self._advance(optimizer, t0, outcome.samples) * outcome.lr_factor
+        ft: dict[str, float | str] = {"live_groups": outcome.live_groups, "committed": True,
+                                      "samples": outcome.samples}  # fmt: skip
+        self._record(lr, outcome.loss, outcome.samples, ft)
         self._maybe_start_quorum()
         return True
 
-    def _advance(self, optimizer: torch.optim.Optimizer, t0: float) -> float:
-        """After an update: one step more, the schedulers and the data position (by the whole
-        global batch) moved; returns the step's LR."""
+    def _advance(
+        self, optimizer: torch.optim.Optimizer, t0: float, samples: int | None = None
+    ) -> float:
+        """After an update: one step more, the schedulers and the data position (by
+        ``samples``, default the whole global batch) moved; returns the step's LR."""
+        samples = self.global_batch if samples is None else samples
         lr = float(optimizer.param_groups[0]["lr"])
         optimizer.zero_grad(set_to_none=True)
         self.monitor.add("optimizer_s", t0)
@@ -271,9 +277,9 @@ class StepLoop:
             s.step()
         self.state.step += 1
         if self.state.sampler is not None:
-            self.state.sampler.step(self.global_batch)
+            self.state.sampler.step(samples)
         if self.state.iterable is not None:
-            self.state.iterable.step(self.global_batch)
+            self.state.iterable.step(samples)
         return lr
 
     def _maybe_start_quorum(self) -> None:

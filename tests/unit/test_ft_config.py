@@ -3,13 +3,16 @@ pure checks, no processes (the processes: tests/e2e/test_ft.py)."""
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import pytest
 
 from meshrun.config import Config, ConfigError, load_config, split_overrides
 from meshrun.config.fault_tolerance import FaultToleranceConfig, check_lighthouse
+from meshrun.data.sampler import ResumableSampler
 from meshrun.ft import data_share
+from meshrun.ft.data import live_share
 from meshrun.launch.replicas import descendants, group_config
 
 
@@ -55,6 +58,49 @@ def test_each_group_reads_its_own_share_as_plain_data_parallelism_would() -> Non
     ft = FaultToleranceConfig(replica_groups=3, group_index=2)
     assert data_share(ft, dp_rank=1, dp_size=2) == (5, 6)
     assert data_share(FaultToleranceConfig(), dp_rank=1, dp_size=2) == (1, 2)
+
+
+def test_with_every_group_live_the_share_is_plain_data_parallelism() -> None:
+    ft = FaultToleranceConfig(replica_groups=3, group_index=2)
+    assert live_share(48, 3, 1, 2, participant=2, live=3) == (*data_share(ft, 1, 2), 48)
+    assert live_share(48, 3, 1, 2, participant=0, live=2) == (1, 4, 32)
+    with pytest.raises(ValueError, match="participant 2 of 2"):
+        live_share(48, 3, 0, 2, participant=2, live=2)
+
+
+def test_live_groups_cover_the_order_once_whatever_the_quorums() -> None:
+    """3 groups x 2 ranks, global batch 24: quorums of 3, 2, 1, 2, 3 live groups (the
+    participant indices as torchft ranks them), a step that does not commit, groups that
+    rejoin and heal from a peer's sampler state. Every position is read exactly once, in order."""
+    groups, dp, batch, n = 3, 2, 24, 1000
+    samplers = {(g, r): ResumableSampler(n, rank=g * dp + r, world_size=groups * dp,
+                                         global_batch=batch, seed=7)
+                for g in range(groups) for r in range(dp)}  # fmt: skip
+    plan = [(0, 1, 2), (0, 2), (2,), (0, 2), (0, 1, 2), (1, 2), (0, 1, 2)]
+    trained: list[int] = []
+    for k, live in enumerate(plan):
+        # A group that rejoins heals from the peer furthest on (ft/heal.py moves the state).
+        ahead = max(live, key=lambda g: samplers[g, 0].consumed)
+        for g in live:
+            for r in range(dp):
+                samplers[g, r].load_state_dict(samplers[ahead, r].state_dict())
+        step: list[int] = []
+        for j, g in enumerate(live):
+            for r in range(dp):
+                sampler = samplers[g, r]
+                sampler.set_share(*live_share(batch, groups, r, dp, j, len(live)))
+                step += list(itertools.islice(iter(sampler), batch // groups // dp))
+        if k == 5:  # not committed: nothing moves, the same positions are read again
+            continue
+        trained += step
+        for g in live:
+            for r in range(dp):
+                samplers[g, r].step(len(live) * batch // groups)
+    reference = ResumableSampler(n, rank=0, world_size=1, global_batch=1, seed=7)
+    consumed = samplers[0, 0].consumed
+    assert consumed == len(trained) == 8 * (3 + 2 + 1 + 2 + 3 + 3)
+    assert sorted(trained) == sorted(itertools.islice(iter(reference), consumed))
+    assert len(set(trained)) == len(trained)
 
 
 def test_group_config_sets_index_lighthouse_and_its_own_run_dir(tmp_path: Path) -> None:

@@ -62,8 +62,9 @@ class FaultToleranceConfig:
     )
     missing_group: Literal["shrink"] = setting(
         "shrink",
-        "While a group is missing each step trains only the live groups' shares of the global "
-        "batch (docs/fault_tolerance.md); metrics log live_groups and the samples trained.",
+        "While a group is missing each step trains the live groups' shares: consecutive "
+        "positions of the global order from the current one (docs/fault_tolerance.md); "
+        "metrics log live_groups and the samples trained.",
     )
 
     @property

@@ -154,6 +154,12 @@ class ResumableSampler(Sampler[int]):
         self._consumed += n
         self._revision += 1
 
+    def set_share(self, rank: int, world_size: int, global_batch: int) -> None:
+        """Read share ``rank`` of ``world_size`` of ``global_batch``-position batches from the
+        next ``iter()`` on; ``consumed`` stays (replica groups: ft/data.py)."""
+        _validate(self._n, rank, world_size, global_batch, self._mode)
+        self._rank, self._world, self._global_batch = rank, world_size, global_batch
+
     def state_dict(self) -> dict[str, int]:
         return {
             "consumed": self.consumed,

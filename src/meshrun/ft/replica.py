@@ -20,7 +20,8 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -32,11 +33,13 @@ from torch import nn
 from meshrun.config import ConfigError
 from meshrun.config.fault_tolerance import FaultToleranceConfig
 from meshrun.data.sampler import ResumableSampler
+from meshrun.ft.data import live_share
 from meshrun.ft.heal import HealState, StateCodec
 from meshrun.monitor import MetricsLogger
+from meshrun.schedule import scale_lr
 from meshrun.state import TrainState
 
-__all__ = ["ReplicaGroup", "StepOutcome", "check_hostname"]
+__all__ = ["ReplicaGroup", "StepOutcome", "check_hostname", "scaled_lr"]
 
 log = logging.getLogger("meshrun")
 
@@ -48,6 +51,8 @@ class StepOutcome:
     committed: bool
     loss: float  # the mean loss over the live groups (NaN when not committed)
     live_groups: int
+    samples: int  # the positions the step covers: the live groups' shares of the batch
+    lr_factor: float  # optim.lr_scaling's rule for `samples` against the global batch
 
 
 def check_hostname() -> str:
@@ -70,7 +75,14 @@ class ReplicaGroup:
     boundary, :meth:`close` at the end."""
 
     def __init__(
-        self, cfg: FaultToleranceConfig, state: TrainState, metrics: MetricsLogger, dp: int
+        self,
+        cfg: FaultToleranceConfig,
+        state: TrainState,
+        metrics: MetricsLogger,
+        dp: int,
+        *,
+        global_batch: int,
+        lr_scaling: str = "none",
     ) -> None:
         from torchft import Manager, ProcessGroupGloo
 
@@ -81,6 +93,7 @@ class ReplicaGroup:
                 "pass --lighthouse HOST:PORT of a running `meshrun lighthouse`"
             )
         self.cfg, self.state, self.metrics, self.dp = cfg, state, metrics, dp
+        self.global_batch, self.lr_scaling = global_batch, lr_scaling
         self.codec = StateCodec(state, cfg.group_index)
         self.heal = HealState()
         timeout = timedelta(seconds=cfg.timeout_s)
@@ -98,12 +111,18 @@ class ReplicaGroup:
             store_port=int(os.environ["MASTER_PORT"]),
             lighthouse_addr=f"http://{cfg.lighthouse.removeprefix('http://')}",
             # The trailing digits name the group in torchft's logs and global ranks.
-            replica_id=f"meshrun_group_{cfg.group_index}",
+            # Zero-padded: participants are ranked by this string, so group g is participant
+            # g when every group is live (the shares of plain data parallelism, ft/data.py).
+            replica_id=f"meshrun_group_{cfg.group_index:04d}",
             hostname=check_hostname(),
             init_sync=False,  # every group seeds the same initial weights (init_seeds)
         )
         self.live_groups = 0
-        self.data_moved = False  # a heal set a new data position: the loop restarts its loader
+        # A heal set a new data position, or the quorum a new share: the loop restarts its
+        # loader (batches drawn under the old share are dropped).
+        self.data_moved = False
+        self._sampler: ResumableSampler | None = None  # the one whose share we set per step
+        self._dp_rank = 0  # this rank's index among its group's data-parallel ranks
 
     # --- the step -------------------------------------------------------------------------
 
@@ -122,9 +141,28 @@ class ReplicaGroup:
             log.warning("replica groups: %d live (a group %s) at step %d", live, word,
                         self.state.step)  # fmt: skip
         self.live_groups = live
+        self._apply_share(live)
         if self.heal.loaded is not None:
             self.data_moved = True
             self._log_heal(time.perf_counter() - t0)
+
+    def _apply_share(self, live: int) -> None:
+        """This step's share of the global order (ft/data.py): this group's place among the
+        quorum's participants; a new share restarts the loader at the data position."""
+        sampler = self._sampler
+        if sampler is None:
+            return
+        participant = self.manager.participating_rank()
+        if participant is None:  # sync quorum: every group in the quorum takes part
+            raise RuntimeError(
+                f"replica group {self.cfg.group_index} is in the quorum of step "
+                f"{self.state.step + 1} but torchft gives it no participant rank"
+            )
+        share = live_share(self.global_batch, self.cfg.replica_groups, self._dp_rank, self.dp,
+                           participant, live)  # fmt: skip
+        if share != (sampler.rank, sampler.world_size, sampler.global_batch):
+            sampler.set_share(*share)
+            self.data_moved = True
 
     def _wait_for_all_groups(self, live: int) -> int:
         """A fresh job's first step waits for every group (they start seconds apart) rather
@@ -162,26 +200,48 @@ class ReplicaGroup:
             # Some group's loss was NaN/Inf: no group commits (the numerics guard's rule).
             self.manager.report_error(FloatingPointError("non-finite loss in a replica group"))
         committed = self.manager.should_commit()
+        live = self.live_groups
+        samples = self.global_batch * live // self.cfg.replica_groups
+        factor = scale_lr(1.0, samples, self.global_batch, self.lr_scaling)
         if committed:
             _unpack(buf, grads)
-            return StepOutcome(True, float(buf[-1]), self.live_groups)
+            return StepOutcome(True, float(buf[-1]), live, samples, factor)
         self.metrics.log_event(
-            "ft_uncommitted", step=self.state.step + 1, live_groups=self.live_groups,
+            "ft_uncommitted", step=self.state.step + 1, live_groups=live,
             error=_one_line(self.manager.errored()),
         )  # fmt: skip
-        return StepOutcome(False, float("nan"), self.live_groups)
+        return StepOutcome(False, float("nan"), live, 0, factor)
 
     def check_sampler(self, sampler: ResumableSampler | None) -> None:
-        """The loader must read this group's share of the global batch (ft/data.py)."""
-        want = self.cfg.replica_groups * self.dp
-        if sampler is not None and sampler.world_size != want:
+        """The loader must read this group's share of the global order (ft/data.py): a
+        ResumableSampler built for every group's ranks, whose share each quorum then sets."""
+        if self.state.iterable is not None:
             raise ConfigError(
-                f"replica groups: the loader's sampler splits the global batch over "
-                f"{sampler.world_size} ranks, but {self.cfg.replica_groups} groups x {self.dp} "
-                f"data-parallel ranks read it ({want}): build its ResumableSampler with "
-                "rank, world_size = meshrun.ft.data_share(run.config.fault_tolerance, "
-                "run.dp_rank, run.dp_size)"
+                "replica groups: the loader reads a ResumableIterable, whose share of the "
+                "stream is fixed; the live groups take per-step shares of the global order "
+                "(fault_tolerance.missing_group = shrink), which only a ResumableSampler "
+                "serves: use a map-style dataset with run.dataloader(...) or run.sampler(...)"
             )
+        if sampler is None:
+            log.warning("replica groups: the loader has no ResumableSampler, so meshrun cannot "
+                        "give each step's live groups their shares of the global order; build "
+                        "it with run.dataloader(...) or run.sampler(...)")  # fmt: skip
+        if sampler is None or sampler is self._sampler:
+            return
+        want, first = self.cfg.replica_groups * self.dp, self.cfg.group_index * self.dp
+        if (sampler.world_size, sampler.global_batch) != (want, self.global_batch) or not (
+            first <= sampler.rank < first + self.dp
+        ):
+            raise ConfigError(
+                f"replica groups: the loader's sampler is rank {sampler.rank} of "
+                f"{sampler.world_size} over global batch {sampler.global_batch}, but group "
+                f"{self.cfg.group_index}'s ranks read ranks {first}..{first + self.dp - 1} of "
+                f"{self.cfg.replica_groups} groups x {self.dp} data-parallel ranks ({want}) "
+                f"over data.global_batch = {self.global_batch}: build its ResumableSampler "
+                "with rank, world_size = meshrun.ft.data_share(run.config.fault_tolerance, "
+                "run.dp_rank, run.dp_size), or use run.sampler(...)"
+            )
+        self._sampler, self._dp_rank = sampler, sampler.rank - first
 
     def apply_pending_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Load a healed optimizer state the step loop could not place before it knew the
@@ -214,6 +274,23 @@ class ReplicaGroup:
         parts = [g.detach().reshape(-1).float() for g in grads]
         tail = torch.tensor([0.0 if finite else 1.0, loss if finite else 0.0])
         return torch.cat([*parts, tail]), grads
+
+
+@contextmanager
+def scaled_lr(optimizer: torch.optim.Optimizer, factor: float) -> Iterator[None]:
+    """The optimizer's LRs times ``factor`` for one update (a step the live groups trained
+    with a smaller batch, under optim.lr_scaling), then back: the schedule stays its own."""
+    if factor == 1.0:
+        yield
+        return
+    saved = [group["lr"] for group in optimizer.param_groups]
+    for group in optimizer.param_groups:
+        group["lr"] = group["lr"] * factor
+    try:
+        yield
+    finally:
+        for group, lr in zip(optimizer.param_groups, saved, strict=True):
+            group["lr"] = lr
 
 
 def _local_grads(models: Sequence[nn.Module]) -> list[torch.Tensor]:
