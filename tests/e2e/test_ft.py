@@ -3,9 +3,13 @@ with its own lighthouse, real torchrun agents, real Gloo processes (2 groups x 1
 
 - Without faults the groups train exactly what plain data parallelism over the same 2 ranks
   trains: per-step losses within 1e-5, and (measured) the same final weights.
-- SIGKILL of one group's worker at random steps: the other group's process never restarts
-  (one PID), keeps committing steps alone, the job reaches optim.steps, and the restarted
-  group heals from it and ends bitwise equal (a checksum each rank writes).
+- SIGKILL of one group's worker at 5 random steps of one run (a seeded RNG, its seed printed;
+  ``FT_TEST_SEED`` replays one): the other group's process never restarts (one PID), keeps
+  committing steps alone, the job reaches optim.steps, and the restarted group heals from it
+  5 times and ends bitwise equal (a checksum each rank writes).
+- In every run each sample of the stream the committed steps covered was trained exactly
+  once (the dataset indices each rank records per committed step), and the data position
+  advanced by the samples the steps trained: the shrunk steps' and the healed group's too.
 - A group dying inside the cross-group all-reduce: the survivor does not commit that step
   (Gloo's connection error goes to torchft's Manager) and carries on.
 
@@ -16,29 +20,40 @@ a restarted group before the end, so no outcome depends on timing.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import random
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import pytest
 
+from meshrun.config import load_config
+from meshrun.data.sampler import ResumableSampler
+
 pytestmark = pytest.mark.slow
 WORKER = Path(__file__).parent / "scripts" / "ft_worker.py"
 STEPS = 24
-KEYS = [f"--optim.steps={STEPS}", "--data.micro_batch=8", "--data.global_batch=16"]
+SAMPLES = 4096  # the worker's dataset
+KEYS = ["--data.micro_batch=8", "--data.global_batch=16"]
 FT_KEYS = ["--fault_tolerance.min_replicas=1", "--fault_tolerance.heartbeat_timeout_ms=1000"]
 
 
 def _launch(
-    run_dir: Path, flags: list[str], env: dict[str, str], timeout: float, *more: str
+    run_dir: Path,
+    flags: list[str],
+    env: dict[str, str],
+    timeout: float,
+    *more: str,
+    steps: int = STEPS,
 ) -> str:
     ft = FT_KEYS if "--replica-groups" in flags else []
     base = [] if "--nproc-per-node" in flags else ["--nproc-per-node", "2"]
     cmd = [sys.executable, "-m", "meshrun", "launch", *base, *flags, str(WORKER),
-           f"--job.run_dir={run_dir}", *KEYS, *ft, *more]  # fmt: skip
+           f"--job.run_dir={run_dir}", f"--optim.steps={steps}", *KEYS, *ft, *more]  # fmt: skip
     proc = subprocess.run(
         cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True,
         text=True, timeout=timeout, check=False,
@@ -71,6 +86,28 @@ def _checksum(run_dir: Path) -> dict[str, object]:
     return out
 
 
+def _check_samples(run_dir: Path, groups: list[Path]) -> int:
+    """Each dataset index of the stream's first ``consumed`` positions (where the survivor's
+    data position ended) was trained exactly once in a committed step, over every rank of
+    every group and every process of each, and nothing else was; ``consumed`` is the sum of
+    the samples the survivor's committed steps trained. Returns ``consumed``."""
+    consumed = int(_checksum(groups[0])["consumed"])  # type: ignore[call-overload]
+    steps = [r for r in _rows(groups[0] / "metrics.jsonl") if "event" not in r]
+    assert consumed == sum(int(r["samples"]) for r in steps)  # type: ignore[call-overload]
+    trained = [i for g in groups for path in sorted(g.glob("samples.rank*.jsonl"))
+               for row in _rows(path) for i in row["indices"]]  # type: ignore[attr-defined]  # fmt: skip
+    twice = {i: n for i, n in Counter(trained).items() if n > 1}
+    assert not twice, f"trained more than once: {sorted(twice)[:10]}"
+    seed = load_config(groups[0] / "config.toml").job.seed
+    order = ResumableSampler(SAMPLES, rank=0, world_size=1, global_batch=1, seed=seed)
+    expected = set(itertools.islice(iter(order), consumed))
+    assert len(expected) == consumed  # the run stays inside one epoch: indices are distinct
+    skipped = sorted(expected - set(trained))
+    assert not skipped, f"{len(skipped)} samples skipped: {skipped[:10]}"
+    assert set(trained) == expected
+    return consumed
+
+
 @pytest.mark.timeout(600)
 def test_replica_groups_train_what_plain_data_parallelism_trains(tmp_path: Path) -> None:
     _launch(tmp_path / "dp", [], {}, 280)
@@ -87,9 +124,20 @@ def test_replica_groups_train_what_plain_data_parallelism_trains(tmp_path: Path)
         live = {r.get("live_groups") for r in _rows(group / "metrics.jsonl") if "event" not in r}
         assert live == {2}  # every step had both groups
         assert _checksum(group)["checksum"] == _checksum(tmp_path / "dp")["checksum"]
+    groups = [tmp_path / "ft" / "group0", tmp_path / "ft" / "group1"]
+    assert _check_samples(tmp_path / "ft", groups) == STEPS * 16
 
 
-def _check_survived(run_dir: Path, kills: int, ranks: int = 1) -> None:
+def _kill_steps(rng: random.Random, kills: int, first: int, last: int, gap: int) -> list[int]:
+    """``kills`` steps in [first, last], at least ``gap`` apart: room for each restarted
+    group to heal (FT_ALONE = 3 steps alone, then the survivor waits for it) before the next
+    kill, so each kill lands at its step."""
+    slack = last - first - gap * (kills - 1)
+    extra = sorted(rng.choices(range(slack + 1), k=kills))
+    return [first + gap * i + e for i, e in enumerate(extra)]
+
+
+def _check_survived(run_dir: Path, kills: int, ranks: int = 1, steps: int = STEPS) -> None:
     """Group 0 never restarted and reached the end; group 1 restarted ``kills`` times, healed
     as often, and ends with group 0's weights, bit for bit (rank by rank: its shards)."""
     survivor, healed = run_dir / "group0", run_dir / "group1"
@@ -103,22 +151,30 @@ def _check_survived(run_dir: Path, kills: int, ranks: int = 1) -> None:
     heals = _events(healed, "ft_heal")
     assert len(heals) == kills, heals
     assert all(h["source"] == "group 0" and int(h["bytes"]) > 0 for h in heals)  # type: ignore[call-overload]
-    assert sorted(_losses(survivor)) == list(range(1, STEPS + 1))
-    assert _checksum(survivor)["step"] == _checksum(healed)["step"] == STEPS
+    assert sorted(_losses(survivor)) == list(range(1, steps + 1))
+    assert _checksum(survivor)["step"] == _checksum(healed)["step"] == steps
     assert _checksum(survivor)["checksum"] == _checksum(healed)["checksum"]
+    assert _checksum(survivor)["consumed"] == _checksum(healed)["consumed"]
     assert len(_events(survivor, "ft_uncommitted")) >= kills  # the step each kill broke
-    alone = [r for r in _rows(survivor / "metrics.jsonl") if r.get("live_groups") == 1]
+    alone = [r for r in _rows(survivor / "metrics.jsonl")
+             if r.get("live_groups") == 1 and "event" not in r]  # fmt: skip
     assert alone, "the survivor committed no step while the other group was down"
+    # Shrink: a step with one group live trained (and moved the position by) its share only.
+    assert {int(r["samples"]) for r in alone} == {8}  # type: ignore[call-overload]
+    consumed = _check_samples(run_dir, [survivor, healed])
+    assert consumed == 16 * steps - 8 * len(alone)
 
 
 @pytest.mark.timeout(900)
-def test_a_killed_group_heals_while_the_other_keeps_training(tmp_path: Path) -> None:
-    rng = random.Random()
-    kills = sorted(rng.sample(range(3, STEPS - 6), 2))
-    print(f"group 1 is killed at steps {kills}")
-    env = {"FT_KILL_STEPS": "1:" + ",".join(map(str, kills)), "FT_HOLD_AT": str(STEPS - 3)}
-    _launch(tmp_path, ["--replica-groups", "2", "--max-restarts", "3"], env, 880)
-    _check_survived(tmp_path, kills=2)
+def test_five_kills_five_heals_while_the_other_group_keeps_training(tmp_path: Path) -> None:
+    seed = int(os.environ.get("FT_TEST_SEED") or random.randrange(10**6))
+    steps = 32
+    kills = _kill_steps(random.Random(seed), 5, first=3, last=steps - 6, gap=5)
+    print(f"FT_TEST_SEED={seed}: group 1 is killed at steps {kills}")
+    env = {"FT_KILL_STEPS": "1:" + ",".join(map(str, kills)), "FT_HOLD_AT": str(steps - 3)}
+    flags = ["--replica-groups", "2", "--max-restarts", "6"]
+    _launch(tmp_path, flags, env, 880, steps=steps)
+    _check_survived(tmp_path, kills=5, steps=steps)
 
 
 @pytest.mark.timeout(600)

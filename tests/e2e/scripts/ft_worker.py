@@ -1,11 +1,16 @@
 """A small training job for the replica-group tests (tests/e2e/test_ft.py, benchmarks/ft.py).
 
-It records what the tests compare: every process start (its PID) in RUN_DIR/pids.txt, and at
-the end a checksum of this rank's parameters in RUN_DIR/checksum.rank<r>.json.
+It records what the tests compare: every process start (its PID) in RUN_DIR/pids.txt, the
+dataset indices of every committed step in RUN_DIR/samples.rank<r>.jsonl (a line per step
+this rank's optimizer_step committed; a step that did not commit writes none), and at the
+end a checksum of this rank's parameters and its data position in
+RUN_DIR/checksum.rank<r>.json.
 
 Faults, by environment (the group's index comes from the config, so only the named group's
 processes act; a marker file keeps a restarted worker from repeating a kill it already did):
-- FT_KILL_STEPS="G:S1,S2,..": group G's rank 0 SIGKILLs itself in the forward of step S.
+- FT_KILL_STEPS="G:S1,S2,..": group G's rank 0 SIGKILLs itself in the forward of step S, or
+  of the first step after S that this process reaches having committed a step (a restarted
+  process has healed first: each kill breaks a recovered group).
 - FT_KILL_IN_ALLREDUCE="G:S": group G's rank 0 dies at step S's cross-group all-reduce,
   after its peers are in it (they see the connection reset mid-collective).
 - FT_RESUME=1: register model, optimizer and loader with run.resume (shared checkpoints).
@@ -88,6 +93,11 @@ def _hold(run: meshrun.Run, groups: int, alone: int, final: bool) -> None:
             time.sleep(0.2)
 
 
+def _record(path: Path, step: int, indices: list[int]) -> None:
+    with open(path, "a") as f:
+        f.write(json.dumps({"step": step, "pid": os.getpid(), "indices": indices}) + "\n")
+
+
 def _checksum(model: nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
@@ -104,7 +114,8 @@ def main() -> None:
     with open(run_dir / "pids.txt", "a") as f:
         f.write(f"{run.rank} {os.getpid()}\n")
     x = torch.randn(4096, 16, generator=torch.Generator().manual_seed(0))
-    data = TensorDataset(x, x @ torch.randn(16, 1, generator=torch.Generator().manual_seed(1)))
+    y = x @ torch.randn(16, 1, generator=torch.Generator().manual_seed(1))
+    data = TensorDataset(x, y, torch.arange(len(x)))  # the index: which samples were trained
     model = run.parallelize(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     # run.sampler reads this group's share of the global batch (meshrun.ft.data_share).
@@ -121,13 +132,15 @@ def main() -> None:
     hold_at = int(os.environ.get("FT_HOLD_AT", "0"))
     faulty = _plan("FT_KILL_STEPS", ft.group_index) + _plan("FT_KILL_IN_ALLREDUCE", ft.group_index)
     alone = 0  # steps this group took while another was missing
+    committed = 0  # steps this process committed
+    trained: list[int] = []  # this step's dataset indices, written once it commits
     if run.rank == 0:  # one line per start of the group (its rank 0)
         with open(run_dir / "ready.txt", "a") as f:
             f.write(f"{os.getpid()}\n")
-    for inputs, targets in run.steps(loader):
+    for inputs, targets, index in run.steps(loader):
         step = run.step + 1
         due = [k for k in kills if k <= step and not (run_dir / f"done.kill{k}").exists()]
-        if due and _once(run_dir, f"kill{due[0]}"):
+        if due and committed and _once(run_dir, f"kill{due[0]}"):
             print(f"ft_worker: group {ft.group_index} dies at step {step}", flush=True)
             _die()
         if run.rank == 0 and run.loop.state.micro == 0 and not faulty and ft.enabled:
@@ -136,9 +149,18 @@ def main() -> None:
             _hold(run, ft.replica_groups, alone, final=step >= hold_at > 0)
         loss = nn.functional.mse_loss(model(inputs), targets)
         run.backward(loss)
-        if run.optimizer_step(opt) and sleep_s:
-            time.sleep(sleep_s)
-    out = {"step": run.step, "checksum": _checksum(model), "pid": os.getpid()}
+        trained += index.tolist()
+        boundary = run.loop.state.micro == run.accum - 1
+        if run.optimizer_step(opt):
+            committed += 1
+            _record(run_dir / f"samples.rank{run.rank}.jsonl", run.step, trained)
+            if sleep_s:
+                time.sleep(sleep_s)
+        if boundary:
+            trained = []  # written, or not committed: the loop reads those positions again
+    sampler = run.loop.state.sampler
+    out = {"step": run.step, "checksum": _checksum(model), "pid": os.getpid(),
+           "consumed": None if sampler is None else sampler.consumed}  # fmt: skip
     (run_dir / f"checksum.rank{run.rank}.json").write_text(json.dumps(out))
 
 
