@@ -15,6 +15,10 @@ step. Reported: the per-step ratio meshrun/plain (median over pairs of the ratio
 pair's median step times), the same for CPU time per step, the startup ratio, the raw numbers
 per pair and the final losses (equal when both trained the same thing).
 
+Then (``--launch-pairs``, default 6; ``overhead_launch.py``) the launcher alone: ``torchrun``
+against ``meshrun launch`` on a plain torch script, interleaved pairs, wall and CPU medians,
+ratio and difference. Printed as (a); the startup ratio above is (b).
+
 Separate runs are only as comparable as the machine is quiet: the load average before each
 run is printed with it. ``overhead_breakdown.py`` measures meshrun's cost per step inside one
 pair of processes, step by step interleaved, and each per-step extra on its own.
@@ -36,10 +40,12 @@ from pathlib import Path
 from typing import Any
 
 from overhead_common import T0_ENV
+from overhead_launch import launch_pairs, report_launch, summarize_launch
 
 HERE = Path(__file__).resolve().parent
 VARIANTS = ("plain", "meshrun")
 TARGET_RATIO = 1.02
+TARGET_STARTUP_DIFF_S = 0.25  # (b): meshrun's launch-to-first-step over the plain loop's
 # The demo's settings (src/meshrun/demo/demo.toml), passed to both workers explicitly.
 HYPER = {
     "global-batch": 32,
@@ -63,6 +69,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--timeout", type=float, default=600, help="seconds allowed per run")
     p.add_argument("--out", type=Path, help="also write the results here as JSON")
     p.add_argument("--keep", type=Path, help="keep run logs and results in this directory")
+    p.add_argument(
+        "--launch-pairs",
+        type=int,
+        default=6,
+        help="then (a): pairs of torchrun / meshrun launch on a plain script (0: none)",
+    )
     args = p.parse_args()
     if args.steps <= args.skip:
         p.error(f"--steps ({args.steps}) must be larger than --skip ({args.skip})")
@@ -123,6 +135,7 @@ def summarize(pairs: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
         row["startup_s"] = {v: runs[v]["startup_s"] for v in VARIANTS}
         for key in ("step", "cpu", "startup"):
             row[f"{key}_ratio"] = ratio(row[f"{key}_s"]["meshrun"], row[f"{key}_s"]["plain"])
+        row["startup_diff"] = row["startup_s"]["meshrun"] - row["startup_s"]["plain"]
         for key in ("final_loss", "marks_s", "load_before"):
             row[key] = {v: runs[v][key] for v in VARIANTS}
         rows.append(row)
@@ -130,6 +143,7 @@ def summarize(pairs: list[dict[str, dict[str, Any]]]) -> dict[str, Any]:
     for key in ("step", "cpu", "startup"):
         out[f"{key}_s"] = {v: statistics.median(r[f"{key}_s"][v] for r in rows) for v in VARIANTS}
         out[f"{key}_ratio"] = statistics.median(r[f"{key}_ratio"] for r in rows)
+    out["startup_diff"] = statistics.median(r["startup_diff"] for r in rows)
     return out | {"final_loss": rows[-1]["final_loss"], "pairs": rows}
 
 
@@ -161,9 +175,12 @@ def report(s: dict[str, Any], args: argparse.Namespace) -> None:
         f"per-step CPU-time ratio meshrun/plain: {s['cpu_ratio']:.3f} "
         f"(plain {cpu['plain']:.4f} s, meshrun {cpu['meshrun']:.4f} s)"
     )
+    ok = "ok" if s["startup_diff"] <= TARGET_STARTUP_DIFF_S else "ABOVE TARGET"
     print(
-        f"startup ratio meshrun/plain (launch to end of first step): {s['startup_ratio']:.3f} "
-        f"(plain {start['plain']:.2f} s, meshrun {start['meshrun']:.2f} s)"
+        f"(b) startup ratio meshrun/plain (launch to end of first step): "
+        f"{s['startup_ratio']:.3f} (plain {start['plain']:.2f} s, meshrun {start['meshrun']:.2f} s"
+        f"; median pair difference {s['startup_diff']:+.2f} s, target <= "
+        f"+{TARGET_STARTUP_DIFF_S} s: {ok})"
     )
     loss = s["final_loss"]
     print(
@@ -177,6 +194,7 @@ def report(s: dict[str, Any], args: argparse.Namespace) -> None:
 
 def main() -> None:
     args = parse_args()
+    print(f"/proc/loadavg before: {Path('/proc/loadavg').read_text().strip()}", flush=True)
     with tempfile.TemporaryDirectory(prefix="meshrun-overhead-") as tmp:
         workdir = args.keep or Path(tmp)
         workdir.mkdir(parents=True, exist_ok=True)
@@ -186,9 +204,14 @@ def main() -> None:
             print(f"pair {pair}/{args.repeats} done", file=sys.stderr, flush=True)
     summary = summarize(pairs)
     report(summary, args)
+    launcher = None
+    if args.launch_pairs > 0:
+        launcher = summarize_launch(launch_pairs(args.launch_pairs, args.nproc, args.timeout))
+        report_launch(launcher, args.nproc)
+    print(f"/proc/loadavg after: {Path('/proc/loadavg').read_text().strip()}")
     if args.out is not None:
         payload = {"args": {k: str(v) for k, v in vars(args).items()}, "hyper": HYPER}
-        payload |= {"summary": summary, "runs": pairs}
+        payload |= {"summary": summary, "runs": pairs, "launcher": launcher}
         args.out.write_text(json.dumps(payload, indent=1) + "\n", encoding="utf-8")
 
 
