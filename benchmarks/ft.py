@@ -18,7 +18,9 @@ that a restart lands mid-run; (b)'s survivor waits for the restarted group after
 and before the last 3 (the worker's test hooks), so both modes train all their kills.
 
 Overhead without faults: plain DP and replica groups (2 x 1), interleaved ``--pairs`` times, the
-median step time of each run (steps 5..end), the ratio (b)/(a) per pair, the median of ratios.
+median step time of each run (steps 5..end), the ratio (b)/(a) per pair, the median of ratios,
+with the load average (``/proc/loadavg``) before and after: on a shared machine the figure is
+only as good as the load it was measured under. ``--kills 0`` measures the overhead alone.
 """
 
 from __future__ import annotations
@@ -106,6 +108,7 @@ def median_step(run_dir: Path) -> float:
 
 def overhead(tmp: Path, steps: int, pairs: int) -> dict[str, Any]:
     ratios, dp_s, ft_s = [], [], []
+    load_before = os.getloadavg()
     for i in range(pairs):
         launch(tmp / f"o{i}dp", steps, "dp", {}, 0)
         launch(tmp / f"o{i}ft", steps, "ft", {}, 0)
@@ -114,7 +117,9 @@ def overhead(tmp: Path, steps: int, pairs: int) -> dict[str, Any]:
         ft_s.append(b)
         ratios.append(b / a)
     return {"dp_step_s": [round(x, 4) for x in dp_s], "ft_step_s": [round(x, 4) for x in ft_s],
-            "ratio_median": round(statistics.median(ratios), 3)}  # fmt: skip
+            "ratios": [round(x, 3) for x in ratios],
+            "ratio_median": round(statistics.median(ratios), 3),
+            "loadavg_before": load_before, "loadavg_after": os.getloadavg()}  # fmt: skip
 
 
 def main() -> None:
@@ -129,7 +134,7 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="meshrun-ft-bench-"))
     env = {"FT_SLEEP_S": "0.1", "FT_HOLD_AT": str(a.steps - 3)}
     result: dict[str, Any] = {"kill_steps": kills, "steps": a.steps}
-    for mode, group in (("dp", 0), ("ft", 1)):
+    for mode, group in (("dp", 0), ("ft", 1)) if a.kills else ():
         clean = launch(tmp / f"{mode}-clean", a.steps, mode, env, 0)
         fault = {**env, "FT_KILL_STEPS": f"{group}:" + ",".join(map(str, kills))}
         wall = launch(tmp / f"{mode}-fault", a.steps, mode, fault, a.kills)
