@@ -31,6 +31,7 @@ from meshrun.checkpoint.async_save import AsyncSaves, clone_volatile
 from meshrun.checkpoint.checks import CheckpointError, first_cause, layout_text
 from meshrun.checkpoint.commit import Commit
 from meshrun.checkpoint.facts import RunFacts
+from meshrun.checkpoint.local_tier import LocalTier
 from meshrun.checkpoint.preemption import Preemption
 from meshrun.checkpoint.resume import Resume
 from meshrun.checkpoint.targets import Stateful, Targets
@@ -65,6 +66,8 @@ class Checkpointer:
         self.commit = Commit(cfg, facts)
         self.preemption = Preemption(cfg.on_signal)
         self.saves = AsyncSaves(self.commit, facts.device, enabled=cfg.async_)
+        # The frequent node-local snapshots (local_tier.py); the shared ones stay the durable.
+        self.local = LocalTier(cfg, facts, self.targets, metrics) if cfg.local_interval else None
         # The "any rank signalled?" and "every rank's async write done?" questions ride in the
         # run's one per-step agreement (meshrun/agreement.py) when there is one; without it
         # (a Checkpointer driven by hand) each is a small all-reduce of its own.
@@ -105,6 +108,9 @@ class Checkpointer:
         self.install_signal_handlers()
         preempted = self._preempt_agreed()
         due = interval > 0 and step % interval == 0
+        if self.local is not None and not preempted and step % self.cfg.local_interval == 0:
+            with phase():
+                self.local.snapshot(step)
         try:
             self._poll(block=False)
             if not preempted and not due:
@@ -208,7 +214,8 @@ class Checkpointer:
 
     def resume(self) -> int:
         """Load the checkpoint chosen by ``checkpoint.resume``; return the step (0 = fresh)."""
-        step = Resume(self.cfg, self.facts, self.targets).load()
+        shared = Resume(self.cfg, self.facts, self.targets)
+        step = shared.load() if self.local is None else self.local.resume(shared.load)
         if step is None:
             return 0
         self.last_saved = step

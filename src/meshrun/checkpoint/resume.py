@@ -32,7 +32,7 @@ from meshrun.checkpoint.zero1 import is_zero1, zero1_load, zero1_load_template
 from meshrun.config import CheckpointConfig
 from meshrun.schedule import scale_lr
 
-__all__ = ["Resume", "choose"]
+__all__ = ["Resume", "choose", "restore_progress"]
 
 log = logging.getLogger("meshrun")
 
@@ -50,6 +50,29 @@ def choose(root: Path, mode: str, rank: int) -> Path | None:
     if answer[1] is not None:
         raise CheckpointError(answer[1])
     return None if answer[0] is None else Path(answer[0])
+
+
+def restore_progress(targets: Targets, saved: dict[str, Any], name: str) -> None:
+    """The LR schedulers, the data position and the step of a saved state (``name``: where it
+    came from, for the messages); the shared and the node-local tier restore them alike."""
+    state = targets.state
+    scheds = decode_json(saved["plain"]["schedulers"])
+    if len(scheds) != len(state.schedulers):
+        raise CheckpointError(
+            f"{name} holds {len(scheds)} LR scheduler(s), this run has "
+            f"{len(state.schedulers)}: create the same schedulers (run.lr_scheduler) before run.resume"
+        )
+    for sched, sd in zip(state.schedulers, scheds, strict=True):
+        sched.load_state_dict(sd)
+    sampler = targets.sampler
+    if saved["sampler"] is not None and sampler is None:
+        log.warning(
+            "%s: the data position was not restored: pass the loader to run.resume(model, optimizer, loader)",
+            name,
+        )
+    elif saved["sampler"] is not None and sampler is not None:
+        sampler.load_state_dict(saved["sampler"])
+    state.set_position(int(saved["step"]))
 
 
 class Resume:
@@ -128,24 +151,8 @@ class Resume:
         return {k for keys in every for k in keys}
 
     def _restore_rest(self, path: Path, saved: dict[str, Any], manifest: dict[str, Any]) -> None:
-        state, f = self.targets.state, self.facts
-        scheds = decode_json(saved["plain"]["schedulers"])
-        if len(scheds) != len(state.schedulers):
-            raise CheckpointError(
-                f"{path.name} holds {len(scheds)} LR scheduler(s), this run has "
-                f"{len(state.schedulers)}: create the same schedulers (run.lr_scheduler) before run.resume"
-            )
-        for sched, sd in zip(state.schedulers, scheds, strict=True):
-            sched.load_state_dict(sd)
-        sampler = self.targets.sampler
-        if saved["sampler"] is not None and sampler is None:
-            log.warning(
-                "%s: the data position was not restored: pass the loader to run.resume(model, optimizer, loader)",
-                path.name,
-            )
-        elif saved["sampler"] is not None and sampler is not None:
-            sampler.load_state_dict(saved["sampler"])
-        state.set_position(int(saved["step"]))
+        f = self.facts
+        restore_progress(self.targets, saved, path.name)
         same_world = manifest["world_size"] == f.world
         if same_world:
             restore_rng(json.loads((path / rank_file(f.rank)).read_text()))

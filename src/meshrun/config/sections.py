@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, get_type_hints
 
+from meshrun.config.checkpoint_local import check_local_tier
 from meshrun.config.fault_tolerance import FaultToleranceConfig
 from meshrun.config.fields import ConfigError, check_section, key_of, setting
 from meshrun.config.launch_values import check_launch_values
@@ -201,6 +202,7 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         check_section(self)
+        check_local_tier(self)
 
     dir: str = setting("", "Checkpoint directory. Empty = <run_dir>/checkpoints.")
     interval: int = setting(
@@ -228,6 +230,24 @@ class CheckpointConfig:
     )
     on_signal: bool = setting(
         True, "On SIGTERM/SIGUSR1 (preemption) save at the next step boundary and exit 0."
+    )
+    local_interval: int = setting(
+        0,
+        "Node-local snapshot every N optimizer steps, each rank's shard also kept by a rank on "
+        "the next node; restored when newer than the shared checkpoint; 0 = off. Below "
+        "interval when that is set (the shared checkpoint stays the durable one).",
+        min=0,
+    )
+    local_dir: str = setting(
+        "",
+        "Node-local directory (absolute) of those snapshots: RAM disk or local NVMe; {node} "
+        "becomes the node index. Empty = /dev/shm/meshrun-<uid>/<hash of the checkpoint dir>.",
+    )
+    local_ranks_per_node: int = setting(
+        0,
+        "Ranks per node for the local tier (rank r's shard goes to rank r + this); 0 = the "
+        "launcher's local world size. Set to simulate nodes on one host.",
+        min=0,
     )
 
 
