@@ -52,12 +52,10 @@ def tiny_llama_config() -> LlamaConfig:
     )
 
 
-def build_model(init: str | None, pipelined: bool) -> nn.Module:
+def build_model(init: str | None) -> nn.Module:
     if init is None:
         return AutoModelForCausalLM.from_config(tiny_llama_config())  # same seed on every rank
     config = AutoConfig.from_pretrained(init)  # config.json only: no weights are read here
-    if pipelined:  # the stages are traced on a probe batch: build on CPU
-        return AutoModelForCausalLM.from_config(config)
     with torch.device("meta"):  # shapes only: run.load_pretrained allocates each rank's share
         return AutoModelForCausalLM.from_config(config)
 
@@ -95,7 +93,7 @@ def main() -> None:
     args = parser.parse_args()
     pipelined = run.config.parallel.pp > 1
 
-    model: nn.Module | Pipeline = build_model(args.init, pipelined)
+    model: nn.Module | Pipeline = build_model(args.init)
     # Under PP each rank holds its stages only and the schedule runs them (and lm_loss).
     model = run.pipeline(model, lm_loss) if pipelined else run.parallelize(model)
     if args.init:
