@@ -18,12 +18,19 @@ $(STAMP): pyproject.toml requirements-dev.txt
 demo: $(STAMP)
 	$(BIN)/meshrun demo
 
+# Two test files at a time (pytest-xdist, one file per worker): most tests wait on launches,
+# rendezvous and timeouts more than they compute, so two keep 2 cores busier; TEST_WORKERS=0
+# runs them one by one. Tests are safe side by side: free ports, namespaces and SLURM
+# clusters named per test.
+TEST_WORKERS ?= 2
+PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile
+
 test: $(STAMP) lint
-	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=30 tests
+	$(PYTEST) tests
 
 # CI's suite plus the heavy variants (@pytest.mark.heavy: larger meshes, second spellings).
 test-heavy: $(STAMP) lint
-	MESHRUN_HEAVY_TESTS=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=30 tests
+	MESHRUN_HEAVY_TESTS=1 $(PYTEST) tests
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests examples benchmarks
