@@ -28,13 +28,17 @@ DEADLINE_S = 60.0  # generous on a loaded 2-core machine: the grace is 10 s (2 s
 
 # A launcher of our own: its "workers" are sleeps in sessions of their own, as torch starts
 # them; one ignores SIGTERM (the guard must SIGKILL it). It prints the PIDs, then waits to be
-# killed ("hang") or stops its workers and returns through the guard ("normal").
+# killed ("hang") or stops its workers and returns through the guard ("normal"). SIGTERM is
+# ignored from before the exec (the disposition survives it), not by a shell's `trap`: a
+# SIGTERM that came before the shell ran its trap would end that worker at the first signal.
 FAKE_LAUNCHER = """
-import os, subprocess, sys, time
+import os, signal, subprocess, sys, time
 from meshrun.launch.orphans import TOKEN_ENV, orphan_guard
+def ignore_term():
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 with orphan_guard(grace_s=2.0):
     kids = [subprocess.Popen(["sleep", "300"], start_new_session=True),
-            subprocess.Popen(["sh", "-c", "trap '' TERM; exec sleep 301"], start_new_session=True)]
+            subprocess.Popen(["sleep", "301"], start_new_session=True, preexec_fn=ignore_term)]
     print("token", os.environ[TOKEN_ENV], "pids", *[k.pid for k in kids], flush=True)
     if sys.argv[1] == "hang":
         time.sleep(300)
@@ -98,6 +102,10 @@ def test_a_killed_launcher_takes_its_job_and_nothing_else(tmp_path: Path) -> Non
     try:
         assert sorted(job_processes(token)) == sorted(pids)
         guards = _guards(token)
+        end = time.monotonic() + DEADLINE_S  # its cmdline is empty while it is still in execve
+        while not guards and time.monotonic() < end:
+            time.sleep(0.1)
+            guards = _guards(token)
         assert len(guards) == 1, guards
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher's whole process group
         _, err = proc.communicate(timeout=DEADLINE_S)  # EOF: the guard closed stderr

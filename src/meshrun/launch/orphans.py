@@ -18,6 +18,9 @@ workers and their children with no hook into the agent and no gap between a fork
 message, and it cannot match an unrelated process that got a dead worker's PID. Each signal
 goes through a pidfd opened before the token is checked again, so a PID reused in between is
 never hit. A process that drops the variable from its environment (``env -i``) is not seen.
+/proc is scanned again through the grace period and until a SIGKILL scan finds none, so a
+process forked after a scan is ended too, and one caught inside execve (its environment
+reads empty there for a moment) is read again rather than passed over.
 """
 
 from __future__ import annotations
@@ -38,6 +41,15 @@ TOKEN_ENV = "MESHRUN_JOB_TOKEN"
 GRACE_S = 10.0  # SIGTERM -> SIGKILL, as the launcher's own SIGTERM path (agent_watch)
 DONE = b"done\n"
 _POLL_S = 0.1
+# An empty environ of a live process is read again this often (execve takes well under 1 ms
+# unloaded, a few ms on a loaded machine): at most 0.5 s more per scan.
+_EMPTY_RETRIES = 50
+_EMPTY_RETRY_S = 0.01
+# include/linux/sched.h, the flags field of /proc/<pid>/stat: a kernel thread's environ reads
+# empty for good; an exiting process's reads empty (or fails) and needs no signal any more.
+_PF_KTHREAD = 0x00200000
+_PF_EXITING = 0x00000004
+_KILL_ROUNDS = 20  # SIGKILL scans until none is left: a process may fork before its SIGKILL
 
 
 @contextmanager
@@ -90,22 +102,57 @@ def _release(guard: subprocess.Popen[bytes]) -> None:
 
 def job_processes(token: str) -> list[int]:
     """PIDs of the processes whose ``MESHRUN_JOB_TOKEN`` (space-separated) holds ``token``."""
-    found = []
-    for entry in os.scandir("/proc"):
-        if entry.name.isdigit() and _carries(int(entry.name), token):
-            found.append(int(entry.name))
-    return [pid for pid in found if pid != os.getpid()]
+    pids = [int(entry.name) for entry in os.scandir("/proc") if entry.name.isdigit()]
+    return sorted(pid for pid in _carrying(pids, token) if pid != os.getpid())
 
 
-def _carries(pid: int, token: str) -> bool:
+def _carrying(pids: list[int], token: str) -> set[int]:
+    """Those of ``pids`` that carry ``token``.
+
+    A live process reads empty for a moment inside execve (the new image's environment is
+    not set up yet): those are read again, all together, until they read full or are gone. One
+    that really has an empty environment (``env -i``) costs the retries once per scan.
+    """
     prefix = f"{TOKEN_ENV}=".encode()
+    found: set[int] = set()
+    for _ in range(_EMPTY_RETRIES):
+        unsure = []
+        for pid in pids:
+            environ = _environ(pid)
+            if environ is None:
+                unsure.append(pid)
+            elif any(
+                token.encode() in e[len(prefix) :].split() for e in environ if e.startswith(prefix)
+            ):
+                found.add(pid)
+        if not unsure:
+            break
+        pids = unsure
+        time.sleep(_EMPTY_RETRY_S)
+    return found
+
+
+def _environ(pid: int) -> list[bytes] | None:
+    """The entries of ``/proc/<pid>/environ``: none for a process gone, exiting or another
+    user's; ``None`` (read again) for a live one that reads empty."""
     try:
         with open(f"/proc/{pid}/environ", "rb") as f:
-            environ = f.read().split(b"\0")  # empty for a zombie: not counted
+            data = f.read()
     except OSError:
-        return False  # gone, or another user's
-    values = (e[len(prefix) :].split() for e in environ if e.startswith(prefix))
-    return any(token.encode() in v for v in values)
+        return []  # gone, or another user's
+    if data:
+        return data.split(b"\0")
+    return None if _live_user_process(pid) else []
+
+
+def _live_user_process(pid: int) -> bool:
+    """Not a zombie, not exiting, and not a kernel thread."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()
+    except OSError:
+        return False
+    return fields[0] not in (b"Z", b"X") and not int(fields[6]) & (_PF_KTHREAD | _PF_EXITING)
 
 
 def signal_job(token: str, pids: list[int], sig: int) -> list[int]:
@@ -116,7 +163,7 @@ def signal_job(token: str, pids: list[int], sig: int) -> list[int]:
         try:
             # Checked after the pidfd is open: if the PID was reused before that, the new
             # process lacks the token; after it, the pidfd still names the process checked.
-            if not _carries(pid, token):
+            if pid not in _carrying([pid], token):
                 continue
             if fd is not None:
                 signal.pidfd_send_signal(fd, sig)
@@ -140,22 +187,30 @@ def _pidfd(pid: int) -> int | None:
 
 def end_job(token: str, grace_s: float, launcher: int) -> int:
     """SIGTERM the job's processes, SIGKILL what is left after ``grace_s``; how many there were."""
-    pids = signal_job(token, job_processes(token), signal.SIGTERM)
-    if not pids:
+    termed = set(signal_job(token, job_processes(token), signal.SIGTERM))
+    if not termed:
         return 0
     _say(
         f"meshrun launch: the launcher (pid {launcher}) ended without stopping its workers "
-        f"(killed?); stopping its {len(pids)} remaining process(es): SIGTERM now, SIGKILL "
+        f"(killed?); stopping its {len(termed)} remaining process(es): SIGTERM now, SIGKILL "
         f"after {grace_s:g} s"
     )
     deadline = time.monotonic() + grace_s
-    while time.monotonic() < deadline and job_processes(token):
+    while time.monotonic() < deadline and (running := job_processes(token)):
+        # Again from /proc: a process forked after the first scan (a DataLoader worker, a
+        # checkpoint writer) carries the token as well, and gets its SIGTERM now.
+        termed.update(signal_job(token, [p for p in running if p not in termed], signal.SIGTERM))
         time.sleep(_POLL_S)
-    # Again from /proc: a process forked during the grace period carries the token as well.
-    left = signal_job(token, job_processes(token), signal.SIGKILL)
-    if left:
-        _say(f"meshrun launch: {len(left)} process(es) still running after SIGTERM: SIGKILLed")
-    return len(pids)
+    killed: set[int] = set()
+    for _ in range(_KILL_ROUNDS):  # until a scan finds none: one may fork before its SIGKILL
+        left = signal_job(token, job_processes(token), signal.SIGKILL)
+        if not left:
+            break
+        killed.update(left)
+        time.sleep(_POLL_S)
+    if killed:
+        _say(f"meshrun launch: {len(killed)} process(es) still running after SIGTERM: SIGKILLed")
+    return len(termed)
 
 
 def _say(text: str) -> None:
