@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 from torch.distributed import ProcessGroup
-from torch.distributed.tensor import DTensor
 
 from meshrun.agreement import StepAgreement
 from meshrun.config import MonitorConfig
@@ -31,6 +30,7 @@ from meshrun.data.sampler import ResumableSampler
 from meshrun.monitor import MetricsLogger, StepMonitor, memory_stats
 from meshrun.monitor.throughput import resolve_tokens_per_sample
 from meshrun.parallel import clip_grad_norm_, set_grad_sync
+from meshrun.parallel.kinds import is_dtensor
 from meshrun.parallel.report import log_state_table
 from meshrun.state import TrainState
 
@@ -211,7 +211,7 @@ class StepLoop:
     def record_loss(self, loss: torch.Tensor) -> None:
         """Count a micro-step's loss in the metrics (the pipeline step's backward is its own)."""
         detached = loss.detach().float()
-        if isinstance(detached, DTensor):  # loss parallel: a replicated DTensor scalar
+        if is_dtensor(detached):  # loss parallel: a replicated DTensor scalar
             detached = detached.full_tensor()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
 

@@ -18,10 +18,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from meshrun.loop import to_device
 from meshrun.parallel import Pipeline, pipeline_eval
+from meshrun.parallel.kinds import is_dtensor
 from meshrun.run_base import RunFields
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -61,7 +61,7 @@ class EvalMethods(RunFields):
         return float(totals[0] / totals[1])
 
     def _sum_and_count(self, loss: torch.Tensor, n: int) -> torch.Tensor:
-        if isinstance(loss, DTensor):  # under loss_parallel: a replicated DTensor
+        if is_dtensor(loss):  # under loss_parallel: a replicated DTensor
             loss = loss.full_tensor()
         out = torch.tensor([0.0, n], dtype=torch.float64, device=self.device)
         out[0] = loss.detach().double() * n

@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshrun.config import ConfigError
@@ -26,6 +25,9 @@ from meshrun.parallel import (
     pipeline_step,
 )
 from meshrun.run_base import RunFields
+
+if TYPE_CHECKING:  # FSDP's scaler is imported only by an fp16 run (build_grad_scaler)
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 
 class ModelMethods(RunFields):

@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 if TYPE_CHECKING:  # names only: the state imports no meshrun subsystem, so any may import it
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
     from meshrun.data.iterable import ResumableIterable
     from meshrun.data.sampler import ResumableSampler
 

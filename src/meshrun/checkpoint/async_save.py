@@ -19,22 +19,23 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException as DCPException
-from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
-from torch.distributed.tensor import DTensor
 
 from meshrun.checkpoint import layout
 from meshrun.checkpoint.checks import first_cause
 from meshrun.checkpoint.commit import Commit
 from meshrun.checkpoint.facts import any_rank
-from meshrun.checkpoint.writer import HashingFileSystem, hashing_writer
+from meshrun.parallel.kinds import is_dtensor
+
+# DCP (with DTensor: about a second of CPU) is imported at the first save, not at start-up.
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.staging import DefaultStager
+
+    from meshrun.checkpoint.writer import HashingFileSystem
 
 __all__ = ["AsyncSaves"]
 
@@ -78,6 +79,12 @@ class AsyncSaves:
         """Start writing the state ``collect()`` returns (its tensors cloned where they may
         change: :func:`clone_volatile`) into ``step``'s tmp dir; returns the seconds training
         was blocked, None when the start failed (then :meth:`Commit.finish` has raised)."""
+        import torch.distributed.checkpoint as dcp  # imported before the clock starts
+        from torch.distributed.checkpoint.api import CheckpointException as DCPException
+        from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
+
+        from meshrun.checkpoint.writer import hashing_writer
+
         if self._group is None and dist.is_initialized():
             # DCP's writer thread runs collectives: on a group of their own they cannot
             # interleave with the training's collectives on the default group.
@@ -124,6 +131,8 @@ class AsyncSaves:
         save after the first copies into memory already mapped (the first one also allocates
         and page-faults it in). Pinned memory and non-blocking copies on CUDA only."""
         if self._staging is None:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
             cuda = self.device.type == "cuda"
             self._staging = DefaultStager(
                 StagingOptions(
@@ -206,5 +215,5 @@ def clone_volatile(
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
-    local = t.to_local() if isinstance(t, DTensor) else t  # FSDP2/TP: this rank's shard
+    local = t.to_local() if is_dtensor(t) else t  # FSDP2/TP: this rank's shard
     return int(local.untyped_storage().data_ptr())

@@ -7,14 +7,13 @@ import logging
 import random
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.api import CheckpointException as DCPException
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshrun.checkpoint import layout
@@ -40,7 +39,8 @@ class CheckpointError(RuntimeError):
 def first_cause(e: BaseException) -> BaseException:
     """DCP wraps every rank's traceback into one long exception; keep the root cause (e.g.
     ``OSError: [Errno 28] No space left on device``) for a one-line message."""
-    if not isinstance(e, DCPException):
+    api = sys.modules.get("torch.distributed.checkpoint.api")  # none before DCP is imported
+    if api is None or not isinstance(e, api.CheckpointException):
         return e
     text = str(e)
     m = re.search(r"^(\w*Error: \[Errno \d+\].*)$", text, re.MULTILINE)
@@ -85,6 +85,7 @@ def pick(root: Path, mode: str) -> str | None:
 def check_keys(path: Path, tensors: dict[str, Any], known: set[str] | None = None) -> None:
     """DCP fails on tensors the checkpoint lacks; fail too on tensors this model lacks
     (``known``: flat keys this run maps although this rank does not load them)."""
+    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
     meta = dcp.FileSystemReader(str(path)).read_metadata()  # DCP's own metadata (trusted format)

@@ -14,7 +14,7 @@ import logging
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
@@ -24,8 +24,10 @@ from meshrun.checkpoint.facts import RunFacts, any_rank, barrier
 from meshrun.checkpoint.hf_files import HF_FILES
 from meshrun.checkpoint.state import capture_rng
 from meshrun.checkpoint.targets import SAMPLER_AT_SAVE
-from meshrun.checkpoint.writer import HashingFileSystem
 from meshrun.config import CheckpointConfig
+
+if TYPE_CHECKING:  # the writer subclasses DCP's FileSystem: imported at the first save
+    from meshrun.checkpoint.writer import HashingFileSystem
 
 __all__ = ["STATE_FILE", "Commit", "rank_file"]
 

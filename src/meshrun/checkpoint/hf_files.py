@@ -16,7 +16,6 @@ import sys
 from typing import Any
 
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 __all__ = ["CONFIG", "GENERATION_CONFIG", "HF_FILES", "hf_files"]
 
@@ -49,7 +48,10 @@ def hf_files(model: nn.Module) -> dict[str, str]:
 def _user_class(module: nn.Module) -> type:
     """The model's class, under the subclass FSDP2's ``fully_shard`` swaps in
     (``FSDPLlamaForCausalLM``, which from_pretrained cannot rebuild)."""
-    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+    fsdp = sys.modules.get("torch.distributed.fsdp")  # not imported: no FSDP2 module exists
+    if fsdp is None:
+        return type(module)
+    return next(c for c in type(module).__mro__ if not issubclass(c, fsdp.FSDPModule))
 
 
 def _pipeline_source(model: nn.Module) -> Any:

@@ -18,10 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
 from meshrun.checkpoint import layout
 from meshrun.checkpoint.checks import CheckpointError, pick
@@ -80,6 +77,10 @@ def _step_dir(path: Path) -> Path:
 
 def _load_meshrun_model(path: Path, model: nn.Module) -> None:
     """The checkpoint's ``model.`` tensors into this run's layout (DCP re-shards them)."""
+    import torch.distributed.checkpoint as dcp  # here: a run that loads nothing never imports it
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
     meta = dcp.FileSystemReader(str(path)).read_metadata()
     saved = {k for k in meta.state_dict_metadata if k.startswith("model.")}

@@ -15,9 +15,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
 
 from meshrun.checkpoint.local_plan import Held, parse_history, parse_shard, parse_step
+from meshrun.parallel.kinds import is_dtensor
 
 __all__ = ["decode", "encode", "remove_steps", "scan", "to_local", "write_atomically"]
 
@@ -69,7 +69,7 @@ def to_local(tree: Any) -> Any:
     and every view copied out (``torch.save`` writes a view's whole storage otherwise)."""
     if isinstance(tree, dict):
         return {k: to_local(v) for k, v in tree.items()}
-    t = tree.to_local() if isinstance(tree, DTensor) else tree
+    t = tree.to_local() if is_dtensor(tree) else tree
     t = t.detach()
     if t.device.type != "cpu":
         return t.to("cpu")

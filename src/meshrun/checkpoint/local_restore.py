@@ -13,13 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
-from torch.distributed.tensor import DTensor
 
 from meshrun.checkpoint.checks import CheckpointError, layout_text
 from meshrun.checkpoint.hf_files import HF_FILES
@@ -29,6 +22,7 @@ from meshrun.checkpoint.resume import restore_progress
 from meshrun.checkpoint.state import capture_rng, merge_state, restore_rng, split_state
 from meshrun.checkpoint.targets import SAMPLER_AT_SAVE, Targets
 from meshrun.checkpoint.zero1 import is_zero1, zero1_load
+from meshrun.parallel.kinds import is_dtensor
 
 __all__ = ["collect_shard", "load_shard"]
 
@@ -49,6 +43,13 @@ def collect_shard(targets: Targets, step: int) -> tuple[dict[str, Any], dict[str
 
 def load_shard(targets: Targets, tensors: dict[str, Any], meta: dict[str, Any], name: str) -> int:
     """Load one rank's shard into the registered targets; returns its step."""
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_state_dict,
+        set_model_state_dict,
+        set_state_dict,
+    )
+
     model, optimizer = targets.resolve()
     if meta["layout"] != layout_text(model):
         raise CheckpointError(f"{name}: written under layout {meta['layout']}, not this run's")
@@ -91,7 +92,7 @@ def _fill(template: dict[str, Any], saved: dict[str, Any], where: str) -> None:
                 raise CheckpointError(f"{here}: a tensor where this run has a group of them")
             _fill(dst, src, here)
             continue
-        local = dst.to_local() if isinstance(dst, DTensor) else dst
+        local = dst.to_local() if is_dtensor(dst) else dst
         if (
             not isinstance(src, torch.Tensor)
             or src.shape != local.shape

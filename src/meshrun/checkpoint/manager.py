@@ -22,8 +22,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.api import CheckpointException as DCPException
 
 from meshrun.agreement import Slot, StepAgreement
 from meshrun.checkpoint import layout
@@ -35,7 +33,6 @@ from meshrun.checkpoint.local_tier import LocalTier
 from meshrun.checkpoint.preemption import Preemption
 from meshrun.checkpoint.resume import Resume
 from meshrun.checkpoint.targets import Stateful, Targets
-from meshrun.checkpoint.writer import hashing_writer
 from meshrun.config import CheckpointConfig
 from meshrun.monitor import MetricsLogger
 from meshrun.state import TrainState
@@ -147,6 +144,11 @@ class Checkpointer:
         final, tmp = layout.step_dir(self.root, step), layout.tmp_dir(self.root, step)
         if self.last_saved == step and final.is_dir():
             return final
+        import torch.distributed.checkpoint as dcp  # at the first save: ~1 s of CPU to import
+        from torch.distributed.checkpoint.api import CheckpointException as DCPException
+
+        from meshrun.checkpoint.writer import hashing_writer
+
         t0 = time.perf_counter()
         tensors, plain = self.targets.collect()
         self.commit.prepare(tmp)

@@ -11,14 +11,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    get_model_state_dict,
-    get_state_dict,
-    set_model_state_dict,
-    set_state_dict,
-)
 
 from meshrun.checkpoint import layout
 from meshrun.checkpoint.checks import CheckpointError, check_keys, layout_text, pick, reseed
@@ -115,7 +108,16 @@ class Resume:
         plain: dict[str, Any],
     ) -> dict[str, Any]:
         """Load model, optimizer and user tensors from ``path`` into this run's layout (DCP
-        re-shards); returns the merged state (for the user objects)."""
+        re-shards); returns the merged state (for the user objects). DCP is imported here, at
+        the first resume: a run that never loads or saves does not pay for its import."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import (
+            get_model_state_dict,
+            get_state_dict,
+            set_model_state_dict,
+            set_state_dict,
+        )
+
         user = {name: obj.state_dict() for name, obj in self.targets.named.items()}
         if not is_zero1(optimizer):
             msd, osd = get_state_dict(model, optimizer)

@@ -14,7 +14,6 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
 from meshrun.checkpoint.checks import CheckpointError
 from meshrun.checkpoint.hf_files import HF_FILES, hf_files
@@ -95,6 +94,10 @@ class Targets:
 
     def collect(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """``(tensors, plain)`` of everything saved, as of now."""
+        # DCP's state-dict API (with DTensor: about a second of CPU) is imported at the first
+        # save, so a run that never saves does not pay for it.
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
         model, optimizer = self.resolve()
         self._warn_unregistered(optimizer)
         user = {name: obj.state_dict() for name, obj in self.named.items()}

@@ -21,16 +21,20 @@ stages (``gather_optim_plain``) and each rank loads back its own (``partial``).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, TypeGuard
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-from torch.distributed.checkpoint.state_dict import _get_fqns
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from meshrun.checkpoint.state import split_state
+from meshrun.parallel.kinds import is_zero_redundancy
+
+# DCP and torch.distributed.optim are imported where a save or a resume first needs them: a run
+# without ZeRO-1 or checkpoints never imports them.
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import Metadata
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = ["is_zero1", "zero1_load", "zero1_load_template", "zero1_state_dict"]
 
@@ -38,7 +42,7 @@ PREFIX = "optim.state."
 
 
 def is_zero1(optimizer: torch.optim.Optimizer) -> TypeGuard[ZeroRedundancyOptimizer]:
-    return isinstance(optimizer, ZeroRedundancyOptimizer)
+    return is_zero_redundancy(optimizer)
 
 
 def _id(p: torch.Tensor) -> int:
@@ -50,6 +54,8 @@ def _id(p: torch.Tensor) -> int:
 def _fqns(model: nn.Module) -> dict[int, str]:
     """``id(param) -> FQN`` with DDP's ``module.`` and compile's prefixes removed, as
     ``get_state_dict`` names them."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
     out = {}
     for name, p in model.named_parameters():
         (fqn,) = _get_fqns(model, name)  # one FQN per parameter outside legacy FSDP
@@ -97,6 +103,8 @@ def zero1_load_template(
     holds is known (a parameter no stage knows fails the model-key check instead)."""
     fqn = _fqns(model)
     mine = {fqn[_id(p)] for g in zero.optim.param_groups for p in g["params"]}  # its partition
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     known = set(fqn.values())
     if partial:
         known |= {k[len("model.") :] for k in meta.state_dict_metadata if k.startswith("model.")}

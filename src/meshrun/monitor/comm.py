@@ -37,10 +37,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.fsdp import FSDPModule
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshrun.monitor.comm_profile import merge_spans
+from meshrun.parallel.kinds import is_fsdp_module
 
 __all__ = ["CommHook", "CommTimer"]
 
@@ -103,7 +103,7 @@ class CommTimer:
             if id(m) in self._seen:
                 continue
             self._seen.add(id(m))
-            if isinstance(m, FSDPModule):
+            if is_fsdp_module(m):
                 log.info(
                     "FSDP2's all-gathers and reduce-scatters have no comm hook: their exposed "
                     "time is measured by the profiler every monitor.comm_sample_every steps "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import json
 import os
 import re
@@ -27,7 +28,7 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -378,11 +379,16 @@ def watch_for_hangs(
     local ranks' reports, then end the ranks that cannot end themselves (see the module
     docstring). Keeps watching, so a restarted worker group's hang is handled too."""
     folder = Path(run_dir) / HANG_DIR
-    bound = stopped_bound_s() if stopped_after_s is None else stopped_after_s
+    # The config is read when a worker is first seen stopped, not as the workers start: the
+    # launcher has validated it already, and a second read here cost ~30 ms of their start-up.
+    bound_of: Callable[[], float | None] = (
+        functools.cache(stopped_bound_s) if stopped_after_s is None else lambda: stopped_after_s
+    )
     clock = StoppedClock()
     while not stop.wait(_POLL_S):
-        late = clock.overdue(bound)
+        late = clock.overdue(bound_of)
         if late is not None:
+            bound = bound_of()
             print(
                 f"meshrun launch: rank {late.rank} (pid {late.pid}) has been stopped (process "
                 f"state T) for {bound:g} s (monitor.step_timeout_s + {STOPPED_GRACE_S:g} s): "
@@ -421,13 +427,15 @@ class StoppedClock:
     def __init__(self) -> None:
         self._since: dict[int, float] = {}
 
-    def overdue(self, bound_s: float | None) -> Worker | None:
-        """The first worker stopped for longer than ``bound_s``, if any."""
-        if bound_s is None:
-            return None
+    def overdue(self, bound_of: Callable[[], float | None]) -> Worker | None:
+        """The first worker stopped for longer than ``bound_of()`` (asked only once a worker
+        is stopped; None: never overdue), if any."""
         now = time.monotonic()
         stopped = {w.pid: w for w in local_workers(os.getpid()) if w.state == "T"}
         self._since = {pid: self._since.get(pid, now) for pid in stopped}
+        bound_s = bound_of() if stopped else None
+        if bound_s is None:
+            return None
         return next((stopped[p] for p, t in self._since.items() if now - t > bound_s), None)
 
 

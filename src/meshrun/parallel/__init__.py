@@ -28,15 +28,13 @@ import dataclasses
 import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-from torch.distributed.tensor.parallel import loss_parallel
 
+from meshrun._lazy import lazy_exports
 from meshrun.config import ConfigError, ParallelConfig, check_layout
 from meshrun.mesh import ParallelDims, fsdp_mesh, tp_mesh
 from meshrun.parallel.ac import apply_ac
@@ -58,7 +56,6 @@ from meshrun.parallel.pp_tied import bind_tied
 from meshrun.parallel.precision import apply_autocast, build_grad_scaler, build_mp_policy
 from meshrun.parallel.report import describe_layout
 from meshrun.parallel.structure import ModelSpec, ModelStructure, find_structure
-from meshrun.parallel.tp import TPPlan, apply_tp, build_tp_plan, count_split, default_tp_plan
 from meshrun.parallel.zero import build_optimizer, check_optimizer
 
 __all__ = [
@@ -84,7 +81,20 @@ __all__ = [
     "set_grad_sync",
 ]
 
+# FSDP, DTensor and tensor parallel are imported where a layout first needs them (a plain DDP
+# run never imports them: about a second of CPU at start-up).
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from meshrun.parallel.tp import TPPlan, apply_tp, default_tp_plan
+
 log = logging.getLogger("meshrun")
+
+# Tensor parallel (DTensor) loads on first use (PEP 562).
+__getattr__ = lazy_exports(
+    globals(), {"apply_tp": "meshrun.parallel.tp", "default_tp_plan": "meshrun.parallel.tp"}
+)
 
 ParallelizeFn = Callable[[nn.Module, DeviceMesh], object]
 
@@ -94,7 +104,7 @@ def _shard(
     mesh: DeviceMesh,
     cfg: ParallelConfig,
     zero: int,
-    mp_policy: MixedPrecisionPolicy,
+    mp_policy: MixedPrecisionPolicy | None,
     wrap: WrapPredicate,
 ) -> None:
     """FSDP2 over the data-parallel dims of ``mesh``, with the ``[parallel]`` FSDP settings."""
@@ -163,7 +173,7 @@ def apply_block_layouts(
     cfg: ParallelConfig,
     dims: ParallelDims,
     zero: int,
-    mp_policy: MixedPrecisionPolicy,
+    mp_policy: MixedPrecisionPolicy | None,
     wrap: WrapPredicate,
 ) -> None:
     """What :func:`parallelize` applies per block, in its order: activation checkpointing,
@@ -248,6 +258,8 @@ def maybe_apply_tp(
         return
     if dims.tp == 1:
         return
+    from meshrun.parallel.tp import apply_tp, build_tp_plan, count_split
+
     structure = structure or find_structure(model)
     if tp_plan is not None:
         structure = dataclasses.replace(
@@ -267,7 +279,11 @@ def maybe_loss_parallel(cfg: ParallelConfig) -> AbstractContextManager[None]:
     """``torch.distributed.tensor.parallel.loss_parallel()`` when ``parallel.loss_parallel``
     is on, else a no-op: the loss (cross-entropy on the vocab-sharded logits) and its backward
     must run inside it. ``run.loss_parallel()`` returns this; ``run.backward`` enters it too."""
-    return loss_parallel() if cfg.loss_parallel else nullcontext()
+    if not cfg.loss_parallel:
+        return nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
 
 
 def check_offload(cfg: ParallelConfig, device: torch.device) -> None:
@@ -356,7 +372,7 @@ def parallelize_stage(
     cfg: ParallelConfig,
     device: torch.device,
     zero: int,
-    mp_policy: MixedPrecisionPolicy,
+    mp_policy: MixedPrecisionPolicy | None,
     tp_plan: TPPlan | None,
     wrap: WrapPredicate,
     structure: ModelStructure | None = None,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed._composable.replicate_with_fsdp import replicate
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -33,6 +32,9 @@ def apply_replicate(model: nn.Module, mesh: DeviceMesh) -> nn.Module:
     not same as original model parameters size", measured here). ``replicate`` is the FSDP2
     machinery without sharding, the replication ``PipelineStage`` drives natively (it reduces
     once, after the last chunk's backward), as torchtitan's PP x DDP does."""
+    # Imported here: FSDP's replicate (with DTensor) costs about a second of CPU to import.
+    from torch.distributed._composable.replicate_with_fsdp import replicate
+
     replicate(model, mesh=mesh["dp"])  # in place, like fully_shard
     return model
 

@@ -17,7 +17,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import torch
-from torch.distributed.tensor import DTensor
+
+from meshrun.parallel.kinds import is_dtensor
 
 log = logging.getLogger("meshrun")
 
@@ -31,7 +32,7 @@ def with_foreach_default(
     takes ``foreach`` and the caller chose neither ``foreach`` nor ``fused``."""
     if "foreach" in kwargs or kwargs.get("fused"):
         return kwargs
-    if not params or not all(isinstance(p, DTensor) and p.device.type == "cpu" for p in params):
+    if not params or not all(is_dtensor(p) and p.device.type == "cpu" for p in params):
         return kwargs
     if "foreach" not in inspect.signature(optimizer_class.__init__).parameters:
         return kwargs

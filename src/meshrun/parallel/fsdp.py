@@ -9,18 +9,16 @@ reduce-scatter gradients, so gradients and optimizer state are sharded in both. 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
+from typing import TYPE_CHECKING, cast
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import (
-    CPUOffloadPolicy,
-    FSDPModule,
-    MixedPrecisionPolicy,
-    OffloadPolicy,
-    fully_shard,
-)
+
+# FSDP (with the DTensor it imports, about a second of CPU) is imported by apply_fsdp, so a DDP
+# run never imports it.
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
 # A predicate choosing the submodules that become their own FSDP unit (their own all-gather).
 WrapPredicate = Callable[[str, "nn.Module | None"], bool]
@@ -48,6 +46,14 @@ def apply_fsdp(
     consecutive ones together), then the root."""
     if zero not in (2, 3):
         raise ValueError(f"apply_fsdp: zero = {zero}; FSDP2 runs ZeRO stages 2 and 3")
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        FSDPModule,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
     offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     mp = mp_policy or MixedPrecisionPolicy()
     blocks = [m for n, m in model.named_modules() if n and wrap(n, m)]

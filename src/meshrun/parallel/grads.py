@@ -8,9 +8,9 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel as DDP
+
+from meshrun.parallel.kinds import is_dtensor, is_fsdp_module
 
 
 def set_grad_sync(model: nn.Module, enabled: bool) -> None:
@@ -20,7 +20,7 @@ def set_grad_sync(model: nn.Module, enabled: bool) -> None:
     and are reduce-scattered once, on the boundary micro-step."""
     if isinstance(model, DDP):
         model.require_backward_grad_sync = enabled
-    elif isinstance(model, FSDPModule):
+    elif is_fsdp_module(model):
         model.set_requires_gradient_sync(enabled)
 
 
@@ -68,4 +68,4 @@ def _replica(p: torch.Tensor) -> bool:
 
 
 def _full(norm: torch.Tensor) -> torch.Tensor:
-    return norm.full_tensor() if isinstance(norm, DTensor) else norm
+    return norm.full_tensor() if is_dtensor(norm) else norm

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Sequence
-from contextlib import nullcontext
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
@@ -50,18 +50,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import PipelineStage
-from torch.distributed.pipelining.schedules import (
-    PipelineScheduleMulti,
-    PipelineScheduleSingle,
-    Schedule1F1B,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-)
-from torch.distributed.tensor import DTensor
-from torch.distributed.tensor.parallel import loss_parallel
 
 from meshrun.config import ConfigError, ParallelConfig
+from meshrun.parallel.kinds import is_dtensor as _is_dtensor
 from meshrun.parallel.pp_meta import StageInit, materialize_stages, stage_initializer
 from meshrun.parallel.pp_split import split_blocks, split_model
 from meshrun.parallel.pp_stages import StageModule, check_stages_reproduce, hf_context
@@ -74,8 +65,15 @@ from meshrun.parallel.pp_tied import (
 )
 from meshrun.parallel.structure import ModelSpec, ModelStructure, find_structure, is_hf_model
 
+# torch.distributed.pipelining and DTensor are imported where a pipeline first needs them: a
+# run without one (plain DDP) starts without paying for their imports (about 1.5 s of CPU).
 if TYPE_CHECKING:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+    )
 
 __all__ = [
     "Pipeline",
@@ -134,11 +132,11 @@ class Pipeline:
 
 def _local(t: Tensor) -> Tensor:
     with torch.no_grad():  # without grad mode to_local() returns the local tensor itself
-        return t.to_local() if isinstance(t, DTensor) else t
+        return t.to_local() if _is_dtensor(t) else t
 
 
 def _alias(p: nn.Parameter) -> nn.Parameter:
-    if isinstance(p, DTensor) and not all(pl.is_replicate() for pl in p.placements):
+    if _is_dtensor(p) and not all(pl.is_replicate() for pl in p.placements):
         raise ConfigError(
             f"Pipeline.local_parameters: a stage parameter is split ({p.placements}), so its "
             "local tensor is not the whole parameter; it needs replicated stages (parallel.zero"
@@ -270,16 +268,12 @@ def build_pipeline(
         loss = loss_fn(output, target) / chunks
         return loss if scaler is None else scaler.scale(loss)
 
+    from torch.distributed.pipelining import PipelineStage
+
     stages = [
         PipelineStage(m, i, n, device, group=group) for m, i in zip(modules, ids, strict=True)
     ]
-    if cfg.pp_schedule == "interleaved":
-        schedule: PipelineScheduleSingle | PipelineScheduleMulti = ScheduleInterleaved1F1B(
-            cast("list[Any]", stages), chunks, loss_fn=chunk_loss, scale_grads=False
-        )
-    else:
-        cls = ScheduleGPipe if cfg.pp_schedule == "gpipe" else Schedule1F1B
-        schedule = cls(stages[0], chunks, loss_fn=chunk_loss, scale_grads=False)
+    schedule = _schedule(cfg, stages, chunks, chunk_loss)
     last_local = (n - 1) % cfg.pp
     last_rank = dist.get_global_rank(group, last_local)
     is_last = n - 1 in ids
@@ -300,7 +294,7 @@ def pipeline_step(pipe: Pipeline, inputs: Tensor, targets: Tensor) -> Tensor:
     # Loss parallel: the schedule computes the loss on the vocab-sharded logits and runs its
     # backward inside step(), so the whole step runs in the context (it only changes DTensor
     # log-softmax / nll-loss, which nothing but the loss uses).
-    with loss_parallel() if pipe.loss_parallel else nullcontext():
+    with _loss_parallel(pipe):
         pipe.schedule.step(*args, **kwargs)
     sync_tied_grads(pipe.tied, saved)  # before the aliases read the gradients
     _views_after_step(pipe)
@@ -327,7 +321,7 @@ def pipeline_eval(pipe: Pipeline, inputs: Tensor, targets: Tensor) -> Tensor:
         raise ValueError("pipeline_eval: this Pipeline was built without a loss_fn")
     args = (inputs,) if pipe.is_first else ()
     target = targets if pipe.is_last else None
-    with torch.no_grad(), loss_parallel() if pipe.loss_parallel else nullcontext():
+    with torch.no_grad(), _loss_parallel(pipe):
         logits = pipe.schedule.eval(*args, target=target)
         loss = _full(pipe.loss_fn(logits, targets)).float() if pipe.is_last else None
     out = loss if loss is not None else torch.zeros(())
@@ -338,4 +332,32 @@ def pipeline_eval(pipe: Pipeline, inputs: Tensor, targets: Tensor) -> Tensor:
 def _full(loss: Tensor) -> Tensor:
     """A chunk's loss as a plain tensor (under loss parallel a replicated DTensor)."""
     loss = loss.detach()
-    return loss.full_tensor() if isinstance(loss, DTensor) else loss
+    return loss.full_tensor() if _is_dtensor(loss) else loss
+
+
+def _schedule(
+    cfg: ParallelConfig,
+    stages: list[PipelineStage],
+    chunks: int,
+    chunk_loss: Callable[[Tensor, Tensor], Tensor],
+) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    from torch.distributed.pipelining.schedules import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    if cfg.pp_schedule == "interleaved":
+        return ScheduleInterleaved1F1B(
+            cast("list[Any]", stages), chunks, loss_fn=chunk_loss, scale_grads=False
+        )
+    cls = ScheduleGPipe if cfg.pp_schedule == "gpipe" else Schedule1F1B
+    return cls(stages[0], chunks, loss_fn=chunk_loss, scale_grads=False)
+
+
+def _loss_parallel(pipe: Pipeline) -> AbstractContextManager[None]:
+    if not pipe.loss_parallel:
+        return nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()

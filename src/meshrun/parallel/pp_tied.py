@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from meshrun.config import ConfigError
+from meshrun.parallel.kinds import is_dtensor as _is_dtensor
 from meshrun.parallel.pp_stages import StageParts
 
 __all__ = ["TiedCopy", "bind_tied", "plan_tied", "sync_tied_grads"]
@@ -133,11 +133,11 @@ def bind_tied(
 
 def _local(t: Tensor) -> Tensor:
     with torch.no_grad():  # without grad mode to_local() returns the local tensor itself
-        return t.to_local() if isinstance(t, DTensor) else t
+        return t.to_local() if _is_dtensor(t) else t
 
 
 def _layout(p: Tensor) -> str:
-    placements = str(p.placements) if isinstance(p, DTensor) else "plain"
+    placements = str(p.placements) if _is_dtensor(p) else "plain"
     return f"{placements} local {tuple(_local(p).shape)}"
 
 

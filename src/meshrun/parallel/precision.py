@@ -13,26 +13,35 @@ rank skips the same steps and keeps the same scale.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import cast
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 from meshrun.config import ConfigError, ParallelConfig
+
+# FSDP (and the DTensor it imports, about a second of CPU) is imported where an FSDP2 policy or
+# an fp16 scaler is built: a DDP run in fp32 or bf16 never imports it.
+if TYPE_CHECKING:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def build_mp_policy(cfg: ParallelConfig, zero: int) -> MixedPrecisionPolicy:
+def build_mp_policy(cfg: ParallelConfig, zero: int) -> MixedPrecisionPolicy | None:
+    """FSDP2's mixed-precision policy (zero 2/3); None under DDP, after checking that
+    ``reduce_dtype`` asks nothing of DDP that it cannot do."""
     if zero < 2 and cfg.reduce_dtype != "float32":
         raise ConfigError(
             f"parallel.reduce_dtype = {cfg.reduce_dtype!r} is an FSDP2 policy (zero 2 or 3), but "
             f"parallel.zero = {zero}; under DDP compress the all-reduce with "
             "parallel.ddp_comm_hook=bf16 (or fp16), or set parallel.zero=3"
         )
+    if zero < 2:
+        return None
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
     return MixedPrecisionPolicy(
         param_dtype=DTYPES[cfg.param_dtype], reduce_dtype=DTYPES[cfg.reduce_dtype]
     )
@@ -53,36 +62,6 @@ def build_grad_scaler(cfg: ParallelConfig, device: torch.device) -> ShardedGradS
     infinity flag, which sharded gradients need and replicated ones do not mind."""
     if cfg.param_dtype != "float16":
         return None
+    from meshrun.parallel.scaler import MeshGradScaler
+
     return MeshGradScaler(device=device.type)
-
-
-class MeshGradScaler(ShardedGradScaler):
-    """ShardedGradScaler that also unscales a mix of DTensor and plain gradients.
-
-    Under tensor parallel the split linears' gradients are DTensors while the embeddings' and
-    norms' are plain tensors; torch's scaler groups gradients by device and dtype only, and
-    its foreach unscale kernel refuses a list mixing both ("got mixed torch.Tensor and
-    DTensor"). Here each kind (plain, or one DeviceMesh) is unscaled on its own and the
-    infinity flags are summed, so the step is skipped if any gradient is not finite."""
-
-    def _unscale_grads_(
-        self,
-        optimizer: torch.optim.Optimizer,
-        inv_scale: torch.Tensor,
-        found_inf: torch.Tensor,
-        allow_fp16: bool = True,
-    ) -> dict[torch.device, torch.Tensor]:
-        kinds: dict[object, list[torch.Tensor]] = {}
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                if p.grad is not None:
-                    kinds.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
-        if len(kinds) <= 1:
-            return super()._unscale_grads_(optimizer, inv_scale, found_inf, allow_fp16)
-        found: dict[torch.device, torch.Tensor] = {}
-        for params in kinds.values():
-            # The parent only reads ``param_groups``: one group per kind of gradient.
-            part = cast(torch.optim.Optimizer, SimpleNamespace(param_groups=[{"params": params}]))
-            for dev, inf in super()._unscale_grads_(part, inv_scale, found_inf, allow_fp16).items():
-                found[dev] = found[dev] + inf if dev in found else inf
-        return found

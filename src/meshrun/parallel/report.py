@@ -11,11 +11,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.optim import ZeroRedundancyOptimizer
-from torch.distributed.tensor import DTensor
 
 from meshrun.config import ParallelConfig
 from meshrun.mesh import ParallelDims
+from meshrun.parallel.kinds import is_dtensor, is_zero_redundancy
 
 
 def local_param_bytes(model: nn.Module) -> tuple[int, int]:
@@ -87,7 +86,7 @@ def _technique(dims: ParallelDims, zero: int) -> str:
 
 
 def _local_bytes(t: Tensor) -> int:
-    local = t.to_local() if isinstance(t, DTensor) else t
+    local = t.to_local() if is_dtensor(t) else t
     return local.numel() * local.element_size()
 
 
@@ -96,7 +95,7 @@ def state_bytes(optimizer: torch.optim.Optimizer) -> tuple[int, int, int]:
     parameters, measured from its local tensors (DTensor shards); call it between the
     optimizer's step and ``zero_grad``, when the gradients and the state both exist."""
     params = {id(p): p for g in optimizer.param_groups for p in g["params"]}.values()
-    inner = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    inner = optimizer.optim if is_zero_redundancy(optimizer) else optimizer
     state = [t for s in inner.state.values() for t in s.values() if isinstance(t, Tensor)]
     grads = [p.grad for p in params if p.grad is not None]
     return (

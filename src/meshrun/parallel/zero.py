@@ -19,10 +19,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from meshrun.config import ConfigError, ParallelConfig
 from meshrun.parallel.foreach import with_foreach_default
+from meshrun.parallel.kinds import is_zero_redundancy
 from meshrun.parallel.param_groups import check_param_groups
 from meshrun.parallel.pp import Pipeline
 
@@ -57,6 +57,8 @@ def build_optimizer(
     if not zero1:
         return optimizer_class(chosen, **kwargs)
     assert mesh is not None  # zero1 implies it
+    from torch.distributed.optim import ZeroRedundancyOptimizer  # ~0.3 s to import: here
+
     return ZeroRedundancyOptimizer(
         chosen, optimizer_class=optimizer_class, process_group=mesh.get_group("dp"), **kwargs
     )
@@ -64,7 +66,7 @@ def build_optimizer(
 
 def check_optimizer(optimizer: torch.optim.Optimizer, cfg: ParallelConfig, dp: int) -> None:
     """Refuse a plain optimizer under ``zero = 1``: its state would silently not be sharded."""
-    if cfg.zero == 1 and dp > 1 and not isinstance(optimizer, ZeroRedundancyOptimizer):
+    if cfg.zero == 1 and dp > 1 and not is_zero_redundancy(optimizer):
         raise ConfigError(
             f"parallel.zero = 1 shards the optimizer state, but the optimizer is a plain "
             f"{type(optimizer).__name__}; build it with run.optimizer(model, "
