@@ -233,3 +233,28 @@ def test_memory_stats_cpu_reports_positive_rss() -> None:
     # A KiB/bytes mix-up would be off by 1024x.
     assert stats["mem_peak_rss_mb"] >= 0.9 * stats["mem_rss_mb"]
     assert not any(k.startswith(("mem_peak_alloc", "mem_reserved")) for k in stats)
+
+
+PLAIN_CHILD = """
+import sys, tempfile
+from meshrun.monitor.metrics import MetricsLogger
+with MetricsLogger(tempfile.mkdtemp(), is_main=True, total_steps=2) as m:
+    m.log_step(1, loss=1.0, lr=1e-3, step_time_s=0.1, samples=8, tokens=None)
+    print("rich imported before the summary:", "rich" in sys.modules, file=sys.stderr)
+"""
+
+
+def test_plain_lines_to_a_pipe_need_no_rich_and_the_summary_still_prints(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE")}
+    p = subprocess.run([sys.executable, "-c", PLAIN_CHILD], capture_output=True, text=True,
+                       env=env, timeout=120, check=True)  # fmt: skip
+    assert "rich imported before the summary: False" in p.stderr
+    lines = p.stdout.splitlines()
+    assert (
+        lines[0]
+        == "step 1/2 | loss 1.0000 | lr 1.00e-03 | 0.100 s/step | 80.0 samples/s | ETA 0:00"
+    )
+    assert any("training summary" in line for line in lines[1:])

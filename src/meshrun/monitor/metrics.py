@@ -27,13 +27,21 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
-from rich.console import Console
-
-from meshrun.monitor.metrics_view import PlainView, ProgressView, Status, View, summary_table
+from meshrun.monitor.metrics_view import (
+    PlainView,
+    ProgressView,
+    Status,
+    View,
+    may_be_terminal,
+    summary_table,
+)
 from meshrun.monitor.mfu import ModelFlops, constant_per_token
 from meshrun.monitor.tensorboard import TensorBoardSink
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 __all__ = ["METRICS_FILE", "MetricsLogger"]
 
@@ -230,10 +238,16 @@ class MetricsLogger:
                 self._file = _open_jsonl(self.run_dir / METRICS_FILE)
             if tensorboard:
                 self._tensorboard = TensorBoardSink(self.run_dir)
-            self._view = self._make_view(console or Console(), progress)
+            self._view = self._make_view(console, progress)
 
-    def _make_view(self, console: Console, progress: bool) -> View:
+    def _make_view(self, console: Console | None, progress: bool) -> View:
         # A bar only where someone watches a terminal; logs and pipes get plain lines.
+        if console is None:
+            if not (progress and may_be_terminal()):
+                return PlainView()  # rich only for the summary table, at the end
+            from rich.console import Console
+
+            console = Console()
         if progress and console.is_terminal:
             return ProgressView(console, self.total_steps)
         return PlainView(console)

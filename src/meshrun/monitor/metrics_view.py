@@ -3,17 +3,36 @@ torchrun's prefixes) or a live bar on a terminal, and the end-of-run summary tab
 
 Throughput is shown as tokens/s where the run's tokens are known, else as samples/s
 (docs/monitor.md, "Throughput").
+
+rich is imported only where it draws (the live bar, the summary table, a console the caller
+passed): plain step lines to a log or a pipe are written without it, so a worker does not
+pay rich's import before its first step.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn
-from rich.table import Table
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import TaskID
+    from rich.table import Table
+
+
+def may_be_terminal() -> bool:
+    """Whether rich could take stdout for a terminal: it is a tty, or rich's own overrides
+    (TTY_COMPATIBLE, FORCE_COLOR) are set. False means rich would draw plain lines too."""
+    if "TTY_COMPATIBLE" in os.environ or "FORCE_COLOR" in os.environ:
+        return True
+    isatty = getattr(sys.stdout, "isatty", None)
+    try:
+        return bool(isatty and isatty())
+    except ValueError:  # a closed stream
+        return False
 
 
 def format_duration(seconds: float) -> str:
@@ -69,17 +88,27 @@ class View(Protocol):
 
 
 class PlainView:
-    """One line per logged step: readable in CI logs and behind torchrun's prefixes."""
+    """One line per logged step: readable in CI logs and behind torchrun's prefixes.
+    Without a console the lines go straight to stdout (what rich writes there too)."""
 
-    def __init__(self, console: Console) -> None:
+    def __init__(self, console: Console | None = None) -> None:
         self._console = console
 
     def show(self, status: Status, logged: bool) -> None:
-        if logged:
+        if not logged:
+            return
+        if self._console is None:
+            sys.stdout.write(status.plain_line() + "\n")
+            sys.stdout.flush()
+        else:
             # soft_wrap: a log line must stay one line, whatever width rich assumes.
             self._console.print(status.plain_line(), markup=False, highlight=False, soft_wrap=True)
 
     def finish(self, table: Table) -> None:
+        if self._console is None:
+            from rich.console import Console
+
+            self._console = Console()
         self._console.print(table)
 
 
@@ -87,6 +116,8 @@ class ProgressView:
     """A live bar for an interactive terminal; updated every step, redrawn by rich's thread."""
 
     def __init__(self, console: Console, total: int | None) -> None:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
         self._total = total
         self._progress = Progress(
             TextColumn("[bold]train"),
@@ -122,6 +153,8 @@ class ProgressView:
 
 
 def summary_table(summary: Mapping[str, float]) -> Table:
+    from rich.table import Table
+
     table = Table(title="training summary")
     table.add_column("metric")
     table.add_column("value", justify="right")
