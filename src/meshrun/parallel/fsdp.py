@@ -96,16 +96,24 @@ def has_meta_params(model: nn.Module) -> bool:
     return any(p.is_meta for p in model.parameters())
 
 
-def materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate a meta-device model (after sharding, only each rank's shards) and initialise it
-    with its ``init_weights()``: the full model never exists on one rank."""
+def init_weights_of(model: nn.Module, allocated: str = "it") -> Callable[[], None]:
+    """The ``init_weights()`` a meta-device model needs once ``allocated`` (what meshrun
+    allocates with ``to_empty()``) exists; TypeError naming the fix if it has none."""
     init = getattr(model, "init_weights", None)
     if not callable(init):
         raise TypeError(
             f"{type(model).__name__} was built on the meta device but has no init_weights() "
-            "method: meshrun allocates it with to_empty() and must then initialise it; add "
-            "init_weights() (see meshrun.demo.model.GPT) or build the model on a real device"
+            f"method: meshrun allocates {allocated} with to_empty() and must then initialise "
+            "it; add init_weights() (see meshrun.demo.model.GPT) or build the model on a real "
+            "device"
         )
+    return init
+
+
+def materialize(model: nn.Module, device: torch.device) -> None:
+    """Allocate a meta-device model (after sharding, only each rank's shards) and initialise it
+    with its ``init_weights()``: the full model never exists on one rank."""
+    init = init_weights_of(model)
     model.to_empty(device=device)
     with torch.no_grad():
         init()

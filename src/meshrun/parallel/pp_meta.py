@@ -28,6 +28,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import nn
 
+from meshrun.parallel.fsdp import init_weights_of
+
 __all__ = ["StageInit", "materialize_stages", "stage_initializer"]
 
 # Initialises the given (allocated) stage modules in place.
@@ -43,14 +45,7 @@ def stage_initializer(model: nn.Module) -> StageInit:
     owners = {path: m for path, m in model.named_modules() if _is_hf(m)}
     if owners:
         return lambda stages: _hf_init(owners, stages)
-    init = getattr(model, "init_weights", None)
-    if not callable(init):
-        raise TypeError(
-            f"{type(model).__name__} was built on the meta device but has no init_weights() "
-            "method: under parallel.pp meshrun allocates each rank's stages with to_empty() and "
-            "must then initialise them; add init_weights() (see meshrun.demo.model.GPT) or "
-            "build the model on a real device"
-        )
+    init = init_weights_of(model, "each rank's pipeline stages (parallel.pp)")
     return lambda stages: init()
 
 
