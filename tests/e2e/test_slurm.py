@@ -135,6 +135,12 @@ def test_submitted_demo_under_a_direct_launcher(
     assert f"job {job} finished with exit code 0" in batch_out
 
 
+def _topologies(text: str) -> list[dict[str, str]]:
+    """The workers' ``TOPOLOGY`` objects (scripts/print_topology.py), one per match: a flat
+    object never holds a brace, so two objects that share a line stay two."""
+    return [json.loads(m) for m in re.findall(r"TOPOLOGY (\{[^{}]*\})", text)]
+
+
 def _srun(s: slurm.Slurm, argv: list[str], timeout: float = 90) -> subprocess.CompletedProcess[str]:
     return s.run(["srun", "-N1", *argv], timeout=timeout, check=False)
 
@@ -163,7 +169,7 @@ def test_launch_in_allocation_derives_srun_topology(cluster: slurm.Slurm, tmp_pa
     nnodes, node_rank, nproc, master = derived.groups()
     assert (nnodes, node_rank, master) == (srun["nnodes"], srun["nodeid"], srun["first"])
     assert master == cluster.hostname
-    workers = [json.loads(m) for m in re.findall(r"TOPOLOGY (\{[^{}]*\})", text)]
+    workers = _topologies(text)
     assert sorted(w["RANK"] for w in workers) == ["0", "1"]
     for w in workers:
         assert w["WORLD_SIZE"] == str(int(nnodes) * int(nproc)) == "2"
@@ -279,7 +285,7 @@ def test_two_node_allocation_over_namespaces(tmp_path: Path) -> None:
     for i, out in zip((1, 0), outs, strict=True):
         assert f"nnodes 2 (SLURM_STEP_NUM_NODES=2), node_rank {i} (SLURM_NODEID={i})" in out
         assert f"master {net.address(0)}" in out and f"rendezvous {net.address(0)}:{port}" in out
-        workers = [json.loads(m) for m in re.findall(r"TOPOLOGY (\{[^{}]*\})", out)]
+        workers = _topologies(out)
         assert len(workers) == 2, out[-3000:]
         for w in workers:
             assert (w["WORLD_SIZE"], w["GROUP_RANK"], w["LOCAL_WORLD_SIZE"]) == ("4", str(i), "2")
