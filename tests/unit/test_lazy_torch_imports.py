@@ -5,7 +5,11 @@
 a meshrun script's launch-to-first-step against a hand-written loop). meshrun imports each where
 a layout, a pipeline or a checkpoint first needs it. Checked in a fresh interpreter, since this
 test process has imported them all already. torch itself imports DTensor and FSDP when a DDP
-model or an optimizer is built (``torch._dynamo``), so those two are checked before that."""
+model or an optimizer is built (``torch._dynamo``), so those two are checked before that.
+
+meshrun's own modules that such a run does not use are checked the same way: the node-local
+checkpoint tier (``checkpoint.local_interval = 0``), async saves (``checkpoint.async = false``)
+and the initial-weights loader with its Hugging Face reading (no ``checkpoint.init_from``)."""
 
 from __future__ import annotations
 
@@ -15,6 +19,16 @@ import subprocess
 import sys
 
 HEAVY = ["pipelining", "tensor", "fsdp", "optim", "checkpoint"]
+UNUSED = [
+    "meshrun.checkpoint.local_tier",
+    "meshrun.checkpoint.local_files",
+    "meshrun.checkpoint.local_plan",
+    "meshrun.checkpoint.local_p2p",
+    "meshrun.checkpoint.local_restore",
+    "meshrun.checkpoint.async_save",
+    "meshrun.checkpoint.init_from",
+    "meshrun.hf.reading",
+]
 
 SCRIPT = """
 import json, sys
@@ -23,6 +37,7 @@ from torch import nn
 import meshrun
 
 heavy = ["torch.distributed." + m for m in %r]
+unused = %r
 seen = {}
 run = meshrun.init(argv=["--job.run_dir=%s"])
 model = run.parallelize(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 1)))
@@ -32,6 +47,7 @@ loss = model(torch.randn(2, 4)).sum()
 run.backward(loss)
 run.optimizer_step(opt)
 seen["step"] = [m for m in heavy if m in sys.modules]
+seen["meshrun"] = [m for m in unused if m in sys.modules]
 print("SEEN", json.dumps(seen), flush=True)
 """
 
@@ -41,7 +57,7 @@ def test_ddp_path_imports_no_pipelining_dtensor_zero1_or_dcp(tmp_path: object) -
     for key in ("MESHRUN_CONFIG", "RANK", "WORLD_SIZE", "LOCAL_RANK"):
         env.pop(key, None)
     out = subprocess.run(
-        [sys.executable, "-c", SCRIPT % (HEAVY, tmp_path)],
+        [sys.executable, "-c", SCRIPT % (HEAVY, UNUSED, tmp_path)],
         capture_output=True,
         text=True,
         env=env,
@@ -58,3 +74,5 @@ def test_ddp_path_imports_no_pipelining_dtensor_zero1_or_dcp(tmp_path: object) -
     assert not {"torch.distributed." + m for m in ("pipelining", "optim", "checkpoint")} & set(
         seen["step"]
     ), seen
+    # No node-local tier, no async save, no init_from: none of their modules.
+    assert seen["meshrun"] == [], seen

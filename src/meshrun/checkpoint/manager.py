@@ -19,23 +19,27 @@ import time
 from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from meshrun.agreement import Slot, StepAgreement
 from meshrun.checkpoint import layout
-from meshrun.checkpoint.async_save import AsyncSaves, clone_volatile
 from meshrun.checkpoint.checks import CheckpointError, first_cause, layout_text
 from meshrun.checkpoint.commit import Commit
 from meshrun.checkpoint.facts import RunFacts
-from meshrun.checkpoint.local_tier import LocalTier
 from meshrun.checkpoint.preemption import Preemption
 from meshrun.checkpoint.resume import Resume
 from meshrun.checkpoint.targets import Stateful, Targets
 from meshrun.config import CheckpointConfig
 from meshrun.monitor import MetricsLogger
 from meshrun.state import TrainState
+
+# The node-local tier and async saves are imported where a run first uses them: a run with
+# neither (checkpoint.local_interval = 0, checkpoint.async = false) never loads them (issue 19).
+if TYPE_CHECKING:
+    from meshrun.checkpoint.async_save import AsyncSaves
+    from meshrun.checkpoint.local_tier import LocalTier
 
 __all__ = ["CheckpointError", "Checkpointer", "RunFacts", "Stateful"]
 
@@ -62,16 +66,30 @@ class Checkpointer:
         self.targets = Targets(state, facts.rank)
         self.commit = Commit(cfg, facts)
         self.preemption = Preemption(cfg.on_signal)
-        self.saves = AsyncSaves(self.commit, facts.device, enabled=cfg.async_)
+        # Made now with checkpoint.async (its gloo group is created at start-up), else at the
+        # first save_async call.
+        self.saves: AsyncSaves | None = self._async_saves() if cfg.async_ else None
         # The frequent node-local snapshots (local_tier.py); the shared ones stay the durable.
-        self.local = LocalTier(cfg, facts, self.targets, metrics) if cfg.local_interval else None
+        self.local: LocalTier | None = None
+        if cfg.local_interval:
+            from meshrun.checkpoint.local_tier import LocalTier  # only a run with the tier
+
+            self.local = LocalTier(cfg, facts, self.targets, metrics)
         # The "any rank signalled?" and "every rank's async write done?" questions ride in the
         # run's one per-step agreement (meshrun/agreement.py) when there is one; without it
         # (a Checkpointer driven by hand) each is a small all-reduce of its own.
         self.agreement = agreement
         if agreement is not None:
             agreement.provide(Slot.PREEMPT, self.preemption.requested_locally)
-            agreement.provide(Slot.SAVE_WRITING, self.saves.writing_locally)
+            agreement.provide(Slot.SAVE_WRITING, self._writing_locally)
+
+    def _async_saves(self) -> AsyncSaves:
+        from meshrun.checkpoint.async_save import AsyncSaves  # only a run that saves async
+
+        return AsyncSaves(self.commit, self.facts.device, enabled=self.cfg.async_)
+
+    def _writing_locally(self) -> bool:
+        return self.saves is not None and self.saves.writing_locally()
 
     def register(
         self,
@@ -179,8 +197,12 @@ class Checkpointer:
         """Start an async save: the state is copied to CPU memory in the stager's thread
         (:meth:`before_update` waits for the copy before the next optimizer step), then DCP
         writes it from a background thread; committed at a later step boundary."""
+        from meshrun.checkpoint.async_save import clone_volatile  # only a run that saves async
+
         step = self.state.step if step is None else step
         self.wait()  # at most one save in flight
+        if self.saves is None:
+            self.saves = self._async_saves()
 
         def collect() -> tuple[dict[str, Any], dict[str, Any]]:
             tensors, plain = self.targets.collect()
@@ -195,16 +217,19 @@ class Checkpointer:
         the parameters and optimizer state that an async save makes in the background must be
         finished by then. The wait (usually none: the copy overlaps the forward and backward)
         counts as time training was blocked."""
-        self.saves.before_update()
+        if self.saves is not None:
+            self.saves.before_update()
 
     def _poll(self, block: bool) -> None:
         """Commit the async save in flight once every rank's write is done: at a step boundary
         from the step's agreement, else (``block``, or no agreement) by an all-reduce."""
+        saves = self.saves  # None: no async save was ever started, so none is in flight
         if block or self.agreement is None:
-            committed = self.saves.poll(block, self._layout)
+            committed = saves.poll(block, self._layout) if saves is not None else None
         else:
             agreed = self.agreement.agreed(self.state.step)
-            committed = self.saves.commit_if(not agreed.any(Slot.SAVE_WRITING), self._layout)
+            writing = agreed.any(Slot.SAVE_WRITING)
+            committed = saves.commit_if(not writing, self._layout) if saves is not None else None
         if committed is not None:
             self.last_saved = committed
 

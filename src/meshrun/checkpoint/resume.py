@@ -17,7 +17,6 @@ from meshrun.checkpoint import layout
 from meshrun.checkpoint.checks import CheckpointError, check_keys, layout_text, pick, reseed
 from meshrun.checkpoint.commit import STATE_FILE, rank_file
 from meshrun.checkpoint.facts import RunFacts
-from meshrun.checkpoint.init_from import load_initial_weights
 from meshrun.checkpoint.pipeline import PipelineView
 from meshrun.checkpoint.state import decode_json, merge_state, restore_rng, split_state
 from meshrun.checkpoint.targets import Targets
@@ -84,6 +83,9 @@ class Resume:
             if f.rank == 0 and self.cfg.resume == "auto":
                 log.info("no valid checkpoint under %s: starting at step 0", f.root)
             if self.cfg.init_from:  # a fresh run: weights only (checkpoint/init_from.py)
+                # Here: a run without init_from never loads it (nor meshrun.hf's reading).
+                from meshrun.checkpoint.init_from import load_initial_weights
+
                 load_initial_weights(
                     Path(self.cfg.init_from), self.targets.resolve()[0], f.device, f.rank
                 )
