@@ -1,12 +1,15 @@
 """Replica-group fault tolerance (torchft) end to end: ``meshrun launch --replica-groups 2``
-with its own lighthouse, real torchrun agents, real Gloo processes (2 groups x 1 rank).
+with its own lighthouse, real torchrun agents, real Gloo processes (2 groups x 1 rank, and
+2 groups x 2 ranks under ZeRO-3).
 
 - Without faults the groups train exactly what plain data parallelism over the same 2 ranks
   trains: per-step losses within 1e-5, and (measured) the same final weights.
 - SIGKILL of one group's worker at 5 random steps of one run (a seeded RNG, its seed printed;
   ``FT_TEST_SEED`` replays one): the other group's process never restarts (one PID), keeps
   committing steps alone, the job reaches optim.steps, and the restarted group heals from it
-  5 times and ends bitwise equal (a checksum each rank writes).
+  5 times and ends bitwise equal (a checksum each rank writes); each kill breaks exactly the
+  step it was planned for. The same with ZeRO-3 inside 2-rank groups: rank r heals its shard
+  from rank r of the survivor.
 - In every run each sample of the stream the committed steps covered was trained exactly
   once (the dataset indices each rank records per committed step), and the data position
   advanced by the samples the steps trained: the shrunk steps' and the healed group's too.
@@ -14,8 +17,9 @@ with its own lighthouse, real torchrun agents, real Gloo processes (2 groups x 1
   (Gloo's connection error goes to torchft's Manager) and carries on.
 
 The restarts cost what a torchrun restart costs (torch import: 2-60 s on a loaded 2-core
-machine); the worker's test hooks (tests/e2e/scripts/ft_worker.py) make the survivor wait for
-a restarted group before the end, so no outcome depends on timing.
+machine); the worker's test hooks (tests/e2e/scripts/ft_worker.py) make the survivor ask for
+its quorum again, after 3 steps alone and before the end, until the restarted group is in it,
+so no outcome depends on timing.
 """
 
 from __future__ import annotations
@@ -130,8 +134,8 @@ def test_replica_groups_train_what_plain_data_parallelism_trains(tmp_path: Path)
 
 def _kill_steps(rng: random.Random, kills: int, first: int, last: int, gap: int) -> list[int]:
     """``kills`` steps in [first, last], at least ``gap`` apart: room for each restarted
-    group to heal (FT_ALONE = 3 steps alone, then the survivor waits for it) before the next
-    kill, so each kill lands at its step."""
+    group to heal (FT_ALONE = 3 quorums alone, then the survivor asks again until it is back)
+    and commit a step before the next kill, so each kill lands at its step."""
     slack = last - first - gap * (kills - 1)
     extra = sorted(rng.choices(range(slack + 1), k=kills))
     return [first + gap * i + e for i, e in enumerate(extra)]
@@ -165,16 +169,24 @@ def _check_survived(run_dir: Path, kills: int, ranks: int = 1, steps: int = STEP
     assert consumed == 16 * steps - 8 * len(alone)
 
 
-@pytest.mark.timeout(900)
-def test_five_kills_five_heals_while_the_other_group_keeps_training(tmp_path: Path) -> None:
+def _five_kills(tmp_path: Path, flags: list[str], *more: str, ranks: int = 1) -> None:
+    """Group 1 (of 2) killed at 5 seeded steps of 32 (``FT_TEST_SEED`` replays a seed); each
+    kill lands at its step: the survivor logs an uncommitted step there."""
     seed = int(os.environ.get("FT_TEST_SEED") or random.randrange(10**6))
     steps = 32
     kills = _kill_steps(random.Random(seed), 5, first=3, last=steps - 6, gap=5)
     print(f"FT_TEST_SEED={seed}: group 1 is killed at steps {kills}")
     env = {"FT_KILL_STEPS": "1:" + ",".join(map(str, kills)), "FT_HOLD_AT": str(steps - 3)}
-    flags = ["--replica-groups", "2", "--max-restarts", "6"]
-    _launch(tmp_path, flags, env, 880, steps=steps)
-    _check_survived(tmp_path, kills=5, steps=steps)
+    flags = [*flags, "--replica-groups", "2", "--max-restarts", "6"]
+    _launch(tmp_path, flags, env, 880, *more, steps=steps)
+    _check_survived(tmp_path, kills=5, ranks=ranks, steps=steps)
+    broken = [int(e["step"]) for e in _events(tmp_path / "group0", "ft_uncommitted")]  # type: ignore[call-overload]
+    assert broken == kills, (broken, kills)
+
+
+@pytest.mark.timeout(900)
+def test_five_kills_five_heals_while_the_other_group_keeps_training(tmp_path: Path) -> None:
+    _five_kills(tmp_path, [])
 
 
 @pytest.mark.timeout(600)
@@ -187,10 +199,8 @@ def test_a_death_inside_the_all_reduce_leaves_that_step_uncommitted(tmp_path: Pa
     assert "Connection" in str(broken[0]["error"]) or "closed" in str(broken[0]["error"])
 
 
-@pytest.mark.timeout(600)
-def test_two_groups_of_zero3_heal_shard_by_shard(tmp_path: Path) -> None:
-    """2 groups x 2 processes, ZeRO-3 (FSDP2) inside each: rank r heals from rank r."""
-    env = {"FT_KILL_STEPS": "1:4", "FT_HOLD_AT": str(STEPS - 3)}
-    flags = ["--nproc-per-node", "4", "--replica-groups", "2", "--max-restarts", "2"]
-    _launch(tmp_path, flags, env, 580, "--parallel.zero=3", "--data.micro_batch=4")
-    _check_survived(tmp_path, kills=1, ranks=2)
+@pytest.mark.timeout(900)
+def test_two_groups_of_zero3_survive_five_kills_healing_shard_by_shard(tmp_path: Path) -> None:
+    """2 groups x 2 processes, ZeRO-3 (FSDP2) inside each, 5 kills: rank r heals from rank r."""
+    _five_kills(tmp_path, ["--nproc-per-node", "4"], "--parallel.zero=3", "--data.micro_batch=4",
+                ranks=2)  # fmt: skip

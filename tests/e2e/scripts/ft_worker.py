@@ -15,8 +15,10 @@ processes act; a marker file keeps a restarted worker from repeating a kill it a
   after its peers are in it (they see the connection reset mid-collective).
 - FT_RESUME=1: register model, optimizer and loader with run.resume (shared checkpoints).
 - FT_SLEEP_S: seconds to sleep each step (room for the faults to land mid-run).
-- FT_HOLD_AT=S, FT_ALONE=K: the groups without faults take at most K steps alone, then wait
-  for the missing group's next process; from step S on they wait for its last one (_hold).
+- FT_HOLD_AT=S, FT_ALONE=K: the groups without faults take at most K steps alone, then ask for
+  the step's quorum again until the missing group is back in it; from step S on they take no
+  step alone (_hold_quorum). So every planned kill and heal happens within the run, whatever a
+  restart costs on a loaded machine, and no outcome depends on timing.
 """
 
 import hashlib
@@ -69,28 +71,53 @@ def _hook_allreduce(run: meshrun.Run, step: int, run_dir: Path) -> None:
     manager.allreduce = allreduce
 
 
-def _count(path: Path) -> int:
-    return len(path.read_text().split()) if path.exists() else 0
+def _hold_quorum(run: meshrun.Run, groups: int, hold_at: int) -> None:
+    """Test hook, every rank of a group without faults: wrap the step's quorum (ReplicaGroup's
+    start_step). After ``FT_ALONE`` quorums without some group (or any, from step ``hold_at``
+    on), ask for it again until every group is in it, as a fresh job's first step does
+    (ft/replica.py). Waiting at the quorum itself, not before a step's forward: a survivor
+    that sleeps outside a quorum request leaves the restarted group's request alone at the
+    lighthouse, which refuses a quorum of half the live groups (no split brain), and a survivor
+    that only waits for the restarted process to be up runs ahead of it until it requests. Both
+    ranks of the group see the same live count, so both ask again alike."""
+    replicas = run.loop.replicas
+    assert replicas is not None
+    original = replicas.start_step
+    limit = int(os.environ.get("FT_ALONE", "3"))
+    alone = 0  # consecutive quorums without every group
 
-
-def _hold(run: meshrun.Run, groups: int, alone: int, final: bool) -> None:
-    """Test hook, survivors' rank 0: after ``FT_ALONE`` steps without a group (or before the
-    last steps, ``final``), wait until that group's newest process is up (RUN_DIR/ready.txt
-    counts the processes started, done.kill* the kills done), so that every planned kill and
-    heal happens within the run whatever a restart costs on a loaded machine."""
-    root = run.run_dir.parent
-    deadline = time.monotonic() + 600
-    for g in range(groups):
-        d = root / f"group{g}"
-        planned = len(_plan("FT_KILL_STEPS", g)) + len(_plan("FT_KILL_IN_ALLREDUCE", g))
-        while time.monotonic() < deadline:
-            done = len(list(d.glob("done.*")))
-            up = _count(d / "ready.txt") >= done + 1
-            if up and (done == planned or not final):
-                break
-            if not final and alone < int(os.environ.get("FT_ALONE", "3")):
-                break
+    def start_step() -> None:
+        nonlocal alone
+        original()
+        alone = alone + 1 if replicas.live_groups < groups else 0
+        deadline = time.monotonic() + 600
+        final = run.step + 1 >= hold_at > 0
+        while replicas.live_groups < groups and (alone >= limit or final):
+            if time.monotonic() > deadline:
+                raise RuntimeError("ft_worker: the missing replica group did not rejoin in 600 s")
             time.sleep(0.2)
+            original()
+        if replicas.live_groups == groups:
+            alone = 0
+
+    replicas.start_step = start_step  # type: ignore[method-assign]
+
+
+def _wait_for_records(run_dir: Path, ranks: int, step: int) -> None:
+    """Before rank 0 kills its group: every rank of it has recorded the step it last committed.
+    The group commits a step on all its ranks together, but torchrun ends the other ranks when
+    rank 0 dies, which can land between a rank's commit and its record of the samples."""
+    deadline = time.monotonic() + 120
+    for r in range(ranks):
+        path = run_dir / f"samples.rank{r}.jsonl"
+        while not (path.exists() and any(row["step"] == step for row in _rows(path))):
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"ft_worker: rank {r} never recorded step {step}")
+            time.sleep(0.05)
+
+
+def _rows(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.endswith("}")]
 
 
 def _record(path: Path, step: int, indices: list[int]) -> None:
@@ -129,24 +156,18 @@ def main() -> None:
     if in_allreduce:
         _hook_allreduce(run, in_allreduce[0], run_dir)
     sleep_s = float(os.environ.get("FT_SLEEP_S", "0"))
-    hold_at = int(os.environ.get("FT_HOLD_AT", "0"))
     faulty = _plan("FT_KILL_STEPS", ft.group_index) + _plan("FT_KILL_IN_ALLREDUCE", ft.group_index)
-    alone = 0  # steps this group took while another was missing
+    if ft.enabled and not faulty:
+        _hold_quorum(run, ft.replica_groups, int(os.environ.get("FT_HOLD_AT", "0")))
     committed = 0  # steps this process committed
     trained: list[int] = []  # this step's dataset indices, written once it commits
-    if run.rank == 0:  # one line per start of the group (its rank 0)
-        with open(run_dir / "ready.txt", "a") as f:
-            f.write(f"{os.getpid()}\n")
     for inputs, targets, index in run.steps(loader):
         step = run.step + 1
         due = [k for k in kills if k <= step and not (run_dir / f"done.kill{k}").exists()]
         if due and committed and _once(run_dir, f"kill{due[0]}"):
+            _wait_for_records(run_dir, run.world_size, run.step)
             print(f"ft_worker: group {ft.group_index} dies at step {step}", flush=True)
             _die()
-        if run.rank == 0 and run.loop.state.micro == 0 and not faulty and ft.enabled:
-            live = run.loop.replicas.live_groups  # type: ignore[union-attr]
-            alone = alone + 1 if live < ft.replica_groups else 0
-            _hold(run, ft.replica_groups, alone, final=step >= hold_at > 0)
         loss = nn.functional.mse_loss(model(inputs), targets)
         run.backward(loss)
         trained += index.tolist()
