@@ -13,16 +13,18 @@ a pipeline's ranks the broadcast loss, so the dp sum counts every sample once).
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from meshrun.loop import to_device
-from meshrun.parallel import Pipeline, pipeline_eval
-from meshrun.parallel.kinds import is_dtensor
+from meshrun.parallel.kinds import is_dtensor, is_pipeline
 from meshrun.run_base import RunFields
+
+if TYPE_CHECKING:  # parallel/pp*.py load only when a pipeline is built
+    from meshrun.parallel import Pipeline
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -70,11 +72,13 @@ class EvalMethods(RunFields):
     def _eval_loss_fn(self, model: nn.Module | Pipeline, loss_fn: LossFn | None) -> LossFn:
         if loss_fn is not None:
             return loss_fn
-        if not isinstance(model, Pipeline):
+        if not is_pipeline(model):
             raise TypeError(
                 f"run.evaluate({type(model).__name__}, ...) needs loss_fn(model, batch) -> the "
                 "batch's mean loss; only a Pipeline (run.pipeline) has a loss of its own"
             )
+        from meshrun.parallel.pp import pipeline_eval  # loaded already: model is a Pipeline
+
         accum = self.accum
 
         def pipeline_loss(pipe: Pipeline, batch: Any) -> torch.Tensor:
@@ -118,7 +122,7 @@ class _eval_mode:
     """Every module of ``model`` in eval mode inside the block; each one's own mode after."""
 
     def __init__(self, model: nn.Module | Pipeline) -> None:
-        roots = model.modules if isinstance(model, Pipeline) else [model]
+        roots = model.modules if is_pipeline(model) else [cast(nn.Module, model)]
         self.modes = [(m, m.training) for root in roots for m in root.modules()]
 
     def __enter__(self) -> None:

@@ -5,15 +5,18 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from meshrun.checkpoint import Stateful
-from meshrun.parallel import Pipeline, check_optimizer, maybe_loss_parallel
+from meshrun.parallel import check_optimizer, maybe_loss_parallel
 from meshrun.run_base import RunFields
+
+if TYPE_CHECKING:  # parallel/pp*.py load only when a pipeline is built
+    from meshrun.parallel import Pipeline
 
 
 class LoopMethods(RunFields):

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -15,19 +15,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshrun.config import ConfigError
 from meshrun.monitor.mfu import ModelFlops, constant_per_token, model_flops, start_mfu
-from meshrun.parallel import (
-    Pipeline,
-    build_grad_scaler,
-    build_optimizer,
-    parallelize,
-    parallelize_pipeline,
-    pipeline_eval,
-    pipeline_step,
-)
+from meshrun.parallel import build_grad_scaler, build_optimizer, parallelize, parallelize_pipeline
+from meshrun.parallel.kinds import is_pipeline
 from meshrun.run_base import RunFields
 
 if TYPE_CHECKING:  # FSDP's scaler is imported only by an fp16 run (build_grad_scaler)
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from meshrun.parallel import Pipeline  # parallel/pp*.py load only when one is built
 
 
 class ModelMethods(RunFields):
@@ -85,6 +80,8 @@ class ModelMethods(RunFields):
     ) -> torch.Tensor:
         """Forward + backward of this micro-batch through the pipeline; returns its mean loss
         (on every rank) and counts it in the metrics."""
+        from meshrun.parallel.pp import pipeline_step  # loaded already: pipe is a Pipeline
+
         loss = pipeline_step(pipe, inputs, targets) * self.accum
         self.loop.record_loss(loss)
         return loss
@@ -94,6 +91,8 @@ class ModelMethods(RunFields):
     ) -> torch.Tensor:
         """Forward only (evaluation): this micro-batch's mean loss on every rank of the
         pipeline, not counted in the training metrics (see parallel/pp.py ``pipeline_eval``)."""
+        from meshrun.parallel.pp import pipeline_eval  # loaded already: pipe is a Pipeline
+
         return pipeline_eval(pipe, inputs, targets) * self.accum  # loss_fn carries 1/accum
 
     def optimizer(
@@ -146,13 +145,13 @@ class ModelMethods(RunFields):
 
 def unwrap_module(model: nn.Module | Pipeline) -> nn.Module:
     """``run.unwrap``: DDP's and ``torch.compile``'s wrappers peeled off, in any order."""
-    if isinstance(model, Pipeline):
+    if is_pipeline(model):
         raise TypeError(
             "run.unwrap(Pipeline): under pipeline parallelism no rank holds the whole model; "
             "this rank's stages are pipe.modules (each a real module: "
             "[run.unwrap(m) for m in pipe.modules])"
         )
-    module = model
+    module = cast(nn.Module, model)  # not a Pipeline (TypeGuard narrows only if True)
     while True:
         inner = module.module if isinstance(module, DDP) else getattr(module, "_orig_mod", None)
         if not isinstance(inner, nn.Module):  # _orig_mod: torch.compile's OptimizedModule

@@ -8,8 +8,9 @@ test process has imported them all already. torch itself imports DTensor and FSD
 model or an optimizer is built (``torch._dynamo``), so those two are checked before that.
 
 meshrun's own modules that such a run does not use are checked the same way: the node-local
-checkpoint tier (``checkpoint.local_interval = 0``), async saves (``checkpoint.async = false``)
-and the initial-weights loader with its Hugging Face reading (no ``checkpoint.init_from``)."""
+checkpoint tier (``checkpoint.local_interval = 0``), async saves (``checkpoint.async = false``),
+the initial-weights loader with its Hugging Face reading (no ``checkpoint.init_from``) and the
+pipeline's modules (``parallel/pp*.py``: no ``run.pipeline``)."""
 
 from __future__ import annotations
 
@@ -28,6 +29,11 @@ UNUSED = [
     "meshrun.checkpoint.async_save",
     "meshrun.checkpoint.init_from",
     "meshrun.hf.reading",
+    "meshrun.parallel.pp",
+    "meshrun.parallel.pp_split",
+    "meshrun.parallel.pp_stages",
+    "meshrun.parallel.pp_tied",
+    "meshrun.parallel.pp_meta",
 ]
 
 SCRIPT = """
@@ -74,5 +80,5 @@ def test_ddp_path_imports_no_pipelining_dtensor_zero1_or_dcp(tmp_path: object) -
     assert not {"torch.distributed." + m for m in ("pipelining", "optim", "checkpoint")} & set(
         seen["step"]
     ), seen
-    # No node-local tier, no async save, no init_from: none of their modules.
+    # No node-local tier, no async save, no init_from, no pipeline: none of their modules.
     assert seen["meshrun"] == [], seen

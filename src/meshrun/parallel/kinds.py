@@ -1,8 +1,9 @@
-"""``isinstance`` checks for DTensor and FSDP2 modules that import neither.
+"""``isinstance`` checks for DTensor, FSDP2 modules and pipelines that import none of them.
 
 ``torch.distributed.tensor`` and ``torch.distributed.fsdp`` cost about a second of CPU to import;
-a plain DDP run never needs them. Before a module is imported none of its classes can have an
-instance, so an absent module answers ``False`` without importing it."""
+a plain DDP run never needs them, nor meshrun's pipeline modules (``parallel/pp*.py``). Before a
+module is imported none of its classes can have an instance, so an absent module answers
+``False`` without importing it."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.distributed.tensor import DTensor
+
+    from meshrun.parallel.pp import Pipeline
 
 
 def is_dtensor(t: object) -> TypeGuard[DTensor]:
@@ -32,3 +35,10 @@ def is_zero_redundancy(optimizer: object) -> TypeGuard[ZeroRedundancyOptimizer]:
     ``torch.distributed.optim`` (about 0.3 s of CPU)."""
     mod = sys.modules.get("torch.distributed.optim")
     return mod is not None and isinstance(optimizer, mod.ZeroRedundancyOptimizer)
+
+
+def is_pipeline(obj: object) -> TypeGuard[Pipeline]:
+    """``isinstance(obj, Pipeline)`` (``run.pipeline``), without importing ``parallel/pp*.py``
+    (a plain run never builds one)."""
+    mod = sys.modules.get("meshrun.parallel.pp")
+    return mod is not None and isinstance(obj, mod.Pipeline)

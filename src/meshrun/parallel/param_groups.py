@@ -14,13 +14,16 @@ aliases, the other keys kept.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
 
 from meshrun.config import ConfigError
-from meshrun.parallel.pp import Pipeline
+from meshrun.parallel.kinds import is_pipeline
+
+if TYPE_CHECKING:  # parallel/pp*.py load only when a pipeline is built
+    from meshrun.parallel.pp import Pipeline
 
 __all__ = ["check_param_groups"]
 
@@ -31,10 +34,10 @@ _FIX = (
 
 
 def _named(model: nn.Module | Pipeline) -> list[tuple[str, nn.Parameter]]:
-    if isinstance(model, Pipeline):
+    if is_pipeline(model):
         return [(f"stage{i}.{n}", p) for i, m in enumerate(model.modules) for n, p in
                 m.named_parameters()]  # fmt: skip
-    return list(model.named_parameters())
+    return list(cast(nn.Module, model).named_parameters())  # TypeGuard narrows only if True
 
 
 def _group_params(i: int, group: Mapping[str, Any]) -> list[torch.Tensor]:

@@ -14,7 +14,7 @@ under ``zero = 1`` is an error at the first step (:func:`check_optimizer`), neve
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,9 +22,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshrun.config import ConfigError, ParallelConfig
 from meshrun.parallel.foreach import with_foreach_default
-from meshrun.parallel.kinds import is_zero_redundancy
+from meshrun.parallel.kinds import is_pipeline, is_zero_redundancy
 from meshrun.parallel.param_groups import check_param_groups
-from meshrun.parallel.pp import Pipeline
+
+if TYPE_CHECKING:  # parallel/pp*.py load only when a pipeline is built
+    from meshrun.parallel.pp import Pipeline
 
 
 def build_optimizer(
@@ -43,7 +45,7 @@ def build_optimizer(
     parallel/param_groups.py for the checks."""
     params = [p for p in model.parameters() if p.requires_grad]
     zero1 = cfg.zero == 1 and mesh is not None and mesh.get_group("dp").size() > 1
-    if zero1 and isinstance(model, Pipeline):
+    if zero1 and is_pipeline(model):
         # The stages are replicated over dp with FSDP2's replicate (parallel/ddp.py), so their
         # parameters are DTensors, which ZeRO's plain broadcast cannot take: it steps plain
         # aliases of their (whole) local tensors instead, kept in step by pipeline_step.
@@ -51,7 +53,7 @@ def build_optimizer(
     # Decided on the tensors the optimizer really steps (the aliases above are plain).
     kwargs = with_foreach_default(optimizer_class, params, kwargs)
     aliases = None
-    if zero1 and isinstance(model, Pipeline):  # ZeRO steps the aliases (above) in the groups
+    if zero1 and is_pipeline(model):  # ZeRO steps the aliases (above) in the groups
         aliases = {id(p): a for p, a in model.local_views}
     chosen = params if param_groups is None else check_param_groups(model, param_groups, aliases)
     if not zero1:
