@@ -31,8 +31,8 @@ class TrainState:
     step: int = 0  # optimizer steps done
     micro: int = 0  # index of the current micro-step inside the accumulation window
     models: list[nn.Module] = field(default_factory=list)  # from run.parallelize/run.pipeline
-    # The optimizer run.optimizer_step steps (the first one it saw): checkpoints save it
-    # when run.resume registered none.
+    # The optimizer run.resume registered, else the first one run.optimizer_step saw:
+    # checkpoints save it, and a replica group sends its state to a peer that heals.
     optimizer: torch.optim.Optimizer | None = None
     schedulers: list[torch.optim.lr_scheduler.LRScheduler] = field(default_factory=list)
     # The loader's position, set when run.steps(loader) begins: the loop steps it once per

@@ -54,6 +54,8 @@ class Targets:
     ) -> None:
         """``model``: the (parallelized) model, or the ``Pipeline`` from ``run.pipeline``."""
         self.model, self.optimizer = maybe_pipeline_view(model) or model, optimizer
+        if self.state.optimizer is None:  # known before the first step: a replica group
+            self.state.optimizer = optimizer  # healing a peer then sends its state (ft/heal.py)
         sampler = getattr(loader, "sampler", None)
         if isinstance(sampler, ResumableSampler):
             self.sampler = sampler

@@ -54,7 +54,11 @@ class StateCodec:
             "source": f"group {self.group_index}",
             "step": s.step,
             "models": [_local(m.state_dict()) for m in s.models],
-            "optimizer": None if s.optimizer is None else _local(s.optimizer.state_dict()),
+            # A group that healed itself and has not stepped yet holds its peer's optimizer
+            # state as pending: that is its state, and the one to pass on.
+            "optimizer": self._pending_optimizer
+            if s.optimizer is None
+            else _local(s.optimizer.state_dict()),
             "schedulers": [sch.state_dict() for sch in s.schedulers],
             "scaler": None if s.scaler is None else s.scaler.state_dict(),
             "sampler": None if s.sampler is None else s.sampler.state_dict(),
@@ -67,6 +71,14 @@ class StateCodec:
             raise RuntimeError(
                 f"healing: the peer trains {len(blob['models'])} models, this group "
                 f"{len(s.models)}; every replica group must run the same script and layout"
+            )
+        if blob["optimizer"] is None and int(blob["step"]) > 0:
+            # Weights of step N without the optimizer state that made them: training on
+            # would mix this group's stale moments with the peer's weights.
+            raise RuntimeError(
+                f"healing: {blob['source']} is at step {blob['step']} but sent no optimizer "
+                "state (its optimizer was not known when it sent: register it with "
+                "run.resume(model, optimizer, loader) before run.steps)"
             )
         for model, sd in zip(s.models, blob["models"], strict=True):
             _copy_into(model, sd)

@@ -118,6 +118,7 @@ class ReplicaGroup:
             init_sync=False,  # every group seeds the same initial weights (init_seeds)
         )
         self.live_groups = 0
+        self._first_quorum = True  # this process's first: resume the step, wait for all
         # A heal set a new data position, or the quorum a new share: the loop restarts its
         # loader (batches drawn under the old share are dropped).
         self.data_moved = False
@@ -131,9 +132,12 @@ class ReplicaGroup:
         group behind the others loads a live peer's state here (healing)."""
         t0 = time.perf_counter()
         self.heal.begin()
+        first, self._first_quorum = self._first_quorum, False
+        if first:
+            self._resume_step()
         self.manager.start_quorum()
         live = self.manager.num_participants()
-        if self.manager.current_step() == 0 and live < self.cfg.replica_groups:
+        if first and self.heal.loaded is None and live < self.cfg.replica_groups:
             live = self._wait_for_all_groups(live)
         if live != self.live_groups and self.live_groups:
             word = "left" if live < self.live_groups else "joined"
@@ -145,6 +149,17 @@ class ReplicaGroup:
         if self.heal.loaded is not None:
             self.data_moved = True
             self._log_heal(time.perf_counter() - t0)
+
+    def _resume_step(self) -> None:
+        """torchft's step counter from the run's, before this process's first quorum. A group
+        resumed from a checkpoint (shared or node-local) is at that step, while a new Manager
+        counts from 0: left so, groups that resumed different steps (each group has its own
+        checkpoints) would all claim step 0 and none would heal, training on apart. The
+        lighthouse heals the groups behind the highest step from a group at it."""
+        if self.manager.current_step() != self.state.step:
+            self.manager.load_state_dict(
+                {"step": self.state.step, "batches_committed": self.manager.batches_committed()}
+            )
 
     def _apply_share(self, live: int) -> None:
         """This step's share of the global order (ft/data.py): this group's place among the
@@ -165,9 +180,10 @@ class ReplicaGroup:
             self.data_moved = True
 
     def _wait_for_all_groups(self, live: int) -> int:
-        """A fresh job's first step waits for every group (they start seconds apart) rather
-        than training the first steps on fewer: every group in this quorum sees the same
-        count, so all of them ask again, until all are in or ``quorum_timeout_s`` passed."""
+        """A job's first quorum (fresh or resumed from checkpoints) waits for every group
+        (they start seconds apart) rather than training the first steps on fewer: every group
+        in this quorum sees the same count, so all of them ask again, until all are in or
+        ``quorum_timeout_s`` passed. A restarted group that healed does not wait."""
         deadline = time.monotonic() + self.cfg.quorum_timeout_s
         while live < self.cfg.replica_groups and time.monotonic() < deadline:
             time.sleep(0.2)
