@@ -1,0 +1,164 @@
+"""Replica groups (torchft) around layouts and tiers that tests/e2e/test_ft.py does not run:
+pipeline parallelism inside each group, and the node-local checkpoint tier.
+
+- 2 groups x 2 processes, ``--parallel.pp=2`` inside each (the demo GPT in 2 stages through
+  ``run.pipeline``; tests/e2e/scripts/ft_pp_worker.py): without faults the per-step losses are
+  those of plain PP 2 x DP 2 on 4 processes (the data-parallel dim is across the groups) and
+  both groups end bitwise equal stage by stage. One SIGKILL of group 1's first stage: group
+  0's two processes keep their PIDs, group 1 restarts and heals both stages from the same
+  ranks of group 0, and every rank ends bitwise equal to its peer; each sample of the covered
+  stream trained once (both stages of a group read the same micro-batches: their records
+  must agree, and the first stage's count).
+- ``checkpoint.local_interval`` with 2 groups x 1 (ft_worker.py with ``run.resume``): a killed
+  group restores its own node-local snapshot (not the shared checkpoint), then heals from the
+  live group anyway (its snapshot is behind it) and ends bitwise equal to it.
+
+The launch and check helpers are test_ft.py's.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import test_ft
+from test_ft import _checksum, _events, _launch, _losses, _pids, _rows
+
+from meshrun.config import load_config
+from meshrun.data.sampler import ResumableSampler
+
+pytestmark = pytest.mark.slow
+PP_WORKER = Path(__file__).parent / "scripts" / "ft_pp_worker.py"
+PP = ["--nproc-per-node", "4"]
+PP_KEYS = ["--parallel.pp=2", "--data.micro_batch=4"]
+STEPS = 16
+
+
+def _stage_records(group: Path) -> list[dict[str, object]]:
+    """The first stage's records of committed steps, after checking that the second stage
+    recorded the same steps with the same indices (one pipeline reads one batch)."""
+    first, second = (_rows(group / f"samples.rank{r}.jsonl") for r in (0, 1))
+    keys = [[(row["step"], tuple(row["indices"])) for row in rows]  # type: ignore[arg-type]
+            for rows in (first, second)]  # fmt: skip
+    assert Counter(keys[0]) == Counter(keys[1]), group
+    return first
+
+
+def _check_pp_samples(groups: list[Path]) -> int:
+    """test_ft._check_samples over pipelines: every index of the stream's first ``consumed``
+    positions trained exactly once in a committed step, counted on the first stages."""
+    consumed = int(_checksum(groups[0])["consumed"])  # type: ignore[call-overload]
+    steps = [r for r in _rows(groups[0] / "metrics.jsonl") if "event" not in r]
+    assert consumed == sum(int(r["samples"]) for r in steps)  # type: ignore[call-overload]
+    trained = [i for g in groups for row in _stage_records(g) for i in row["indices"]]  # type: ignore[attr-defined]
+    twice = sorted(i for i, n in Counter(trained).items() if n > 1)
+    assert not twice, f"trained more than once: {twice[:10]}"
+    seed = load_config(groups[0] / "config.toml").job.seed
+    order = ResumableSampler(test_ft.SAMPLES, rank=0, world_size=1, global_batch=1, seed=seed)
+    expected = set(itertools.islice(iter(order), consumed))
+    assert len(expected) == consumed and set(trained) == expected
+    return consumed
+
+
+def _rank_sums(group: Path) -> list[str]:
+    return [json.loads((group / f"checksum.rank{r}.json").read_text())["checksum"] for r in (0, 1)]
+
+
+@pytest.mark.timeout(600)
+def test_pipeline_inside_replica_groups_trains_what_plain_pp_trains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(test_ft, "WORKER", PP_WORKER)
+    _launch(tmp_path / "pp", PP, {}, 280, *PP_KEYS, steps=STEPS)
+    _launch(tmp_path / "ft", [*PP, "--replica-groups", "2"], {}, 280, *PP_KEYS, steps=STEPS)
+    plain = _losses(tmp_path / "pp")
+    assert sorted(plain) == list(range(1, STEPS + 1))
+    groups = [tmp_path / "ft" / f"group{g}" for g in (0, 1)]
+    for group in groups:
+        losses = _losses(group)
+        assert sorted(losses) == sorted(plain)
+        worst = max(abs(losses[s] - plain[s]) for s in plain)
+        print(f"{group.name}: largest loss difference to plain PP 2 x DP 2: {worst:.2e}")
+        assert worst <= 1e-5
+        live = {r.get("live_groups") for r in _rows(group / "metrics.jsonl") if "event" not in r}
+        assert live == {2}
+    assert _rank_sums(groups[0]) == _rank_sums(groups[1])
+    assert _check_pp_samples(groups) == STEPS * 16
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_pipeline_group_heals_both_stages_from_its_peer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(test_ft, "WORKER", PP_WORKER)
+    kill = 5
+    env = {"FT_KILL_STEPS": f"1:{kill}", "FT_HOLD_AT": str(STEPS - 3)}
+    flags = [*PP, "--replica-groups", "2", "--max-restarts", "2"]
+    _launch(tmp_path, flags, env, 580, *PP_KEYS, steps=STEPS)
+    survivor, healed = tmp_path / "group0", tmp_path / "group1"
+    assert len(_pids(survivor)) == 2 and len(_pids(healed)) == 4  # one restart of 2 stages
+    for group in (survivor, healed):
+        for r in (0, 1):
+            out = json.loads((group / f"checksum.rank{r}.json").read_text())
+            assert out["pid"] in _pids(group) and out["step"] == STEPS
+            assert out["consumed"] == _checksum(survivor)["consumed"]
+    first = {int(line.split()[1]) for line in (survivor / "pids.txt").read_text().splitlines()}
+    assert {json.loads((survivor / f"checksum.rank{r}.json").read_text())["pid"]
+            for r in (0, 1)} == first  # fmt: skip
+    assert _rank_sums(survivor) == _rank_sums(healed)
+    heals = _events(healed, "ft_heal")
+    assert len(heals) == 1 and heals[0]["source"] == "group 0", heals
+    # Both stages healed: each rank's own log says from whom (rank 1's state came from
+    # group 0's rank 1: its checksum above).
+    for r in (0, 1):
+        assert "healed from group 0" in (healed / "logs" / f"rank{r}.log").read_text()
+    broken = [int(e["step"]) for e in _events(survivor, "ft_uncommitted")]  # type: ignore[call-overload]
+    assert broken[0] == kill, broken
+    alone = [r for r in _rows(survivor / "metrics.jsonl")
+             if r.get("live_groups") == 1 and "event" not in r]  # fmt: skip
+    assert alone and {int(r["samples"]) for r in alone} == {8}  # type: ignore[call-overload]
+    assert _check_pp_samples([survivor, healed]) == 16 * STEPS - 8 * len(alone)
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_group_with_the_local_tier_restores_it_then_heals_from_its_peer(
+    tmp_path: Path,
+) -> None:
+    """2 x 1, a node-local snapshot every 2 steps (no shared checkpoints): group 1 killed in
+    step 7 restores its own step-6 snapshot, then heals from group 0, which is ahead."""
+    env = {"FT_KILL_STEPS": "1:7", "FT_HOLD_AT": str(STEPS - 3), "FT_RESUME": "1"}
+    flags = ["--replica-groups", "2", "--max-restarts", "2"]
+    _launch(tmp_path, flags, env, 580, "--checkpoint.local_interval=2", steps=STEPS)
+    test_ft._check_survived(tmp_path, kills=1, steps=STEPS)
+    restores = [(e["tier"], e["step"]) for e in _events(tmp_path / "group1", "restore")]
+    assert restores == [("local", 6)], restores
+    heal = _events(tmp_path / "group1", "ft_heal")[0]
+    assert int(heal["step"]) > 6, heal  # type: ignore[call-overload]
+    assert not _events(tmp_path / "group0", "restore")  # the survivor never restarted
+
+
+@pytest.mark.timeout(600)
+def test_groups_resumed_at_different_steps_heal_the_one_behind(tmp_path: Path) -> None:
+    """The whole job again after both groups stopped, group 1's newest checkpoint lost: group 0
+    resumes step 12 and group 1 step 8 (each from its own checkpoints); the first quorum
+    heals group 1 from group 0 (torchft's step is the resumed one), and both end bitwise
+    equal. With torchft counting from 0 in both, neither would heal: they would train apart."""
+    flags = ["--replica-groups", "2"]
+    keys = ["--checkpoint.interval=4", "--checkpoint.keep_last=5"]
+    _launch(tmp_path, flags, {"FT_RESUME": "1"}, 280, *keys, steps=12)
+    lost = tmp_path / "group1" / "checkpoints" / "step_00000012"
+    assert lost.is_dir()
+    shutil.rmtree(lost)
+    _launch(tmp_path, flags, {"FT_RESUME": "1"}, 280, *keys, steps=STEPS)
+    resumed = [e["from_step"] for g in (0, 1) for e in _events(tmp_path / f"group{g}", "resume")]
+    assert resumed == [12, 8], resumed
+    heals = _events(tmp_path / "group1", "ft_heal")
+    assert [(h["source"], h["step"]) for h in heals] == [("group 0", 12)], heals
+    survivor, healed = _checksum(tmp_path / "group0"), _checksum(tmp_path / "group1")
+    assert survivor["step"] == healed["step"] == STEPS
+    assert survivor["checksum"] == healed["checksum"]
+    assert survivor["consumed"] == healed["consumed"] == STEPS * 16
