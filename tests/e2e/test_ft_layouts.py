@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 import test_ft
-from test_ft import _checksum, _events, _launch, _losses, _pids, _rows
+from test_ft import _assert_like_plain, _checksum, _events, _launch, _pids, _rows
 
 from meshrun.config import load_config
 from meshrun.data.sampler import ResumableSampler
@@ -75,17 +75,8 @@ def test_pipeline_inside_replica_groups_trains_what_plain_pp_trains(
     monkeypatch.setattr(test_ft, "WORKER", PP_WORKER)
     _launch(tmp_path / "pp", PP, {}, 280, *PP_KEYS, steps=STEPS)
     _launch(tmp_path / "ft", [*PP, "--replica-groups", "2"], {}, 280, *PP_KEYS, steps=STEPS)
-    plain = _losses(tmp_path / "pp")
-    assert sorted(plain) == list(range(1, STEPS + 1))
     groups = [tmp_path / "ft" / f"group{g}" for g in (0, 1)]
-    for group in groups:
-        losses = _losses(group)
-        assert sorted(losses) == sorted(plain)
-        worst = max(abs(losses[s] - plain[s]) for s in plain)
-        print(f"{group.name}: largest loss difference to plain PP 2 x DP 2: {worst:.2e}")
-        assert worst <= 1e-5
-        live = {r.get("live_groups") for r in _rows(group / "metrics.jsonl") if "event" not in r}
-        assert live == {2}
+    _assert_like_plain(tmp_path / "pp", groups, STEPS)  # plain PP 2 x DP 2
     assert _rank_sums(groups[0]) == _rank_sums(groups[1])
     assert _check_pp_samples(groups) == STEPS * 16
 

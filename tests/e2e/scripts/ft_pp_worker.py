@@ -44,11 +44,8 @@ def lm_loss(logits: Tensor, targets: Tensor) -> Tensor:
 
 @meshrun.main
 def main() -> None:
-    run = meshrun.init()
+    run, run_dir = base._start()
     ft = run.config.fault_tolerance
-    run_dir = run.run_dir
-    with open(run_dir / "pids.txt", "a") as f:
-        f.write(f"{run.rank} {os.getpid()}\n")
     tokens = torch.randint(0, 16, (SAMPLES, 17), generator=torch.Generator().manual_seed(0))
     data = TensorDataset(tokens[:, :-1], tokens[:, 1:], torch.arange(SAMPLES))
     pipe = run.pipeline(build_model(), lm_loss)

@@ -133,13 +133,18 @@ def _checksum(model: nn.Module) -> str:
     return h.hexdigest()
 
 
+def _start() -> tuple[meshrun.Run, Path]:
+    """meshrun.init, and this process's start recorded in RUN_DIR/pids.txt."""
+    run = meshrun.init()
+    with open(run.run_dir / "pids.txt", "a") as f:
+        f.write(f"{run.rank} {os.getpid()}\n")
+    return run, run.run_dir
+
+
 @meshrun.main
 def main() -> None:
-    run = meshrun.init()
+    run, run_dir = _start()
     ft = run.config.fault_tolerance
-    run_dir = run.run_dir
-    with open(run_dir / "pids.txt", "a") as f:
-        f.write(f"{run.rank} {os.getpid()}\n")
     x = torch.randn(4096, 16, generator=torch.Generator().manual_seed(0))
     y = x @ torch.randn(16, 1, generator=torch.Generator().manual_seed(1))
     data = TensorDataset(x, y, torch.arange(len(x)))  # the index: which samples were trained
