@@ -4,19 +4,24 @@ The state is everything a step depends on: the model weights, the optimizer's st
 schedulers, the fp16 scaler, the counters and the data position (the sampler's ``consumed``:
 the healed group continues the data stream where its peers are, neither replaying nor
 skipping). torchft moves it over HTTP between the groups' ranks of the same index, so each
-rank sends and receives its own shard under FSDP2.
+rank sends and receives its own shard under FSDP2, and its own partition of the optimizer
+state under ZeRO-1.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map
 
+from meshrun.parallel.kinds import is_zero_redundancy
 from meshrun.state import TrainState
+
+if TYPE_CHECKING:
+    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 __all__ = ["HealState", "Loaded", "StateCodec"]
 
@@ -58,7 +63,7 @@ class StateCodec:
             # state as pending: that is its state, and the one to pass on.
             "optimizer": self._pending_optimizer
             if s.optimizer is None
-            else _local(s.optimizer.state_dict()),
+            else _local(_optimizer_state(s.optimizer)),
             "schedulers": [sch.state_dict() for sch in s.schedulers],
             "scaler": None if s.scaler is None else s.scaler.state_dict(),
             "sampler": None if s.sampler is None else s.sampler.state_dict(),
@@ -100,8 +105,56 @@ class StateCodec:
 
     def apply_pending_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         if self._pending_optimizer is not None:
-            optimizer.load_state_dict(_as_params(optimizer, self._pending_optimizer))
+            sd = _as_params(optimizer, self._pending_optimizer)
+            if is_zero_redundancy(optimizer):
+                _check_partition(optimizer, sd)
+            elif sd.get("zero1_partition"):
+                raise RuntimeError(
+                    "healing: the peer's optimizer is a ZeroRedundancyOptimizer (ZeRO-1), this "
+                    f"group's a {type(optimizer).__name__}: every group must run the same layout"
+                )
+            optimizer.load_state_dict({k: v for k, v in sd.items() if k != "zero1_partition"})
             self._pending_optimizer = None
+
+
+def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """The optimizer's ``state_dict()``; under ZeRO-1 this rank's partition only.
+
+    ``ZeroRedundancyOptimizer.state_dict()`` needs ``consolidate_state_dict()`` first (a
+    collective of the group, here inside torchft's quorum) and then holds the whole state on
+    one rank only. Rank r of every group owns the same partition (the same parameters over
+    the same group size), so rank r sends the state its inner optimizer holds, keyed by the
+    indices ``state_dict()`` would use, with the outer param groups (their hyperparameters:
+    an LR scheduler sets those, and ZeRO copies them into its inner optimizer at each step).
+    ``ZeroRedundancyOptimizer.load_state_dict`` on the peer loads the entries it owns."""
+    if not is_zero_redundancy(optimizer):
+        return optimizer.state_dict()
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    index = {id(p): i for i, p in enumerate(params)}
+    groups = [{**{k: v for k, v in g.items() if k != "params"},
+               "params": [index[id(p)] for p in g["params"]]}
+              for g in optimizer.param_groups]  # fmt: skip
+    state = {index[id(p)]: dict(v) for p, v in optimizer.optim.state.items()}
+    return {"state": state, "param_groups": groups, "zero1_partition": True}
+
+
+def _check_partition(optimizer: ZeroRedundancyOptimizer, sd: dict[str, Any]) -> None:
+    """The received ZeRO-1 partition is the one this rank owns: ZeRO's load would silently
+    drop the entries of parameters another rank owns, leaving theirs unset."""
+    if not sd.get("zero1_partition"):
+        raise RuntimeError(
+            "healing: this group's optimizer is a ZeroRedundancyOptimizer (ZeRO-1) but the "
+            "peer sent a whole optimizer state: every group must run the same layout"
+        )
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    owned = {id(p) for group in optimizer.optim.param_groups for p in group["params"]}
+    mine = {i for i, p in enumerate(params) if id(p) in owned}
+    if not set(sd["state"]) <= mine:
+        raise RuntimeError(
+            f"healing: the peer's ZeRO-1 partition holds parameters {sorted(sd['state'])[:8]}, "
+            f"this rank owns {sorted(mine)[:8]}: every group must run the same layout on the "
+            "same number of ranks"
+        )
 
 
 def _local(tree: Any) -> Any:
