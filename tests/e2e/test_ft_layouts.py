@@ -9,6 +9,16 @@ pipeline parallelism inside each group, and the node-local checkpoint tier.
   ranks of group 0, and every rank ends bitwise equal to its peer; each sample of the covered
   stream trained once (both stages of a group read the same micro-batches: their records
   must agree, and the first stage's count).
+- 2 groups x 2 processes, ``--parallel.tp=2`` inside each (the demo GPT through
+  ``run.parallelize`` and its TP plan; ft_pp_worker.py without ``parallel.pp``): without
+  faults the per-step losses are those of plain TP 2 x FSDP2 2 on 4 processes (meshrun runs
+  data parallelism with TP as FSDP2; here the data-parallel dim is across the groups), and
+  one SIGKILL of group 1's rank 0 heals both TP shards from the same ranks of group 0.
+- 2 groups x 2 processes, ZeRO-1 (``--parallel.zero=1``, ft_worker.py's MLP with
+  ``run.optimizer``) inside each: losses as plain ZeRO-1 on 4 processes; after one SIGKILL
+  each rank of group 1 heals its own partition of the optimizer state from the same rank of
+  group 0 (``ZeroRedundancyOptimizer.state_dict()`` holds no state before a consolidation:
+  ft/heal.py sends the partition).
 - ``checkpoint.local_interval`` with 2 groups x 1 (ft_worker.py with ``run.resume``): a killed
   group restores its own node-local snapshot (not the shared checkpoint), then heals from the
   live group anyway (its snapshot is behind it) and ends bitwise equal to it.
@@ -35,12 +45,13 @@ pytestmark = pytest.mark.slow
 PP_WORKER = Path(__file__).parent / "scripts" / "ft_pp_worker.py"
 PP = ["--nproc-per-node", "4"]
 PP_KEYS = ["--parallel.pp=2", "--data.micro_batch=4"]
+ZERO1_KEYS = ["--parallel.zero=1", "--data.micro_batch=4"]
 STEPS = 16
 
 
 def _stage_records(group: Path) -> list[dict[str, object]]:
-    """The first stage's records of committed steps, after checking that the second stage
-    recorded the same steps with the same indices (one pipeline reads one batch)."""
+    """Rank 0's records of committed steps, after checking that rank 1 recorded the same
+    steps with the same indices (one pipeline, or one TP pair, reads one batch)."""
     first, second = (_rows(group / f"samples.rank{r}.jsonl") for r in (0, 1))
     keys = [[(row["step"], tuple(row["indices"])) for row in rows]  # type: ignore[arg-type]
             for rows in (first, second)]  # fmt: skip
@@ -49,8 +60,8 @@ def _stage_records(group: Path) -> list[dict[str, object]]:
 
 
 def _check_pp_samples(groups: list[Path]) -> int:
-    """test_ft._check_samples over pipelines: every index of the stream's first ``consumed``
-    positions trained exactly once in a committed step, counted on the first stages."""
+    """test_ft._check_samples over pipelines (or TP pairs): every index of the stream's first
+    ``consumed`` positions trained exactly once in a committed step, counted on rank 0."""
     consumed = int(_checksum(groups[0])["consumed"])  # type: ignore[call-overload]
     steps = [r for r in _rows(groups[0] / "metrics.jsonl") if "event" not in r]
     assert consumed == sum(int(r["samples"]) for r in steps)  # type: ignore[call-overload]
@@ -81,17 +92,16 @@ def test_pipeline_inside_replica_groups_trains_what_plain_pp_trains(
     assert _check_pp_samples(groups) == STEPS * 16
 
 
-@pytest.mark.timeout(600)
-def test_a_killed_pipeline_group_heals_both_stages_from_its_peer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    monkeypatch.setattr(test_ft, "WORKER", PP_WORKER)
-    kill = 5
+def _kill_one_of_two(run_dir: Path, kill: int, *keys: str) -> None:
+    """One launch of 2 groups x 2 ranks reading one batch per group (PP stages, TP ranks)
+    where group 1's rank 0 dies at step ``kill``: group 0's two processes keep their PIDs and
+    that step does not commit on them, group 1 restarts both and heals both ranks from the
+    same ranks of group 0, every rank ends bitwise equal to its peer, each sample once."""
     env = {"FT_KILL_STEPS": f"1:{kill}", "FT_HOLD_AT": str(STEPS - 3)}
     flags = [*PP, "--replica-groups", "2", "--max-restarts", "2"]
-    _launch(tmp_path, flags, env, 580, *PP_KEYS, steps=STEPS)
-    survivor, healed = tmp_path / "group0", tmp_path / "group1"
-    assert len(_pids(survivor)) == 2 and len(_pids(healed)) == 4  # one restart of 2 stages
+    _launch(run_dir, flags, env, 580, *keys, steps=STEPS)
+    survivor, healed = run_dir / "group0", run_dir / "group1"
+    assert len(_pids(survivor)) == 2 and len(_pids(healed)) == 4  # one restart of 2 ranks
     for group in (survivor, healed):
         for r in (0, 1):
             out = json.loads((group / f"checksum.rank{r}.json").read_text())
@@ -103,7 +113,7 @@ def test_a_killed_pipeline_group_heals_both_stages_from_its_peer(
     assert _rank_sums(survivor) == _rank_sums(healed)
     heals = _events(healed, "ft_heal")
     assert len(heals) == 1 and heals[0]["source"] == "group 0", heals
-    # Both stages healed: each rank's own log says from whom (rank 1's state came from
+    # Both ranks healed: each rank's own log says from whom (rank 1's state came from
     # group 0's rank 1: its checksum above).
     for r in (0, 1):
         assert "healed from group 0" in (healed / "logs" / f"rank{r}.log").read_text()
@@ -113,6 +123,63 @@ def test_a_killed_pipeline_group_heals_both_stages_from_its_peer(
              if r.get("live_groups") == 1 and "event" not in r]  # fmt: skip
     assert alone and {int(r["samples"]) for r in alone} == {8}  # type: ignore[call-overload]
     assert _check_pp_samples([survivor, healed]) == 16 * STEPS - 8 * len(alone)
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_pipeline_group_heals_both_stages_from_its_peer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(test_ft, "WORKER", PP_WORKER)
+    _kill_one_of_two(tmp_path, 5, *PP_KEYS)
+
+
+@pytest.mark.timeout(600)
+def test_tensor_parallel_inside_replica_groups_trains_what_plain_tp_x_fsdp_trains(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(test_ft, "WORKER", PP_WORKER)
+    _launch(tmp_path / "tp", PP, {}, 280, "--parallel.tp=2", "--parallel.zero=3", steps=STEPS)
+    _launch(tmp_path / "ft", [*PP, "--replica-groups", "2"], {}, 280, "--parallel.tp=2",
+            steps=STEPS)  # fmt: skip
+    groups = [tmp_path / "ft" / f"group{g}" for g in (0, 1)]
+    _assert_like_plain(tmp_path / "tp", groups, STEPS)  # TP 2 x FSDP2 2 on 4 processes
+    assert _rank_sums(groups[0]) == _rank_sums(groups[1])
+    assert _check_pp_samples(groups) == STEPS * 16
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_tensor_parallel_group_heals_both_shards_from_its_peer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(test_ft, "WORKER", PP_WORKER)
+    _kill_one_of_two(tmp_path, 5, "--parallel.tp=2")
+
+
+@pytest.mark.timeout(600)
+def test_zero1_inside_replica_groups_trains_what_plain_zero1_trains(tmp_path: Path) -> None:
+    _launch(tmp_path / "zero1", PP, {}, 280, *ZERO1_KEYS, steps=STEPS)
+    _launch(tmp_path / "ft", [*PP, "--replica-groups", "2"], {}, 280, *ZERO1_KEYS, steps=STEPS)
+    groups = [tmp_path / "ft" / f"group{g}" for g in (0, 1)]
+    _assert_like_plain(tmp_path / "zero1", groups, STEPS)  # ZeRO-1 over 4 processes
+    assert _rank_sums(groups[0]) == _rank_sums(groups[1])
+    assert test_ft._check_samples(tmp_path / "ft", groups) == STEPS * 16
+
+
+@pytest.mark.timeout(600)
+def test_a_killed_zero1_group_heals_each_ranks_optimizer_partition(tmp_path: Path) -> None:
+    """Group 1's two ranks each load their own partition of the optimizer state from the
+    same rank of group 0; with a missing or wrong partition (fresh AdamW moments on the
+    parameters that rank owns) the weights would part from group 0's at the next step."""
+    kill = 5
+    env = {"FT_KILL_STEPS": f"1:{kill}", "FT_HOLD_AT": str(STEPS - 3)}
+    flags = [*PP, "--replica-groups", "2", "--max-restarts", "2"]
+    _launch(tmp_path, flags, env, 580, *ZERO1_KEYS, steps=STEPS)
+    test_ft._check_survived(tmp_path, kills=1, ranks=2, steps=STEPS)
+    broken = [int(e["step"]) for e in _events(tmp_path / "group0", "ft_uncommitted")]  # type: ignore[call-overload]
+    assert broken[0] == kill, broken
+    for r in (0, 1):
+        log = (tmp_path / "group1" / "logs" / f"rank{r}.log").read_text()
+        assert "healed from group 0" in log
 
 
 @pytest.mark.timeout(600)

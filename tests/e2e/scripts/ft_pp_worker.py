@@ -1,11 +1,13 @@
-"""A pipelined job for the replica-group layout tests (tests/e2e/test_ft_layouts.py): the demo
-GPT split into 2 stages (``--parallel.pp=2``) inside each group, trained through
-``run.pipeline(model, loss_fn)`` and ``run.pipeline_step``.
+"""The demo GPT for the replica-group layout tests (tests/e2e/test_ft_layouts.py): split into 2
+stages (``--parallel.pp=2``) inside each group and trained through ``run.pipeline(model,
+loss_fn)`` and ``run.pipeline_step``; without ``parallel.pp`` through ``run.parallelize`` (its
+tensor-parallel plan under ``--parallel.tp=2``) and ``run.backward``.
 
 It writes what ft_worker.py writes, with that script's helpers (imported from it, so the
 faults and test hooks are the same): RUN_DIR/pids.txt, RUN_DIR/samples.rank<r>.jsonl (every
-rank of a pipeline reads the same micro-batches, so both stages record the same indices) and
-at the end RUN_DIR/checksum.rank<r>.json over this rank's stage parameters. Faults by
+rank of a pipeline, and of a tensor-parallel group, reads the same micro-batches, so both
+ranks record the same indices) and at the end RUN_DIR/checksum.rank<r>.json over this rank's
+stage parameters (its shards under TP). Faults by
 environment, as ft_worker.py reads them: FT_KILL_STEPS="G:S,..." (group G's rank 0, the first
 stage, SIGKILLs itself in step S's forward), FT_HOLD_AT / FT_ALONE (the groups without faults
 wait at their quorum for a missing group; ft_worker._hold_quorum).
@@ -48,8 +50,15 @@ def main() -> None:
     ft = run.config.fault_tolerance
     tokens = torch.randint(0, 16, (SAMPLES, 17), generator=torch.Generator().manual_seed(0))
     data = TensorDataset(tokens[:, :-1], tokens[:, 1:], torch.arange(SAMPLES))
-    pipe = run.pipeline(build_model(), lm_loss)
-    opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    pipelined = run.config.parallel.pp > 1
+    if pipelined:
+        pipe = run.pipeline(build_model(), lm_loss)
+        modules: nn.Module = nn.ModuleList(pipe.modules)
+        opt = torch.optim.AdamW(pipe.parameters(), lr=1e-2)
+    else:
+        model = run.parallelize(build_model())  # TP by the GPT's plan under --parallel.tp
+        modules = model
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sampler = run.sampler(len(data))
     assert (sampler.rank, sampler.world_size) == data_share(ft, run.dp_rank, run.dp_size)
     loader = DataLoader(data, batch_size=run.config.data.micro_batch, sampler=sampler)
@@ -65,7 +74,10 @@ def main() -> None:
             base._wait_for_records(run_dir, run.world_size, run.step)
             print(f"ft_pp_worker: group {ft.group_index} dies at step {step}", flush=True)
             base._die()
-        run.pipeline_step(pipe, inputs, targets)
+        if pipelined:
+            run.pipeline_step(pipe, inputs, targets)
+        else:
+            run.backward(lm_loss(model(inputs), targets))
         trained += index.tolist()
         boundary = run.loop.state.micro == run.accum - 1
         if run.optimizer_step(opt):
@@ -74,9 +86,10 @@ def main() -> None:
         if boundary:
             trained = []
     state = run.loop.state.sampler
-    out = {"step": run.step, "checksum": base._checksum(nn.ModuleList(pipe.modules)),
-           "pid": os.getpid(), "consumed": None if state is None else state.consumed,
-           "first_stage": pipe.is_first, "last_stage": pipe.is_last}  # fmt: skip
+    out = {"step": run.step, "checksum": base._checksum(modules), "pid": os.getpid(),
+           "consumed": None if state is None else state.consumed}  # fmt: skip
+    if pipelined:
+        out.update(first_stage=pipe.is_first, last_stage=pipe.is_last)
     (run_dir / f"checksum.rank{run.rank}.json").write_text(json.dumps(out))
 
 

@@ -149,7 +149,10 @@ def main() -> None:
     y = x @ torch.randn(16, 1, generator=torch.Generator().manual_seed(1))
     data = TensorDataset(x, y, torch.arange(len(x)))  # the index: which samples were trained
     model = run.parallelize(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    if run.config.parallel.zero == 1:  # ZeRO-1: the state sharded over the group's ranks
+        opt = run.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    else:
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     # run.sampler reads this group's share of the global batch (meshrun.ft.data_share).
     sampler = run.sampler(len(data))
     assert (sampler.rank, sampler.world_size) == data_share(ft, run.dp_rank, run.dp_size)
