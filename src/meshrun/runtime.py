@@ -140,9 +140,10 @@ class Run(ModelMethods, DataMethods, LoopMethods, EvalMethods):
 
 def _announce(run: Run) -> None:
     c = run.config
+    groups = c.fault_tolerance.replica_groups
     run.log.info(
         "%d process(es) [%s] on %s + %s | mesh %s | global batch %d%s = micro %d x accum %d"
-        " x dp %d | run dir %s",
+        " x dp %d%s | run dir %s",
         run.world_size,
         run.cluster.kind,
         run.device.type,
@@ -153,6 +154,8 @@ def _announce(run: Run) -> None:
         c.data.micro_batch,
         run.accum,
         run.dp_size,
+        # Each replica group is its own world: the global batch spans all of them.
+        f" x {groups} replica groups" if groups > 1 else "",
         run.run_dir,
     )
     if run._default_run_dir:  # a directory appears in the cwd: say where and how to move it

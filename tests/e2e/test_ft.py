@@ -133,6 +133,9 @@ def test_replica_groups_train_what_plain_data_parallelism_trains(tmp_path: Path)
     _launch(tmp_path / "ft", ["--replica-groups", "2"], {}, 280)
     groups = [tmp_path / "ft" / "group0", tmp_path / "ft" / "group1"]
     _assert_like_plain(tmp_path / "dp", groups, STEPS)
+    # The start-up line's arithmetic spans the groups: 16 = 8 x 1 x 1 x 2.
+    started = (groups[0] / "logs" / "rank0.log").read_text()
+    assert "global batch 16 = micro 8 x accum 1 x dp 1 x 2 replica groups" in started
     for group in groups:
         assert _checksum(group)["checksum"] == _checksum(tmp_path / "dp")["checksum"]
     groups = [tmp_path / "ft" / "group0", tmp_path / "ft" / "group1"]
