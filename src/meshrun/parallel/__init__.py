@@ -341,12 +341,7 @@ def parallelize_pipeline(
 
     dims = ParallelDims.from_mesh(mesh)
     check_layout(cfg, vars(dims))  # e.g. tp x ZeRO-1, pp_microbatches < pp
-    if cfg.param_dtype == "float16" and scaler is None:
-        raise ConfigError(
-            f"parallel.pp = {dims.pp} with parallel.param_dtype = 'float16' needs a loss scaler "
-            "inside the schedule: use run.pipeline(model, loss_fn), or pass "
-            "scaler=build_grad_scaler(cfg, device) to parallelize_pipeline"
-        )
+    _check_pipeline_scaler(cfg, dims, scaler)
     zero = data_parallel_stage(cfg, dims)
     check_offload(cfg, device)
     mp_policy = build_mp_policy(cfg, zero)  # checked before anything changes
@@ -369,6 +364,18 @@ def parallelize_pipeline(
     pipe = build_pipeline(modules, mesh, cfg, loss_fn, device, scaler)
     pipe.tied = bind_tied(stages.tied, modules, stages.ids, mesh)
     return pipe
+
+
+def _check_pipeline_scaler(
+    cfg: ParallelConfig, dims: ParallelDims, scaler: ShardedGradScaler | None
+) -> None:
+    """fp16 under a pipeline scales each chunk's loss inside the schedule: it needs the scaler."""
+    if cfg.param_dtype == "float16" and scaler is None:
+        raise ConfigError(
+            f"parallel.pp = {dims.pp} with parallel.param_dtype = 'float16' needs a loss scaler "
+            "inside the schedule: use run.pipeline(model, loss_fn), or pass "
+            "scaler=build_grad_scaler(cfg, device) to parallelize_pipeline"
+        )
 
 
 def parallelize_stage(
