@@ -41,10 +41,44 @@ EXIT_S = 15.0  # how long the ranks get to leave once all have returned
 Outcome = tuple[str, Any]
 
 
+_next_port: list[int] = []  # this process's next candidate below the ephemeral range
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A port that is free now and below the kernel's ephemeral range. The spawned ranks bind
+    it seconds later (after importing torch); a port from the ephemeral range (what binding
+    port 0 returns) can be taken in between by any socket that connects somewhere on this
+    machine, and was (EADDRINUSE in a full suite). Each pytest-xdist worker, and each process,
+    draws from its own slice of 20000..(range start), so two never pick the same one."""
+    low = _ephemeral_start()
+    if low - 20000 < 4096:  # no room below the range on this machine: the kernel's choice
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    slices = 8
+    width = (low - 20000) // slices
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw")
+    start = 20000 + (int(worker) % slices if worker.isdigit() else 0) * width
+    if not _next_port:
+        _next_port.append(start + os.getpid() % width)
+    for _ in range(width):
+        port = start + (_next_port[0] - start) % width
+        _next_port[0] = port + 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # taken: the next one
+            return port
+    raise RuntimeError(f"no free port in {start}..{start + width - 1}")
+
+
+def _ephemeral_start() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 20000  # unknown (not Linux): fall back to the kernel's choice
 
 
 def run_distributed(
