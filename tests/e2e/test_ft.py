@@ -95,11 +95,17 @@ def _check_samples(run_dir: Path, groups: list[Path]) -> int:
     data position ended) was trained exactly once in a committed step, over every rank of
     every group and every process of each, and nothing else was; ``consumed`` is the sum of
     the samples the survivor's committed steps trained. Returns ``consumed``."""
+    trained = [i for g in groups for path in sorted(g.glob("samples.rank*.jsonl"))
+               for row in _rows(path) for i in row["indices"]]  # type: ignore[attr-defined]  # fmt: skip
+    return _check_trained_once(groups, trained)
+
+
+def _check_trained_once(groups: list[Path], trained: list[int]) -> int:
+    """``trained`` (the dataset indices of the committed steps) is the stream's first
+    ``consumed`` positions, each once; ``consumed`` is what the survivor's steps trained."""
     consumed = int(_checksum(groups[0])["consumed"])  # type: ignore[call-overload]
     steps = [r for r in _rows(groups[0] / "metrics.jsonl") if "event" not in r]
     assert consumed == sum(int(r["samples"]) for r in steps)  # type: ignore[call-overload]
-    trained = [i for g in groups for path in sorted(g.glob("samples.rank*.jsonl"))
-               for row in _rows(path) for i in row["indices"]]  # type: ignore[attr-defined]  # fmt: skip
     twice = {i: n for i, n in Counter(trained).items() if n > 1}
     assert not twice, f"trained more than once: {sorted(twice)[:10]}"
     seed = load_config(groups[0] / "config.toml").job.seed

@@ -28,7 +28,6 @@ The launch and check helpers are test_ft.py's.
 
 from __future__ import annotations
 
-import itertools
 import json
 import shutil
 from collections import Counter
@@ -36,10 +35,15 @@ from pathlib import Path
 
 import pytest
 import test_ft
-from test_ft import _assert_like_plain, _checksum, _events, _launch, _pids, _rows
-
-from meshrun.config import load_config
-from meshrun.data.sampler import ResumableSampler
+from test_ft import (
+    _assert_like_plain,
+    _check_trained_once,
+    _checksum,
+    _events,
+    _launch,
+    _pids,
+    _rows,
+)
 
 pytestmark = pytest.mark.slow
 PP_WORKER = Path(__file__).parent / "scripts" / "ft_pp_worker.py"
@@ -62,17 +66,8 @@ def _stage_records(group: Path) -> list[dict[str, object]]:
 def _check_pp_samples(groups: list[Path]) -> int:
     """test_ft._check_samples over pipelines (or TP pairs): every index of the stream's first
     ``consumed`` positions trained exactly once in a committed step, counted on rank 0."""
-    consumed = int(_checksum(groups[0])["consumed"])  # type: ignore[call-overload]
-    steps = [r for r in _rows(groups[0] / "metrics.jsonl") if "event" not in r]
-    assert consumed == sum(int(r["samples"]) for r in steps)  # type: ignore[call-overload]
     trained = [i for g in groups for row in _stage_records(g) for i in row["indices"]]  # type: ignore[attr-defined]
-    twice = sorted(i for i, n in Counter(trained).items() if n > 1)
-    assert not twice, f"trained more than once: {twice[:10]}"
-    seed = load_config(groups[0] / "config.toml").job.seed
-    order = ResumableSampler(test_ft.SAMPLES, rank=0, world_size=1, global_batch=1, seed=seed)
-    expected = set(itertools.islice(iter(order), consumed))
-    assert len(expected) == consumed and set(trained) == expected
-    return consumed
+    return _check_trained_once(groups, trained)
 
 
 def _rank_sums(group: Path) -> list[str]:

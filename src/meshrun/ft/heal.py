@@ -129,7 +129,7 @@ def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     ``ZeroRedundancyOptimizer.load_state_dict`` on the peer loads the entries it owns."""
     if not is_zero_redundancy(optimizer):
         return optimizer.state_dict()
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = _params(optimizer)
     index = {id(p): i for i, p in enumerate(params)}
     groups = [{**{k: v for k, v in g.items() if k != "params"},
                "params": [index[id(p)] for p in g["params"]]}
@@ -146,7 +146,7 @@ def _check_partition(optimizer: ZeroRedundancyOptimizer, sd: dict[str, Any]) -> 
             "healing: this group's optimizer is a ZeroRedundancyOptimizer (ZeRO-1) but the "
             "peer sent a whole optimizer state: every group must run the same layout"
         )
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = _params(optimizer)
     owned = {id(p) for group in optimizer.optim.param_groups for p in group["params"]}
     mine = {i for i, p in enumerate(params) if id(p) in owned}
     if not set(sd["state"]) <= mine:
@@ -179,7 +179,7 @@ def _copy_into(model: torch.nn.Module, received: dict[str, Any]) -> None:
 def _as_params(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str, Any]:
     """The received optimizer state with each per-parameter shard made a DTensor again where
     the parameter is one (an optimizer mixing them would fail at its next step)."""
-    params = [p for group in optimizer.param_groups for p in group["params"]]
+    params = _params(optimizer)
     for index, entry in sd["state"].items():
         p = params[int(index)]
         if not isinstance(p, DTensor):
@@ -190,3 +190,8 @@ def _as_params(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str
                                                  run_check=False, shape=p.shape,
                                                  stride=p.stride())  # fmt: skip
     return sd
+
+
+def _params(optimizer: torch.optim.Optimizer) -> list[Any]:
+    """The optimizer's parameters in ``state_dict()``'s numbering (param group by group)."""
+    return [p for group in optimizer.param_groups for p in group["params"]]
