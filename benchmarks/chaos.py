@@ -4,7 +4,8 @@
         [--configs ddp2,zero3_2,ddp4,zero3_4] [--steps 24] [--interval 4] [--json OUT]
 
 Every run trains the tiny demo GPT (``meshrun launch -m meshrun.demo --size tiny``, a
-checkpoint every ``--interval`` steps) on 2 or 4 Gloo workers, DDP or ZeRO-3, and suffers one
+checkpoint every ``--interval`` steps) on 2 or 4 Gloo workers, DDP or ZeRO-3 (DDP on 4 with
+``parallel.find_unused_parameters = true``, see ``command``), and suffers one
 fault at a seeded random moment. The moment is found by watching the run (metrics.jsonl for
 steps, inotify on the checkpoint directory for saves and resumes, /proc for the workers),
 never by sleeping on a guess:
@@ -294,6 +295,12 @@ def command(config: str, s: Settings, run_dir: Path) -> list[str]:
     argv += [f"--monitor.step_timeout_s={s.step_timeout_s}"]
     if zero:
         argv += [f"--parallel.zero={zero}"]
+    elif nproc > 2:
+        # DDP's default rebuilds its buckets after a process's first step, which on more than
+        # 2 ranks changes the summation order of the step after a resume (a difference of
+        # float rounding, named in the resume line); this keeps one layout, so replays are
+        # bitwise (docs/checkpoint.md, benchmarks/ddp_first_step.py).
+        argv += ["--parallel.find_unused_parameters=true"]
     return argv
 
 

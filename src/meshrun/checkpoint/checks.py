@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -104,6 +105,30 @@ def reseed(seed: int, step: int, rank: int) -> None:
     random.seed(s)
     np.random.seed(s % 2**32)
     torch.manual_seed(s)
+
+
+def ddp_replay_note(model: nn.Module | None) -> str | None:
+    """Why steps replayed after a resume under DDP are not bitwise the interrupted run's, or
+    None when they are.
+
+    A new DDP process reduces its first step in buckets in parameter order, then rebuilds them
+    in the order gradients became ready (unless ``find_unused_parameters`` without
+    ``static_graph``); on more than 2 ranks the ring all-reduce's summation order depends on an
+    element's place in the bucket, so the resumed process's first step sums differently than
+    the uninterrupted run did at that step (benchmarks/ddp_first_step.py measures it)."""
+    if not isinstance(model, DDP):
+        return None
+    if model.find_unused_parameters and not model.static_graph:
+        return None  # DDP keeps its first buckets for the process's life
+    ranks = dist.get_world_size(model.process_group)
+    if ranks <= 2:
+        return None  # a + b is b + a: the order of two terms does not change the sum
+    return (
+        f"DDP over {ranks} ranks rebuilds its gradient buckets after a process's first step, "
+        "so the replayed steps match the interrupted run to float rounding, not bitwise; "
+        "--parallel.find_unused_parameters=true keeps one bucket layout (bitwise replays, a "
+        "graph search per step)"
+    )
 
 
 def layout_text(model: nn.Module | None) -> str:

@@ -14,7 +14,14 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrun.checkpoint import layout
-from meshrun.checkpoint.checks import CheckpointError, check_keys, layout_text, pick, reseed
+from meshrun.checkpoint.checks import (
+    CheckpointError,
+    check_keys,
+    ddp_replay_note,
+    layout_text,
+    pick,
+    reseed,
+)
 from meshrun.checkpoint.commit import STATE_FILE, rank_file
 from meshrun.checkpoint.facts import RunFacts
 from meshrun.checkpoint.pipeline import PipelineView
@@ -171,6 +178,8 @@ class Resume:
         f = self.facts
         pos = f"{saved['sampler']['consumed']} samples" if saved["sampler"] else "not saved"
         head = f"resumed from {path} (step {saved['step']}, data position {pos})"
+        note = ddp_replay_note(self.targets.model)
+        head += f"; {note}" if note else ""
         if same_world:
             return head
         return (
