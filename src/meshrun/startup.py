@@ -6,6 +6,7 @@ Each is called once per process by ``init``/``Run`` (runtime.py), which keeps on
 from __future__ import annotations
 
 import copy
+import dataclasses
 import os
 import random
 import sys
@@ -217,5 +218,14 @@ def checkpoint_facts(cfg: Config, run_dir: Path, accum: int, device: torch.devic
         seed=cfg.job.seed,
         lr_scaling=cfg.optim.lr_scaling,
         config_toml=to_toml(cfg),
-        config_digest=cfg.digest(),
+        config_digest=run_digest(cfg),
     )
+
+
+def run_digest(cfg: Config) -> str:
+    """The config digest the checkpoints record and key node-local snapshots by: the config
+    without the lighthouse's address, which is no part of what is trained. A local launch of
+    replica groups starts its lighthouse on a new port each time; with the port in it, a new
+    launch of the same run could not find its own node-local snapshots."""
+    ft = dataclasses.replace(cfg.fault_tolerance, lighthouse="")
+    return dataclasses.replace(cfg, fault_tolerance=ft).digest()

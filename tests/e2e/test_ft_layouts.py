@@ -21,7 +21,8 @@ pipeline parallelism inside each group, and the node-local checkpoint tier.
   ft/heal.py sends the partition).
 - ``checkpoint.local_interval`` with 2 groups x 1 (ft_worker.py with ``run.resume``): a killed
   group restores its own node-local snapshot (not the shared checkpoint), then heals from the
-  live group anyway (its snapshot is behind it) and ends bitwise equal to it.
+  live group anyway (its snapshot is behind it) and ends bitwise equal to it; a new launch of
+  the same run restores both groups from their own snapshots.
 
 The launch and check helpers are test_ft.py's.
 """
@@ -192,6 +193,16 @@ def test_a_killed_group_with_the_local_tier_restores_it_then_heals_from_its_peer
     heal = _events(tmp_path / "group1", "ft_heal")[0]
     assert int(heal["step"]) > 6, heal  # type: ignore[call-overload]
     assert not _events(tmp_path / "group0", "restore")  # the survivor never restarted
+    # The same command again (its lighthouse on another port): both groups restore their own
+    # step-16 snapshots (nothing is left to train). With the port in the snapshots' config
+    # digest they found none and started again from step 0.
+    before = _checksum(tmp_path / "group0")
+    _launch(tmp_path, flags, {"FT_RESUME": "1"}, 280, "--checkpoint.local_interval=2", steps=STEPS)
+    for g in (0, 1):
+        restores = [(e["tier"], e["step"]) for e in _events(tmp_path / f"group{g}", "restore")]
+        assert restores and restores[-1] == ("local", STEPS), (g, restores)
+        again = _checksum(tmp_path / f"group{g}")
+        assert (again["step"], again["checksum"]) == (STEPS, before["checksum"]), again
 
 
 @pytest.mark.timeout(600)
