@@ -11,7 +11,7 @@ import gc
 import importlib
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +92,7 @@ def _launch(
     from meshrun.launch.multinode import shared_digest, shared_settings
 
     set_value(cfg, "launch.nproc_per_node", nproc)  # the resolved config records the count
-    config_path = _prepare(cfg, nproc, cfg.launch.nnodes)
+    config_path = _prepare(cfg, _group_nproc(cfg, nproc, spec_fields), cfg.launch.nnodes)
     spec = LaunchSpec.of(
         cfg.launch,
         script=script,
@@ -105,6 +105,24 @@ def _launch(
         **spec_fields,
     )
     return launch_local(spec)
+
+
+def _group_nproc(cfg: Config, nproc: int, spec_fields: Mapping[str, Any]) -> int:
+    """The processes per node of one replica group, which the layout and the derived global
+    batch are checked against. ``--replica-groups N`` splits this node's processes into N
+    groups (and records N in the config); without it, ``fault_tolerance.replica_groups > 1``
+    makes this launch one group of that many, started once per group (each with its own
+    ``group_index``)."""
+    groups = int(spec_fields.get("replica_groups") or 0)
+    if groups <= 1:
+        return nproc
+    if nproc % groups:
+        raise ConfigError(
+            f"--replica-groups {groups} does not divide --nproc-per-node {nproc}: each group "
+            f"gets nproc-per-node / N processes; use a divisor of {nproc}"
+        )
+    set_value(cfg, "fault_tolerance.replica_groups", groups)
+    return nproc // groups
 
 
 def _nproc(flag: int | None, cfg: Config) -> int:

@@ -72,18 +72,22 @@ def dp_size_for_world(cfg: Config, world_size: int) -> int:
 def resolve_global_batch(cfg: Config, world_sizes: Sequence[int]) -> str | None:
     """Fill in an unset ``data.global_batch`` (0) in place: micro_batch x the data-parallel
     size of the world, or of the least common multiple of several worlds' sizes, so that one
-    number serves each of them (scale-test keeps it across sizes: strong scaling). Returns the
+    number serves each of them (scale-test keeps it across sizes: strong scaling), times the
+    replica groups under ``fault_tolerance`` (the worlds are then one group's). Returns the
     line that says what was derived; None when the user set the value (it is kept as is)."""
     if cfg.data.global_batch or not world_sizes:
         return None
     sizes = [dp_size_for_world(cfg, w) for w in world_sizes]
-    dp = math.lcm(*sizes)
-    cfg.data.global_batch = cfg.data.micro_batch * dp
+    dp, groups = math.lcm(*sizes), replica_groups(cfg)
+    cfg.data.global_batch = cfg.data.micro_batch * dp * groups
     distinct = sorted(set(sizes))
     why = "" if len(distinct) == 1 else f"; {dp} = lcm of the sizes {distinct}"
+    factors, names = f"{cfg.data.micro_batch} x {dp}", "micro_batch x data-parallel size"
+    if groups > 1:  # every group derives the same number from its own world
+        factors, names = f"{factors} x {groups}", f"{names} per group x replica groups"
     return (
-        f"data.global_batch unset: {cfg.data.micro_batch} x {dp} = {cfg.data.global_batch} "
-        f"(micro_batch x data-parallel size{why}); set --data.global_batch=N to choose it"
+        f"data.global_batch unset: {factors} = {cfg.data.global_batch} ({names}{why}); set "
+        "--data.global_batch=N to choose it"
     )
 
 
@@ -100,14 +104,29 @@ def check_pipeline(p: ParallelConfig, dims: Mapping[str, int], shown: str) -> No
         )
 
 
+def replica_groups(cfg: Config) -> int:
+    """How many replica groups share the global batch (1 without fault tolerance's groups)."""
+    return cfg.fault_tolerance.replica_groups if cfg.fault_tolerance.enabled else 1
+
+
 def validate_for_world(cfg: Config, world_size: int) -> dict[str, int]:
     """Every check of ``cfg`` (:func:`validate`, then those that need the world size); run by
-    the launcher before spawning workers and by ``init()``. An unset global batch (0) is
+    the launcher before spawning workers and by ``init()``. ``world_size`` is one replica
+    group's under ``fault_tolerance.replica_groups``: the layout is each group's, and the
+    global batch is shared by every group's data-parallel ranks. An unset global batch (0) is
     checked as micro_batch x data-parallel size; :func:`resolve_global_batch` fills it in."""
     validate(cfg)
     dims = resolve_mesh_dims(cfg.parallel, world_size)
     check_layout(cfg.parallel, dims)
-    grad_accumulation(cfg.data, dims["dp_replicate"] * dims["dp_shard"])
+    dp, groups = dims["dp_replicate"] * dims["dp_shard"], replica_groups(cfg)
+    try:
+        grad_accumulation(cfg.data, dp * groups)
+    except ConfigError as e:
+        if groups == 1:
+            raise
+        raise ConfigError(
+            f"{e} (data-parallel size {dp} per group x {groups} replica groups)"
+        ) from None
     if cfg.parallel.pp > 1 and cfg.data.micro_batch % cfg.parallel.pp_microbatches:
         raise ConfigError(
             f"data.micro_batch = {cfg.data.micro_batch} does not split into parallel."

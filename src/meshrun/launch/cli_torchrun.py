@@ -58,7 +58,8 @@ def add_replica_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="N",
         help="N replica groups of nproc-per-node / N processes each, each its "
-        "own torchrun job (default fault_tolerance.replica_groups, 1 = off)",
+        "own torchrun job (1 = off); without it, fault_tolerance.replica_groups > 1 makes "
+        "this launch one group of that many (one launch per group)",
     )
     group.add_argument("--lighthouse", default=None, metavar="HOST:PORT",
                        help="torchft's lighthouse (`meshrun lighthouse`); default: meshrun "
