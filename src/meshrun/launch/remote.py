@@ -223,8 +223,11 @@ def _say(lock: threading.Lock, text: str) -> None:
 
 @contextmanager
 def _stop_signals() -> Iterator[None]:
-    """SIGTERM (and SIGHUP) raise ``_Stopped`` in the main thread, as Ctrl-C raises
-    KeyboardInterrupt, so both stop the hosts the same way; the handlers are put back after."""
+    """SIGINT, SIGTERM (and SIGHUP) raise ``_Stopped`` in the main thread, so each stops the
+    hosts the same way; the handlers are put back after. SIGINT is handled here too, not left
+    to Python's KeyboardInterrupt: a launcher started from a shell without job control (a
+    script's ``cmd &``, CI) inherits SIGINT ignored, and Python then installs no handler, so
+    ``kill -INT`` did nothing (torchrun's agent handles it whatever it inherited)."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
@@ -232,7 +235,7 @@ def _stop_signals() -> Iterator[None]:
     def handler(signum: int, frame: FrameType | None) -> None:
         raise _Stopped(signal.Signals(signum))
 
-    sigs = [signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
+    sigs = [signal.SIGINT, signal.SIGTERM] + ([signal.SIGHUP] if hasattr(signal, "SIGHUP") else [])
     saved = {sig: signal.getsignal(sig) for sig in sigs}
     for sig in sigs:
         signal.signal(sig, handler)
