@@ -20,21 +20,24 @@ pytestmark = pytest.mark.timeout(30)
 HSDP_PER_GROUP = ["--parallel.zero=3", "--parallel.dp_replicate=2", "--parallel.dp_shard=2"]
 
 
-def _spawned(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
-    """The specs ``meshrun launch`` hands to the process launcher (nothing is started)."""
+def _launch(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, groups: int, *keys: str
+) -> tuple[int, list[Any]]:
+    """``meshrun launch --replica-groups GROUPS --nproc-per-node 8``: its exit code and the
+    specs it handed to the process launcher (replaced here: nothing is started)."""
+    script = tmp_path / "train.py"
+    script.write_text("")
     specs: list[Any] = []
     monkeypatch.setattr(meshrun.launch.local, "launch_local", lambda spec: specs.append(spec) or 0)
-    return specs
+    argv = ["launch", "--replica-groups", str(groups), "--nproc-per-node", "8", str(script)]
+    return main([*argv, f"--job.run_dir={tmp_path / 'run'}", *keys]), specs
 
 
 def test_replica_groups_check_the_layout_per_group_and_count_the_groups_in_the_batch(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    script = tmp_path / "train.py"
-    script.write_text("")
-    specs = _spawned(monkeypatch)
-    argv = ["launch", "--replica-groups", "2", "--nproc-per-node", "8", str(script)]
-    assert main([*argv, f"--job.run_dir={tmp_path / 'run'}", *HSDP_PER_GROUP]) == 0
+    code, specs = _launch(tmp_path, monkeypatch, 2, *HSDP_PER_GROUP)
+    assert code == 0
     (spec,) = specs
     assert (spec.nproc_per_node, spec.replica_groups) == (8, 2)
     written = load_config(spec.config_path)
@@ -50,11 +53,8 @@ def test_replica_groups_check_the_layout_per_group_and_count_the_groups_in_the_b
 def test_replica_groups_that_do_not_divide_the_processes_stop_before_any_spawn(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    script = tmp_path / "train.py"
-    script.write_text("")
-    specs = _spawned(monkeypatch)
-    argv = ["launch", "--replica-groups", "3", "--nproc-per-node", "8", str(script)]
-    assert main([*argv, f"--job.run_dir={tmp_path / 'run'}"]) != 0
+    code, specs = _launch(tmp_path, monkeypatch, 3)
+    assert code != 0
     assert specs == []
     err = capsys.readouterr().err
     assert "--replica-groups 3 does not divide --nproc-per-node 8" in err
