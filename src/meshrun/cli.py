@@ -121,6 +121,13 @@ def _group_nproc(cfg: Config, nproc: int, spec_fields: Mapping[str, Any]) -> int
             f"--replica-groups {groups} does not divide --nproc-per-node {nproc}: each group "
             f"gets nproc-per-node / N processes; use a divisor of {nproc}"
         )
+    if cfg.launch.nnodes != "1":
+        raise ConfigError(
+            f"--replica-groups starts every group on this node, but --nnodes is "
+            f"{cfg.launch.nnodes!r}: across nodes start one `meshrun launch` per group with "
+            "--lighthouse HOST:PORT and --fault_tolerance.group_index=G "
+            "(docs/fault_tolerance.md)"
+        )
     set_value(cfg, "fault_tolerance.replica_groups", groups)
     return nproc // groups
 

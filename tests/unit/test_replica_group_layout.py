@@ -21,16 +21,16 @@ HSDP_PER_GROUP = ["--parallel.zero=3", "--parallel.dp_replicate=2", "--parallel.
 
 
 def _launch(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, groups: int, *keys: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, groups: int, *keys: str, flags: str = ""
 ) -> tuple[int, list[Any]]:
-    """``meshrun launch --replica-groups GROUPS --nproc-per-node 8``: its exit code and the
-    specs it handed to the process launcher (replaced here: nothing is started)."""
+    """``meshrun launch --replica-groups GROUPS --nproc-per-node 8 FLAGS``: its exit code and
+    the specs it handed to the process launcher (replaced here: nothing is started)."""
     script = tmp_path / "train.py"
     script.write_text("")
     specs: list[Any] = []
     monkeypatch.setattr(meshrun.launch.local, "launch_local", lambda spec: specs.append(spec) or 0)
-    argv = ["launch", "--replica-groups", str(groups), "--nproc-per-node", "8", str(script)]
-    return main([*argv, f"--job.run_dir={tmp_path / 'run'}", *keys]), specs
+    argv = ["launch", "--replica-groups", str(groups), "--nproc-per-node", "8", *flags.split()]
+    return main([*argv, str(script), f"--job.run_dir={tmp_path / 'run'}", *keys]), specs
 
 
 def test_replica_groups_check_the_layout_per_group_and_count_the_groups_in_the_batch(
@@ -79,3 +79,16 @@ def test_a_set_global_batch_must_divide_over_every_groups_ranks() -> None:
     message = str(info.value)
     assert "data.global_batch = 24 is not divisible by micro_batch x" in message
     assert "(data-parallel size 2 per group x 2 replica groups)" in message
+
+
+def test_replica_groups_on_several_nodes_stop_before_any_spawn_naming_the_way_across_nodes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    flags = "--nnodes 2 --node-rank 0 --rdzv-endpoint 127.0.0.1:29411"
+    code, specs = _launch(tmp_path, monkeypatch, 2, flags=flags)
+    assert code != 0
+    assert specs == []
+    err = capsys.readouterr().err
+    assert "--replica-groups starts every group on this node, but --nnodes is '2'" in err
+    assert "--fault_tolerance.group_index=G" in err
+    assert "Traceback" not in err

@@ -210,7 +210,7 @@ def _group_plan(spec: LaunchSpec) -> GroupPlan:
         return build_torchrun_args(group, find_free_port())
 
     return GroupPlan(
-        spec.replica_groups, spec.nproc_per_node, spec.nnodes, spec.config_path,
+        spec.replica_groups, spec.nproc_per_node, spec.config_path,
         spec.lighthouse, argv_for, dict(spec.extra_env),
     )  # fmt: skip
 

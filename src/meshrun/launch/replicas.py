@@ -69,7 +69,6 @@ class GroupPlan:
 
     groups: int
     nproc_per_node: int  # all groups together
-    nnodes: str
     config_path: str
     lighthouse: str  # --lighthouse; "" = the config's, else an embedded one
     # (group index, its run dir, its config path) -> torchrun argv
@@ -79,19 +78,10 @@ class GroupPlan:
 
 def launch_replica_groups(plan: GroupPlan) -> int:
     """Start ``plan.groups`` torchrun jobs of ``nproc_per_node / groups`` processes; wait for
-    all; return 0 when every group finished, else the first failing group's exit code."""
+    all; return 0 when every group finished, else the first failing group's exit code. (The
+    launcher has checked that the groups divide the processes and that the job is one node:
+    meshrun.cli._group_nproc.)"""
     groups = plan.groups
-    if plan.nproc_per_node % groups:
-        raise ValueError(
-            f"--replica-groups {groups} does not divide --nproc-per-node "
-            f"{plan.nproc_per_node}: each group gets nproc-per-node / N processes"
-        )
-    if plan.nnodes != "1":
-        raise ValueError(
-            "--replica-groups starts every group on this node; across nodes start one "
-            "`meshrun launch` per group with --lighthouse HOST:PORT and "
-            "--set fault_tolerance.group_index=G (docs/fault_tolerance.md)"
-        )
     cfg = load_config(plan.config_path)
     nproc = plan.nproc_per_node // groups
     with run_lighthouse(plan.lighthouse or cfg.fault_tolerance.lighthouse, cfg, groups) as addr:
