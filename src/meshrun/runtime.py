@@ -66,7 +66,7 @@ class Run(ModelMethods, DataMethods, LoopMethods, EvalMethods):
         self.dp_size = self.dims.dp
         self.dp_rank = self.dims.dp_rank(self.rank)
         # Replica groups split the global batch over every group's data-parallel ranks.
-        self.accum = grad_accumulation(cfg.data, self.dp_size * cfg.fault_tolerance.replica_groups)
+        self.accum = grad_accumulation(cfg.data, self.dp_size, cfg.fault_tolerance.replica_groups)
         self.is_main = self.rank == 0
         self.run_dir = cfg.resolved_run_dir()
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -183,7 +183,7 @@ def build_loop(
         from meshrun.ft.replica import ReplicaGroup
 
         dp = mesh.get_group("dp").size() if mesh is not None else 1
-        accum = grad_accumulation(cfg.data, dp * cfg.fault_tolerance.replica_groups)
+        accum = grad_accumulation(cfg.data, dp, cfg.fault_tolerance.replica_groups)
         replicas = ReplicaGroup(cfg.fault_tolerance, state, metrics, dp,
                                 global_batch=cfg.data.global_batch,
                                 lr_scaling=cfg.optim.lr_scaling)  # fmt: skip

@@ -41,9 +41,12 @@ def effective_global_batch(data: DataConfig, dp_size: int) -> int:
     return data.global_batch or data.micro_batch * dp_size
 
 
-def grad_accumulation(data: DataConfig, dp_size: int) -> int:
-    """accumulation = global_batch / (micro_batch x dp_size); an error if it does not divide.
-    An unset global batch (0) is micro_batch x dp_size: accumulation 1, nothing to divide."""
+def grad_accumulation(data: DataConfig, dp_size: int, groups: int = 1) -> int:
+    """accumulation = global_batch / (micro_batch x dp_size x groups); an error if it does not
+    divide. ``groups`` replica groups of ``dp_size`` data-parallel ranks each share the global
+    batch (fault_tolerance.replica_groups). An unset global batch (0) is micro_batch x the
+    data-parallel size: accumulation 1, nothing to divide."""
+    per_group, dp_size = dp_size, dp_size * groups
     if data.micro_batch < 1 or dp_size < 1:  # a mutated config must not divide by zero
         raise ConfigError(
             f"data.micro_batch = {data.micro_batch} with data-parallel size {dp_size}: both "
@@ -56,9 +59,11 @@ def grad_accumulation(data: DataConfig, dp_size: int) -> int:
         hint = (
             f"micro_batch in {ok[:8]}" if ok else f"a global_batch that is a multiple of {dp_size}"
         )
+        across = f" (data-parallel size {per_group} per group x {groups} replica groups)"
         raise ConfigError(
             f"data.global_batch = {global_batch} is not divisible by micro_batch x "
             f"data-parallel size = {data.micro_batch} x {dp_size} = {per_step}; use {hint}"
+            + (across if groups > 1 else "")
         )
     return global_batch // per_step
 
@@ -78,7 +83,7 @@ def resolve_global_batch(cfg: Config, world_sizes: Sequence[int]) -> str | None:
     if cfg.data.global_batch or not world_sizes:
         return None
     sizes = [dp_size_for_world(cfg, w) for w in world_sizes]
-    dp, groups = math.lcm(*sizes), replica_groups(cfg)
+    dp, groups = math.lcm(*sizes), cfg.fault_tolerance.replica_groups
     cfg.data.global_batch = cfg.data.micro_batch * dp * groups
     distinct = sorted(set(sizes))
     why = "" if len(distinct) == 1 else f"; {dp} = lcm of the sizes {distinct}"
@@ -104,11 +109,6 @@ def check_pipeline(p: ParallelConfig, dims: Mapping[str, int], shown: str) -> No
         )
 
 
-def replica_groups(cfg: Config) -> int:
-    """How many replica groups share the global batch (1 without fault tolerance's groups)."""
-    return cfg.fault_tolerance.replica_groups if cfg.fault_tolerance.enabled else 1
-
-
 def validate_for_world(cfg: Config, world_size: int) -> dict[str, int]:
     """Every check of ``cfg`` (:func:`validate`, then those that need the world size); run by
     the launcher before spawning workers and by ``init()``. ``world_size`` is one replica
@@ -118,15 +118,8 @@ def validate_for_world(cfg: Config, world_size: int) -> dict[str, int]:
     validate(cfg)
     dims = resolve_mesh_dims(cfg.parallel, world_size)
     check_layout(cfg.parallel, dims)
-    dp, groups = dims["dp_replicate"] * dims["dp_shard"], replica_groups(cfg)
-    try:
-        grad_accumulation(cfg.data, dp * groups)
-    except ConfigError as e:
-        if groups == 1:
-            raise
-        raise ConfigError(
-            f"{e} (data-parallel size {dp} per group x {groups} replica groups)"
-        ) from None
+    dp = dims["dp_replicate"] * dims["dp_shard"]
+    grad_accumulation(cfg.data, dp, cfg.fault_tolerance.replica_groups)
     if cfg.parallel.pp > 1 and cfg.data.micro_batch % cfg.parallel.pp_microbatches:
         raise ConfigError(
             f"data.micro_batch = {cfg.data.micro_batch} does not split into parallel."
