@@ -14,13 +14,15 @@ from _dist import run_distributed
 from meshrun.checkpoint.checks import ddp_replay_note
 
 
-def _three_passes(ddp: DDP, x: torch.Tensor) -> list[torch.Tensor]:
-    grads = []
+def _three_passes(ddp: DDP, x: torch.Tensor) -> tuple[bool, bool, str | None]:
+    """Three backward passes on the same input: pass 1 == pass 2, pass 2 == pass 3 (bitwise,
+    the all-reduced gradients), and the resume line's note for this DDP."""
+    g = []
     for _ in range(3):
         ddp.zero_grad(set_to_none=True)
         ddp(x).pow(2).sum().backward()
-        grads.append(torch.cat([p.grad.flatten() for p in ddp.module.parameters()]))  # type: ignore[union-attr]
-    return grads
+        g.append(torch.cat([p.grad.flatten() for p in ddp.module.parameters()]))  # type: ignore[union-attr]
+    return torch.equal(g[0], g[1]), torch.equal(g[1], g[2]), ddp_replay_note(ddp)
 
 
 def _model() -> nn.Module:
@@ -36,13 +38,10 @@ def _passes(rank: int, world_size: int) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for name, find_unused in (("default", False), ("find_unused", True)):
         ddp = DDP(_model(), bucket_cap_mb=0.5, find_unused_parameters=find_unused)
-        g = _three_passes(ddp, x)
-        out[name] = (torch.equal(g[0], g[1]), torch.equal(g[1], g[2]), ddp_replay_note(ddp))
+        out[name] = _three_passes(ddp, x)
     pair = dist.new_group([0, 1])  # every rank creates it; ranks 0 and 1 use it
     if rank < 2:
-        ddp = DDP(_model(), bucket_cap_mb=0.5, process_group=pair)
-        g = _three_passes(ddp, x)
-        out["two_ranks"] = (torch.equal(g[0], g[1]), torch.equal(g[1], g[2]), ddp_replay_note(ddp))
+        out["two_ranks"] = _three_passes(DDP(_model(), bucket_cap_mb=0.5, process_group=pair), x)
     dist.barrier()
     return out
 
