@@ -23,6 +23,7 @@ from meshrun.cliargs import (
     add_set,
     add_target,
     default_config,
+    keep_separator,
 )
 from meshrun.cliout import quiet_on_broken_pipe
 from meshrun.config import (
@@ -445,6 +446,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         rest, overrides = _take_overrides(args_list)
         a = parser.parse_args(rest)
+        keep_separator(rest, a)
         a.overrides = overrides
         # Every command's output may go into `| head`: no BrokenPipe traceback (cliout.py).
         return int(quiet_on_broken_pipe(a.fn)(a))

@@ -8,7 +8,7 @@ Its own module so the subsystems' ``add_parser`` functions can use it without im
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TypeAlias
 
@@ -39,7 +39,24 @@ def add_target(
     """``[-m] TARGET ARGS...``: a script (or module) and everything after it, for the script."""
     p.add_argument("-m", "--module", action="store_true", help="TARGET is a module (python -m)")
     p.add_argument("target", nargs="?", help=target_help)
-    p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
+    p.add_argument(
+        "args",
+        nargs=argparse.REMAINDER,
+        help="arguments for the script: meshrun's --section.key=value overrides and the "
+        "script's own; after a `--` all are the script's, as written (--trainer.x=1 too)",
+    )
+
+
+def keep_separator(argv: Sequence[str], a: argparse.Namespace) -> None:
+    """Give back the ``--`` argparse drops right after TARGET (``train.py -- --x=1``): it is
+    the script's separator (everything after it is the script's own, docs/porting.md), and
+    the workers' ``meshrun.init()`` must see it as a ``--`` later in the line would be seen."""
+    args, target = getattr(a, "args", None), getattr(a, "target", None)
+    if args is None or not target:
+        return
+    head = len(argv) - len(args)  # REMAINDER: the script's arguments end the line
+    if head >= 2 and argv[head - 1] == "--" and argv[head - 2] == target:
+        a.args = ["--", *args]
 
 
 def require_script(command: str, target: str | None, module: bool) -> None:

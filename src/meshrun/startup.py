@@ -113,14 +113,15 @@ def resolve_config(
     the defaults; then the ``--section.key=value`` overrides of ``argv`` (default
     ``sys.argv[1:]``). Overrides read from ``sys.argv`` are removed from it once applied
     (unless ``keep_argv``): a script's own strict parser (``parse_args()``, nanoGPT's
-    configurator) would reject ``--optim.steps=...`` as unknown."""
+    configurator) would reject ``--optim.steps=...`` as unknown; so is the ``--`` that ends
+    them, which leaves the arguments after it to the script as written."""
     overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
     if isinstance(config, Config):
         cfg = apply_overrides(copy.deepcopy(config), overrides)
     else:
         path = config if config is not None else os.environ.get(CONFIG_ENV)
         cfg = load_config(path, overrides)
-    if argv is None and overrides and not keep_argv:
+    if argv is None and rest != sys.argv[1:] and not keep_argv:
         sys.argv[1:] = rest  # in place: a reference to sys.argv held elsewhere sees it too
     return cfg
 

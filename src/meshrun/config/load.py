@@ -30,6 +30,17 @@ def _suggest(name: str, options: Iterable[str]) -> str:
     return f" Did you mean {close[0]!r}?" if close else ""
 
 
+def _script_flag_hint(dotted: str, from_text: bool) -> str:
+    # Only a command-line key can be a script's own flag taken for meshrun's; every dotted
+    # key before `--` is meshrun's, so that a typo of a real section stays an error.
+    if not from_text:
+        return ""
+    return (
+        f" If --{dotted} is your script's own flag, put it after `--`: "
+        f"train.py [--section.key=value ...] -- --{dotted}=... (docs/porting.md)"
+    )
+
+
 def _set(cfg: Config, dotted: str, value: Any, from_text: bool) -> Any:
     """Set one key after its value's check; return the section it changed."""
     sections = section_types()
@@ -43,12 +54,14 @@ def _set(cfg: Config, dotted: str, value: Any, from_text: bool) -> Any:
         raise ConfigError(
             f"unknown config section {sec!r} in {dotted!r}; allowed: {', '.join(sections)}."
             + _suggest(sec, sections)
+            + _script_flag_hint(dotted, from_text)
         )
     fmap = field_map(sections[sec])
     if key not in fmap:
         raise ConfigError(
             f"unknown config key {dotted!r}; keys of [{sec}]: {', '.join(fmap)}."
             + _suggest(key, fmap)
+            + _script_flag_hint(dotted, from_text)
         )
     f, tp = fmap[key]
     section = getattr(cfg, sec)
@@ -114,22 +127,30 @@ def load_toml(path: str | Path) -> dict[str, Any]:
         raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
 
 
+SEPARATOR = "--"  # ends the overrides: what follows goes to the script untouched
+
+
 def split_overrides(argv: Sequence[str]) -> tuple[list[tuple[str, str]], list[str]]:
     """Separate ``--section.key=value`` / ``--section.key value`` from the other arguments.
 
     Only dotted long options are taken, so a user script's own flags pass through untouched.
+    The first ``--`` ends the overrides: it is dropped and every argument after it is the
+    script's, as written, even ``--trainer.batch_size=4`` (a script whose own flags are dotted
+    keeps them this way; docs/porting.md). Write ``-- --`` to give the script a ``--``.
     """
     overrides: list[tuple[str, str]] = []
     rest: list[str] = []
     i = 0
     while i < len(argv):
         arg = argv[i]
+        if arg == SEPARATOR:
+            return overrides, rest + list(argv[i + 1 :])
         name = arg[2:].split("=", 1)[0] if arg.startswith("--") else ""
         if "." not in name:
             rest.append(arg)
         elif "=" in arg:
             overrides.append((name, arg.split("=", 1)[1]))
-        elif i + 1 < len(argv):
+        elif i + 1 < len(argv) and argv[i + 1] != SEPARATOR:
             overrides.append((name, argv[i + 1]))
             i += 1
         else:
