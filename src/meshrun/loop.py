@@ -99,7 +99,7 @@ class StepLoop:
         self._state_reported = False  # the per-rank model-state table, once per process
         self._boundary = accum == 1
         self._loss_sum: torch.Tensor | None = None
-        self._t_last = time.perf_counter()
+        self._t_last, self._outside_s = time.perf_counter(), 0.0  # outside: see outside_step
         self._tokens_per_sample: int | None = None  # None: not known, samples/s only
         self.data_wait = WaitClock()  # this rank's time blocked on the loader, per step
         self.grad_norm = math.nan  # global gradient norm of the last step (when clipping)
@@ -146,7 +146,7 @@ class StepLoop:
         self.state.sampler = sampler if isinstance(sampler, ResumableSampler) else None
         dataset = getattr(loader, "dataset", None)
         self.state.iterable = dataset if isinstance(dataset, ResumableIterable) else None
-        self._t_last = time.perf_counter()
+        self._t_last, self._outside_s = time.perf_counter(), 0.0
         self._target = target
         if self.replicas is not None:
             self.replicas.check_sampler(self.state.sampler)
@@ -203,6 +203,17 @@ class StepLoop:
     def backward(self, loss: torch.Tensor) -> None:
         """``(loss / accumulation).backward()``, recording the loss for the metrics."""
         self.record_loss(loss)
+    @property
+    def is_step_end(self) -> bool:
+        """Whether this micro-step's ``optimizer_step`` steps the optimizer (the last of its
+        accumulation window)."""
+        return self._boundary
+
+    def outside_step(self, seconds: float) -> None:
+        """Time spent between steps on other work (``run.evaluate``): left out of the next
+        step's time and reported in its line as ``eval_s``."""
+        self._outside_s += seconds
+
         t0 = self.monitor.backward_starts()
         scaled = loss / self.accum
         (scaled if self.state.scaler is None else self.state.scaler.scale(scaled)).backward()
@@ -312,7 +323,8 @@ class StepLoop:
         """``loss``: the global mean loss, from the guard's collective (NaN on a skipped step);
         ``samples``: those trained (default the global batch); ``ft``: replica-group figures."""
         now = time.perf_counter()
-        step_time, self._t_last = now - self._t_last, now
+        step_time, self._t_last = now - self._t_last - self._outside_s, now
+        outside, self._outside_s = self._outside_s, 0.0
         logged = self.state.step % self.log_every == 0 or self.state.step == self.total_steps
         self._loss_sum = None
         wait = self._data_wait(step_time)
@@ -335,6 +347,7 @@ class StepLoop:
         self.monitor.add("loop_s", now)  # metrics and monitoring: the next step's time
 
     def _data_wait(self, step_time: float) -> dict[str, float]:
+                **({"eval_s": outside} if outside else {}),
         """This rank's loader wait in the step, in seconds and as a share of the step time."""
         waited = self.data_wait.take()
         return {"data_wait_s": waited, "data_wait_share": waited / step_time if step_time else 0.0}

@@ -12,6 +12,7 @@ a pipeline's ranks the broadcast loss, so the dp sum counts every sample once).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any, cast
 
@@ -48,7 +49,11 @@ class EvalMethods(RunFields):
         ``loss_fn(model, batch)`` returns the batch's mean loss (the batch moved to the device;
         its size is its first tensor's first dim). Under pipeline parallelism ``loss_fn`` may be
         omitted: each batch is ``(inputs, targets)`` and the loss is the one given to
-        ``run.pipeline`` (``run.pipeline_eval``). ``max_batches``: at most that many per rank."""
+        ``run.pipeline`` (``run.pipeline_eval``). ``max_batches``: at most that many per rank.
+
+        Its time is not step time: the next step's line has it as ``eval_s``, and an ``eval``
+        event in metrics.jsonl has the loss and the seconds."""
+        t0 = time.perf_counter()
         fn = self._eval_loss_fn(model, loss_fn)
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # [sum, count]
         with torch.no_grad(), self.loop.monitor.phase("eval", None), _eval_mode(model):
@@ -60,7 +65,10 @@ class EvalMethods(RunFields):
             dist.all_reduce(totals, group=self.mesh.get_group("dp"))
         if totals[1] == 0:
             raise ValueError("run.evaluate: no rank had a batch to evaluate (empty batches)")
-        return float(totals[0] / totals[1])
+        loss, seconds = float(totals[0] / totals[1]), time.perf_counter() - t0
+        self.loop.outside_step(seconds)
+        self.metrics.log_event("eval", step=self.state.step, loss=loss, seconds=seconds)
+        return loss
 
     def _sum_and_count(self, loss: torch.Tensor, n: int) -> torch.Tensor:
         if is_dtensor(loss):  # under loss_parallel: a replicated DTensor

@@ -54,7 +54,8 @@ class LoopMethods(RunFields):
 
     @property
     def step(self) -> int:
-        """Optimizer steps done so far."""
+        """Optimizer steps done so far. With gradient accumulation it holds for all the
+        micro-steps of a window: guard per-step work with ``run.is_step_end`` too."""
         return self.state.step
 
     def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
@@ -62,6 +63,14 @@ class LoopMethods(RunFields):
         if self.mesh is not None:
             dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh.get_group("dp"))
         return value
+
+    @property
+    def is_step_end(self) -> bool:
+        """True on the micro-step whose ``run.optimizer_step`` steps the optimizer (the last
+        of its accumulation window; every micro-step without accumulation), before and after
+        that call. ``if run.is_step_end and run.step % 100 == 0:`` runs once per 100 steps,
+        where ``run.step % 100 == 0`` alone runs on every micro-step of the window."""
+        return self.loop.is_step_end
 
     # --- checkpoints (see checkpoint/) ----------------------------------------------------
 
