@@ -113,12 +113,30 @@ def _read_config(path: Path) -> dict[str, Any]:
         ) from None
 
 
+# What from_pretrained could read as weights: an old file of these beside the new ones would be
+# loaded with them (or instead of them), so an OUT_DIR holding one is refused.
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".gguf")
+
+
 def _check_out_dir(out_dir: Path) -> None:
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+    """OUT_DIR may be new, empty, or hold what the export does not write (a tokenizer saved
+    there first, a README): only weight files and their indexes are refused. config.json and
+    generation_config.json are replaced by the checkpoint's own, and the export says so."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--hf: {out_dir} exists and is not a directory; name a directory")
+    if not out_dir.is_dir():
+        return
+    names = sorted(p.name for p in out_dir.iterdir() if p.is_file())
+    weights = [n for n in names if n.endswith(_WEIGHT_SUFFIXES) or n.endswith(".index.json")]
+    if weights:
         raise ValueError(
-            f"--hf: {out_dir} exists and is not an empty directory; name a new directory "
-            "(old shards beside new ones would be loaded together)"
+            f"--hf: {out_dir} exists and is not an empty directory: it holds weight files "
+            f"{_few(weights)}, which from_pretrained would load with the new ones; name a new "
+            "directory or remove them (tokenizer and other non-weight files may stay)"
         )
+    replaced = [n for n in names if n in (CONFIG, GENERATION_CONFIG)]
+    if replaced:
+        log.warning("--hf: %s: replacing %s with the checkpoint's own", out_dir, replaced)
 
 
 def _clean(name: str) -> str:
