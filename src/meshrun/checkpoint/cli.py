@@ -139,7 +139,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     exp.add_argument("path", help="a checkpoint directory")
     exp.add_argument(
-        "out", help="NAME.safetensors (streamed) or NAME.pt; with --hf a new directory"
+        "out",
+        help="NAME.safetensors (streamed) or NAME.pt; with --hf a directory holding no weight "
+        "files (a tokenizer may be there)",
     )
     exp.add_argument(
         "--hf",
