@@ -46,6 +46,12 @@ def _prepare(cfg: Config, nproc: int, nnodes: str) -> Path:
     """Validate for the world size and write the resolved config the workers will read: what
     was left unset and is derived here (global batch, run directory) is written as the number
     or path it became, and said on stderr."""
+    _resolve(cfg, nproc, nnodes)
+    return write_config(cfg, cfg.resolved_run_dir() / "config.toml")
+
+
+def _resolve(cfg: Config, nproc: int, nnodes: str) -> None:
+    """:func:`_prepare` up to the write: every check, and the values derived."""
     world = nproc * nnodes_range(nnodes)[1]  # an elastic MIN:MAX job: its largest world
     validate_for_world(cfg, world)
     from meshrun.checkpoint.layout import resume_path_error  # pure: no torch import
@@ -61,7 +67,6 @@ def _prepare(cfg: Config, nproc: int, nnodes: str) -> Path:
             "change it",
             file=sys.stderr,
         )
-    return write_config(cfg, cfg.resolved_run_dir() / "config.toml")
 
 
 def _resolve_batch(cfg: Config, nproc: int, nnodes: str) -> None:
@@ -91,21 +96,25 @@ def _launch(
 ) -> int:
     from meshrun.launch.local import LaunchSpec, launch_local
     from meshrun.launch.multinode import shared_digest, shared_settings
+    from meshrun.launch.rundir import claim_run_dir
 
     set_value(cfg, "launch.nproc_per_node", nproc)  # the resolved config records the count
-    config_path = _prepare(cfg, _group_nproc(cfg, nproc, spec_fields), cfg.launch.nnodes)
-    spec = LaunchSpec.of(
-        cfg.launch,
-        script=script,
-        module=module,
-        script_args=script_args,
-        config_digest=shared_digest(cfg),
-        shared_config=shared_settings(cfg),
-        config_path=str(config_path),
-        run_dir=str(cfg.resolved_run_dir()),
-        **spec_fields,
-    )
-    return launch_local(spec)
+    _resolve(cfg, _group_nproc(cfg, nproc, spec_fields), cfg.launch.nnodes)
+    ln, run_dir = cfg.launch, cfg.resolved_run_dir()
+    # One job per run directory: a busy one is refused before anything is written in it.
+    with claim_run_dir(run_dir, ln.nnodes, ln.rdzv_endpoint, ln.rdzv_id):
+        spec = LaunchSpec.of(
+            cfg.launch,
+            script=script,
+            module=module,
+            script_args=script_args,
+            config_digest=shared_digest(cfg),
+            shared_config=shared_settings(cfg),
+            config_path=str(write_config(cfg, run_dir / "config.toml")),
+            run_dir=str(run_dir),
+            **spec_fields,
+        )
+        return launch_local(spec)
 
 
 def _group_nproc(cfg: Config, nproc: int, spec_fields: Mapping[str, Any]) -> int:

@@ -24,6 +24,7 @@ from meshrun.run_data import DataMethods
 from meshrun.run_eval import EvalMethods
 from meshrun.run_loop import LoopMethods
 from meshrun.run_model import ModelMethods
+from meshrun.runlock import release_rank0
 from meshrun.startup import (
     build_loop,
     build_metrics,
@@ -117,6 +118,7 @@ class Run(ModelMethods, DataMethods, LoopMethods, EvalMethods):
                 # A barrier after a failure would wait for ranks that may never arrive.
                 dist.barrier()
             dist.destroy_process_group()
+        release_rank0(self.run_dir)  # this job is over: the directory is free for the next
         for h in logging.getLogger("meshrun").handlers:
             h.flush()
         if _ACTIVE is self:

@@ -40,6 +40,7 @@ from meshrun.loop import StepLoop
 from meshrun.mesh import ParallelDims, build_mesh
 from meshrun.monitor import MetricsLogger
 from meshrun.state import TrainState
+from meshrun.runlock import claim_at_start
 
 __all__ = [
     "build_loop",
@@ -169,6 +170,8 @@ def build_metrics(cfg: Config, run_dir: Path, is_main: bool, world_size: int) ->
 
 
 def build_loop(
+    # One job per run directory (runlock.py): before this process writes anything in it.
+    claim_at_start(cfg.resolved_run_dir(), env.rank, os.environ, device)
     cfg: Config,
     accum: int,
     device: torch.device,

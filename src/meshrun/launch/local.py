@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeAlias
@@ -29,6 +29,7 @@ from meshrun.launch.handshake import Handshake, HandshakeError, local_node_info,
 from meshrun.launch.multinode import NetworkPlan
 from meshrun.launch.netif import NetworkError
 from meshrun.launch.orphans import orphan_guard
+from meshrun.launch.rundir import claim_run_dir
 from meshrun.launch.torchrun_flags import FLAGS
 from meshrun.monitor.watchdog import hang_report, hang_states, watch_for_hangs
 
@@ -176,7 +177,7 @@ def launch_local(spec: LaunchSpec) -> int:
     if spec.replica_groups > 1:
         from meshrun.launch.replicas import launch_replica_groups  # its threads: on use
 
-        with orphan_guard():  # the groups' agents and workers end with us, even on SIGKILL
+        with orphan_guard(), _claim(spec, None):  # agents and workers end with us
             return launch_replica_groups(_group_plan(spec))
     port = 0 if spec.rdzv_endpoint else find_free_port()
     try:
@@ -188,11 +189,18 @@ def launch_local(spec: LaunchSpec) -> int:
     os.makedirs(spec.log_dir, exist_ok=True)
     # Runs already in the log folder, so the summary reads this run's logs, not theirs.
     known_runs = set(os.listdir(spec.log_dir))
-    with _launch_environment(spec, network) as omp_threads:
+    with _claim(spec, network), _launch_environment(spec, network) as omp_threads:
         print(start_line(spec, port, omp_threads, network), file=sys.stderr, flush=True)
         if network is None:
             return _run_agent(argv, spec, known_runs, None)
         return _run_multinode(argv, spec, network, known_runs)
+
+
+def _claim(spec: LaunchSpec, network: NetworkPlan | None) -> AbstractContextManager[None]:
+    """The run directory's lock (launch/rundir.py): one node, or the rendezvous host, takes
+    it; the other nodes refuse a directory another job holds. Nested in meshrun launch's own."""
+    host = network is None or network.is_host
+    return claim_run_dir(spec.run_dir, spec.nnodes, spec.rdzv_endpoint, spec.rdzv_id, host)
 
 
 def _group_plan(spec: LaunchSpec) -> GroupPlan:

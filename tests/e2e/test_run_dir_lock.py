@@ -1,0 +1,129 @@
+"""One job per run directory, through real launches (meshrun/runlock.py).
+
+A first ``meshrun launch`` trains 2 Gloo workers and pauses after step 3 (it has written its
+config, metrics and a checkpoint) until the test says go. While it waits, a second
+``meshrun launch`` and a plain ``torchrun`` of a ``meshrun.init()`` script on the same run
+directory are refused, naming the first launcher's host and PID; then the first job finishes,
+its config, metrics and checkpoints its own. A job killed with SIGKILL leaves its lock, which
+the next launch takes over with a line naming the dead holder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from _dist import free_port
+
+pytestmark = pytest.mark.slow
+SCRIPT = Path(__file__).parent / "scripts" / "train_until_go.py"
+
+
+def _argv(run_dir: Path, steps: int) -> list[str]:
+    return [
+        sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2", str(SCRIPT),
+        f"--job.run_dir={run_dir}", f"--optim.steps={steps}", "--checkpoint.interval=3",
+        "--data.global_batch=8", "--data.micro_batch=4", "--metrics.progress=false",
+        "--job.timeout_s=60",
+    ]  # fmt: skip
+
+
+def _env(tmp: Path, pause_at: int) -> dict[str, str]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PAUSE_AT": str(pause_at)}
+    return env | {"PAUSED": str(tmp / "paused"), "GO": str(tmp / "go")}
+
+
+def _wait_for(path: Path, proc: subprocess.Popen[str], timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not path.exists():
+        assert proc.poll() is None, f"the first job ended early: {proc.communicate()[0][-3000:]}"
+        assert time.monotonic() < deadline, f"{path} never appeared"
+        time.sleep(0.1)
+
+
+def _started(proc_out: str) -> list[dict[str, object]]:
+    return [json.loads(x) for x in proc_out.splitlines() if '"event": "start"' in x]
+
+
+@pytest.mark.timeout(420)
+def test_a_second_job_on_a_busy_run_dir_is_refused_and_the_first_is_unaffected(
+    tmp_path: Path,
+) -> None:
+    run = tmp_path / "run"
+    first = subprocess.Popen(
+        _argv(run, 6), env=_env(tmp_path, 3), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait_for(tmp_path / "paused", first)
+        config = (run / "config.toml").read_bytes()
+        second = subprocess.run(
+            _argv(run, 9), env=_env(tmp_path, 0), text=True, capture_output=True, timeout=120
+        )
+        host, pid = socket.gethostname(), first.pid
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"run directory {run} is in use by another job: host {host} pid {pid}" in (
+            second.stderr
+        )
+        assert "--job.run_dir=DIR" in second.stderr and "Traceback" not in second.stderr
+        assert "rendezvous" not in second.stderr  # refused before the agent started
+        plain = _plain_torchrun(run, tmp_path)
+        assert plain.returncode != 0
+        assert f"is in use by another job: host {host} pid {pid}" in plain.stdout, plain.stdout
+        assert (run / "config.toml").read_bytes() == config  # nothing of theirs written
+        (tmp_path / "go").touch()
+        out, _ = first.communicate(timeout=240)
+    finally:
+        if first.poll() is None:
+            os.killpg(first.pid, signal.SIGKILL)
+    assert first.returncode == 0, out[-3000:]
+    metrics = (run / "metrics.jsonl").read_text()
+    assert len(_started(metrics)) == 1  # one job started in this directory
+    steps = [json.loads(x)["step"] for x in metrics.splitlines() if '"loss"' in x]
+    assert steps == [1, 2, 3, 4, 5, 6]
+    assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step")) == [
+        "step_00000003", "step_00000006",
+    ]  # fmt: skip
+    assert (run / "meshrun.lock").read_text() == ""  # released: the next job takes it quietly
+
+
+def _plain_torchrun(run: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
+    """torchrun itself (no meshrun launcher): its rank 0 finds the directory busy in
+    meshrun.init(), and every rank stops with the message."""
+    argv = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
+    argv += ["--master-addr", "127.0.0.1", "--master-port", str(free_port()), str(SCRIPT)]
+    argv += _argv(run, 9)[7:]
+    env = {k: v for k, v in _env(tmp, 0).items() if k != "MESHRUN_RUN_LOCK"}
+    return subprocess.run(
+        argv, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=180
+    )
+
+
+@pytest.mark.timeout(300)
+def test_the_lock_of_a_killed_job_is_taken_over_with_a_line(tmp_path: Path) -> None:
+    run = tmp_path / "run"
+    first = subprocess.Popen(
+        _argv(run, 6), env=_env(tmp_path, 1), text=True,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    try:
+        _wait_for(tmp_path / "paused", first)
+        held = json.loads((run / "meshrun.lock").read_text())
+        assert held["pid"] == first.pid and held["host"] == socket.gethostname()
+    finally:
+        os.killpg(first.pid, signal.SIGKILL)  # the launcher and its workers, no clean-up
+        first.communicate(timeout=60)
+    (tmp_path / "go").touch()
+    again = subprocess.run(
+        _argv(run, 6), env=_env(tmp_path, 0), text=True, capture_output=True, timeout=240
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"taking over the lock of host {socket.gethostname()} pid {first.pid}" in again.stderr
