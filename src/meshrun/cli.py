@@ -472,7 +472,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def reference_markdown() -> str:
     """docs/cli.md: every command's --help (a test keeps the file equal to this)."""
-    import os
+    from meshrun.clidoc import markdown
 
     os.environ["COLUMNS"] = "100"  # argparse wraps to the terminal: fix it for a stable doc
     parser = build_parser()
