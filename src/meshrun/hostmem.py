@@ -18,6 +18,8 @@ import ctypes
 import ctypes.util
 import logging
 
+from meshrun.logs import OWN_HOST
+
 log = logging.getLogger("meshrun")
 
 _M_MMAP_THRESHOLD = -3  # glibc's malloc.h
@@ -36,7 +38,11 @@ def set_mmap_threshold(kib: int) -> bool:
         libc = ctypes.CDLL(name or "libc.so.6")
         mallopt = libc.mallopt
     except (OSError, AttributeError):
-        log.warning("job.cpu_mmap_threshold_kib = %d: no glibc mallopt here; not applied", kib)
+        log.warning(
+            "job.cpu_mmap_threshold_kib = %d: no glibc mallopt here; not applied",
+            kib,
+            extra=OWN_HOST,
+        )
         return False
     mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
     return bool(mallopt(_M_MMAP_THRESHOLD, kib * 1024))

@@ -72,7 +72,7 @@ class Run(ModelMethods, DataMethods, LoopMethods, EvalMethods):
         self.run_dir = cfg.resolved_run_dir()
         self.run_dir.mkdir(parents=True, exist_ok=True)
         check_shared_run_dir(self.run_dir, env.hostname)  # before anything relies on it
-        self.log = init_logging(self.rank, self.run_dir, cfg.job.log_level)
+        self.log = init_logging(self.rank, self.run_dir, cfg.job.log_level, self.local_rank)
         init_seeds(cfg.job.seed, self.rank)
         self.metrics = build_metrics(cfg, self.run_dir, self.is_main, self.world_size)
         # What is trained and where it is: the loop advances it, checkpoints save it.

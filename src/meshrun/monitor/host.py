@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from meshrun.logs import OWN_HOST
+
 __all__ = ["HostStats", "parse_net_dev"]
 
 log = logging.getLogger("meshrun")
@@ -63,7 +65,7 @@ class HostStats:
             rx, tx = parse_net_dev(_NET_DEV.read_text())
         except (OSError, ValueError):
             self._net = False
-            log.warning("host network figures off: %s could not be read", _NET_DEV)
+            log.warning("host network figures off: %s could not be read", _NET_DEV, extra=OWN_HOST)
             return {}
         now = time.monotonic()
         last, self._last = self._last, (now, rx, tx)
@@ -86,7 +88,7 @@ def _nvml_handle(device: torch.device) -> Any:
         ids = [getattr(p, f"pci_{k}_id") for k in ("domain", "bus", "device")]
         return pynvml.nvmlDeviceGetHandleByPciBusId("{:08X}:{:02X}:{:02X}.0".format(*ids))
     except Exception as e:  # NVML missing from the driver, no permission, ...
-        log.warning("GPU utilisation, power and clocks not reported: NVML: %s", e)
+        log.warning("GPU utilisation, power and clocks not reported: NVML: %s", e, extra=OWN_HOST)
         return None
 
 
