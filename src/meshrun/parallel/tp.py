@@ -8,8 +8,10 @@ the convention (q/k/v and the MLP's up/gate column-wise, the attention output an
 down row-wise: Megatron-LM's layout, one all-reduce after attention and one after the MLP).
 :func:`resolve_tp_plan` expands the patterns to module FQNs and translates the strings;
 :func:`check_tp_plan` refuses, before anything changes, every split that cannot give whole
-heads (fused q/k/v projections, transformers' ``Conv1D``, head or feature counts ``tp`` does
-not divide, a tied parameter split on one side only).
+heads (fused q/k/v projections, torch's ``nn.MultiheadAttention``, transformers' ``Conv1D``,
+head or feature counts ``tp`` does not divide, a tied parameter split on one side only). A
+vocabulary ``tp`` does not divide (GPT-2's 50,257) is split unevenly: the embedding and a
+head whose logits are gathered or loss-parallel stay DTensors, which carry uneven shards.
 """
 
 from __future__ import annotations
@@ -193,6 +195,7 @@ def check_tp_plan(
     structure = structure or find_structure(model)
     split = {n: (model.get_submodule(n), s) for n, s in _expand(model, plan).items()}
     _check_module_kinds(split, structure)
+    _check_torch_attention(model, split, structure)
     for name, (module, style) in split.items():
         dim, size = _split_dim(module, style)
         if dim and size % tp:
@@ -233,6 +236,45 @@ def _check_module_kinds(
             )
 
 
+def _check_torch_attention(
+    model: nn.Module, split: Mapping[str, object], structure: ModelStructure
+) -> None:
+    """torch's ``nn.MultiheadAttention`` cannot be split by heads from outside: q, k and v are
+    one fused Parameter (``in_proj_weight``, no module a style can split), and its forward,
+    ``F.multi_head_attention_forward``, reshapes by the full width and calls ``out_proj``'s
+    weight directly (the module's hooks never run: a split ``out_proj`` fails at step 1 with
+    "mixed torch.Tensor and DTensor")."""
+    for mha, module in torch_attention_modules(model).items():
+        touched = [n for n in split if n == mha or n.startswith(mha + ".")]
+        if not touched:
+            continue
+        raise ConfigError(
+            f"tensor parallel cannot split {mha} (torch's nn.MultiheadAttention; the plan "
+            f"splits {touched[0]}): its q, k and v are one fused Parameter (in_proj_weight, "
+            "not a module a column-wise style can split by heads) and "
+            f"F.multi_head_attention_forward needs all {module.num_heads} heads on one rank; "
+            f"leave the attention whole and split the feed-forward only "
+            f"({_mlp_plan_hint(structure)}), or shard with parallel.dp_shard / parallel.pp "
+            "instead, or write the attention with separate q/k/v nn.Linear layers, or set "
+            "parallel.tp=1"
+        )
+
+
+def torch_attention_modules(model: nn.Module) -> dict[str, nn.MultiheadAttention]:
+    """FQN -> each ``nn.MultiheadAttention`` in ``model``."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, nn.MultiheadAttention)}
+
+
+def _mlp_plan_hint(structure: ModelStructure) -> str:
+    """torch's ``nn.TransformerEncoderLayer`` / ``DecoderLayer`` name their feed-forward
+    ``linear1`` (up) and ``linear2`` (down): the plan that splits it, for these blocks."""
+    blocks = structure.blocks_fqn
+    if blocks is not None and structure.block_class.startswith("Transformer"):
+        plan = {f"{blocks}.*.linear1": "colwise", f"{blocks}.*.linear2": "rowwise"}
+        return f"run.parallelize(model, tp_plan={plan})"
+    return "run.parallelize(model, tp_plan={'<up>': 'colwise', '<down>': 'rowwise'})"
+
+
 def _check_heads(model: nn.Module, structure: ModelStructure, tp: int) -> None:
     where = structure.sources.get("heads", "model")
     counts = [(where, structure.num_heads)]
@@ -241,7 +283,12 @@ def _check_heads(model: nn.Module, structure: ModelStructure, tp: int) -> None:
         counts.append((f"{where.rpartition('.')[0] or 'model'}.{kv_name}", structure.num_kv_heads))
     for name, module in model.named_modules():
         counts += [(f"{name or 'model'}.{a}", getattr(module, a, None)) for a in HEAD_ATTRS]
+    # torch's attentions stay whole on every rank (splitting one is refused): their heads
+    # need no division.
+    whole = tuple(f"{n}." for n in torch_attention_modules(model))
     for label, n in counts:
+        if label.startswith(whole):
+            continue
         if isinstance(n, int) and not isinstance(n, bool) and n % tp:
             raise ConfigError(
                 f"parallel.tp = {tp} does not divide {label} = {n}: each tensor-parallel rank "
@@ -279,13 +326,28 @@ def _check_tied(
 
 
 def _split_dim(module: nn.Module, style: ParallelStyle) -> tuple[str, int]:
-    if not isinstance(module, nn.Linear):
+    if not isinstance(module, nn.Linear) or uneven_split_ok(style):
         return "", 0
     if isinstance(style, ColwiseParallel):
         return "out_features", module.out_features
     if isinstance(style, RowwiseParallel):
         return "in_features", module.in_features
     return "", 0
+
+
+def uneven_split_ok(style: ParallelStyle) -> bool:
+    """Whether ``style`` may split a dim that tp does not divide. DTensor shards unevenly
+    (``torch.chunk``'s sizes: 257 over 2 ranks is 129 + 128) and keeps the global shape while
+    the split dim is a DTensor: a column-wise layer whose output is gathered (``colwise_rep``,
+    transformers' ``colwise_gather_output`` on ``lm_head``) or kept as a DTensor (loss
+    parallel), a row-wise one that splits a replicated input itself, an embedding. A split
+    output handed on as a local tensor (plain ``colwise``) is read by the next layer's
+    ``DTensor.from_local``, which assumes equal shards: that one must divide."""
+    if isinstance(style, ColwiseParallel):
+        return style.output_layouts != (Shard(-1),) or not style.use_local_output
+    if isinstance(style, RowwiseParallel):
+        return style.input_layouts == (Replicate(),)
+    return False
 
 
 def _divisors(n: int) -> list[int]:
