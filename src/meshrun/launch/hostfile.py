@@ -34,7 +34,12 @@ FORWARD_PREFIXES = ("MESHRUN_", "NCCL_", "GLOO_", "TORCH_")
 _LAUNCHER_ONLY = {SSH_ENV, "MESHRUN_CONFIG"}  # the remote launch writes its own config path
 _SECRET = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|KEY", re.IGNORECASE)
 
-_HOST = re.compile(r"^(?:(?P<user>[^@\s:]+)@)?(?P<host>[A-Za-z0-9_.\-]+)(?::(?P<port>\d+))?$")
+# A user and a host start with a letter, digit or _: one starting with "-" would reach ssh as
+# an option (host "-V": ssh printed its version and the launch "succeeded" having trained nothing).
+_HOST = re.compile(
+    r"^(?:(?P<user>[A-Za-z0-9_][A-Za-z0-9_.\-]*)@)?"
+    r"(?P<host>[A-Za-z0-9_][A-Za-z0-9_.\-]*)(?::(?P<port>\d+))?$"
+)
 
 
 class HostfileError(ConfigError):
@@ -91,11 +96,21 @@ def parse_hostfile_text(text: str, source: str = "<hostfile>") -> list[HostEntry
 
 def _parse_line(content: str, source: str, number: int) -> HostEntry:
     where = f"{source}:{number}"
+    if not content.replace("\t", " ").isprintable():  # control characters: escapes, NUL, CR
+        raise HostfileError(
+            f"{where}: {content!r} holds control characters; a line is [user@]host[:sshport] "
+            "[slots=N] in plain text"
+        )
     words = content.split()
     match = _HOST.match(words[0])
     if match is None:
+        starts = (words[0][:1], words[0].partition("@")[2][:1])
+        dash = (
+            " (a host or user starting with '-' would be an option to ssh)" if "-" in starts else ""
+        )
         raise HostfileError(
-            f"{where}: {words[0]!r} is not a host; expected [user@]host[:sshport] [slots=N]"
+            f"{where}: {words[0]!r} is not a host{dash}; expected [user@]host[:sshport] "
+            "[slots=N], the host a name or address"
         )
     port = int(match["port"]) if match["port"] else None
     if port is not None and not 0 < port < 65536:

@@ -188,9 +188,17 @@ def check_config(job: K8sJob, config_path: str | None) -> None:
 # --- the pieces every kind is made of ----------------------------------------------------------
 
 
+def kubelet_literal(text: str) -> str:
+    """``text`` as the kubelet passes it on: it expands ``$(VAR)`` in a container's command,
+    args and env values and turns ``$$`` into ``$``, so every ``$`` doubled comes out as it
+    was typed (``$(`` becomes ``$$(``)."""
+    return text.replace("$", "$$")
+
+
 def launch_command(job: K8sJob, topology: list[str]) -> list[str]:
     """``meshrun launch TOPOLOGY --rdzv-id NAME --max-restarts K [--config F] TARGET ARGS``.
-    ``$(VAR)`` in it is expanded by the kubelet from the container's env (no shell needed)."""
+    ``$(VAR)`` in TOPOLOGY is expanded by the kubelet from the container's env (no shell
+    needed); what the user typed (the target and its arguments) reaches the pod as typed."""
     argv = [
         *("meshrun", "launch"),
         *topology,
@@ -199,8 +207,8 @@ def launch_command(job: K8sJob, topology: list[str]) -> list[str]:
     ]
     if job.config_text is not None:
         argv += ["--config", f"{CONFIG_DIR}/{CONFIG_KEY}"]
-    argv += ["-m", job.module] if job.module else [str(job.script)]
-    return argv + list(job.script_args)
+    target = ["-m", job.module] if job.module else [str(job.script)]
+    return argv + [kubelet_literal(a) for a in [*target, *job.script_args]]
 
 
 def volumes(job: K8sJob) -> list[Doc]:
@@ -221,7 +229,7 @@ def volume_mounts(job: K8sJob) -> list[Doc]:
 
 
 def env_list(job: K8sJob) -> list[Doc]:
-    return [{"name": k, "value": v} for k, v in job.env.items()]
+    return [{"name": k, "value": kubelet_literal(v)} for k, v in job.env.items()]
 
 
 def gpu_resources(job: K8sJob) -> Doc | None:

@@ -23,6 +23,12 @@ DEFAULT_SIGNAL_BEFORE_S = 120
 # "mpirun": Open MPI's mpirun starts every worker; "srun": srun --mpi=pmix starts every worker.
 LAUNCHERS = ("meshrun", "mpirun", "srun")
 
+# Characters refused in #SBATCH values (see SubmitSpec._validate_header).
+_NAME_BAD = re.compile(r"[^A-Za-z0-9_.+,-]")
+_LIST_NOTE = {"--partition": " (several partitions: comma-separated)"}
+_PATH_BAD = re.compile(r"[\s\x00-\x1f\x7f-\x9f\"'\\#]")
+CONFIG_END = "MESHRUN_CONFIG_TOML"  # the here-document's terminator in the script
+
 _TIME_FORMATS = (
     r"(?P<m>\d+)",
     r"(?P<m>\d+):(?P<s>\d+)",
@@ -105,8 +111,29 @@ class SubmitSpec:
             )
         self._validate_signal()
         self._validate_direct()
-        if not re.fullmatch(r"[\w.+-]+", self.job_name):
-            raise SlurmError(f"--job-name {self.job_name!r}: use letters, digits, . _ + -")
+        self._validate_header()
+
+    def _validate_header(self) -> None:
+        """What goes into an ``#SBATCH`` line: sbatch reads those lines itself, not a shell, so
+        nothing there can be quoted (whitespace ends the value, ``#`` starts a comment, ``"``
+        and ``\\`` are its own quoting, and a newline would start a shell line that runs
+        and ends the ``#SBATCH`` block). Names get SLURM's own characters; paths anything
+        but those."""
+        names = (("--job-name", self.job_name), ("--partition", self.partition),
+                 ("--account", self.account))  # fmt: skip
+        for flag, value in names:
+            if bad := _NAME_BAD.search(value):
+                raise SlurmError(
+                    f"{flag} {value!r}: {bad.group()!r} cannot go into an #SBATCH line; a SLURM "
+                    f"name is letters, digits and . _ + -{_LIST_NOTE.get(flag, '')}"
+                )
+        for flag, value in (("--output", self.output_dir), ("the working directory", self.workdir)):
+            if bad := _PATH_BAD.search(value):
+                raise SlurmError(
+                    f"{flag} {value!r}: {bad.group()!r} cannot go into an #SBATCH line (sbatch "
+                    "reads it without a shell: no quoting); use a directory whose path has no "
+                    "whitespace, control characters, quotes, backslashes or #"
+                )
 
     def _validate_signal(self) -> None:
         limit = time_limit_seconds(self.time) if self.time else None
@@ -230,9 +257,9 @@ _CONFIG = """\
 # The resolved config (file, --set and the script's overrides) for every worker, as meshrun
 # launch writes it on the node; and OMP_NUM_THREADS as it sets it (CPUs per process).
 mkdir -p {config_dir}
-cat > {config_path} <<'MESHRUN_CONFIG_TOML'
+cat > {config_path} <<'{end}'
 {toml}
-MESHRUN_CONFIG_TOML
+{end}
 export MESHRUN_CONFIG={config_path}
 export OMP_NUM_THREADS="${{OMP_NUM_THREADS:-{cpus}}}"
 
@@ -282,7 +309,10 @@ def _start_lines(spec: SubmitSpec) -> str:
         return start
     if not spec.config_toml or not spec.config_path:
         raise SlurmError(f"--launcher {spec.launcher}: the spec has no resolved config to pass")
+    if CONFIG_END in spec.config_toml.splitlines():  # it would end the here-document early
+        raise SlurmError(f"the config holds a line {CONFIG_END!r}: change that value")
     config = _CONFIG.format(
+        end=CONFIG_END,
         config_dir=shlex.quote(str(Path(spec.config_path).parent)),
         config_path=shlex.quote(spec.config_path),
         toml=spec.config_toml.rstrip("\n"),
