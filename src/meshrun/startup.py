@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import os
 import random
+import socket
 import sys
 from collections.abc import Sequence
 from datetime import timedelta
@@ -92,11 +93,35 @@ def init_process_group(env: ClusterEnv, backend: str, device: torch.device, cfg:
             WORLD_SIZE=str(env.world_size),
             LOCAL_RANK=str(env.local_rank),
         )
+    timeout = timedelta(seconds=cfg.job.timeout_s)
     dist.init_process_group(
         backend=backend,
-        timeout=timedelta(seconds=cfg.job.timeout_s),
+        timeout=timeout,
         device_id=device if device.type == "cuda" else None,
+        store=_worker_store(timeout),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
     )
+
+
+def _worker_store(timeout: timedelta) -> dist.TCPStore:
+    """The workers' store at MASTER_ADDR:MASTER_PORT. torch's env:// server listens on every
+    interface; here rank 0 binds the socket itself, on MASTER_ADDR only, and hands it over."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    world = int(os.environ["WORLD_SIZE"])
+    # The agent hosts it when the user shares the rendezvous store (torchrun's default).
+    if os.environ["RANK"] != "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    try:
+        sock = socket.create_server((addr, port), family=family, backlog=1024)
+    except OSError as err:
+        raise RuntimeError(
+            f"rank 0 cannot listen on MASTER_ADDR={addr} MASTER_PORT={port} ({err.strerror}): "
+            "MASTER_ADDR must be an address of rank 0's node and the port free"
+        ) from None
+    return dist.TCPStore(addr, port, world, is_master=True, timeout=timeout,
+                         wait_for_workers=False, master_listen_fd=sock.detach())  # fmt: skip
 
 
 def init_seeds(seed: int, rank: int) -> None:

@@ -24,6 +24,9 @@ from meshrun.launch.handshake import (
     waiting_message,
 )
 from meshrun.launch.local import find_free_port
+from meshrun.launch.secret import JobSecret
+
+SECRET = JobSecret(b"0123456789abcdef0123456789abcdef", "test")
 
 BASE = NodeInfo(
     hostname="node0",
@@ -121,13 +124,15 @@ class Nodes:
         self.results: dict[int, Any] = {}
         self.said: dict[int, list[str]] = {}
 
-    def start(self, i: int, info: NodeInfo, *, is_host: bool = False) -> threading.Thread:
+    def start(
+        self, i: int, info: NodeInfo, *, is_host: bool = False, secret: JobSecret = SECRET
+    ) -> threading.Thread:
         store = self.host_store if is_host else TCPStore(
             "127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=30)
         )  # fmt: skip
         self.said[i] = []
         hs = Handshake(
-            store, "job", info, self.target, is_host, self.timeout_s, self.said[i].append
+            store, "job", info, self.target, is_host, self.timeout_s, self.said[i].append, secret
         )
 
         def body() -> None:

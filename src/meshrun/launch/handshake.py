@@ -7,11 +7,16 @@ agent starts, every node's ``meshrun launch`` publishes one record (hostname, no
 processes, versions, config digest) in the rendezvous store, reads everyone else's, and either
 all agree and continue, or every node stops with the same message naming the hosts.
 
-The store is the one torchrun's c10d rendezvous uses: on the endpoint's node meshrun creates it
-(``multi_tenant=True``) before the agent, and the agent, which asks for the same port and
-``multi_tenant=True``, reuses it in-process (torch's ``_create_tcp_store``). Keys live under
+The store is the one the agent's rendezvous uses: on the endpoint's node meshrun creates it
+before the agent, listening on the endpoint's address only, and the agent's ``meshrun``
+rendezvous (``rdzv_signed.py``) uses that very store in-process. Keys live under
 ``meshrun/<rdzv_id>/<attempt>/``, where the attempt is a token the host draws when it starts,
 so records of an earlier launch on a long-lived store never count.
+
+Every value written (the attempt token, the records, the error, the done mark) is sealed with
+an HMAC of the job secret (``secret.py``) bound to its key: a value that does not verify is
+refused and named in one line (a stranger, or a node given another secret) and never decides
+anything; text read from the store is printed without control characters.
 
 The decisions (what is wrong, who is missing, what to print) are pure functions on records.
 """
@@ -28,6 +33,8 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
+from meshrun.launch.secret import JobSecret, sanitize
+
 # Fields that must be equal on every node, with the words used in messages.
 MUST_MATCH = {
     "torch": "torch versions",
@@ -43,6 +50,7 @@ REPORT_EVERY_S = 5.0
 CONNECT_TRY_S = 3.0
 # How long the host keeps the store up after an error, so every node reads the error.
 LINGER_S = 2.0
+MAX_RECORDS = 4096  # the count is a plain counter anyone can add to: read at most this many
 
 
 class HandshakeError(RuntimeError):
@@ -214,20 +222,14 @@ def waiting_message(nodes: Sequence[NodeInfo], target: JoinTarget) -> str:
 def open_store(
     host: str, port: int, *, is_host: bool, timeout_s: float, say: Callable[[str], None]
 ) -> Any:
-    """The rendezvous TCPStore: created here on the host (the agent reuses it), else a client
-    that retries for ``timeout_s`` and then explains what to check."""
-    from torch.distributed import TCPStore
-
+    """The rendezvous TCPStore: created here on the host, listening on ``host``'s address
+    only (the agent's ``meshrun`` rendezvous uses this very store), else a client that
+    retries for ``timeout_s`` and then explains what to check."""
     if is_host:
+        from meshrun.launch.rdzv_signed import listen_store
+
         try:
-            return TCPStore(
-                host,
-                port,
-                is_master=True,
-                multi_tenant=True,
-                wait_for_workers=False,
-                timeout=timedelta(seconds=timeout_s),
-            )
+            return listen_store(host, port, timeout_s)
         except (RuntimeError, OSError) as err:
             raise HandshakeError(
                 f"could not host the rendezvous store on port {port} of this node ({_short(err)}); "
@@ -282,6 +284,8 @@ class Handshake:
     is_host: bool
     timeout_s: float
     say: Callable[[str], None]
+    secret: JobSecret
+    refused: dict[str, str] = field(default_factory=dict)  # key -> who it claims to be
 
     def run(self) -> list[NodeInfo]:
         try:
@@ -299,9 +303,9 @@ class Handshake:
     def _run(self) -> list[NodeInfo]:
         deadline = time.monotonic() + self.timeout_s
         prefix = f"meshrun/{self.rdzv_id}/{self._attempt(deadline)}"
-        late = self.store.check([f"{prefix}/done"])
+        late = self._read(f"{prefix}/done") is not None
         slot = self.store.add(f"{prefix}/count", 1)
-        self.store.set(f"{prefix}/node/{slot}", self.info.to_json())
+        self._write(f"{prefix}/node/{slot}", self.info.to_json())
         if late:
             # The job already formed (this node replaces one, or joins an elastic job): only
             # versions and config must agree; the agent's rendezvous admits it.
@@ -312,7 +316,7 @@ class Handshake:
         key = f"meshrun/{self.rdzv_id}/attempt"
         if self.is_host:
             token = uuid.uuid4().hex[:8]
-            self.store.set(key, token)
+            self._write(key, token)
             return token
         while not self.store.check([key]):
             if time.monotonic() > deadline:
@@ -322,13 +326,58 @@ class Handshake:
                     "same --rdzv-id?"
                 )
             time.sleep(POLL_S)
-        return bytes(self.store.get(key)).decode()
+        return self._signed_attempt(key)
+
+    def _signed_attempt(self, key: str) -> str:
+        raw = bytes(self.store.get(key))
+        signed = self.secret.unseal(key, raw)
+        if signed is None:
+            self._leave_record(raw)
+            raise HandshakeError(
+                f"refused by the rendezvous store: its meshrun handshake for rdzv_id "
+                f"{self.rdzv_id!r} is not signed with this node's job secret ({self.secret.source}). "
+                "Every node of a job needs the same secret: the same MESHRUN_JOB_SECRET, the same "
+                "MESHRUN_JOB_SECRET_FILE, or a run directory shared with the hosting node"
+            )
+        return signed
+
+    def _leave_record(self, raw: bytes) -> None:
+        """Before stopping on a foreign attempt token, leave this node's record under it
+        (signed with this node's secret), so the hosting node names who it refused."""
+        token = raw.partition(b" ")[2].decode(errors="replace")
+        if len(token) == 8 and all(c in "0123456789abcdef" for c in token):
+            prefix = f"meshrun/{self.rdzv_id}/{token}"
+            self._write(
+                f"{prefix}/node/{self.store.add(f'{prefix}/count', 1)}", self.info.to_json()
+            )
+
+    def _write(self, key: str, text: str) -> None:
+        self.store.set(key, self.secret.seal(key, text))
+
+    def _read(self, key: str) -> str | None:
+        """The text under ``key`` if it is there and signed with this job's secret; a value
+        that is there but not signed is refused, named once, and counts as absent."""
+        if not self.store.check([key]):
+            return None
+        raw = bytes(self.store.get(key))
+        text = self.secret.unseal(key, raw)
+        if text is None and key not in self.refused:
+            self.refused[key] = _claimed_host(raw)
+            what = (
+                "a handshake record"
+                if "/node/" in key
+                else f"the handshake's {key.rsplit('/')[-1]}"
+            )
+            self.say(f"refused {what} {sanitize(self.refused[key], 160)}: not signed with this "
+                     "job's secret")  # fmt: skip
+        return text
 
     def _records(self, prefix: str) -> list[NodeInfo]:
-        count = int(self.store.add(f"{prefix}/count", 0))
+        count = min(int(self.store.add(f"{prefix}/count", 0)), MAX_RECORDS)
         keys = [f"{prefix}/node/{i}" for i in range(1, count + 1)]
         # A node increments the count just before it writes its record: skip the gap.
-        return [NodeInfo.from_json(self.store.get(k)) for k in keys if self.store.check([k])]
+        texts = [self._read(k) for k in keys]
+        return [NodeInfo.from_json(t) for t in texts if t is not None]
 
     def _check_late(self, prefix: str) -> list[NodeInfo]:
         nodes = self._records(prefix)
@@ -341,16 +390,17 @@ class Handshake:
     def _wait_for_all(self, prefix: str, deadline: float) -> list[NodeInfo]:
         last_report, last_seen = 0.0, -1
         while True:
-            if self.store.check([f"{prefix}/error"]):
-                raise HandshakeError(bytes(self.store.get(f"{prefix}/error")).decode())
+            error = self._read(f"{prefix}/error")
+            if error is not None:
+                raise HandshakeError(sanitize(error, 4000))
             nodes = self._records(prefix)
             problems = find_problems(nodes, self.target)
             if problems:
                 text = self._fail_text(problems)
-                self.store.set(f"{prefix}/error", text)
+                self._write(f"{prefix}/error", text)
                 raise HandshakeError(text)
             if is_complete(nodes, self.target):
-                self.store.set(f"{prefix}/done", "1")
+                self._write(f"{prefix}/done", "1")
                 return nodes
             now = time.monotonic()
             if now > deadline:
@@ -358,8 +408,9 @@ class Handshake:
                     f"gave up after {self.timeout_s:.0f} s (launch.join_timeout_s): "
                     f"{waiting_message(nodes, self.target)}. Start meshrun launch on the missing "
                     "node(s) with the same --rdzv-endpoint, --rdzv-id and --nnodes"
+                    + self._refused_text()
                 )
-                self.store.set(f"{prefix}/error", text)
+                self._write(f"{prefix}/error", text)
                 raise HandshakeError(text)
             if len(nodes) != last_seen or now - last_report >= REPORT_EVERY_S:
                 self.say(waiting_message(nodes, self.target))
@@ -368,6 +419,31 @@ class Handshake:
 
     def _fail_text(self, problems: list[str]) -> str:
         return "the nodes do not agree: " + " | ".join(problems)
+
+    def _refused_text(self) -> str:
+        if not self.refused:
+            return ""
+        who = "; ".join(sorted({sanitize(c, 160) for c in self.refused.values()}))
+        return f" (refused as not signed with this job's secret: {who}; give it the same secret)"
+
+
+def _claimed_host(raw: bytes) -> str:
+    """Who an unverified record says it is (never trusted: for the refusal line only)."""
+    _, _, payload = raw.partition(b" ")
+    try:
+        doc = json.loads(payload)
+        return f"from {doc['hostname']} (node_rank {doc['node_rank']})"
+    except (ValueError, TypeError, KeyError):
+        return f"({len(raw)} bytes)"
+
+
+def publish_attempt(store: Any, rdzv_id: str, secret: JobSecret) -> None:
+    """A one-node job's store: a signed attempt, marked done, so that a ``meshrun launch``
+    pointed at it with another secret is refused by the handshake, naming why."""
+    prefix = f"meshrun/{rdzv_id}"
+    token = uuid.uuid4().hex[:8]
+    store.set(f"{prefix}/attempt", secret.seal(f"{prefix}/attempt", token))
+    store.set(f"{prefix}/{token}/done", secret.seal(f"{prefix}/{token}/done", "1"))
 
 
 def say_stderr(text: str) -> None:

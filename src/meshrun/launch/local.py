@@ -25,11 +25,18 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 
 from meshrun.config import CONFIG_ENV, LaunchConfig
 from meshrun.launch import multinode
-from meshrun.launch.handshake import Handshake, HandshakeError, local_node_info, say_stderr
+from meshrun.launch.handshake import (
+    Handshake,
+    HandshakeError,
+    local_node_info,
+    publish_attempt,
+    say_stderr,
+)
 from meshrun.launch.multinode import NetworkPlan
 from meshrun.launch.netif import NetworkError
 from meshrun.launch.orphans import orphan_guard
 from meshrun.launch.rundir import claim_run_dir
+from meshrun.launch.secret import SECRET_ENV, JobSecret, SecretError, from_env, resolve
 from meshrun.launch.torchrun_flags import FLAGS
 from meshrun.monitor.watchdog import hang_report, hang_states, watch_for_hangs
 
@@ -39,6 +46,8 @@ if TYPE_CHECKING:
 # torchrun's c10d rendezvous lets workers reuse the agent's TCP store by default; with
 # restarts that fails or hangs in 6 of 9 runs measured here, and never when disabled.
 SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+# One node: Gloo's sockets on loopback, not on the address the hostname resolves to.
+GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 LOCAL_HOST = "127.0.0.1"
 EXIT_INTERRUPTED = 130
 
@@ -179,21 +188,24 @@ def launch_local(spec: LaunchSpec) -> int:
 
         with orphan_guard(), _claim(spec, None):  # agents and workers end with us
             return launch_replica_groups(_group_plan(spec))
-    port = 0 if spec.rdzv_endpoint else find_free_port()
     try:
         network = _plan_network(spec)
-    except NetworkError as err:
+        secret = _job_secret(spec, network)
+    except (NetworkError, SecretError) as err:
         print(f"meshrun launch: error: {err}", file=sys.stderr, flush=True)
         return 1
-    argv = build_torchrun_args(spec, port, network)
     os.makedirs(spec.log_dir, exist_ok=True)
     # Runs already in the log folder, so the summary reads this run's logs, not theirs.
     known_runs = set(os.listdir(spec.log_dir))
-    with _claim(spec, network), _launch_environment(spec, network) as omp_threads:
-        print(start_line(spec, port, omp_threads, network), file=sys.stderr, flush=True)
-        if network is None:
+    with _claim(spec, network), _launch_environment(spec, network, secret) as omp_threads:
+        if network is not None:
+            argv = build_torchrun_args(spec, 0, network)
+            print(start_line(spec, 0, omp_threads, network), file=sys.stderr, flush=True)
+            return _run_multinode(argv, spec, network, known_runs)
+        with _local_store(spec) as port:
+            argv = build_torchrun_args(spec, port, network)
+            print(start_line(spec, port, omp_threads, network), file=sys.stderr, flush=True)
             return _run_agent(argv, spec, known_runs, None)
-        return _run_multinode(argv, spec, network, known_runs)
 
 
 def _claim(spec: LaunchSpec, network: NetworkPlan | None) -> AbstractContextManager[None]:
@@ -201,6 +213,31 @@ def _claim(spec: LaunchSpec, network: NetworkPlan | None) -> AbstractContextMana
     it; the other nodes refuse a directory another job holds. Nested in meshrun launch's own."""
     host = network is None or network.is_host
     return claim_run_dir(spec.run_dir, spec.nnodes, spec.rdzv_endpoint, spec.rdzv_id, host)
+
+
+def _job_secret(spec: LaunchSpec, network: NetworkPlan | None) -> JobSecret:
+    """One node, or the node hosting the store: read or create it; the others wait for it
+    (a shared run directory) within the join timeout."""
+    create = network is None or network.is_host
+    wait_s = 0.0 if create else spec.join_timeout_s
+    return resolve(spec.run_dir, os.environ, create=create, wait_s=wait_s, say=say_stderr)
+
+
+@contextmanager
+def _local_store(spec: LaunchSpec) -> Iterator[int]:
+    """One node's rendezvous store, created here on loopback (the agent's ``meshrun``
+    rendezvous uses it); yields its port. The static rendezvous keeps torchrun's own."""
+    if spec.rdzv_backend != "c10d":
+        yield find_free_port()
+        return
+    from meshrun.launch.rdzv_signed import forget_store, listen_store
+
+    store = listen_store(LOCAL_HOST, 0, timeout_s=max(60.0, spec.join_timeout_s))
+    publish_attempt(store, spec.rdzv_id, from_env())
+    try:
+        yield store.port
+    finally:
+        forget_store(store)
 
 
 def _group_plan(spec: LaunchSpec) -> GroupPlan:
@@ -239,6 +276,9 @@ def _run_multinode(
     try:
         return _run_agent(argv, spec, known_runs, network)
     finally:
+        from meshrun.launch.rdzv_signed import forget_store
+
+        forget_store(store)
         del store
 
 
@@ -248,7 +288,7 @@ def _plan_network(spec: LaunchSpec) -> NetworkPlan | None:
     multinode.validate(
         spec.nnodes, spec.node_rank, spec.rdzv_endpoint, spec.rdzv_id, spec.rdzv_conf
     )
-    return multinode.plan_network(spec.rdzv_endpoint, spec.interface, os.environ)
+    return multinode.plan_network(spec.rdzv_endpoint, spec.interface, os.environ, spec.rdzv_conf)
 
 
 def _checked_handshake(spec: LaunchSpec, network: NetworkPlan) -> Any:
@@ -267,8 +307,9 @@ def _checked_handshake(spec: LaunchSpec, network: NetworkPlan) -> Any:
         spec.node_rank, spec.nproc_per_node, spec.config_digest, spec.shared_config
     )
     handshake = Handshake(
-        store, spec.rdzv_id, info, target, network.is_host, spec.join_timeout_s, say_stderr
-    )
+        store, spec.rdzv_id, info, target, network.is_host, spec.join_timeout_s, say_stderr,
+        from_env(),
+    )  # fmt: skip
     nodes = handshake.run()
     names = ", ".join(n.hostname for n in sorted(nodes, key=lambda n: n.node_rank))
     say_stderr(f"{len(nodes)} nodes joined [{names}]; versions and config agree")
@@ -315,6 +356,7 @@ def _run_agent(
     from torch.distributed.run import get_args_parser, run
 
     from meshrun.launch.agent_watch import RDZV_GRACE_S, watched_agent
+    from meshrun.launch.rdzv_signed import signed_backend_argv
 
     started = time.time()  # hang files older than this are from an earlier run
     stop_watch = threading.Event()
@@ -326,7 +368,7 @@ def _run_agent(
     hint = "" if network is None else f" at {network.rdzv_address}:{network.rdzv_port}"
     try:
         with watched_agent(spec.max_restarts, bound, say_stderr, hint):
-            run(get_args_parser().parse_args(argv))
+            run(get_args_parser().parse_args(signed_backend_argv(argv)))
     except ChildFailedError as err:
         return _report_failure(err.failures, spec, known_runs, started)
     except SignalException as err:
@@ -378,7 +420,9 @@ def _one_line(err: BaseException) -> str:
 
 
 @contextmanager
-def _launch_environment(spec: LaunchSpec, network: NetworkPlan | None = None) -> Iterator[str]:
+def _launch_environment(
+    spec: LaunchSpec, network: NetworkPlan | None = None, secret: JobSecret | None = None
+) -> Iterator[str]:
     """Set the workers' environment for the agent; put os.environ and signals back after.
 
     The agent copies os.environ into every worker, so this is how settings reach them.
@@ -391,6 +435,11 @@ def _launch_environment(spec: LaunchSpec, network: NetworkPlan | None = None) ->
         os.environ.update(spec.extra_env)
         if network is not None:
             os.environ.update(network.env)  # GLOO/NCCL_SOCKET_IFNAME the user had not set
+        else:
+            if os.path.exists("/sys/class/net/lo"):  # Linux's loopback name
+                os.environ.setdefault(GLOO_IFNAME_ENV, "lo")
+        if secret is not None:  # the handshake, the agent's rendezvous and the workers read it
+            os.environ[SECRET_ENV] = secret.key.decode()
         os.environ.setdefault(SHARE_STORE_ENV, "1")  # only if the user did not choose
         if spec.config_path:
             # Absolute, so a worker that changes directory still finds it.

@@ -97,8 +97,12 @@ class NetworkPlan:
         return f"interface {self.interface}, route to {self.rdzv_address}, this node {role}"
 
 
-def plan_network(rdzv_endpoint: str, requested: str, environ: Mapping[str, str]) -> NetworkPlan:
-    """Choose the interface (``requested`` if given, else the route to the endpoint)."""
+def plan_network(
+    rdzv_endpoint: str, requested: str, environ: Mapping[str, str], rdzv_conf: str = ""
+) -> NetworkPlan:
+    """Choose the interface (``requested`` if given, else the route to the endpoint). This
+    node hosts the store if it owns the endpoint's address, unless ``--rdzv-conf is_host=``
+    says otherwise (several launches on one machine)."""
     host, port = parse_endpoint(rdzv_endpoint)
     address = netif.resolve_host(host)
     if ipaddress.ip_address(address).is_loopback:
@@ -111,7 +115,13 @@ def plan_network(rdzv_endpoint: str, requested: str, environ: Mapping[str, str])
         rdzv_host=host,
         rdzv_address=address,
         rdzv_port=port,
-        is_host=netif.is_local_address(address),
+        is_host=_is_host(address, parse_rdzv_conf(rdzv_conf).get("is_host")),
         env=netif.socket_env(chosen, environ),
         warnings=warnings,
     )
+
+
+def _is_host(address: str, given: str | None) -> bool:
+    if given is None:
+        return netif.is_local_address(address)
+    return given.strip().lower() in ("1", "true", "yes", "y", "on")

@@ -1,0 +1,332 @@
+"""meshrun's rendezvous backend for torchrun's agent: c10d's protocol, signed JSON state.
+
+torch's c10d rendezvous keeps its state as a pickle in the store (``torch.rendezvous.<id>``)
+and every agent unpickles what it reads there, so anyone who can reach the store's port runs
+code in the launcher, or joins the job. meshrun registers a backend of its own, ``meshrun``,
+with torch's handler registry: the handler is torch's ``DynamicRendezvousHandler`` (join,
+restart rounds, min/max nodes, keep-alive as in c10d), over :class:`SignedBackend`, which
+keeps the state as JSON with an HMAC of the job secret under a key of its own. The pickles
+the handler asks for are made here from verified JSON, and the pickles it hands over are
+its own, made in this process: nothing read from the network is unpickled.
+
+A value that does not verify (a stranger's write, a replayed older state) is refused with
+one line, and the last good state is put back, so the job trains on. The store itself is
+created by meshrun, bound to the address asked for (:func:`listen_store`), never to all
+interfaces as ``TCPStore`` does on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import socket
+import sys
+import threading
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Any
+
+from torch.distributed import PrefixStore, Store, TCPStore
+from torch.distributed.elastic.rendezvous import (
+    RendezvousConnectionError,
+    RendezvousHandler,
+    RendezvousParameters,
+    RendezvousStateError,
+)
+from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousBackend,
+    Token,
+    _NodeDesc,
+    _RendezvousState,
+    create_handler,
+)
+from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+from meshrun.launch.secret import JobSecret, from_env, sanitize
+
+BACKEND_NAME = "meshrun"
+_EMPTY = b"meshrun-rdzv-empty"  # the store's get blocks on a missing key: a sentinel instead
+_FORMAT = 1
+# Stores this launcher created (the host's), by port: the handler uses them as they are (a
+# second server on the port would fail; the endpoint may name the address differently).
+_STORES: dict[int, TCPStore] = {}
+_LOCK = threading.Lock()
+
+
+def listen_store(host: str, port: int, timeout_s: float) -> TCPStore:
+    """A TCPStore server listening on ``host`` only (port 0: one the OS picks).
+
+    TCPStore binds its server to every interface; handed a socket we bound ourselves
+    (``master_listen_fd``), it listens where we asked. The store is registered for the
+    ``meshrun`` handler of this process."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+    except OSError:
+        sock.close()
+        raise
+    bound = sock.getsockname()[1]
+    store = TCPStore(
+        host, bound, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach(),
+        timeout=timedelta(seconds=timeout_s),
+    )  # fmt: skip
+    with _LOCK:
+        _STORES[bound] = store
+    return store
+
+
+def forget_store(store: TCPStore) -> None:
+    with _LOCK:
+        for key in [k for k, v in _STORES.items() if v is store]:
+            del _STORES[key]
+
+
+def register() -> None:
+    """Make ``--rdzv-backend meshrun`` known to torchrun's agent in this process (once)."""
+    # Registering the same function again is allowed; a ValueError means another creator
+    # holds the name, which is a bug worth seeing.
+    rendezvous_handler_registry.register(BACKEND_NAME, create_signed_handler)
+
+
+def signed_backend_argv(argv: list[str]) -> list[str]:
+    """torchrun's argv with ``--rdzv-backend c10d`` made ``meshrun`` (registered here)."""
+    if "--rdzv-backend" not in argv:
+        return list(argv)
+    i = argv.index("--rdzv-backend")
+    if argv[i + 1] != "c10d":
+        return list(argv)  # static: torchrun's own, as the user asked
+    register()
+    return [*argv[: i + 1], BACKEND_NAME, *argv[i + 2 :]]
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m meshrun.launch.rdzv_signed TORCHRUN_ARGS``: torchrun with the signed
+    rendezvous (for launchers that start the agent as a process of its own); the secret
+    comes from ``MESHRUN_JOB_SECRET``."""
+    from torch.distributed.run import main as torchrun_main
+
+    from_env()  # fail before the agent starts, naming the variable
+    torchrun_main(signed_backend_argv(sys.argv[1:] if argv is None else argv))
+
+
+def create_signed_handler(params: RendezvousParameters) -> RendezvousHandler:
+    """torch's dynamic handler over the signed backend; the store the workers' bootstrap
+    keys go to is prefixed with a name derived from the secret, so a stranger's agent on the
+    same store (plain c10d) never meets this job's keys."""
+    secret = from_env()
+    store = _store_for(params)
+    backend = SignedBackend(store, params.run_id, secret)
+    prefixed = PrefixStore(f"meshrun.{secret.tag(params.run_id)}", store)
+    return create_handler(prefixed, backend, params)
+
+
+def _store_for(params: RendezvousParameters) -> Store:
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=29400)
+    timeout = timedelta(seconds=params.get_as_int("read_timeout", 60) or 60)
+    with _LOCK:
+        store = _STORES.get(port)
+    if store is not None:
+        return store
+    is_host = params.get_as_bool("is_host")
+    if is_host is None:  # as torch's c10d guesses: the endpoint is this machine's address
+        is_host = _is_local(host)
+    try:
+        if is_host:
+            return listen_store(host, port, timeout.total_seconds())
+    except OSError as err:
+        if params.get_as_bool("is_host") is not None:
+            raise RendezvousConnectionError(f"cannot host the store {host}:{port}: {err}") from err
+        # Another agent on this machine hosts it (several agents on one host): join it.
+    try:
+        return TCPStore(host, port, is_master=False, timeout=timeout)
+    except (RuntimeError, ValueError) as err:
+        raise RendezvousConnectionError(f"the rendezvous store {host}:{port}: {err}") from err
+
+
+def _is_local(host: str) -> bool:
+    from meshrun.launch.netif import is_local_address, resolve_host
+
+    try:
+        return is_local_address(resolve_host(host))
+    except (OSError, ValueError, RuntimeError):  # a name that does not resolve: not ours
+        return False
+
+
+class SignedBackend(RendezvousBackend):
+    """The rendezvous state as HMAC-signed JSON under ``meshrun.rdzv/<run id>``.
+
+    ``seq`` counts the writes: each is the state it replaced plus one, so an older signed
+    state written back (a replay) is refused like a forgery."""
+
+    def __init__(
+        self, store: Store, run_id: str, secret: JobSecret,
+        say: Callable[[str], None] | None = None,
+    ) -> None:  # fmt: skip
+        if not run_id:
+            raise ValueError("the rendezvous run id must not be empty")
+        self._store, self._run_id, self._secret = store, run_id, secret
+        self._key = f"meshrun.rdzv/{run_id}"
+        self._say = say or _say_stderr
+        self._seq = 0  # the highest write this node has seen
+        self._good: bytes | None = None  # the last value that verified
+        self._refused: set[bytes] = set()
+        self._stranger_seen = False
+        self._call("compare_set", self._key, "", _EMPTY)
+
+    @property
+    def name(self) -> str:
+        return BACKEND_NAME
+
+    def get_state(self) -> tuple[bytes, Token] | None:
+        self._note_plain_c10d()
+        return self._decode(self._call("get", self._key))
+
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        if token is not None and not isinstance(token, bytes):
+            current = self.get_state()  # not a token of ours: cannot match
+            return (*current, False) if current is not None else None
+        # The handler's own pickle, made in this process a moment ago.
+        local: _RendezvousState = pickle.loads(state)
+        sealed = self._seal(local, self._seq + 1)
+        raw = bytes(self._call("compare_set", self._key, token or _EMPTY, sealed))
+        decoded = self._decode(raw)
+        if decoded is None:
+            return None
+        return decoded[0], decoded[1], raw == sealed
+
+    # --- JSON <-> state ---------------------------------------------------------------
+
+    def _seal(self, state: _RendezvousState, seq: int) -> bytes:
+        doc = {"format": _FORMAT, "run_id": self._run_id, "seq": seq, **state_to_json(state)}
+        return self._secret.seal(self._key, json.dumps(doc, sort_keys=True))
+
+    def _decode(self, raw: bytes) -> tuple[bytes, Token] | None:
+        raw = bytes(raw)
+        if raw == _EMPTY:
+            return None
+        text = self._secret.unseal(self._key, raw)
+        doc = _parse(text) if text is not None else None
+        if doc is None or doc["run_id"] != self._run_id or doc["seq"] < self._seq:
+            return self._refuse(raw, "not signed with this job's secret" if doc is None
+                                else "an older state written back")  # fmt: skip
+        try:
+            state = state_from_json(doc)
+        except (KeyError, TypeError, ValueError) as err:  # signed, so a bug: say so plainly
+            raise RendezvousStateError(f"the signed rendezvous state is malformed: {err}") from err
+        self._seq, self._good = max(self._seq, doc["seq"]), raw
+        return pickle.dumps(state), raw
+
+    def _refuse(self, raw: bytes, why: str) -> tuple[bytes, Token] | None:
+        """Name the refused value once, put the last good state back over it, go on."""
+        if raw not in self._refused:
+            self._refused.add(raw)
+            self._say(
+                f"refused rendezvous state {why} (in the store {self._key}: "
+                f"{sanitize(_claimed_by(raw), 120)}); the job goes on with its own"
+            )
+        restore = self._good if self._good is not None else _EMPTY
+        now = bytes(self._call("compare_set", self._key, raw, restore))
+        if now == raw or now in self._refused:
+            return None  # could not put it back (raced by another write): as if empty
+        return self._decode(now)
+
+    def _note_plain_c10d(self) -> None:
+        """A plain torchrun agent pointed at this store writes ``torch.rendezvous.<id>``;
+        it is never read here, but the user should know someone tried."""
+        if self._stranger_seen:
+            return
+        if self._call("check", [f"torch.rendezvous.{self._run_id}"]):
+            self._stranger_seen = True
+            self._say(
+                f"refused a rendezvous join without this job's secret: an agent using torch's "
+                f"c10d rendezvous wrote torch.rendezvous.{self._run_id} in this job's store; "
+                "it is not part of the job"
+            )
+
+    def _call(self, op: str, *args: Any) -> Any:
+        try:
+            return getattr(self._store, op)(*args)
+        except (ValueError, RuntimeError, TimeoutError) as err:
+            raise RendezvousConnectionError(
+                f"the connection to the rendezvous store failed: {err}"
+            ) from err
+
+
+def _parse(text: str) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
+        return None
+    if not isinstance(doc.get("seq"), int) or not isinstance(doc.get("run_id"), str):
+        return None
+    return doc
+
+
+def _claimed_by(raw: bytes) -> str:
+    """Who an unverified value says it comes from, for the refusal line only (never
+    trusted): the addresses of its participants if it is meshrun's JSON, else its size."""
+    _, _, payload = raw.partition(b" ")
+    try:
+        doc = json.loads(payload)
+        addrs = sorted({str(p[0]) for p in doc.get("participants", []) + doc.get("wait_list", [])})
+        return f"claims to be from {', '.join(addrs) or 'no node'}"
+    except (ValueError, TypeError, AttributeError, IndexError):
+        return f"{len(raw)} bytes, not meshrun's format"
+
+
+def state_to_json(state: _RendezvousState) -> dict[str, Any]:
+    """The fields of torch's rendezvous state as JSON values (nodes as [addr, pid, id])."""
+    return {
+        "round": state.round,
+        "complete": state.complete,
+        "deadline": state.deadline.isoformat() if state.deadline else None,
+        "closed": state.closed,
+        "participants": [[*_node(n), rank] for n, rank in sorted(state.participants.items())],
+        "wait_list": [_node(n) for n in sorted(state.wait_list)],
+        "redundancy_list": [_node(n) for n in sorted(state.redundancy_list)],
+        "last_heartbeats": [
+            [*_node(n), t.isoformat()] for n, t in sorted(state.last_heartbeats.items())
+        ],
+    }
+
+
+def state_from_json(doc: dict[str, Any]) -> _RendezvousState:
+    state = _RendezvousState()
+    state.round = int(doc["round"])
+    state.complete = bool(doc["complete"])
+    state.deadline = datetime.fromisoformat(doc["deadline"]) if doc["deadline"] else None
+    state.closed = bool(doc["closed"])
+    state.participants = {_desc(p[:3]): int(p[3]) for p in doc["participants"]}
+    state.wait_list = {_desc(n) for n in doc["wait_list"]}
+    state.redundancy_list = {_desc(n) for n in doc["redundancy_list"]}
+    state.last_heartbeats = {
+        _desc(h[:3]): datetime.fromisoformat(h[3]) for h in doc["last_heartbeats"]
+    }
+    return state
+
+
+def _node(node: _NodeDesc) -> list[Any]:
+    return [node.addr, node.pid, node.local_id]
+
+
+def _desc(item: list[Any]) -> _NodeDesc:
+    addr, pid, local_id = item
+    if not isinstance(addr, str):
+        raise TypeError(f"a node address must be a string, got {addr!r}")
+    return _NodeDesc(addr, int(pid), int(local_id))
+
+
+def _say_stderr(text: str) -> None:
+    print(f"meshrun launch: {text}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,168 @@
+"""The job secret: one random key per job that every node's launcher holds, so what meshrun
+reads back from a store anyone can reach (the rendezvous state, the handshake's records) is
+trusted only when it carries an HMAC made with it.
+
+Where it comes from, first match wins:
+
+1. ``MESHRUN_JOB_SECRET`` in the environment (a k8s Secret, ``srun``'s inherited env, CI);
+2. ``MESHRUN_JOB_SECRET_FILE``: a file holding it, readable by its owner only;
+3. ``RUN_DIR/job.secret``: created (mode 0600, 32 random bytes as hex) by a one-node launch
+   and by the node that hosts a multi-node rendezvous; the other nodes read it there, which
+   is the default for nodes sharing the run directory (SLURM, a shared filesystem).
+
+The launcher exports it to its workers as ``MESHRUN_JOB_SECRET`` (the agent copies its
+environment into each worker); it is never written into the resolved config or a command
+line. Standard library only: nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import re
+import secrets
+import stat
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SECRET_ENV = "MESHRUN_JOB_SECRET"
+SECRET_FILE_ENV = "MESHRUN_JOB_SECRET_FILE"
+SECRET_FILE_NAME = "job.secret"
+MIN_CHARS = 16  # a secret shorter than this is guessable; 64 hex chars are generated
+_MAC_HEX = 64  # sha256
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
+
+
+class SecretError(RuntimeError):
+    """No usable job secret; the message names the variable or the file and the fix."""
+
+
+@dataclass(frozen=True)
+class JobSecret:
+    """The job's key, and where it came from (for the start-up line, never the key)."""
+
+    key: bytes = field(repr=False)
+    source: str
+
+    def mac(self, purpose: str, payload: bytes) -> str:
+        """HMAC-SHA256 of ``payload`` bound to ``purpose`` (the store key it is written
+        under), so a signed value moved to another key does not verify."""
+        return hmac.new(self.key, purpose.encode() + b"\0" + payload, hashlib.sha256).hexdigest()
+
+    def seal(self, purpose: str, text: str) -> bytes:
+        """``text`` with its MAC in front: what is written to the store."""
+        payload = text.encode()
+        return self.mac(purpose, payload).encode() + b" " + payload
+
+    def unseal(self, purpose: str, raw: bytes) -> str | None:
+        """The text of a sealed value, or None when its MAC is not this job's (constant-time
+        comparison; the text is not looked at before the MAC matches)."""
+        mac, sep, payload = bytes(raw).partition(b" ")
+        if not sep or len(mac) != _MAC_HEX:
+            return None
+        if not hmac.compare_digest(mac, self.mac(purpose, payload).encode()):
+            return None
+        try:
+            return payload.decode()
+        except UnicodeDecodeError:
+            return None
+
+    def tag(self, run_id: str) -> str:
+        """A name derived from the key: store prefixes a stranger does not collide with."""
+        return self.mac("tag", run_id.encode())[:16]
+
+
+def sanitize(text: str, limit: int = 300) -> str:
+    """Text from the network made safe to print: control characters (terminal escapes, new
+    lines) replaced by '?', cut at ``limit`` characters."""
+    clean = _CONTROL.sub("?", text)
+    return clean if len(clean) <= limit else clean[:limit] + "..."
+
+
+def from_env(environ: Mapping[str, str] | None = None) -> JobSecret:
+    """The secret a launcher exported (``MESHRUN_JOB_SECRET``); a SecretError without it."""
+    value = (os.environ if environ is None else environ).get(SECRET_ENV, "")
+    if not value:
+        raise SecretError(f"{SECRET_ENV} is not set: start the job with meshrun launch")
+    return _checked(value, f"env {SECRET_ENV}")
+
+
+def resolve(
+    run_dir: str,
+    environ: Mapping[str, str],
+    *,
+    create: bool,
+    wait_s: float = 0.0,
+    say: Callable[[str], None] | None = None,
+) -> JobSecret:
+    """The job secret (see the module's docstring for the order). ``create``: this node
+    may write ``RUN_DIR/job.secret`` if it is missing; otherwise it waits up to ``wait_s``
+    for the node that creates it (a shared run directory), then says what to set."""
+    if environ.get(SECRET_ENV):
+        return _checked(environ[SECRET_ENV], f"env {SECRET_ENV}")
+    if environ.get(SECRET_FILE_ENV):
+        return read_file(
+            Path(environ[SECRET_FILE_ENV]), f"{SECRET_FILE_ENV}={environ[SECRET_FILE_ENV]}"
+        )
+    path = Path(run_dir) / SECRET_FILE_NAME
+    if create and not path.exists():
+        return _create(path)
+    deadline = time.monotonic() + wait_s
+    if not path.exists() and say is not None and wait_s > 0:
+        say(f"waiting for the job secret {path} (written by the node hosting the rendezvous)")
+    while not path.exists() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    if not path.exists():
+        raise SecretError(
+            f"no job secret: {SECRET_ENV} and {SECRET_FILE_ENV} are unset and {path} does not "
+            f"exist{f' after {wait_s:.0f} s' if wait_s else ''}. Give every node the same secret: "
+            f"a run directory shared by all nodes (the host writes {SECRET_FILE_NAME} there), "
+            f"{SECRET_ENV}, or {SECRET_FILE_ENV}=PATH of a file readable only by you"
+        )
+    return read_file(path, str(path))
+
+
+def read_file(path: Path, named: str) -> JobSecret:
+    """A secret file's key; refused when others may read it or it is not ours."""
+    try:
+        info = path.stat()
+        text = path.read_text().strip()
+    except OSError as err:
+        raise SecretError(f"cannot read the job secret {named}: {err.strerror}") from None
+    if info.st_mode & (stat.S_IRWXG | stat.S_IRWXO):
+        raise SecretError(
+            f"the job secret {named} has mode {stat.S_IMODE(info.st_mode):o}: other users could "
+            f"read it. Run: chmod 600 {path}"
+        )
+    if hasattr(os, "getuid") and info.st_uid != os.getuid():
+        raise SecretError(
+            f"the job secret {named} belongs to uid {info.st_uid}, not to you ({os.getuid()}); "
+            "a file someone else wrote cannot be trusted: remove it or choose another run dir"
+        )
+    return _checked(text, f"file {path}")
+
+
+def _create(path: Path) -> JobSecret:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    value = secrets.token_hex(32)
+    try:
+        # O_EXCL: two launches racing on one run dir never both write; 0600 from the start.
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return read_file(path, str(path))
+    with os.fdopen(fd, "w") as out:
+        out.write(value + "\n")
+    return JobSecret(value.encode(), f"file {path} (new)")
+
+
+def _checked(value: str, source: str) -> JobSecret:
+    value = value.strip()
+    if len(value) < MIN_CHARS:
+        raise SecretError(
+            f"the job secret from {source} has {len(value)} characters; at least {MIN_CHARS} "
+            "are needed (generate one: python -c 'import secrets; print(secrets.token_hex(32))')"
+        )
+    return JobSecret(value.encode(), source)

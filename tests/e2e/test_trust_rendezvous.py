@@ -1,0 +1,218 @@
+"""A job that trusts no one, attacked for real on loopback: a pickle written into its
+rendezvous store, a plain torchrun agent and a ``meshrun launch`` with another secret pointed
+at its endpoint, and the list of what it listens on (one node here; two namespace hosts in
+the tests at the end).
+
+The job (tests/e2e/scripts/pause_at_step.py) pauses after a step until the test says go, so
+every attack lands while it trains, whatever the speed of the machine; its per-step losses
+are then compared with a run no one disturbed.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import pickle
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from contextlib import suppress
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from torch.distributed import TCPStore
+
+import sockets
+
+SCRIPT = Path(__file__).parent / "scripts" / "pause_at_step.py"
+STEPS, PAUSE_AT = 8, 3
+OTHER_SECRET = "f" * 64
+
+
+class Job:
+    """A ``meshrun launch`` of the pausing script, its output collected line by line."""
+
+    def __init__(self, tmp: Path, name: str, *extra: str, env: dict[str, str] | None = None):
+        self.run_dir = tmp / name
+        self.paused, self.go = tmp / f"{name}.paused", tmp / f"{name}.go"
+        self.lines: list[str] = []
+        self._new_line = threading.Condition()
+        argv = [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2", *extra,
+                str(SCRIPT), f"--job.run_dir={self.run_dir}", f"--optim.steps={STEPS}",
+                "--data.global_batch=16", "--data.micro_batch=8"]  # fmt: skip
+        base = {k: v for k, v in os.environ.items() if not k.startswith("MESHRUN_JOB_SECRET")}
+        env = {**base, "OMP_NUM_THREADS": "1", "PAUSE_AT": str(PAUSE_AT),
+               "PAUSED": str(self.paused), "GO": str(self.go), **(env or {})}  # fmt: skip
+        self.proc = subprocess.Popen(
+            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            start_new_session=True,
+        )  # fmt: skip
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            with self._new_line:
+                self.lines.append(line)
+                self._new_line.notify_all()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def wait_for_line(self, pattern: str, timeout: float) -> re.Match[str]:
+        deadline = time.monotonic() + timeout
+        with self._new_line:
+            while True:
+                for line in self.lines:
+                    if found := re.search(pattern, line):
+                        return found
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    pytest.fail(f"no line matching {pattern!r}:\n{self.output[-4000:]}")
+                self._new_line.wait(0.5)
+
+    def wait_paused(self, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.paused.exists():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                pytest.fail(f"the job did not reach step {PAUSE_AT}:\n{self.output[-4000:]}")
+            time.sleep(0.1)
+
+    def endpoint(self) -> tuple[str, int]:
+        found = self.wait_for_line(r"rendezvous (127\.0\.0\.1):(\d+)", 60)
+        return found.group(1), int(found.group(2))
+
+    def finish(self, timeout: float = 120) -> int:
+        self.go.touch()
+        try:
+            return self.proc.wait(timeout)
+        finally:
+            kill_tree(self.proc)
+
+    def losses(self) -> list[tuple[int, float]]:
+        rows = [json.loads(x) for x in (self.run_dir / "metrics.jsonl").read_text().splitlines()]
+        return [(r["step"], r["loss"]) for r in rows if "event" not in r]
+
+
+def kill_tree(proc: subprocess.Popen[str]) -> None:
+    """SIGKILL ``proc`` and everything below it (the agent starts workers in sessions of their
+    own, so its process group is not enough); only processes this test started."""
+    if proc.poll() is None:
+        for pid in reversed(sockets.tree(proc.pid)):
+            with suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    with suppress(subprocess.TimeoutExpired):
+        proc.wait(10)
+
+
+def reference_losses(tmp: Path) -> list[tuple[int, float]]:
+    """The same job, no one disturbing it (GO already there)."""
+    (tmp / "ref.go").touch()
+    job = Job(tmp, "ref")
+    assert job.finish() == 0, job.output[-4000:]
+    return job.losses()
+
+
+class RunsCode:
+    """A pickle that, when loaded, creates the file ``path`` (the old attack)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (str(self.path), "w"))
+
+
+# --- (a) a pickle written into the rendezvous store ------------------------------------------
+
+
+@pytest.mark.timeout(240)
+def test_a_pickle_written_to_the_rendezvous_store_runs_nothing(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    job = Job(tmp_path, "job")
+    try:
+        host, port = job.endpoint()
+        job.wait_paused()
+        client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        evil = pickle.dumps(RunsCode(marker))
+        # Where torch's c10d rendezvous keeps its state (a base64 pickle) and where meshrun's
+        # keeps it: neither is ever unpickled.
+        client.set("torch.rendezvous.meshrun", base64.b64encode(evil))
+        client.set("meshrun.rdzv/meshrun", evil)
+        job.wait_for_line(r"refused rendezvous state not signed with this job's secret", 60)
+        job.wait_for_line(r"refused a rendezvous join without this job's secret", 60)
+        rc = job.finish()
+    finally:
+        kill_tree(job.proc)
+    assert rc == 0, job.output[-4000:]
+    assert not marker.exists(), "the pickle ran"
+    assert [s for s, _ in job.losses()] == list(range(1, STEPS + 1))
+
+
+# --- (c) every listening socket of a one-node job is on loopback -----------------------------
+
+
+@pytest.mark.timeout(240)
+def test_a_one_node_job_listens_on_loopback_only(tmp_path: Path) -> None:
+    job = Job(tmp_path, "job")
+    try:
+        with sockets.Watch(job.proc.pid) as watch:
+            job.wait_paused()
+            watch.seen |= sockets.listeners(job.proc.pid)  # everything is up while paused
+            rc = job.finish()
+    finally:
+        kill_tree(job.proc)
+    assert rc == 0, job.output[-4000:]
+    print(sockets.describe(watch.seen))
+    assert not sockets.wildcard(watch.seen), sockets.describe(watch.seen)
+    # The agent's store (the launcher), the workers' store (rank 0) and Gloo (both ranks).
+    assert len({s.pid for s in watch.seen}) >= 3, sockets.describe(watch.seen)
+    assert {s.address for s in watch.seen} == {"127.0.0.1"}, sockets.describe(watch.seen)
+
+
+# --- (b) strangers without the secret are refused; the job trains on unchanged ---------------
+
+
+@pytest.mark.timeout(420)
+def test_strangers_without_the_secret_are_refused_and_the_job_trains_on(tmp_path: Path) -> None:
+    expected = reference_losses(tmp_path)
+    job = Job(tmp_path, "job")
+    strangers: list[subprocess.Popen[str]] = []
+    try:
+        host, port = job.endpoint()
+        job.wait_paused()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MESHRUN_JOB_SECRET": OTHER_SECRET}
+        # A plain torchrun agent that would have joined (and restarted) the job before.
+        strangers.append(subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
+             "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
+             f"{host}:{port}", "--rdzv-id", "meshrun", "--rdzv-conf", "is_host=0",
+             "--max-restarts", "0", str(SCRIPT)],
+            env={**env, "PAUSE_AT": "0", "PAUSED": "x", "GO": "x"}, text=True,
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
+        ))  # fmt: skip
+        job.wait_for_line(r"refused a rendezvous join without this job's secret", 90)
+        kill_tree(strangers[0])
+        # meshrun launch with another secret, as a second node of the job.
+        stranger = subprocess.run(
+            [sys.executable, "-m", "meshrun", "launch", "--nnodes", "1:2", "--nproc-per-node",
+             "1", "--rdzv-endpoint", f"{host}:{port}", "--rdzv-conf", "is_host=0",
+             "--join-timeout", "30", str(SCRIPT), f"--job.run_dir={tmp_path / 'stranger'}"],
+            env=env, text=True, capture_output=True, timeout=120,
+        )  # fmt: skip
+        assert stranger.returncode != 0, stranger.stderr[-3000:]
+        assert "refused by the rendezvous store" in stranger.stderr, stranger.stderr[-3000:]
+        assert "not signed with this node's job secret" in stranger.stderr
+        assert not (tmp_path / "stranger" / "metrics.jsonl").exists()  # no worker started
+        rc = job.finish()
+    finally:
+        for proc in [job.proc, *strangers]:
+            kill_tree(proc)
+    assert rc == 0, job.output[-4000:]
+    assert job.losses() == expected  # bitwise: the same steps, the same losses
+    assert "restart" not in job.output.lower(), job.output[-4000:]
