@@ -120,15 +120,23 @@ def _embed(ids: Tensor, modules: Sequence[nn.Module]) -> Tensor:
 
 
 def _mask_kwargs(fn: Callable[..., Any], config: Any, h: Tensor, pos: Tensor) -> dict[str, Any]:
-    """Arguments for a transformers masking function, across its recent signatures."""
+    """Arguments for a transformers masking function, across its recent signatures. An
+    optional argument is passed only when it is the current one: transformers keeps a renamed
+    or retired one in the signature for a while and warns (FutureWarning) when it is given,
+    even as None (``past_key_values`` -> ``cache``; ``cache_position`` -> ``position_ids``)."""
     params = inspect.signature(fn).parameters
+
+    def required(name: str) -> bool:
+        return name in params and params[name].default is inspect.Parameter.empty
+
     kw: dict[str, Any] = {"config": config, "inputs_embeds": h, "attention_mask": None}
-    for name in ("cache", "past_key_values"):
-        if name in params:
+    for name in ("cache", "past_key_values"):  # no cache: None, needed only where required
+        if required(name):
             kw[name] = None
+            break
     if "position_ids" in params:
         kw["position_ids"] = pos
-    if "cache_position" in params:
+    if required("cache_position") or ("cache_position" in params and "position_ids" not in kw):
         kw["cache_position"] = pos[0]
     return kw
 
