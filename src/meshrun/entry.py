@@ -20,6 +20,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
+from meshrun.logs import report_uncaught
 from meshrun.runtime import close_active_run
 
 
@@ -44,7 +45,7 @@ def main(fn: Callable[..., Any]) -> Callable[..., None]:
         except BaseException as exc:
             code = _exit_code(exc)
             if code not in (0, 130) and not isinstance(exc, SystemExit):
-                traceback.print_exc()
+                report_uncaught(type(exc), exc, exc.__traceback__, traceback.print_exception)
         try:
             close_active_run(failed=code != 0)
         except Exception:

@@ -11,14 +11,18 @@ records, and Python's ``warnings`` of ranks other than 0 (torch's, the user's) g
 from __future__ import annotations
 
 import logging
+import re
 import sys
 import warnings
+from collections.abc import Callable
 from pathlib import Path
+from types import TracebackType
 from typing import TextIO
 
 LOGGER_NAME = "meshrun"
 OWN_RANK = {"per_rank": True}  # extra= of a warning that differs from rank to rank
 OWN_HOST = {"per_host": True}  # extra= of a warning about this host
+FILE_ONLY = {"file_only": True}  # extra= of a record for the rank's file, never the console
 
 _SHOW_WARNING = warnings.showwarning  # Python's, given back to rank 0
 
@@ -34,13 +38,16 @@ class _RankFilter(logging.Filter):
 
 
 class _ConsoleFilter(logging.Filter):
-    """What a rank other than 0 prints: its errors, and only its own warnings."""
+    """What a rank other than 0 prints: its errors, and only its own warnings (and no rank
+    prints a FILE_ONLY record)."""
 
     def __init__(self, rank: int, local_rank: int) -> None:
         super().__init__()
         self.rank, self.local_rank = rank, local_rank
 
     def filter(self, record: logging.LogRecord) -> bool:
+        if getattr(record, "file_only", False):
+            return False
         if self.rank == 0 or record.levelno >= logging.ERROR:
             return True
         if getattr(record, "per_rank", False):
@@ -98,6 +105,46 @@ def _route_python_warnings(log: logging.Logger, rank: int) -> None:
         log.warning("%s", text)  # no OWN_RANK: the console filter keeps it off the console
 
     warnings.showwarning = to_file
+
+
+# --- an uncaught exception that is another rank's doing -------------------------------------
+
+# What Gloo says when the other end of a connection went away: its process was killed or
+# failed. A surviving rank then fails in its next collective, a consequence, not a cause.
+_PEER_GONE = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+_GLOO_SOURCE = re.compile(r"^\[[^\]]*gloo[^\]]*\]\s*")  # "[.../gloo/transport/tcp/pair.cc:537] "
+ShowException = Callable[[type[BaseException], BaseException, TracebackType | None], object]
+
+
+def peer_lost(exc: BaseException) -> str | None:
+    """The short text of a Gloo error raised because a peer's connection went away (``Read
+    error [10.0.0.2]:4321: Connection reset by peer``); None for any other exception."""
+    text = str(exc)
+    if "gloo" not in text.lower() or not any(p in text for p in _PEER_GONE):
+        return None
+    return _GLOO_SOURCE.sub("", text.splitlines()[0]).split(". ", 1)[0]
+
+
+def report_uncaught(
+    tp: type[BaseException], exc: BaseException, tb: TracebackType | None, show: ShowException
+) -> None:
+    """Report the exception that ends this rank. A lost Gloo peer is one line on stderr
+    naming this rank's log file, which keeps the traceback: when one rank is killed, every
+    other one fails in its next collective, and their tracebacks would bury the line that
+    names the first failure. Anything else (or no log file): ``show`` (Python's hook)."""
+    short = peer_lost(exc)
+    log = logging.getLogger(LOGGER_NAME)
+    files = [h.baseFilename for h in log.handlers if isinstance(h, logging.FileHandler)]
+    if short is None or not files:
+        show(tp, exc, tb)
+        return
+    log.error("a peer rank went away during a collective", exc_info=(tp, exc, tb), extra=FILE_ONLY)
+    print(
+        f"{tp.__name__}: {short}: a peer rank ended during a collective (the launcher names the "
+        f"first rank to fail); this rank's traceback is in {files[0]}",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
 class _ConsoleFormatter(logging.Formatter):

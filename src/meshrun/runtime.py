@@ -18,7 +18,7 @@ from meshrun.agreement import StepAgreement
 from meshrun.checkpoint import Checkpointer
 from meshrun.cluster import ClusterEnv, detect
 from meshrun.config import Config, grad_accumulation, validate_for_world, write_config
-from meshrun.logs import init_logging
+from meshrun.logs import init_logging, report_uncaught
 from meshrun.mesh import ParallelDims
 from meshrun.run_data import DataMethods
 from meshrun.run_eval import EvalMethods
@@ -201,7 +201,7 @@ def _install_excepthook() -> None:
     def hook(tp: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
         global _FAILED
         _FAILED = True
-        previous(tp, value, tb)
+        report_uncaught(tp, value, tb, previous)  # a lost Gloo peer: one line, not a traceback
 
     sys.excepthook = hook
 
