@@ -39,6 +39,12 @@ def _cmd_lighthouse(a: argparse.Namespace) -> int:
     )
     print(f"meshrun lighthouse: listening on {a.bind} ({server.address()}), min_replicas "
           f"{a.min_replicas}; Ctrl-C stops it", file=sys.stderr, flush=True)  # fmt: skip
+    if a.bind.rpartition(":")[0] in ("[::]", "0.0.0.0", ""):
+        # torchft's lighthouse authenticates no one: every interface is every network's reach.
+        print("meshrun lighthouse: warning: listening on every interface; anyone who reaches "
+              "the port can stall the job's quorums or restart its groups (docs/security.md): "
+              "pass --bind ADDRESS:PORT of the interface the groups use", file=sys.stderr,
+              flush=True)  # fmt: skip
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

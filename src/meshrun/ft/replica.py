@@ -11,23 +11,22 @@ groups' whole batch. torchft's own DDP wrapper is not used: its comm hook assert
 Manager, and ``should_commit`` then refuses the step on every rank of the group.
 
 The quorum is synchronous (``use_async_quorum=False``): a restarted group loads its peer's
-state before its first forward, so no step of it trains on stale weights.
+state before its first forward, so no step of it trains on stale weights. How the Manager is
+built (its servers' addresses, the quorum check that keeps strangers out, the signed heals):
+ft/manager.py.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-import socket
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from meshrun.config import ConfigError
@@ -35,11 +34,12 @@ from meshrun.config.fault_tolerance import FaultToleranceConfig
 from meshrun.data.sampler import ResumableSampler
 from meshrun.ft.data import live_share
 from meshrun.ft.heal import HealState, StateCodec
+from meshrun.ft.manager import build_manager
 from meshrun.monitor import MetricsLogger
 from meshrun.schedule import scale_lr
 from meshrun.state import TrainState
 
-__all__ = ["ReplicaGroup", "StepOutcome", "check_hostname", "scaled_lr"]
+__all__ = ["ReplicaGroup", "StepOutcome", "scaled_lr"]
 
 log = logging.getLogger("meshrun")
 
@@ -53,20 +53,6 @@ class StepOutcome:
     live_groups: int
     samples: int  # the positions the step covers: the live groups' shares of the batch
     lr_factor: float  # optim.lr_scaling's rule for `samples` against the global batch
-
-
-def check_hostname() -> str:
-    """torchft advertises ``http://<hostname>:port`` for healing: the name must resolve."""
-    name = socket.gethostname()
-    try:
-        socket.getaddrinfo(name, None)
-    except OSError as err:
-        raise ConfigError(
-            f"fault_tolerance: this host's name {name!r} does not resolve ({err}); torchft "
-            "advertises it to the peers that heal from this group. Add it to /etc/hosts "
-            "(e.g. `127.0.1.1 <name>`) or fix the DNS, then start again"
-        ) from err
-    return name
 
 
 class ReplicaGroup:
@@ -84,8 +70,6 @@ class ReplicaGroup:
         global_batch: int,
         lr_scaling: str = "none",
     ) -> None:
-        from torchft import Manager, ProcessGroupGloo
-
         if not cfg.lighthouse:
             raise ConfigError(
                 "fault_tolerance.replica_groups > 1 but fault_tolerance.lighthouse is empty: "
@@ -96,27 +80,8 @@ class ReplicaGroup:
         self.global_batch, self.lr_scaling = global_batch, lr_scaling
         self.codec = StateCodec(state, cfg.group_index)
         self.heal = HealState()
-        timeout = timedelta(seconds=cfg.timeout_s)
-        self.manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout),
-            load_state_dict=self._load,
-            state_dict=self.codec.save,
-            min_replica_size=cfg.quorum_size(),
-            use_async_quorum=False,
-            timeout=timeout,
-            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
-            rank=dist.get_rank(),
-            world_size=dist.get_world_size(),
-            store_addr=os.environ["MASTER_ADDR"],
-            store_port=int(os.environ["MASTER_PORT"]),
-            lighthouse_addr=f"http://{cfg.lighthouse.removeprefix('http://')}",
-            # The trailing digits name the group in torchft's logs and global ranks.
-            # Zero-padded: participants are ranked by this string, so group g is participant
-            # g when every group is live (the shares of plain data parallelism, ft/data.py).
-            replica_id=f"meshrun_group_{cfg.group_index:04d}",
-            hostname=check_hostname(),
-            init_sync=False,  # every group seeds the same initial weights (init_seeds)
-        )
+        self.refused: list[str] = []  # quorums refused since the last step (ft/auth.py)
+        self.manager = build_manager(cfg, self.codec, self._load, self.refused)
         self.live_groups = 0
         self._first_quorum = True  # this process's first: resume the step, wait for all
         # A heal set a new data position, or the quorum a new share: the loop restarts its
@@ -136,6 +101,7 @@ class ReplicaGroup:
         if first:
             self._resume_step()
         self.manager.start_quorum()
+        self._log_refused()
         live = self.manager.num_participants()
         if first and self.heal.loaded is None and live < self.cfg.replica_groups:
             live = self._wait_for_all_groups(live)
@@ -271,6 +237,12 @@ class ReplicaGroup:
 
     def _load(self, blob: dict[str, Any]) -> None:
         self.heal.loaded = self.codec.load(blob)
+
+    def _log_refused(self) -> None:
+        """The quorums refused in this step's quorum call (the client logged each line)."""
+        for line in self.refused:
+            self.metrics.log_event("ft_refused", step=self.state.step + 1, reason=line)
+        self.refused.clear()
 
     def _log_heal(self, seconds: float) -> None:
         loaded = self.heal.loaded

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from meshrun.config import CONFIG_ENV, Config, apply_overrides, load_config, validate_for_world
 from meshrun.config import write_config as write_config_file
+from meshrun.launch.secret import SECRET_ENV, resolve
 
 __all__ = ["GroupPlan", "group_config", "launch_replica_groups", "run_lighthouse"]
 
@@ -84,6 +85,9 @@ def launch_replica_groups(plan: GroupPlan) -> int:
     groups = plan.groups
     cfg = load_config(plan.config_path)
     nproc = plan.nproc_per_node // groups
+    # Every group's workers sign their quorum ids and heals with the job's secret (ft/auth.py).
+    secret = resolve(str(cfg.resolved_run_dir()), {**os.environ, **plan.extra_env}, create=True)
+    plan = dataclasses.replace(plan, extra_env={**plan.extra_env, SECRET_ENV: secret.key.decode()})
     with run_lighthouse(plan.lighthouse or cfg.fault_tolerance.lighthouse, cfg, groups) as addr:
         procs = [_start_group(plan, cfg, g, addr, nproc) for g in range(groups)]
         return _wait(procs)
@@ -139,9 +143,12 @@ def _start_group(
     env.setdefault("OMP_NUM_THREADS", str(cores))
     env.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
     say(f"group {index}: {nproc} process(es), run dir {run_dir}")
+    # torchrun with meshrun's signed rendezvous: its store bound to the group's endpoint
+    # (loopback), its state signed JSON, never a pickle read back (launch/rdzv_signed.py).
     return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", *argv], env=env, start_new_session=True
-    )
+        [sys.executable, "-m", "meshrun.launch.rdzv_signed", *argv], env=env,
+        start_new_session=True,
+    )  # fmt: skip
 
 
 def _wait(procs: list[subprocess.Popen[bytes]]) -> int:

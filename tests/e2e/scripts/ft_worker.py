@@ -19,6 +19,9 @@ processes act; a marker file keeps a restarted worker from repeating a kill it a
   the step's quorum again until the missing group is back in it; from step S on they take no
   step alone (_hold_quorum). So every planned kill and heal happens within the run, whatever a
   restart costs on a loaded machine, and no outcome depends on timing.
+- FT_PAUSE_AT=S: every process, before the quorum of step S, writes RUN_DIR/paused.rank<r>
+  and waits for the file `go` in the job's run directory (the test acts in between: a
+  stranger's quorum request, tests/e2e/test_ft_trust.py).
 """
 
 import hashlib
@@ -103,6 +106,25 @@ def _hold_quorum(run: meshrun.Run, groups: int, hold_at: int) -> None:
     replicas.start_step = start_step  # type: ignore[method-assign]
 
 
+def _pause_before_quorum(run: meshrun.Run, step: int, run_dir: Path) -> None:
+    """Test hook (FT_PAUSE_AT): before step ``step``'s quorum, say so and wait for `go`."""
+    replicas = run.loop.replicas
+    assert replicas is not None
+    original = replicas.start_step
+
+    def start_step() -> None:
+        if run.step + 1 == step:
+            (run_dir / f"paused.rank{run.rank}").write_text(str(os.getpid()))
+            go, deadline = run_dir.parent / "go", time.monotonic() + 600
+            while not go.exists():
+                if time.monotonic() > deadline:
+                    raise RuntimeError("ft_worker: no `go` from the test in 600 s")
+                time.sleep(0.05)
+        original()
+
+    replicas.start_step = start_step  # type: ignore[method-assign]
+
+
 def _wait_for_records(run_dir: Path, ranks: int, step: int) -> None:
     """Before rank 0 kills its group: every rank of it has recorded the step it last committed.
     The group commits a step on all its ranks together, but torchrun ends the other ranks when
@@ -167,6 +189,8 @@ def main() -> None:
     faulty = _plan("FT_KILL_STEPS", ft.group_index) + _plan("FT_KILL_IN_ALLREDUCE", ft.group_index)
     if ft.enabled and not faulty:
         _hold_quorum(run, ft.replica_groups, int(os.environ.get("FT_HOLD_AT", "0")))
+    if os.environ.get("FT_PAUSE_AT"):
+        _pause_before_quorum(run, int(os.environ["FT_PAUSE_AT"]), run_dir)
     committed = 0  # steps this process committed
     trained: list[int] = []  # this step's dataset indices, written once it commits
     for inputs, targets, index in run.steps(loader):
