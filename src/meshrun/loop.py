@@ -15,7 +15,7 @@ import logging
 import math
 import socket
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -26,6 +26,7 @@ from meshrun.agreement import StepAgreement
 from meshrun.config import MonitorConfig
 from meshrun.data.iterable import ResumableIterable
 from meshrun.data.loader import WaitClock
+from meshrun.data.permutation import mix_seed
 from meshrun.data.sampler import ResumableSampler
 from meshrun.monitor import MetricsLogger, StepMonitor, memory_stats
 from meshrun.monitor.throughput import resolve_tokens_per_sample
@@ -51,6 +52,21 @@ def to_device(batch: Any, device: torch.device) -> Any:
     return batch
 
 
+def seed_per_dp(seed: int, step: int, dp_coord: int) -> None:
+    """Give torch's RNG (CPU and every CUDA device) a stream per data-parallel coordinate, so
+    dropout draws its own masks on each data-parallel rank, as one process would over the
+    global batch, while the tensor/context-parallel and pipeline ranks of one coordinate keep
+    one stream (a replicated activation needs the same mask on each TP rank; DTensor's random
+    ops, which shard one mask over the TP ranks, need one seed there).
+
+    Called when ``run.steps`` begins, after the model was built from the same seed on every
+    rank (identical initial weights). Data-parallel coordinate 0 of a fresh run keeps the
+    stream it has: one process trains exactly as the same script without meshrun."""
+    if step == 0 and dp_coord == 0:
+        return
+    torch.manual_seed(mix_seed(seed, step, dp_coord))
+
+
 def _first_tensor(batch: Any) -> torch.Tensor | None:
     if isinstance(batch, torch.Tensor):
         return batch
@@ -65,6 +81,16 @@ def _first_tensor(batch: Any) -> torch.Tensor | None:
 
 class StepLoop:
     """Counts micro-steps and optimizer steps for one run (one instance per ``Run``)."""
+
+    # Run after the user's loop body of each micro-step (``run.optimizer_step`` sets it: the
+    # checkpoint of a step is written there, once the user's own objects have moved).
+    on_step_end: Callable[[], object] | None = None
+    # job.seed and this rank's data-parallel coordinate over every replica group (set by
+    # startup.build_loop): torch's RNG stream once run.steps begins (seed_per_dp), unless a
+    # resume restored it.
+    seed: int = 0
+    dp_coord: int = 0
+    _rng_placed: bool = False
 
     def __init__(
         self,
@@ -148,6 +174,10 @@ class StepLoop:
         self.state.iterable = dataset if isinstance(dataset, ResumableIterable) else None
         self._t_last, self._outside_s = time.perf_counter(), 0.0
         self._target = target
+        if not self._rng_placed:  # once per process, before the first forward
+            self._rng_placed = True
+            if not self.state.rng_restored:
+                seed_per_dp(self.seed, self.state.step, self.dp_coord)
         if self.replicas is not None:
             self.replicas.check_sampler(self.state.sampler)
         self._maybe_start_quorum()
@@ -183,6 +213,8 @@ class StepLoop:
                 "was not called: call it once per micro-batch, after run.backward(loss)"
             )
         self.state.micro = 0 if self._boundary else self.state.micro + 1
+        if self.on_step_end is not None:
+            self.on_step_end()
 
     def _inspect_first(self, batch: Any, tokens_per_sample: int | None) -> None:
         t = _first_tensor(batch)

@@ -3,6 +3,7 @@ watchdog's phases, and the checkpoints (loop.py, checkpoint/)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
@@ -26,6 +27,7 @@ class LoopMethods(RunFields):
     def backward(self, loss: torch.Tensor) -> None:
         """``(loss / accumulation).backward()``; see loop.py for why this is the right scale.
         Under ``parallel.loss_parallel`` the backward runs inside ``loss_parallel()`` too."""
+        self.checkpointer.flush()  # the last step's save, in a loop without run.steps
         with maybe_loss_parallel(self.config.parallel):
             self.loop.backward(loss)
 
@@ -37,14 +39,18 @@ class LoopMethods(RunFields):
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         check_optimizer(optimizer, self.config.parallel, self.dp_size)
+        self.checkpointer.flush()  # the last step's save, in a loop without run.steps
         self.checkpointer.before_update()  # an async save's background copy must end first
         stepped = self.loop.optimizer_step(optimizer)
         if stepped:  # every `checkpoint.interval` steps, at the step boundary
             if self.state.optimizer is None:  # interval saves work without run.resume
                 self.state.optimizer = optimizer
-            # The watchdog allows a save more than a step (the phase), not the agreement on
-            # whether to save, which runs every step.
-            self.checkpointer.maybe_save(self.step, phase=lambda: self.phase("checkpoint"))
+            # Saved when the loop body of this step is done (the user's own scheduler has
+            # stepped): run.steps calls on_step_end as the next micro-batch is asked for. The
+            # watchdog allows a save more than a step (the phase), not the agreement on whether
+            # to save, which runs every step.
+            self.checkpointer.step_done(self.step, phase=lambda: self.phase("checkpoint"))
+            self.loop.on_step_end = self.checkpointer.flush
         return stepped
 
     def phase(self, name: str, timeout_s: float | None = None) -> AbstractContextManager[None]:
@@ -79,15 +85,22 @@ class LoopMethods(RunFields):
         model: nn.Module | Pipeline,
         optimizer: torch.optim.Optimizer,
         loader: Any = None,
+        per_rank: Mapping[str, Stateful] | None = None,
         **named: Stateful,
     ) -> int:
         """Register what is checkpointed (model, optimizer, the loader's data position, user
         objects by name; schedulers from ``run.lr_scheduler`` are included) and load the
-        checkpoint chosen by ``checkpoint.resume``. Returns the step resumed at (0 = fresh)."""
+        checkpoint chosen by ``checkpoint.resume``. Returns the step resumed at (0 = fresh).
+
+        Objects by name (``sched=scheduler``) are replicated: the same on every rank (checked
+        at each save). ``per_rank={"hidden": obj}``: objects whose state is each rank's own,
+        saved and restored per rank (same world size; another one is refused). Every object
+        is saved at the end of the step's loop body, with the model and optimizer of that
+        step (docs/checkpoint.md, Your own state)."""
         if self.state.scaler is not None and "grad_scaler" not in named:
             scaler = cast(Stateful, self.state.scaler)  # its scale must survive restarts
             named = {**named, "grad_scaler": scaler}
-        self.checkpointer.register(model, optimizer, loader, named)
+        self.checkpointer.register(model, optimizer, loader, named, per_rank)
         step = self.checkpointer.resume()
         if step:
             self.metrics.log_event("resume", from_step=step)  # later steps are redone

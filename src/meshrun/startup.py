@@ -125,7 +125,8 @@ def _worker_store(timeout: timedelta) -> dist.TCPStore:
 
 
 def init_seeds(seed: int, rank: int) -> None:
-    # Same torch seed everywhere: every rank builds identical initial weights.
+    # Same torch seed everywhere: every rank builds identical initial weights. Dropout's
+    # stream is made per data-parallel rank when run.steps begins (loop.seed_per_dp).
     torch.manual_seed(seed)
     # Rank-offset seeds for Python/NumPy: data augmentation differs per rank.
     random.seed(seed + rank)
@@ -216,7 +217,7 @@ def build_loop(
         replicas = ReplicaGroup(cfg.fault_tolerance, state, metrics, dp,
                                 global_batch=cfg.data.global_batch,
                                 lr_scaling=cfg.optim.lr_scaling)  # fmt: skip
-    return StepLoop(
+    loop = StepLoop(
         accum=accum,
         global_batch=cfg.data.global_batch,
         micro_batch=cfg.data.micro_batch,
@@ -231,6 +232,27 @@ def build_loop(
         agreement=agreement,
         replicas=replicas,
     )
+    loop.seed, loop.dp_coord = cfg.job.seed, _dp_coord(cfg, mesh, device)
+    return loop
+
+
+def _dp_coord(cfg: Config, mesh: DeviceMesh | None, device: torch.device) -> int:
+    """This rank's data-parallel coordinate over every replica group (its dropout stream)."""
+    if mesh is None:
+        return 0
+    dp = mesh.get_group("dp")
+    if device.type == "cuda":
+        # DTensor's first random op would broadcast rank 0's CUDA RNG state over the world
+        # (run_state_sync): its tracker is made now without that, so the per-coordinate
+        # streams stay (torch.distributed.tensor._random; torchtitan does the same).
+        from torch.distributed.tensor import _random as dtensor_random
+
+        if dtensor_random._rng_tracker is None:
+            dtensor_random._rng_tracker = dtensor_random.OffsetBasedRNGTracker(
+                mesh, run_state_sync=False
+            )
+    group = cfg.fault_tolerance.group_index if cfg.fault_tolerance.enabled else 0
+    return group * dp.size() + dp.rank()
 
 
 def checkpoint_facts(cfg: Config, run_dir: Path, accum: int, device: torch.device) -> RunFacts:

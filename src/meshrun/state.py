@@ -43,6 +43,9 @@ class TrainState:
     # loss in backward, unscales before clipping and skips steps with inf/nan gradients.
     scaler: ShardedGradScaler | None = None
     pp_group: ProcessGroup | None = None  # set by run.pipeline: the stages' norms combine
+    # Set by a resume that restored every rank's RNG streams (same world size); else the loop
+    # seeds torch per data-parallel coordinate when run.steps begins (loop.seed_per_dp).
+    rng_restored: bool = False
 
     def set_position(self, step: int) -> None:
         """Continue at optimizer step ``step``, at the start of its accumulation window."""

@@ -95,7 +95,7 @@ class AsyncSaves:
         self.commit.prepare(tmp)
         pending = _Pending(step, tmp, plain, t0)
         try:
-            self.commit.write_rank_file(tmp)
+            self.commit.write_rank_file(tmp, plain)
             writer, fs = hashing_writer(tmp)
             pending.fs = fs
             response = dcp.async_save(

@@ -100,7 +100,8 @@ def check_keys(path: Path, tensors: dict[str, Any], known: set[str] | None = Non
 
 
 def reseed(seed: int, step: int, rank: int) -> None:
-    """Per-rank RNG streams after a change of world size (old streams cannot be mapped)."""
+    """Per-rank RNG streams after a change of world size (old streams cannot be mapped); the
+    loop then gives torch one stream per data-parallel coordinate (loop.seed_per_dp)."""
     s = mix_seed(seed, step, rank)
     random.seed(s)
     np.random.seed(s % 2**32)

@@ -1,6 +1,7 @@
 """The commit protocol of a checkpoint, its manifest and retention.
 
-All ranks write into ``step_N.tmp`` (DCP shards and a per-rank RNG file); all agree it worked;
+All ranks write into ``step_N.tmp`` (DCP shards and a per-rank file: the RNG states and the
+per-rank objects); all agree it worked;
 rank 0 writes ``state.json`` and the manifest (sizes, SHA-256 each rank reported for its own
 files) with its COMPLETE marker, renames to ``step_N`` and applies retention; all agree again.
 Any failure reaches every rank as the same :class:`CheckpointError`, and the previous
@@ -23,7 +24,7 @@ from meshrun.checkpoint.checks import CheckpointError, space_text
 from meshrun.checkpoint.facts import RunFacts, any_rank, barrier
 from meshrun.checkpoint.hf_files import HF_FILES
 from meshrun.checkpoint.state import capture_rng
-from meshrun.checkpoint.targets import SAMPLER_AT_SAVE
+from meshrun.checkpoint.targets import PER_RANK, SAMPLER_AT_SAVE
 from meshrun.config import CheckpointConfig
 
 if TYPE_CHECKING:  # the writer subclasses DCP's FileSystem: imported at the first save
@@ -54,9 +55,11 @@ class Commit:
             tmp.mkdir(parents=True)
         barrier()
 
-    def write_rank_file(self, tmp: Path) -> None:
+    def write_rank_file(self, tmp: Path, plain: dict[str, Any]) -> None:
+        """This rank's RNG states and its per-rank objects (``plain[PER_RANK]``), as JSON."""
         name = rank_file(self.facts.rank)
-        layout.write_file_durably(tmp / name, json.dumps(capture_rng()).encode())
+        mine = {**capture_rng(), "per_rank": plain.get(PER_RANK, {})}
+        layout.write_file_durably(tmp / name, json.dumps(mine).encode())
 
     def my_digests(self, tmp: Path, fs: HashingFileSystem) -> dict[str, Any]:
         """Size and SHA-256 of the files this rank wrote: its shards were hashed while DCP wrote
@@ -121,10 +124,12 @@ class Commit:
         return None
 
     def _global_state(self, step: int, plain: dict[str, Any]) -> dict[str, Any]:
+        skip = (SAMPLER_AT_SAVE, HF_FILES, PER_RANK)  # the per-rank objects: in the rank files
         return {
             "step": step,
             "sampler": plain[SAMPLER_AT_SAVE],
-            "plain": {k: v for k, v in plain.items() if k not in (SAMPLER_AT_SAVE, HF_FILES)},
+            "plain": {k: v for k, v in plain.items() if k not in skip},
+            "per_rank": sorted(plain.get(PER_RANK, {})),  # their names, checked on resume
             "config_toml": self.facts.config_toml,
         }
 

@@ -63,7 +63,9 @@ class Checkpointer:
         self.state = state
         self.metrics = metrics
         self.last_saved: int | None = None
-        self.targets = Targets(state, facts.rank)
+        # The step whose save is due once the user's loop body of that step has run (flush).
+        self._due: tuple[int, Callable[[], AbstractContextManager[None]]] | None = None
+        self.targets = Targets(state, facts.rank, facts.device)
         self.commit = Commit(cfg, facts)
         self.preemption = Preemption(cfg.on_signal)
         # Made now with checkpoint.async (its gloo group is created at start-up), else at the
@@ -97,9 +99,10 @@ class Checkpointer:
         optimizer: torch.optim.Optimizer,
         loader: Any = None,
         named: Mapping[str, Stateful] | None = None,
+        per_rank: Mapping[str, Stateful] | None = None,
     ) -> None:
         """``model``: the (parallelized) model, or the ``Pipeline`` from ``run.pipeline``."""
-        self.targets.register(model, optimizer, loader, named)
+        self.targets.register(model, optimizer, loader, named, per_rank)
         self.install_signal_handlers()
 
     def install_signal_handlers(self) -> None:
@@ -108,11 +111,31 @@ class Checkpointer:
 
     # --- save ----------------------------------------------------------------------------
 
-    def maybe_save(
+    def step_done(
         self, step: int, phase: Callable[[], AbstractContextManager[None]] = nullcontext
+    ) -> None:
+        """``run.optimizer_step`` calls this after an optimizer step; :meth:`maybe_save` runs at
+        :meth:`flush`, once the rest of the user's loop body has run. Why: the user's own
+        objects (an LR scheduler stepped after ``run.optimizer_step``, a carried hidden state)
+        must be saved at the same step as the model and optimizer, not one step behind."""
+        self._due = (step, phase)
+
+    def flush(self, exit_on_preempt: bool = True) -> Path | None:
+        """The save of the step :meth:`step_done` reported, if not run yet (collective): when
+        ``run.steps`` is asked for the next micro-batch (or ends), at the next ``run.backward``
+        or ``run.optimizer_step``, a save, or ``run.close``."""
+        due, self._due = self._due, None
+        return None if due is None else self.maybe_save(*due, exit_on_preempt=exit_on_preempt)
+
+    def maybe_save(
+        self,
+        step: int,
+        phase: Callable[[], AbstractContextManager[None]] = nullcontext,
+        exit_on_preempt: bool = True,
     ) -> Path | None:
-        """Called after each optimizer step: save when ``checkpoint.interval`` divides ``step``
-        or when any rank received a preemption signal (then exit 0 once saved). A save runs
+        """Called at the end of each optimizer step (:meth:`flush`): save when
+        ``checkpoint.interval`` divides ``step`` or when any rank received a preemption signal
+        (then exit 0 once saved, unless not ``exit_on_preempt``: in ``run.close``). A save runs
         inside ``phase()`` (the hang watchdog's longer checkpoint limit); the per-step
         agreements before it do not: they are small collectives, and a rank stopped while its
         peers wait in one is a hang to report within ``monitor.step_timeout_s`` (inside the
@@ -140,7 +163,7 @@ class Checkpointer:
                 raise
             log.error("%s; training goes on (checkpoint.on_error = 'warn')", e)
             return None
-        if preempted:
+        if preempted and exit_on_preempt:
             if self.facts.rank == 0:
                 name = self.preemption.signal_name
                 log.warning("preempted (%s): checkpoint %s written; exiting 0", name, path)
@@ -173,7 +196,7 @@ class Checkpointer:
         error: BaseException | None = None
         mine: dict[str, Any] = {}
         try:
-            self.commit.write_rank_file(tmp)
+            self.commit.write_rank_file(tmp, plain)
             writer, fs = hashing_writer(tmp)
             dcp.save(tensors, storage_writer=writer)
             mine = self.commit.my_digests(tmp, fs)
@@ -234,7 +257,9 @@ class Checkpointer:
             self.last_saved = committed
 
     def wait(self) -> None:
-        """Commit the async save in flight, if any (collective); ``run.close`` calls it."""
+        """Run the save of the last step if still due, and commit the async save in flight,
+        if any (collective); ``run.close`` calls it."""
+        self.flush(exit_on_preempt=False)  # a loop that left run.steps before its end
         self._poll(block=True)
 
     # --- resume (resume.py) ----------------------------------------------------------------

@@ -1,6 +1,6 @@
 """Resume: choose the checkpoint, load it into this run's layout (DCP re-shards), restore the
-schedulers, the data position, the step and the RNG streams, and rescale the LR when the global
-batch changed (``checkpoint.allow_new_global_batch``)."""
+schedulers, the data position, the step, the per-rank objects and the RNG streams, and rescale
+the LR when the global batch changed (``checkpoint.allow_new_global_batch``)."""
 
 from __future__ import annotations
 
@@ -26,12 +26,12 @@ from meshrun.checkpoint.commit import STATE_FILE, rank_file
 from meshrun.checkpoint.facts import RunFacts
 from meshrun.checkpoint.pipeline import PipelineView
 from meshrun.checkpoint.state import decode_json, merge_state, restore_rng, split_state
-from meshrun.checkpoint.targets import Targets
+from meshrun.checkpoint.targets import PER_RANK, Targets
 from meshrun.checkpoint.zero1 import is_zero1, zero1_load, zero1_load_template
 from meshrun.config import CheckpointConfig
 from meshrun.schedule import scale_lr
 
-__all__ = ["Resume", "choose", "restore_progress"]
+__all__ = ["Resume", "check_per_rank", "choose", "restore_per_rank", "restore_progress"]
 
 log = logging.getLogger("meshrun")
 
@@ -51,10 +51,61 @@ def choose(root: Path, mode: str, rank: int) -> Path | None:
     return None if answer[0] is None else Path(answer[0])
 
 
+def check_per_rank(
+    targets: Targets, saved: list[str], old: tuple[int, int], now: tuple[int, int], name: str
+) -> None:
+    """The per-rank objects this run registers must be those saved (``saved``: their names),
+    on the ranks they were saved on (``old``, ``now``: world size and data-parallel size): a
+    rank's state belongs to its share of the data, which another layout deals out anew.
+    Checked before anything loads."""
+    mine = sorted(targets.per_rank)
+    if mine != sorted(saved):
+        raise CheckpointError(
+            f"{name} holds per-rank objects {sorted(saved)}, this run registers {mine} "
+            "(run.resume(..., per_rank={...}); a StatefulDataLoader passed as the loader is "
+            "one, named 'loader'): register the same ones"
+        )
+    if mine and old != now:
+        raise CheckpointError(
+            f"{name} was saved on {old[0]} ranks (dp {old[1]}), this run has {now[0]} (dp "
+            f"{now[1]}): per-rank objects {mine} hold each rank's own state (e.g. a hidden "
+            "state carried over that rank's data), and this layout deals the data out "
+            f"differently, so no saved rank's state is this rank's; resume on {old[0]} ranks "
+            f"with dp {old[1]}, or leave them out of run.resume(...) for this run to start "
+            "them from their current state"
+        )
+
+
+def restore_per_rank(targets: Targets, states: dict[str, Any]) -> None:
+    """Load each per-rank object's saved state (tensors onto the device its current state
+    has them, as DCP loads into the current state)."""
+    for key, obj in targets.per_rank.items():
+        if key not in states:
+            raise CheckpointError(f"no saved state of per-rank object {key!r} on this rank")
+        obj.load_state_dict(_onto(decode_json(states[key]), obj.state_dict()))
+
+
+def _onto(saved: Any, current: Any) -> Any:
+    if isinstance(saved, torch.Tensor):
+        return saved.to(current.device) if isinstance(current, torch.Tensor) else saved
+    if isinstance(saved, dict):
+        here = current if isinstance(current, dict) else {}
+        return {k: _onto(v, here.get(k)) for k, v in saved.items()}
+    if isinstance(saved, (list, tuple)):
+        there = current if isinstance(current, (list, tuple)) else ()
+        out = [_onto(v, there[i] if i < len(there) else None) for i, v in enumerate(saved)]
+        return out if isinstance(saved, list) else tuple(out)
+    return saved
+
+
 def restore_progress(targets: Targets, saved: dict[str, Any], name: str) -> None:
     """The LR schedulers, the data position and the step of a saved state (``name``: where it
-    came from, for the messages); the shared and the node-local tier restore them alike."""
+    came from, for the messages); the shared and the node-local tier restore them alike. A
+    node-local shard (same world) also holds this rank's per-rank objects."""
     state = targets.state
+    state.rng_restored = True  # each path restores this rank's RNG next (same world)
+    if PER_RANK in saved["plain"]:
+        restore_per_rank(targets, saved["plain"][PER_RANK])
     scheds = decode_json(saved["plain"]["schedulers"])
     if len(scheds) != len(state.schedulers):
         raise CheckpointError(
@@ -101,6 +152,9 @@ class Resume:
         saved = json.loads((path / STATE_FILE).read_text())
         manifest = layout.read_manifest(path)
         lr_factor = self._check_batch(path, manifest)
+        old = (int(manifest["world_size"]), int(manifest["dp_size"]))
+        names = saved.get("per_rank", [])
+        check_per_rank(self.targets, names, old, (f.world, f.dp), path.name)
         full = self._load_tensors(path, model, optimizer, saved["plain"])
         for name, obj in self.targets.named.items():
             obj.load_state_dict(full["user"][name])
@@ -119,7 +173,6 @@ class Resume:
         """Load model, optimizer and user tensors from ``path`` into this run's layout (DCP
         re-shards); returns the merged state (for the user objects). DCP is imported here, at
         the first resume: a run that never loads or saves does not pay for its import."""
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import (
             get_model_state_dict,
             get_state_dict,
@@ -127,24 +180,26 @@ class Resume:
             set_state_dict,
         )
 
+        from meshrun.checkpoint import safe_metadata  # DCP's pickle read restricted
+
         user = {name: obj.state_dict() for name, obj in self.targets.named.items()}
         if not is_zero1(optimizer):
             msd, osd = get_state_dict(model, optimizer)
             tensors, _ = split_state({"model": msd, "optim": osd, "user": user})
             check_keys(path, tensors, known=self._other_stages_keys(model, tensors))
-            dcp.load(tensors, checkpoint_id=str(path))
+            safe_metadata.load(tensors, path)
             full = merge_state(tensors, plain)
             set_state_dict(
                 model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optim"]
             )
             return full
         # ZeRO-1: each rank loads the optimizer state of the parameters it owns now.
-        meta = dcp.FileSystemReader(str(path)).read_metadata()
+        meta = safe_metadata.read_metadata(path)
         stage = isinstance(model, PipelineView)  # pp x ZeRO-1: this rank's stages only
         template, seen = zero1_load_template(model, optimizer, meta, partial=stage)
         tensors, _ = split_state({"model": get_model_state_dict(model), "user": user})
         check_keys(path, tensors, known=seen | self._other_stages_keys(model, tensors))
-        dcp.load({**tensors, "optim": {"state": template}}, checkpoint_id=str(path))
+        safe_metadata.load({**tensors, "optim": {"state": template}}, path)
         full = merge_state(tensors, plain)
         set_model_state_dict(model, full["model"])
         zero1_load(model, optimizer, template, plain["optim"], partial=stage)
@@ -164,11 +219,17 @@ class Resume:
     def _restore_rest(self, path: Path, saved: dict[str, Any], manifest: dict[str, Any]) -> None:
         f = self.facts
         restore_progress(self.targets, saved, path.name)
-        same_world = manifest["world_size"] == f.world
+        # Each rank's RNG file is its own only where the ranks deal out the data as before
+        # (another dp size on as many ranks is a new layout: the TP ranks of one data-parallel
+        # coordinate would get different streams).
+        same_world = manifest["world_size"] == f.world and manifest["dp_size"] == f.dp
         if same_world:
-            restore_rng(json.loads((path / rank_file(f.rank)).read_text()))
-        else:
+            mine = json.loads((path / rank_file(f.rank)).read_text())
+            restore_per_rank(self.targets, mine.get("per_rank", {}))
+            restore_rng(mine)
+        else:  # torch's stream: per data-parallel coordinate when run.steps begins
             reseed(f.seed, int(saved["step"]), f.rank)
+            self.targets.state.rng_restored = False
         if f.rank == 0:
             log.info("%s", self._plan_text(path, saved, manifest, same_world))
 
@@ -186,8 +247,8 @@ class Resume:
             f"{head}; resharding: saved on {m['world_size']} ranks (dp {m['dp_size']}, accum "
             f"{m['accum']}, {m['layout']}) -> {f.world} ranks (dp {f.dp}, accum "
             f"{f.accum}, {layout_text(self.targets.model)}); global batch {m['global_batch']} "
-            "kept; model/optimizer tensors re-sharded by DCP; per-rank RNG streams re-seeded "
-            "from (seed, step, rank) since ranks changed"
+            "kept; model/optimizer tensors re-sharded by DCP; RNG streams re-seeded from "
+            "(seed, step, rank), torch's per data-parallel coordinate, since ranks changed"
         )
 
     def _check_batch(self, path: Path, m: dict[str, Any]) -> float:

@@ -10,6 +10,7 @@ metadata. Also here: capture and restore of the per-rank RNG states.
 from __future__ import annotations
 
 import base64
+import hashlib
 import random
 from collections.abc import Mapping
 from typing import Any, cast
@@ -22,9 +23,11 @@ __all__ = [
     "capture_rng",
     "decode_json",
     "encode_json",
+    "encode_tensors",
     "merge_state",
     "restore_rng",
     "split_state",
+    "state_digest",
 ]
 
 
@@ -95,10 +98,74 @@ def encode_json(value: Any, path: str = "value") -> Any:
     )
 
 
+# The dtypes a tensor saved as JSON may have: a name outside this set is refused on load, so a
+# file never makes decode_json look up an arbitrary attribute of torch.
+_DTYPES = {
+    str(d).removeprefix("torch."): d
+    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
+              torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
+}  # fmt: skip
+
+
+def encode_tensors(value: Any, path: str = "value") -> Any:
+    """:func:`encode_json` that also takes plain tensors: each becomes
+    ``{"__tensor__": [dtype, shape, base64 bytes]}`` (exact, and loaded without unpickling).
+    For small per-rank state (a carried hidden state, counters): large tensors belong in DCP."""
+    if isinstance(value, torch.Tensor):
+        name = str(value.dtype).removeprefix("torch.")
+        if name not in _DTYPES or type(value) is not torch.Tensor:
+            raise StateError(
+                f"{path}: a {type(value).__name__} of {value.dtype} cannot be saved per rank "
+                f"(plain tensors of {', '.join(sorted(_DTYPES))} can)"
+            )
+        cpu = value.detach().cpu().contiguous()
+        data = cpu.view(torch.uint8).numpy().tobytes() if cpu.numel() else b""
+        return {"__tensor__": [name, list(cpu.shape), base64.b64encode(data).decode()]}
+    if isinstance(value, Mapping) and all(isinstance(k, str) for k in value):
+        return {k: encode_tensors(v, f"{path}.{k}") for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        items = [encode_tensors(v, path) for v in value]
+        return items if isinstance(value, list) else {"__tuple__": items}
+    return encode_json(value, path)
+
+
+def _decode_tensor(name: str, shape: list[int], data: str) -> torch.Tensor:
+    if name not in _DTYPES:
+        raise StateError(f"a saved tensor has dtype {name!r}: not one of {sorted(_DTYPES)}")
+    raw = bytearray(base64.b64decode(data))
+    flat = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+    return flat.view(_DTYPES[name]).reshape(shape).clone()
+
+
+def state_digest(value: Any) -> int:
+    """A 63-bit digest of a state dict's values (tensors by their bytes; DTensors skipped: each
+    rank holds its own shard of them by design), to compare one object across ranks."""
+    h = hashlib.blake2b(digest_size=8)
+
+    def walk(node: Any, path: str) -> None:
+        if isinstance(node, torch.Tensor):
+            if type(node) is torch.Tensor:
+                h.update(f"{path}:{node.dtype}:{tuple(node.shape)}".encode())
+                h.update(node.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        elif isinstance(node, Mapping):
+            for k in sorted(node, key=str):
+                walk(node[k], f"{path}.{k}")
+        elif isinstance(node, (list, tuple)):
+            for i, v in enumerate(node):
+                walk(v, f"{path}[{i}]")
+        else:
+            h.update(f"{path}={node!r}".encode())
+
+    walk(value, "")
+    return int.from_bytes(h.digest(), "little") >> 1
+
+
 def decode_json(value: Any) -> Any:
     if isinstance(value, list):
         return [decode_json(v) for v in value]
     if isinstance(value, dict):
+        if "__tensor__" in value:
+            return _decode_tensor(*value["__tensor__"])
         if "__tuple__" in value:
             return tuple(decode_json(v) for v in value["__tuple__"])
         if "__bytes__" in value:

@@ -1,8 +1,15 @@
 """What a checkpoint holds, and its collection into tensors (for DCP) and plain values (JSON).
 
-``run.resume(model, optimizer, loader, **named)`` registers the targets; without it, interval
-saves take them from the run's :class:`~meshrun.state.TrainState` (its one model or pipeline
-stages, the optimizer ``run.optimizer_step`` steps, the loader position ``run.steps`` follows).
+``run.resume(model, optimizer, loader, per_rank=..., **named)`` registers the targets; without
+it, interval saves take them from the run's :class:`~meshrun.state.TrainState` (its one model or
+pipeline stages, the optimizer ``run.optimizer_step`` steps, the loader position ``run.steps``
+follows).
+
+Objects registered by name are replicated: one copy is saved and every rank gets it back, so a
+save first checks, with one all-gather of a digest per object, that every rank holds the same
+state, and names the objects that differ. Per-rank objects (``per_rank={name: obj}``: a hidden
+state carried over one rank's data, a ``StatefulDataLoader``) are saved by every rank into its
+own JSON file, tensors included (small state; nothing is pickled), and come back on the same rank.
 """
 
 from __future__ import annotations
@@ -10,23 +17,25 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from meshrun.checkpoint.checks import CheckpointError
 from meshrun.checkpoint.hf_files import HF_FILES, hf_files
 from meshrun.checkpoint.pipeline import PipelineView, gather_optim_plain, maybe_pipeline_view
-from meshrun.checkpoint.state import split_state
+from meshrun.checkpoint.state import encode_tensors, split_state, state_digest
 from meshrun.checkpoint.zero1 import is_zero1, zero1_state_dict
 from meshrun.data.sampler import ResumableSampler
 from meshrun.state import TrainState
 
-__all__ = ["SAMPLER_AT_SAVE", "Stateful", "Targets"]
+__all__ = ["PER_RANK", "SAMPLER_AT_SAVE", "Stateful", "Targets"]
 
 log = logging.getLogger("meshrun")
 SAMPLER_AT_SAVE = "__sampler_at_save__"
+PER_RANK = "__per_rank__"  # this rank's per-rank objects (rank file, not state.json)
 
 
 class Stateful(Protocol):
@@ -37,13 +46,15 @@ class Stateful(Protocol):
 class Targets:
     """The model, optimizer, data position and user objects a checkpoint saves and restores."""
 
-    def __init__(self, state: TrainState, rank: int) -> None:
+    def __init__(self, state: TrainState, rank: int, device: torch.device | None = None) -> None:
         self.state = state
         self.rank = rank
+        self.device = torch.device("cpu") if device is None else device
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.sampler: ResumableSampler | None = None
-        self.named: dict[str, Stateful] = {}
+        self.named: dict[str, Stateful] = {}  # replicated: one copy saved, checked at save
+        self.per_rank: dict[str, Stateful] = {}  # saved and restored by each rank
 
     def register(
         self,
@@ -51,6 +62,7 @@ class Targets:
         optimizer: torch.optim.Optimizer,
         loader: Any = None,
         named: Mapping[str, Stateful] | None = None,
+        per_rank: Mapping[str, Stateful] | None = None,
     ) -> None:
         """``model``: the (parallelized) model, or the ``Pipeline`` from ``run.pipeline``."""
         self.model, self.optimizer = maybe_pipeline_view(model) or model, optimizer
@@ -60,7 +72,8 @@ class Targets:
         if isinstance(sampler, ResumableSampler):
             self.sampler = sampler
         elif loader is not None and hasattr(loader, "state_dict"):
-            self.named["loader"] = loader  # e.g. torchdata's StatefulDataLoader
+            # e.g. torchdata's StatefulDataLoader: its position is this rank's share of data
+            self.per_rank["loader"] = loader
         elif loader is not None:
             raise CheckpointError(
                 f"run.resume(..., loader={type(loader).__name__}): its position cannot be saved; "
@@ -68,12 +81,15 @@ class Targets:
                 "with state_dict()/load_state_dict()"
             )
         for name, obj in (named or {}).items():
-            if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
-                raise CheckpointError(
-                    f"run.resume(..., {name}=...): a {type(obj).__name__} has no "
-                    "state_dict()/load_state_dict(); register only such objects"
-                )
-            self.named[name] = obj
+            self.named[name] = _stateful(f"run.resume(..., {name}=...)", obj)
+        for name, obj in (per_rank or {}).items():
+            self.per_rank[name] = _stateful(f"run.resume(..., per_rank={{{name!r}: ...}})", obj)
+        both = sorted(self.named.keys() & self.per_rank.keys())
+        if both:
+            raise CheckpointError(
+                f"run.resume: {both} registered both by name and in per_rank=; an object is "
+                "either replicated (name=obj) or per rank (per_rank={name: obj}), not both"
+            )
 
     def resolve(self) -> tuple[nn.Module, torch.optim.Optimizer]:
         """The model and optimizer to save; unregistered ones come from the train state."""
@@ -103,6 +119,7 @@ class Targets:
         model, optimizer = self.resolve()
         self._warn_unregistered(optimizer)
         user = {name: obj.state_dict() for name, obj in self.named.items()}
+        self._check_replicated(user)
         if is_zero1(optimizer):  # each rank gives the optimizer state it owns (zero1.py)
             ot, op = zero1_state_dict(model, optimizer)
             tensors, plain = split_state({"model": get_model_state_dict(model), "user": user})
@@ -125,13 +142,54 @@ class Targets:
         sampler = self.sampler.state_dict() if self.sampler is not None else None
         plain[SAMPLER_AT_SAVE] = json.loads(json.dumps(sampler))
         plain[HF_FILES] = hf_files(model)  # config.json of a transformers model, for export
+        plain[PER_RANK] = {
+            name: encode_tensors(obj.state_dict(), f"per_rank[{name!r}]")
+            for name, obj in self.per_rank.items()
+        }
         return tensors, plain
+
+    def _check_replicated(self, user: Mapping[str, Any]) -> None:
+        """Every rank must hold the same state of a replicated object (one copy is saved and
+        every rank gets it back): one all-gather of a digest per object; the objects that
+        differ are named, and so are the ranks."""
+        if not user or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        names = sorted(user)
+        device = self.device if self.device.type == "cuda" else torch.device("cpu")
+        mine = torch.tensor([state_digest(user[n]) for n in names], device=device)
+        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+        dist.all_gather(every, mine)
+        table = torch.stack(every).cpu()
+        differ = {
+            n: [r for r in range(len(every)) if table[r, i] != table[0, i]]
+            for i, n in enumerate(names)
+        }
+        bad = {n: ranks for n, ranks in differ.items() if ranks}
+        if bad:
+            what = "; ".join(
+                f"{n!r} differs between rank 0 and rank(s) {r}" for n, r in bad.items()
+            )
+            raise CheckpointError(
+                f"a replicated object is not the same on every rank ({what}): one copy would be "
+                "saved and every rank would resume with it; register per-rank state with "
+                "run.resume(..., per_rank={name: obj}) (see docs/checkpoint.md, Your own state)"
+            )
 
     def _warn_unregistered(self, optimizer: torch.optim.Optimizer) -> None:
         driven = hasattr(optimizer.step, "_wrapped_by_lr_sched")
-        mine = any(s.optimizer is optimizer for s in self.state.schedulers)
+        registered = [*self.state.schedulers, *self.named.values(), *self.per_rank.values()]
+        mine = any(getattr(s, "optimizer", None) is optimizer for s in registered)
         if driven and not mine and self.rank == 0:
             log.warning(
                 "an LR scheduler steps this optimizer but is not saved: create it with "
                 "run.lr_scheduler(optimizer) (or pass it to run.resume(..., sched=scheduler))"
             )
+
+
+def _stateful(where: str, obj: Any) -> Stateful:
+    if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+        raise CheckpointError(
+            f"{where}: a {type(obj).__name__} has no state_dict()/load_state_dict(); register "
+            "only such objects (wrap a plain tensor or dict in a small class that has them)"
+        )
+    return cast(Stateful, obj)
