@@ -23,7 +23,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 from torch.distributed.optim import ZeroRedundancyOptimizer
 from torch.distributed.tensor import DTensor, Shard
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -39,6 +38,7 @@ from meshrun.parallel import (
     parallelize,
     set_grad_sync,
 )
+from meshrun.parallel.ac import is_checkpointed
 
 GLOBAL_BATCH = 8
 STEPS = 5
@@ -158,7 +158,7 @@ def train_layout(rank: int, layout: Layout, data: torch.Tensor) -> dict[str, Any
         "loss_types": sorted(loss_types),
         "head_is_split": head_is_split(model),
         "optim_type": type(opt).__name__,
-        "checkpointed": sum(isinstance(m, CheckpointWrapper) for m in model.modules()),
+        "checkpointed": sum(map(is_checkpointed, model.modules())),
         "dtensor_norms": sum(
             isinstance(m.weight, DTensor) for m in model.modules() if isinstance(m, nn.LayerNorm)
         ),

@@ -18,6 +18,7 @@ from meshrun.parallel import (
     is_block,
     parallelize,
 )
+from meshrun.parallel.ac import is_checkpointed
 from meshrun.parallel.pp import split_blocks
 from meshrun.parallel.report import describe_layout
 from meshrun.parallel.tp import check_tp_plan
@@ -157,11 +158,12 @@ def test_a_plain_optimizer_under_zero1_is_an_error() -> None:
 
 def test_activation_checkpointing_wraps_every_kth_block_and_keeps_state_dict_keys() -> None:
     model = GPT(GPTConfig(seq_len=8, n_layer=4, n_head=2, d_model=16))
-    keys = list(model.state_dict())
+    keys, names = list(model.state_dict()), [n for n, _ in model.named_modules()]
     assert apply_ac(model, 2) == 2
-    wrapped = [n for n, m in model.named_modules() if type(m).__name__ == "CheckpointWrapper"]
+    wrapped = [n for n, m in model.named_modules() if is_checkpointed(m)]
     assert wrapped == ["blocks.1", "blocks.3"]
     assert list(model.state_dict()) == keys  # checkpoints do not depend on the setting
+    assert [n for n, _ in model.named_modules()] == names  # nor the user's own names
 
 
 def test_the_start_up_description_of_a_one_process_layout() -> None:

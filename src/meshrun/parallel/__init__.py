@@ -231,17 +231,26 @@ def units_of(
     structure: ModelStructure, cfg: ParallelConfig, zero: int, dims: ParallelDims
 ) -> WrapPredicate:
     """FSDP's and AC's units: the structure's blocks. With none found, FSDP2 makes the whole
-    model one unit (one all-gather of every parameter) and AC has nothing to wrap: said."""
-    if structure.blocks_fqn is None and ((zero >= 2 and dims.dp > 1) or cfg.activation_checkpoint):
+    model one unit (one all-gather of every parameter) and AC has nothing to wrap: one warning
+    says each that applies (logs.py prints it on rank 0)."""
+    if structure.blocks_fqn is None:
+        _warn_no_blocks(structure, zero >= 2 and dims.dp > 1, cfg.activation_checkpoint > 0)
+    return structure.is_block
+
+
+def _warn_no_blocks(structure: ModelStructure, fsdp: bool, ac: bool) -> None:
+    effects = []
+    if fsdp:
+        effects.append("FSDP2 shards the whole model as one unit (all its parameters gathered)")
+    if ac:
+        effects.append("activation checkpointing wraps nothing")
+    if effects:
         log.warning(
             "no repeated blocks found in %s: %s; pass run.parallelize(model, spec=ModelSpec("
             "blocks='path.to.blocks')) or wrap=...",
             structure.model_class,
-            "FSDP2 shards the whole model as one unit (all its parameters gathered at once)"
-            if zero >= 2
-            else "activation checkpointing wraps nothing",
+            " and ".join(effects),
         )
-    return structure.is_block
 
 
 def maybe_apply_tp(

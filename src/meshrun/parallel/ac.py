@@ -1,33 +1,60 @@
 """Activation checkpointing per block: keep only each chosen block's input in the forward and
-recompute its activations in the backward (memory for about one extra forward of compute)."""
+recompute its activations in the backward (memory for about one extra forward of compute).
+
+The block's own ``forward`` is replaced, on the instance, by one that runs the original under
+``torch.utils.checkpoint.checkpoint`` (non-reentrant: it works with DTensors, FSDP2 and
+``torch.compile``). Nothing is inserted into the module tree, so every module and parameter
+keeps the user's name: ``named_modules()``/``named_parameters()`` after ``run.parallelize`` are
+those of the model the user built (a ``configure_optimizers`` that groups parameters by module
+name works; torch's ``checkpoint_wrapper`` put ``_checkpoint_wrapped_module.`` into every name
+inside a block). The module's hooks (FSDP2's all-gather, tensor parallel's input and output
+layouts) stay outside the recomputed region, as they were outside the wrapper's.
+"""
 
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from torch import nn
-from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import checkpoint
 
 from meshrun.parallel.fsdp import WrapPredicate, is_block
 
 log = logging.getLogger("meshrun")
 
 
-def apply_ac(model: nn.Module, every: int, wrap: WrapPredicate = is_block) -> int:
-    """Wrap every ``every``-th block (1 = all) in place; return how many were wrapped.
+class CheckpointedForward:
+    """A block's ``forward`` under activation checkpointing: the original bound method run
+    through ``checkpoint``. A class, not a closure, so ``copy.deepcopy`` of the model binds
+    the copy's forward to the copied block."""
 
-    The wrapper keeps state_dict keys unchanged (it strips its own prefix), so checkpoints do
-    not depend on this setting. Non-reentrant checkpointing: it works with DTensors and FSDP2.
+    def __init__(self, forward: Any) -> None:
+        self.forward = forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether :func:`apply_ac` checkpoints ``module``'s forward."""
+    return isinstance(module.__dict__.get("forward"), CheckpointedForward)
+
+
+def apply_ac(model: nn.Module, every: int, wrap: WrapPredicate = is_block) -> int:
+    """Checkpoint every ``every``-th block (1 = all) in place; return how many.
+
+    Names, state_dict keys and the module tree are unchanged (module docstring), so
+    checkpoints, exports and the user's own name-based code do not depend on this setting.
     """
     if every < 1:
         return 0
     maybe_disable_kv_cache(model)
-    blocks = [n for n, m in model.named_modules() if n and wrap(n, m)]
+    blocks = [m for n, m in model.named_modules() if n and wrap(n, m)]
     chosen = blocks[every - 1 :: every] if every > 1 else blocks
-    for name in chosen:
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name)
-        parent.register_module(child, checkpoint_wrapper(parent.get_submodule(child)))
+    for block in chosen:
+        if not is_checkpointed(block):
+            block.forward = CheckpointedForward(block.forward)
     return len(chosen)
 
 
