@@ -2,12 +2,14 @@
 and RNG capture. No processes."""
 
 import json
+import pickle
 import random
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from torch.distributed.checkpoint.metadata import Metadata
 
 from meshrun.checkpoint import layout
 from meshrun.checkpoint.state import (
@@ -23,7 +25,7 @@ def make_checkpoint(root: Path, step: int) -> Path:
     tmp = layout.tmp_dir(root, step)
     tmp.mkdir(parents=True)
     (tmp / "__0_0.distcp").write_bytes(bytes(range(256)) * 4)
-    (tmp / ".metadata").write_bytes(b"meta")
+    (tmp / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={}, storage_data={})))
     final = layout.step_dir(root, step)
     manifest = layout.build_manifest(tmp, step=step, meta={"world_size": 2})
     layout.commit_dir(tmp, final, manifest)

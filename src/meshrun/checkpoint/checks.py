@@ -85,11 +85,13 @@ def pick(root: Path, mode: str) -> str | None:
 
 def check_keys(path: Path, tensors: dict[str, Any], known: set[str] | None = None) -> None:
     """DCP fails on tensors the checkpoint lacks; fail too on tensors this model lacks
-    (``known``: flat keys this run maps although this rank does not load them)."""
-    import torch.distributed.checkpoint as dcp
+    (``known``: flat keys this run maps although this rank does not load them); and on
+    dtypes DCP would convert silently (safe_metadata.dtype_casts: float -> float is printed)."""
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 
-    meta = dcp.FileSystemReader(str(path)).read_metadata()  # DCP's own metadata (trusted format)
+    from meshrun.checkpoint.safe_metadata import cast_text, dtype_casts, read_metadata
+
+    meta = read_metadata(path)  # DCP's pickle, through the restricted unpickler
     flat, _ = flatten_state_dict(tensors)
     extra = sorted(set(meta.state_dict_metadata) - set(flat) - (known or set()))
     if extra:
@@ -97,6 +99,15 @@ def check_keys(path: Path, tensors: dict[str, Any], known: set[str] | None = Non
             f"{path.name} holds {len(extra)} tensor(s) this run's model/optimizer lacks, e.g. "
             f"{extra[:3]}: resume with the same model (or register the same named objects)"
         )
+    errors, casts = dtype_casts(meta, flat)
+    if errors:
+        raise CheckpointError(
+            f"{path.name} holds {len(errors)} tensor(s) of another kind than this run's: "
+            f"{'; '.join(errors[:5])}; DCP would convert them silently: resume with the model "
+            "and state built with the saved dtypes"
+        )
+    if casts:
+        log.warning("%s: cast while loading: %s", path.name, cast_text(casts))
 
 
 def reseed(seed: int, step: int, rank: int) -> None:

@@ -14,7 +14,8 @@ _DTYPE_CHOICES = ("bf16", "fp16", "fp32")  # export_hf.DTYPES' keys (torch: not 
 
 
 def _dir_size(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    # lstat: a symlink counts as itself, never as a file it points to (outside, perhaps)
+    return sum(p.lstat().st_size for p in path.rglob("*") if not p.is_dir() or p.is_symlink())
 
 
 def _targets(path: Path) -> list[Path]:
@@ -43,11 +44,13 @@ def cmd_list(a: argparse.Namespace) -> int:
 
 def cmd_inspect(a: argparse.Namespace) -> int:
     path = Path(a.path)
-    try:
-        manifest = layout.read_manifest(path)
-    except ValueError as e:
-        print(f"meshrun ckpt inspect: error: {e}")
+    # Sizes, paths and DCP's metadata (through the restricted unpickler) before anything is
+    # read from it: a crafted checkpoint is named here, never loaded.
+    bad = layout.problems(path, checksums=False)
+    if bad:
+        print(f"meshrun ckpt inspect: error: {path} is not a valid checkpoint: {'; '.join(bad)}")
         return 2
+    manifest = layout.read_manifest(path)
     meta = {k: v for k, v in manifest.items() if k != "files"}
     print(json.dumps(meta, indent=1, sort_keys=True))
     print(

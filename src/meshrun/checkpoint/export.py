@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from meshrun.checkpoint import safe_metadata
 
 __all__ = ["DTYPES", "TensorInfo", "export", "tensor_table", "write_safetensors"]
 
@@ -51,7 +52,7 @@ class TensorInfo:
 def tensor_table(path: Path) -> list[TensorInfo]:
     """Every tensor of the checkpoint (global shapes, whatever the sharding), from DCP's
     metadata."""
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    meta = safe_metadata.read_metadata(path)  # DCP's pickle, through the restricted unpickler
     return [
         TensorInfo(name, m.properties.dtype, tuple(m.size))
         for name, m in sorted(meta.state_dict_metadata.items())
@@ -70,7 +71,7 @@ def _load_chunks(
             sd = {i.name: torch.empty(i.shape, dtype=i.dtype) for i in group}
             with warnings.catch_warnings():  # "assuming the intent is to load in a single process"
                 warnings.simplefilter("ignore", UserWarning)
-                dcp.load(sd, checkpoint_id=str(path))
+                safe_metadata.load(sd, path)
             yield sd
             group = []
         if info is not None:

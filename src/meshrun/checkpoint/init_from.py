@@ -8,7 +8,12 @@ start fresh. ``PATH`` is either
 - a meshrun checkpoint: a step directory (``step_000100``) or a checkpoint root (its newest
   valid step), validated like a resume (manifest, checksums), and read through DCP, which
   re-shards the model tensors onto this run's layout. Only the ``model.`` tensors are read;
-  nothing is unpickled (the non-tensor state is JSON and is not read at all).
+  DCP's pickled metadata only through the restricted unpickler (safe_metadata.py), and the
+  non-tensor state (JSON) is not read at all.
+
+Each tensor loads in the dtype it was saved in, or is cast from one floating-point dtype to
+another with a printed line; an integer or bool tensor on either side of a different dtype is
+an error naming the key and both dtypes (DCP would convert it silently).
 """
 
 from __future__ import annotations
@@ -77,14 +82,17 @@ def _step_dir(path: Path) -> Path:
 
 def _load_meshrun_model(path: Path, model: nn.Module) -> None:
     """The checkpoint's ``model.`` tensors into this run's layout (DCP re-shards them)."""
-    import torch.distributed.checkpoint as dcp  # here: a run that loads nothing never imports it
+    # here: a run that loads nothing never imports DCP
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
+    from meshrun.checkpoint import safe_metadata
+
     state: dict[str, Any] = {"model": get_model_state_dict(model)}
-    meta = dcp.FileSystemReader(str(path)).read_metadata()
+    meta = safe_metadata.read_metadata(path)
     saved = {k for k in meta.state_dict_metadata if k.startswith("model.")}
-    wanted = set(flatten_state_dict(state)[0])
+    flat = flatten_state_dict(state)[0]
+    wanted = set(flat)
     missing = sorted(wanted - saved)
     if missing:
         raise CheckpointError(
@@ -98,5 +106,20 @@ def _load_meshrun_model(path: Path, model: nn.Module) -> None:
                 f"checkpoint.init_from: {path} holds {len(extra)} model tensor(s) this model "
                 f"lacks, e.g. {extra[:5]}: start from a checkpoint of the same model"
             )
-    dcp.load(state, checkpoint_id=str(path))
+    _check_dtypes(path, meta, flat)
+    safe_metadata.load(state, path)
     set_model_state_dict(model, state["model"])
+
+
+def _check_dtypes(path: Path, meta: Any, flat: dict[str, Any]) -> None:
+    from meshrun.checkpoint.safe_metadata import cast_text, dtype_casts
+
+    errors, casts = dtype_casts(meta, flat)
+    if errors:
+        raise CheckpointError(
+            f"checkpoint.init_from: {path} holds {len(errors)} tensor(s) of another kind than "
+            f"this model's: {'; '.join(errors[:5])}; loading would convert them silently (an "
+            "integer tensor into a float parameter): build the model with the saved dtypes"
+        )
+    if casts:
+        log.warning("checkpoint.init_from: %s: cast while loading: %s", path, cast_text(casts))

@@ -1,8 +1,11 @@
 """The pure part of checkpoints: directory naming, the manifest, validation and retention.
 
-No process group here, and nothing is unpickled: a checkpoint directory is judged from its
-``manifest.json`` (files, sizes, SHA-256), its ``COMPLETE`` marker (the manifest's own
-SHA-256) and the files on disk. Layout of one checkpoint::
+No process group here: a checkpoint directory is judged from its ``manifest.json`` (files,
+sizes, SHA-256), its ``COMPLETE`` marker (the manifest's own SHA-256) and the files on disk.
+Every file a manifest names must lie inside the checkpoint directory (a relative path without
+``..``, and no symlink resolving outside it), and DCP's pickled ``.metadata`` is read only
+through the restricted unpickler of ``safe_metadata.py``: a checkpoint that fails either is
+invalid, so no command and no resume loads it. Layout of one checkpoint::
 
     <root>/step_00000120/            renamed into place only after COMPLETE was written
         .metadata  __0_0.distcp ...  torch.distributed.checkpoint (tensors only)
@@ -25,11 +28,13 @@ from typing import Any
 
 __all__ = [
     "COMPLETE",
+    "DCP_METADATA",
     "FORMAT_VERSION",
     "MANIFEST",
     "CheckpointInfo",
     "build_manifest",
     "commit_dir",
+    "escape_error",
     "fsync_dir",
     "hash_files",
     "list_checkpoints",
@@ -45,6 +50,7 @@ __all__ = [
 
 MANIFEST = "manifest.json"
 COMPLETE = "COMPLETE"
+DCP_METADATA = ".metadata"  # DCP's pickled index of the tensors (read by safe_metadata.py)
 FORMAT_VERSION = 1
 _STEP_RE = re.compile(r"^step_(\d{8,})$")
 _CHUNK = 8 << 20
@@ -167,7 +173,34 @@ def problems(directory: Path, *, checksums: bool = True) -> list[str]:
         return [str(e)]
     if manifest.get("format") != FORMAT_VERSION:
         return [f"{d.name}: manifest format {manifest.get('format')!r}, expected {FORMAT_VERSION}"]
-    return list(_file_problems(d, manifest["files"], checksums))
+    outside = [why for rel in manifest["files"] if (why := escape_error(d, rel))]
+    if outside:  # nothing outside the directory is read, not even its size
+        return outside
+    bad = list(_file_problems(d, manifest["files"], checksums))
+    if bad or DCP_METADATA not in manifest["files"]:
+        return bad
+    from meshrun.checkpoint.safe_metadata import metadata_problems  # torch: only here
+
+    return metadata_problems(d, set(manifest["files"]))
+
+
+def escape_error(directory: Path, rel: Any) -> str | None:
+    """Why the manifest entry ``rel`` is not a file inside ``directory`` (None: it is): an
+    absolute path, a ``..`` component, or a symlink (of it or of a folder on its way) that
+    resolves outside. Read as is, such an entry would have ``verify`` hash and ``export`` read
+    a file anywhere on the machine."""
+    where = f"{Path(directory).name}/{MANIFEST}"
+    if not isinstance(rel, str) or not rel:
+        return f"{where}: entry {rel!r} is not a file name"
+    if rel.startswith(("/", "\\")) or ".." in re.split(r"[/\\]", rel) or Path(rel).is_absolute():
+        return f"{where}: entry {rel!r} points outside the checkpoint directory (refused)"
+    root = Path(directory).resolve()
+    if not (root / rel).resolve().is_relative_to(root):
+        return (
+            f"{where}: entry {rel!r} is a symlink resolving outside the checkpoint directory, "
+            f"to {(root / rel).resolve()} (refused)"
+        )
+    return None
 
 
 def _file_problems(d: Path, files: dict[str, Any], checksums: bool) -> Iterable[str]:

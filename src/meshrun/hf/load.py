@@ -89,6 +89,7 @@ def load_pretrained(
     shapes, pairs = _gather(({k: tuple(t.shape) for k, t in tensors.items()}, pairs), partial)
     names = match_names(list(shapes), index, alias_map(pairs), ignored_unexpected(parts))
     _check(where, names, shapes, index, strict)
+    _check_dtypes(where, tensors, names, index)
     target = torch.device(device) if device is not None else _device_of(tensors)
     allocated = materialize_parts(parts, target) > 0
     if allocated:
@@ -163,6 +164,54 @@ def _check(
             "load_pretrained(%s): %d checkpoint tensor(s) the model lacks are not loaded "
             "(strict=False), e.g. %s",
             *(where, len(names.unexpected), names.unexpected[:5]),
+        )
+
+
+# safetensors' dtype names of torch's dtypes (the header names a file's dtype this way)
+_SAFETENSORS_DTYPE = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+}
+
+
+def _check_dtypes(
+    where: str, tensors: dict[str, Tensor], names: NameMap, index: dict[str, TensorInfo]
+) -> None:
+    """The same dtype loads; one floating-point dtype into another is a cast, printed (a bf16
+    checkpoint into an fp32 model is common, and exact); anything else (an integer or bool
+    tensor on either side) is an error naming the tensor and both dtypes: ``copy_`` would
+    convert it silently (an int64 tensor into a float parameter: the layer loads garbage)."""
+    errors: list[str] = []
+    casts: dict[tuple[str, str], list[str]] = {}
+    for key, t in tensors.items():
+        saved = index[names.sources[key]].dtype
+        mine = _SAFETENSORS_DTYPE.get(t.dtype, str(t.dtype))
+        if saved == mine:
+            continue
+        if saved.startswith(("F", "BF")) and t.dtype.is_floating_point:
+            casts.setdefault((saved, mine), []).append(key)
+        else:
+            errors.append(f"{key}: {saved} in the checkpoint, {mine} in the model")
+    if errors:
+        raise PretrainedError(
+            f"load_pretrained({where}): {len(errors)} tensor(s) of another kind than the "
+            f"model's: {'; '.join(errors[:5])}. Nothing was read: build the model with the "
+            "checkpoint's dtypes (an integer tensor never loads into a float parameter)"
+        )
+    for (saved, mine), keys in sorted(casts.items()):
+        log.info(
+            "load_pretrained(%s): %d tensor(s) cast %s -> %s while loading, e.g. %s",
+            *(where, len(keys), saved, mine, keys[0]),
         )
 
 

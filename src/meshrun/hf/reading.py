@@ -1,7 +1,9 @@
 """A Hugging Face directory's tensors, read with the ``safetensors`` library, slice by slice.
 
 The index (names, shapes, dtypes, files) comes from the files' headers alone, so names and
-shapes are checked before any weight is read. Each region is then read by its own
+shapes are checked before any weight is read. Every file an index names must lie inside the
+directory (no absolute path, no ``..``, no symlink resolving outside it; the hub cache's
+snapshot -> blob symlinks excepted): an index is data from whoever wrote the directory. Each region is then read by its own
 ``safe_open`` -> ``get_slice(name)[region]`` -> ``copy_`` -> close: ``safe_open`` maps the
 whole file, and every page a read touches stays resident (and counts in the process's RSS)
 until the file is closed. Measured here on a 256 MB file: reading half of each of its four
@@ -12,6 +14,7 @@ none after each copy. So at most one region's pages are mapped at any time.
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -66,7 +69,7 @@ def _files(directory: Path) -> list[Path]:
         weight_map = json.loads(index.read_text()).get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise PretrainedError(f"{index}: no 'weight_map' (name -> file): not an HF index")
-        files = sorted({directory / str(f) for f in weight_map.values()})
+        files = sorted({_inside(directory, f, index) for f in weight_map.values()})
         absent = [f.name for f in files if not f.is_file()]
         if absent:
             raise PretrainedError(
@@ -75,7 +78,7 @@ def _files(directory: Path) -> list[Path]:
             )
         return files
     if (directory / SINGLE_FILE).is_file():
-        return [directory / SINGLE_FILE]
+        return [_inside(directory, SINGLE_FILE, directory / SINGLE_FILE)]
     if not directory.is_dir():
         raise PretrainedError(f"load_pretrained: {directory} is not a directory")
     found = sorted(p.name for p in directory.iterdir())[:8]
@@ -89,6 +92,36 @@ def _files(directory: Path) -> list[Path]:
         f"load_pretrained: {directory} has neither {INDEX_FILE} nor {SINGLE_FILE} (it holds "
         f"{found or 'nothing'}); give a directory written by save_pretrained{hint}"
     )
+
+
+def _inside(directory: Path, name: object, source: Path) -> Path:
+    """``directory / name``, refused (naming the entry and ``source``, the file that named it)
+    unless it stays inside ``directory``: no absolute path, no ``..``, no symlink resolving
+    outside. One exception, the Hugging Face hub cache: a snapshot directory
+    (``models--org--name/snapshots/<revision>/``) holds symlinks into its repository's
+    ``blobs/`` folder, and those are accepted."""
+    text = str(name)
+    parts = re.split(r"[/\\]", text)
+    if not isinstance(name, str) or not text or Path(text).is_absolute() or ".." in parts:
+        raise PretrainedError(
+            f"{source}: names the file {name!r}, which is not a path inside {directory}: "
+            "refused (an index names the shard files beside it)"
+        )
+    root = directory.resolve()
+    target = (root / text).resolve()
+    if target.is_relative_to(root) or _hub_blob(root, target):
+        return directory / text
+    raise PretrainedError(
+        f"{source}: {text!r} is a symlink resolving outside {directory}, to {target}: refused "
+        "(copy the files into the directory)"
+    )
+
+
+def _hub_blob(root: Path, target: Path) -> bool:
+    """Whether ``target`` is a blob of the hub-cache repository whose snapshot ``root`` is."""
+    if root.parent.name != "snapshots":
+        return False
+    return target.is_relative_to(root.parent.parent / "blobs")
 
 
 def read_index(directory: Path) -> dict[str, TensorInfo]:
