@@ -111,7 +111,8 @@ class Run(ModelMethods, DataMethods, LoopMethods, EvalMethods):
         self._closed = True
         self.loop.monitor.loop_ends()
         if not failed:
-            self.checkpointer.wait()  # an async checkpoint still being written is committed
+            # An async checkpoint still being written is committed; node-local snapshots go.
+            self.checkpointer.finish()
         self.metrics.close()
         if dist.is_initialized():
             if not failed:

@@ -57,6 +57,7 @@ def make_config(tmp: Path, zero: int) -> meshrun.Config:
     cfg.checkpoint.local_interval = 2
     cfg.checkpoint.local_ranks_per_node = 1
     cfg.checkpoint.local_dir = str(tmp / "local" / "node{node}")
+    cfg.checkpoint.local_keep = True  # the second run restores the first run's snapshots
     return cfg
 
 

@@ -186,7 +186,8 @@ def test_a_killed_group_with_the_local_tier_restores_it_then_heals_from_its_peer
     step 7 restores its own step-6 snapshot, then heals from group 0, which is ahead."""
     env = {"FT_KILL_STEPS": "1:7", "FT_HOLD_AT": str(STEPS - 3), "FT_RESUME": "1"}
     flags = ["--replica-groups", "2", "--max-restarts", "2"]
-    _launch(tmp_path, flags, env, 580, "--checkpoint.local_interval=2", steps=STEPS)
+    keep = "--checkpoint.local_keep=true"  # the second launch restores the first's snapshots
+    _launch(tmp_path, flags, env, 580, "--checkpoint.local_interval=2", keep, steps=STEPS)
     test_ft._check_survived(tmp_path, kills=1, steps=STEPS)
     restores = [(e["tier"], e["step"]) for e in _events(tmp_path / "group1", "restore")]
     assert restores == [("local", 6)], restores
@@ -197,7 +198,8 @@ def test_a_killed_group_with_the_local_tier_restores_it_then_heals_from_its_peer
     # step-16 snapshots (nothing is left to train). With the port in the snapshots' config
     # digest they found none and started again from step 0.
     before = _checksum(tmp_path / "group0")
-    _launch(tmp_path, flags, {"FT_RESUME": "1"}, 280, "--checkpoint.local_interval=2", steps=STEPS)
+    tier = ("--checkpoint.local_interval=2", keep)
+    _launch(tmp_path, flags, {"FT_RESUME": "1"}, 280, *tier, steps=STEPS)
     for g in (0, 1):
         restores = [(e["tier"], e["step"]) for e in _events(tmp_path / f"group{g}", "restore")]
         assert restores and restores[-1] == ("local", STEPS), (g, restores)

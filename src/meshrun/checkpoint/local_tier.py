@@ -13,6 +13,7 @@ each rendezvous, so a replaced node can move ranks to other hosts on a restart.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -28,7 +29,14 @@ import torch.distributed as dist
 from meshrun.checkpoint import layout
 from meshrun.checkpoint.checks import CheckpointError
 from meshrun.checkpoint.facts import RunFacts, any_rank
-from meshrun.checkpoint.local_files import decode, encode, remove_steps, scan, write_atomically
+from meshrun.checkpoint.local_files import (
+    decode,
+    encode,
+    private_dir,
+    remove_steps,
+    scan,
+    write_atomically,
+)
 from meshrun.checkpoint.local_p2p import transfer
 from meshrun.checkpoint.local_plan import (
     Choice,
@@ -65,6 +73,18 @@ def default_local_dir(root: Path) -> Path:
     return base / f"meshrun-{os.getuid()}" / key
 
 
+def _node_dir(local_dir: str, node: int, root: Path) -> Path:
+    """This node's snapshot directory, private to the user (checked, else CheckpointError)."""
+    if local_dir:
+        path = Path(local_dir.format(node=node))
+        private_dir(path, "checkpoint.local_dir")
+        return path
+    path = default_local_dir(root)
+    private_dir(path.parent, "the node-local snapshots' directory")  # /dev/shm/meshrun-<uid>
+    private_dir(path, "the node-local snapshots' directory")
+    return path
+
+
 class LocalTier:
     """Snapshots and restores one rank's shard; every method is collective."""
 
@@ -80,8 +100,7 @@ class LocalTier:
             )
         self.per_node = per_node
         node = node_of(facts.rank, per_node)
-        base = cfg.local_dir.format(node=node) if cfg.local_dir else default_local_dir(facts.root)
-        self.node_dir = Path(base)
+        self.node_dir = _node_dir(cfg.local_dir, node, facts.root)
         self.history = history_name(facts.world, facts.config_digest)
         self.peer = replica_peer(facts.rank, facts.world, per_node)
         self.source = replica_source(facts.rank, facts.world, per_node)
@@ -256,6 +275,19 @@ class LocalTier:
         self.metrics.log_event(
             "restore", tier="shared", step=step, seconds=took, reason=choice.reason
         )
+
+    def finish(self) -> None:
+        """The run ended well: its snapshots are removed (in /dev/shm they hold RAM), unless
+        ``checkpoint.local_keep``. Every rank's writes ended in the last snapshot's
+        collective, so one rank per node removes them without waiting for the others."""
+        if self.cfg.local_keep or not self.leader:
+            return
+        shutil.rmtree(self.node_dir / self.history, ignore_errors=True)
+        if not self.cfg.local_dir:  # the default directory is this run's alone
+            with contextlib.suppress(OSError):
+                self.node_dir.rmdir()  # only when empty
+        if self.facts.rank == 0:
+            log.info("node-local snapshots removed (checkpoint.local_keep = true keeps them)")
 
     def _remove_other_histories(self) -> None:
         """Snapshots of another world size or config on this node can never be restored by this

@@ -262,6 +262,13 @@ class Checkpointer:
         self.flush(exit_on_preempt=False)  # a loop that left run.steps before its end
         self._poll(block=True)
 
+    def finish(self) -> None:
+        """The run ended well (``run.close``): :meth:`wait`, then its node-local snapshots
+        are removed unless ``checkpoint.local_keep`` (collective)."""
+        self.wait()
+        if self.local is not None:
+            self.local.finish()
+
     # --- resume (resume.py) ----------------------------------------------------------------
 
     def resume(self) -> int:

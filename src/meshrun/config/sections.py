@@ -249,6 +249,11 @@ class CheckpointConfig:
         "launcher's local world size. Set to simulate nodes on one host.",
         min=0,
     )
+    local_keep: bool = setting(
+        False,
+        "Keep the node-local snapshots after a run that ends well; false = remove them then "
+        "(in /dev/shm they hold RAM). A failed run always keeps them for its restart.",
+    )
 
 
 @dataclass
