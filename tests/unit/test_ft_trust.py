@@ -34,7 +34,7 @@ import torch
 pytest.importorskip("torchft")
 
 from meshrun.ft.auth import Member, parse_id, quorum_problem, replica_id
-from meshrun.ft.manager import CheckedClient, free_port
+from meshrun.ft.manager import CheckedClient, bind_host, free_port
 from meshrun.ft.transport import HealError, SignedTransport
 
 KEY = b"k" * 64
@@ -242,3 +242,20 @@ def _ask(server: Any, g: int, seen: dict[Any, Any]) -> None:
     result = client._quorum(group_rank=0, step=5, checkpoint_metadata="", shrink_only=False,
                             timeout=timedelta(seconds=30), init_sync=False, commit_failures=0)  # fmt: skip
     seen[g] = (result, refused)
+
+
+def test_servers_bind_loopback_for_one_node_and_the_route_toward_the_lighthouse_else() -> None:
+    from meshrun.launch.netif import list_interfaces
+
+    assert bind_host("127.0.0.1:29510") == bind_host("localhost:29510") == "127.0.0.1"
+    others = [i.address for i in list_interfaces() if not i.is_loopback]
+    if not others:
+        pytest.skip("this host has no interface but loopback")
+    # A lighthouse on another interface's address: the servers listen there, on it only.
+    assert bind_host(f"{others[0]}:29510") == others[0]
+    transport = SignedTransport(KEY, others[0], T)
+    try:
+        assert transport._server.server_address[0] == others[0]
+        assert transport.metadata().startswith(f"http://{others[0]}:")
+    finally:
+        transport.shutdown()
