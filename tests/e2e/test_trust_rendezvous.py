@@ -27,6 +27,7 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
+import netns
 import sockets
 
 SCRIPT = Path(__file__).parent / "scripts" / "pause_at_step.py"
@@ -216,3 +217,74 @@ def test_strangers_without_the_secret_are_refused_and_the_job_trains_on(tmp_path
     assert rc == 0, job.output[-4000:]
     assert job.losses() == expected  # bitwise: the same steps, the same losses
     assert "restart" not in job.output.lower(), job.output[-4000:]
+
+
+# --- two namespace hosts: one secret on both, or another secret on one ----------------------
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_two_hosts_with_one_secret_train_and_listen_on_their_address(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    netns.require()
+    from test_multinode import _launch_args, _steps, nodes
+
+    monkeypatch.setenv("MESHRUN_JOB_SECRET", "0123456789abcdef" * 4)
+    demo = ["-m", "meshrun.demo", "--steps", "6", "--size", "tiny"]
+    multi, single = tmp_path / "multi", tmp_path / "single"
+    with nodes(2) as cluster:
+        watches = {}
+        for i in (1, 0):  # the non-host first: it waits for the store, then joins
+            args = _launch_args(cluster.endpoint, "2", i, "--join-timeout", "90", nproc=2)
+            cluster.start(i, *args, *demo, f"--job.run_dir={multi}")
+            watches[i] = sockets.Watch(cluster.procs[i].pid).__enter__()
+        outs = [cluster.wait(i, 200) for i in (0, 1)]
+        for watch in watches.values():
+            watch.__exit__()
+        addresses = [cluster.net.address(i) for i in (0, 1)]
+    for rc, out in outs:
+        assert rc == 0, out[-4000:]
+    for i, watch in watches.items():
+        print(f"node{i}:\n{sockets.describe(watch.seen)}")
+        assert not sockets.wildcard(watch.seen), sockets.describe(watch.seen)
+        assert {s.address for s in watch.seen} <= {addresses[i], "127.0.0.1"}
+    assert any(s.address == addresses[0] for s in watches[0].seen)  # the store was seen
+    ref = subprocess.run(
+        [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "4", *demo,
+         f"--job.run_dir={single}"],
+        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
+        timeout=200, check=False,
+    )  # fmt: skip
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    multi_losses = [(r["step"], r["loss"]) for r in _steps(multi)]
+    assert multi_losses == [(r["step"], r["loss"]) for r in _steps(single)]  # bitwise
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_host_with_another_secret_is_refused_before_any_worker_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    netns.require()
+    from test_multinode import _launch_args, nodes
+
+    script = [str(SCRIPT), f"--optim.steps={STEPS}"]
+    env = {"PAUSE_AT": "0", "PAUSED": str(tmp_path / "p"), "GO": str(tmp_path / "go")}
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with nodes(2) as cluster:
+        for i, secret in ((0, "a" * 64), (1, "b" * 64)):
+            monkeypatch.setenv("MESHRUN_JOB_SECRET", secret)  # read when the node starts
+            args = _launch_args(cluster.endpoint, "2", i, "--join-timeout", "15")
+            cluster.start(i, *args, *script, f"--job.run_dir={tmp_path / f'run{i}'}")
+        rc1, out1 = cluster.wait(1, 120)
+        rc0, out0 = cluster.wait(0, 120)
+    assert rc1 != 0 and rc0 != 0, (out0[-3000:], out1[-3000:])
+    assert "refused by the rendezvous store" in out1, out1[-3000:]
+    assert "not signed with this node's job secret (env MESHRUN_JOB_SECRET)" in out1
+    # The host names the node it refused, and gives up without starting anything.
+    assert "refused a handshake record from node1 (node_rank 1)" in out0, out0[-3000:]
+    assert "gave up after 15 s" in out0 and "node1 (node_rank 1)" in out0.split("gave up")[1]
+    for i in (0, 1):
+        assert not (tmp_path / f"run{i}" / "metrics.jsonl").exists()  # no worker ran

@@ -190,7 +190,8 @@ def launch_local(spec: LaunchSpec) -> int:
             return launch_replica_groups(_group_plan(spec))
     try:
         network = _plan_network(spec)
-        secret = _job_secret(spec, network)
+        # A joining node reads the secret once the host's store answers (_checked_handshake).
+        secret = _job_secret(spec, network) if network is None or network.is_host else None
     except (NetworkError, SecretError) as err:
         print(f"meshrun launch: error: {err}", file=sys.stderr, flush=True)
         return 1
@@ -268,7 +269,7 @@ def _run_multinode(
     try:
         # The host's store must outlive the agent, which reuses it: hold it until then.
         store = _checked_handshake(spec, network)
-    except HandshakeError as err:
+    except (HandshakeError, SecretError) as err:
         print(f"meshrun launch: error: {err}", file=sys.stderr, flush=True)
         return 1
     except KeyboardInterrupt:
@@ -303,6 +304,8 @@ def _checked_handshake(spec: LaunchSpec, network: NetworkPlan) -> Any:
         timeout_s=spec.join_timeout_s,
         say=say_stderr,
     )
+    if not network.is_host:  # the host wrote it before its store answered; read it now
+        os.environ[SECRET_ENV] = _job_secret(spec, network).key.decode()
     info = local_node_info(
         spec.node_rank, spec.nproc_per_node, spec.config_digest, spec.shared_config
     )
