@@ -104,6 +104,28 @@ def _ends(model: nn.Module, s: ModelStructure, blocks_fqn: str) -> tuple[list[st
     return before, after, "structure"
 
 
+def _no_ends_reason(model: nn.Module, s: ModelStructure, blocks_fqn: str, side: str) -> str:
+    """The blocks were found; what runs around them was not: meshrun reads the order the
+    modules are registered in as the forward's, and ``nn.Transformer`` (and any class that
+    builds its blocks first) registers them before the embedding."""
+    around = [*s.before, *s.after]
+    late = [f for f in s.after if isinstance(model.get_submodule(f), nn.Embedding)]
+    if side == "before" and late:
+        why = (
+            f"{', '.join(late)} (nn.Embedding) is registered after them: meshrun takes the "
+            "order in which modules are registered as the forward's order"
+        )
+    else:
+        why = f"no module is registered {side} them, so meshrun cannot tell the embeddings/head"
+    return (
+        f"parallel.pp: {s.model_class}'s blocks {blocks_fqn} ({s.n_blocks} x {s.block_class}) "
+        f"were found, but {why}; pass the modules around the blocks in forward order, "
+        f"run.pipeline(model, loss_fn, spec=ModelSpec(before=({', '.join(map(repr, late))}"
+        f"{', ' if late else ''}...), after=(...))), from those registered: "
+        f"{', '.join(around) or 'none'}; or register them in forward order in __init__"
+    )
+
+
 def split_model(
     model: nn.Module, s: ModelStructure, n_stages: int, shared: tuple[str, ...] = ()
 ) -> StageSplit:
@@ -113,9 +135,7 @@ def split_model(
     before, after, source = _ends(model, s, blocks_fqn)
     if not before or not after:
         raise ConfigError(
-            f"parallel.pp: {s.model_class} has nothing registered "
-            f"{'before' if not before else 'after'} its blocks {blocks_fqn}, so meshrun cannot "
-            "tell its embeddings and head; pass ModelSpec(blocks=...) for its block list"
+            _no_ends_reason(model, s, blocks_fqn, "before" if not before else "after")
         )
     if s.split_points:
         ranges = _user_ranges(blocks, s.split_points, n_stages)

@@ -240,8 +240,7 @@ def _check_shapes_on_meta(model: nn.Module, stages: Sequence[StageModule]) -> st
         raise ConfigError(
             f"parallel.pp: {type(model).__name__}'s pipeline stages give logits of shape "
             f"{tuple(x.shape)} {x.dtype} on a probe batch, its forward {tuple(want.shape)} "
-            f"{want.dtype}: its forward does more than meshrun's stages rebuild; set "
-            "parallel.pp=1, or give the structure (ModelSpec) that matches it"
+            f"{want.dtype}: {_does_more(stages)}"
         )
     return (
         f"shapes only ({list(want.shape)}): the model is on the meta device, so no values "
@@ -249,6 +248,23 @@ def _check_shapes_on_meta(model: nn.Module, stages: Sequence[StageModule]) -> st
         "device, where its values are compared, and they depend on the model's class and "
         "structure, not on its weights or sizes: to check a model class of your own, build it "
         "once on a real device (a smaller config is enough)"
+    )
+
+
+def _does_more(stages: Sequence[StageModule]) -> str:
+    """Why the stages differ from the forward, and what can be done: the stages rebuild a
+    plain chain of the model's modules; arithmetic or arguments in the forward between them
+    are not modules, so no ModelSpec can describe them."""
+    first, last = stages[0].meshrun_parts, stages[-1].meshrun_parts
+    chain = " -> ".join([*first.before, f"{first.blocks[0].rpartition('.')[0]}.*", *last.after])
+    return (
+        f"its forward does more than the chain meshrun's stages rebuild ({chain}: the first "
+        "embedding on the ids, further embeddings as position tables, each block on the hidden "
+        "state alone, then the rest in order): work between these modules (a scale, a mask or "
+        "other arguments passed to the blocks, a final log_softmax) is not a module, and no "
+        "ModelSpec can describe it; move it into the modules (or into the loss), pass "
+        "ModelSpec(before=..., after=...) if only the order of the chain is wrong, or set "
+        "parallel.pp=1 (parallel.dp_shard shards the model without splitting its forward)"
     )
 
 
@@ -266,7 +282,6 @@ def check_stages_reproduce(model: nn.Module, stages: Sequence[StageModule]) -> s
         raise ConfigError(
             f"parallel.pp: {type(model).__name__}'s pipeline stages (embeddings -> blocks -> "
             f"norm/head) do not reproduce its forward on a probe batch (max |logit difference| "
-            f"{got}, logits up to {scale:.3g}): its forward does more than meshrun's stages "
-            "rebuild; set parallel.pp=1, or give the structure (ModelSpec) that matches it"
+            f"{got}, logits up to {scale:.3g}): {_does_more(stages)}"
         )
     return f"values on a probe batch (max |logit difference| {diff:.2g})"

@@ -42,10 +42,15 @@ class ModelSpec:
     (torchtitan's ``module_fqns_per_model_part``). ``tp_plan``: module-FQN patterns (``*``
     matches one name) to a ``ParallelStyle`` or a Hugging Face plan string (``"colwise"``,
     ...). ``tied``: parameter-FQN pairs that share one tensor. ``num_heads`` /
-    ``num_kv_heads``: the attention head counts, for the tensor-parallel checks."""
+    ``num_kv_heads``: the attention head counts, for the tensor-parallel checks. ``before`` /
+    ``after``: FQNs of the modules that run before the blocks (embeddings first) and after
+    them (final norm, head), in forward order, where the order they are registered in is not
+    the forward's (``nn.Transformer`` registers ``encoder`` before a subclass's embedding)."""
 
     blocks: str | None = None
     split_points: tuple[str, ...] = ()
+    before: tuple[str, ...] | None = None
+    after: tuple[str, ...] | None = None
     tp_plan: Mapping[str, Any] | None = None
     tied: tuple[tuple[str, str], ...] | None = None
     num_heads: int | None = None
@@ -128,7 +133,7 @@ def find_structure(model: nn.Module, spec: ModelSpec | None = None) -> ModelStru
     spec = spec or ModelSpec()
     sources: dict[str, str] = {}
     blocks_fqn, keys, block_class = _find_blocks(model, spec, sources)
-    before, after = _around(model, blocks_fqn)
+    before, after = _ends_of(model, spec, blocks_fqn, sources)
     pp_plan = _declared(model, "_pp_plan")
     heads, kv = _find_heads(model, spec, sources)
     plan, plan_source = _find_tp_plan(model, spec, blocks_fqn)
@@ -243,6 +248,31 @@ def _list_of(model: nn.Module, classes: set[str] | None) -> tuple[str, list[str]
 
 def _candidate_lists(model: nn.Module) -> list[str]:
     return [n for n, m in model.named_modules() if n and _children(m)][:8]
+
+
+def _ends_of(
+    model: nn.Module, spec: ModelSpec, blocks_fqn: str | None, sources: dict[str, str]
+) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """What runs before and after the blocks: the user's (checked), else the registration
+    order (:func:`_around`)."""
+    before, after = _around(model, blocks_fqn)
+    for key, given in (("before", spec.before), ("after", spec.after)):
+        if given is None:
+            continue
+        names = {n for n, _ in model.named_modules()}
+        bad = [f for f in given if f not in names or f == blocks_fqn]
+        if bad or (key == "before" and not given):
+            raise ConfigError(
+                f"ModelSpec({key}={tuple(given)!r}): {bad or 'empty'} is not a module of "
+                f"{type(model).__name__} outside its blocks; give the FQNs of the modules that "
+                f"run {key} the blocks, in forward order (registration order: "
+                f"{list(before + after) or 'none'})"
+            )
+        sources["ends"] = "ModelSpec"
+    return (
+        tuple(before if spec.before is None else spec.before),
+        tuple(after if spec.after is None else spec.after),
+    )
 
 
 def _around(model: nn.Module, blocks_fqn: str | None) -> tuple[tuple[str, ...], tuple[str, ...]]:
