@@ -46,6 +46,7 @@ class Slot(IntEnum):
     NONFINITE = 2  # this rank's loss is NaN/Inf (which ranks: Agreed.nonfinite_ranks)
     PREEMPT = 3  # this rank received a preemption signal (SIGTERM/SIGUSR1)
     SAVE_WRITING = 4  # this rank's async checkpoint is still being written
+    GRAD_SQ = 5  # this rank's share of the squared gradient norm (parallel/grads.grad_sq_share)
 
 
 FLAGS = (Slot.NONFINITE, Slot.PREEMPT, Slot.SAVE_WRITING)
@@ -79,6 +80,11 @@ class Agreed:
             return math.nan
         return self.totals[Slot.LOSS] / ranks
 
+    @property
+    def grad_norm(self) -> float:
+        """The 2-norm of the whole gradient: the square root of the ranks' shares."""
+        return math.sqrt(self.totals[Slot.GRAD_SQ])
+
 
 class StepAgreement:
     """One per run, on every rank. :meth:`exchange` is collective: every rank calls it once
@@ -103,11 +109,16 @@ class StepAgreement:
             )
         self._providers[slot] = local
 
-    def exchange(self, step: int, *, loss: float | None = None) -> Agreed:
+    def exchange(
+        self, step: int, *, loss: float | None = None, grad_sq: float | None = None
+    ) -> Agreed:
         """The step's one collective. ``loss``: this rank's mean loss of the step (None when
         this rank recorded none, e.g. a pipeline stage without the head); a NaN/Inf raises
-        the NONFINITE flag. Returns (and keeps, for :meth:`agreed`) what every rank learned."""
+        the NONFINITE flag. ``grad_sq``: this rank's share of the squared gradient norm
+        (summed as is). Returns (and keeps, for :meth:`agreed`) what every rank learned."""
         buf = self._pack(loss)
+        if grad_sq is not None:
+            buf[Slot.GRAD_SQ] = grad_sq
         if self.distributed:
             wire = buf.to(self.device) if self.device.type == "cuda" else buf
             dist.all_reduce(wire, op=dist.ReduceOp.SUM)

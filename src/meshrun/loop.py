@@ -30,7 +30,8 @@ from meshrun.data.permutation import mix_seed
 from meshrun.data.sampler import ResumableSampler
 from meshrun.monitor import MetricsLogger, StepMonitor, memory_stats
 from meshrun.monitor.throughput import resolve_tokens_per_sample
-from meshrun.parallel import clip_grad_norm_, set_grad_sync
+from meshrun.parallel import set_grad_sync
+from meshrun.parallel.grads import clip_grads_, grad_norm, grad_sq_share
 from meshrun.parallel.kinds import is_dtensor
 from meshrun.parallel.report import log_state_table
 from meshrun.state import TrainState
@@ -128,7 +129,7 @@ class StepLoop:
         self._t_last, self._outside_s = time.perf_counter(), 0.0  # outside: see outside_step
         self._tokens_per_sample: int | None = None  # None: not known, samples/s only
         self.data_wait = WaitClock()  # this rank's time blocked on the loader, per step
-        self.grad_norm = math.nan  # global gradient norm of the last step (when clipping)
+        self.grad_norm = math.nan  # norm of the whole gradient of the last step, before clipping
         # Step breakdown, numerics guard (it exchanges the run's one per-step agreement),
         # stragglers.
         self.monitor = StepMonitor(
@@ -230,11 +231,6 @@ class StepLoop:
                 t.shape[0],
             )
 
-    # --- what the user calls -------------------------------------------------------------
-
-    def backward(self, loss: torch.Tensor) -> None:
-        """``(loss / accumulation).backward()``, recording the loss for the metrics."""
-        self.record_loss(loss)
     @property
     def is_step_end(self) -> bool:
         """Whether this micro-step's ``optimizer_step`` steps the optimizer (the last of its
@@ -246,6 +242,11 @@ class StepLoop:
         step's time and reported in its line as ``eval_s``."""
         self._outside_s += seconds
 
+    # --- what the user calls -------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``(loss / accumulation).backward()``, recording the loss for the metrics."""
+        self.record_loss(loss)
         t0 = self.monitor.backward_starts()
         scaled = loss / self.accum
         (scaled if self.state.scaler is None else self.state.scaler.scale(scaled)).backward()
@@ -266,12 +267,17 @@ class StepLoop:
             return False
         self._boundary_calls += 1
         # Every rank learns whether any rank's loss is NaN/Inf; all skip (or stop) together.
-        guard = self.monitor.guard(self._loss_sum, self.accum, self.state.step + 1)
+        # The gradient norm rides in the same collective (a share per rank: parallel/grads.py);
+        # under replica groups it is taken after their average instead (_apply_update).
+        share = None if self.replicas is not None else self._grad_sq(optimizer)
+        guard = self.monitor.guard(self._loss_sum, self.accum, self.state.step + 1, share)
+        if share is not None:
+            self.grad_norm = self.monitor.agreement.agreed(self.state.step + 1).grad_norm
         t0 = time.perf_counter()
         if self.replicas is not None:
             return self._replicated_step(optimizer, guard.loss, guard.finite, t0)
         if guard.finite:
-            self._apply_update(optimizer)
+            self._apply_update(optimizer, self.grad_norm)
         if not self._state_reported:  # the state exists now: which rank holds how much of it
             self._state_reported = True
             log_state_table(optimizer, log)
@@ -329,14 +335,26 @@ class StepLoop:
         if self.replicas is not None and self.state.step < self._target:
             self.replicas.start_step()
 
-    def _apply_update(self, optimizer: torch.optim.Optimizer) -> None:
+    def _grad_sq(self, optimizer: torch.optim.Optimizer) -> Callable[[], float]:
+        """This rank's share of the squared norm of the (unscaled) gradient, for the agreement:
+        each parameter is held by world / pp ranks (its stage's)."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        pp = 1 if self.state.pp_group is None else self.state.pp_group.size()
+        holders = self.monitor.agreement.world // pp
+        scaler = self.state.scaler  # fp16: the gradients are still scaled here
+        scale = 1.0 if scaler is None else float(scaler.get_scale())
+        return lambda: grad_sq_share(params, holders) / scale**2
+
+    def _apply_update(self, optimizer: torch.optim.Optimizer, norm: float | None = None) -> None:
+        """Unscale, clip by ``norm`` (None: taken here, after the replica groups' average),
+        step."""
         if self.state.scaler is not None:
             self.state.scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        if norm is None:  # the norm of the whole gradient, also when it is sharded
+            self.grad_norm = norm = grad_norm(params, pp_group=self.state.pp_group)
         if self.grad_clip > 0:
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            # The norm of the whole gradient, also when it is sharded (FSDP2, TP DTensors).
-            norm = clip_grad_norm_(params, self.grad_clip, pp_group=self.state.pp_group)
-            self.grad_norm = float(norm)
+            clip_grads_(params, self.grad_clip, norm)  # one float64 coefficient on every rank
         if self.state.scaler is None:
             optimizer.step()
         else:  # skipped on every rank alike when any rank found inf/nan (parallel/precision.py)
@@ -372,14 +390,15 @@ class StepLoop:
             extra={
                 **(memory_stats(self.device) | self.monitor.host.sample() if logged else {}),
                 **wait,
+                "grad_norm": self.grad_norm,
                 **phases,
                 **(ft or {}),
+                **({"eval_s": outside} if outside else {}),
             },
         )
         self.monitor.add("loop_s", now)  # metrics and monitoring: the next step's time
 
     def _data_wait(self, step_time: float) -> dict[str, float]:
-                **({"eval_s": outside} if outside else {}),
         """This rank's loader wait in the step, in seconds and as a share of the step time."""
         waited = self.data_wait.take()
         return {"data_wait_s": waited, "data_wait_share": waited / step_time if step_time else 0.0}

@@ -147,16 +147,28 @@ class StepMonitor:
 
     # --- numerics guard -------------------------------------------------------------------
 
-    def guard(self, loss_sum: torch.Tensor | None, accum: int, step: int) -> GuardResult:
+    def guard(
+        self,
+        loss_sum: torch.Tensor | None,
+        accum: int,
+        step: int,
+        grad_sq: Callable[[], float] | None = None,
+    ) -> GuardResult:
         """Exchange the step's agreement (the one collective; ``step`` is the 1-based step
         about to be taken) and read the guard's slot of it: raise on every rank together under
         ``nonfinite = "stop"``. The other subsystems read their slots with
-        ``agreement.agreed(step)`` after this."""
+        ``agreement.agreed(step)`` after this. ``grad_sq``: this rank's share of the squared
+        gradient norm, carried by the same exchange (its time counts as ``optimizer_s``)."""
         if self._t_batch is not None:  # no run.backward (pipeline step): count it as forward
             self.backward_starts()
+        share = None
+        if grad_sq is not None:
+            t_norm = time.perf_counter()
+            share = grad_sq()
+            self.add("optimizer_s", t_norm)
         t0 = time.perf_counter()
         with self.sampler.guard():
-            agreed = self.agreement.exchange(step, loss=local_loss(loss_sum, accum))
+            agreed = self.agreement.exchange(step, loss=local_loss(loss_sum, accum), grad_sq=share)
         result = guard_result(agreed)
         self.add("sync_s", t0)
         if result.finite:
