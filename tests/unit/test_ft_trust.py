@@ -171,7 +171,10 @@ def test_a_crafted_heal_answer_runs_nothing(tmp_path: Path, signed: bool) -> Non
         with pytest.raises(Exception) as err:
             receiver.recv_checkpoint(0, address, 7, T)
         if signed:
-            assert "Weights only load failed" in str(err.value)
+            assert isinstance(err.value, HealError) and "weights_only=True refuses" in str(
+                err.value
+            )
+            assert "Weights only load failed" in str(err.value.__cause__)
         else:
             assert isinstance(err.value, HealError) and "not signed" in str(err.value)
         assert not marker.exists()

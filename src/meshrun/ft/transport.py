@@ -22,6 +22,7 @@ import hmac
 import http.client
 import io
 import ipaddress
+import pickle
 import socket
 import threading
 import urllib.parse
@@ -104,7 +105,15 @@ class SignedTransport(CheckpointTransport[dict[str, Any]]):
         if not hmac.compare_digest(signature, want):
             raise HealError("healing: the state received is not signed with this job's secret; "
                             "refused unread")  # fmt: skip
-        state: dict[str, Any] = torch.load(io.BytesIO(body), weights_only=True)
+        try:
+            state: dict[str, Any] = torch.load(io.BytesIO(body), weights_only=True)
+        except pickle.UnpicklingError as err:
+            raise HealError(
+                "healing: the peer's state holds an object that weights_only=True refuses "
+                f"({sanitize(str(err).splitlines()[-1] if str(err) else '', 160)}); meshrun "
+                "loads heals without pickle: keep the states of schedulers, the scaler and "
+                "the data plain (tensors, numbers, strings, lists, dicts)"
+            ) from err
         sent = state.get("torchft", {}).get("step")
         if sent != step:
             raise HealError(f"healing: the peer sent step {sent!r}, the quorum said {step}")
