@@ -15,6 +15,7 @@ global batch, SGD with momentum) within 1e-6 relative.
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -118,7 +119,7 @@ def full_params(model: nn.Module) -> dict[str, Tensor]:
     return out
 
 
-def train_case(rank: int, case: Case, data: Tensor) -> dict[str, Any]:
+def train_case(rank: int, case: Case, data: Tensor, save_to: str = "") -> dict[str, Any]:
     name, fields, options = case
     cfg = ParallelConfig(**fields)
     dims = ParallelDims.from_config(cfg, dist.get_world_size())
@@ -140,6 +141,10 @@ def train_case(rank: int, case: Case, data: Tensor) -> dict[str, Any]:
         total = (loss.full_tensor() if isinstance(loss, DTensor) else loss).detach().clone()
         dist.all_reduce(total, group=mesh.get_group("dp"))  # Gloo has no AVG: sum, divide
         losses.append(float(total) / dims.dp)
+    if save_to:  # a checkpoint of the uneven shards (torch.distributed.checkpoint)
+        import torch.distributed.checkpoint as dcp
+
+        dcp.save(model.state_dict(), checkpoint_id=save_to)
     params = full_params(model)  # a collective: every rank gathers
     return {"losses": losses, "params": params if rank == 0 else None}
 
@@ -150,13 +155,15 @@ def _loss_context(cfg: ParallelConfig) -> Any:
     return maybe_loss_parallel(cfg)
 
 
-def train_cases(rank: int, world_size: int, cases: dict[str, Case]) -> dict[str, Any]:
+def train_cases(
+    rank: int, world_size: int, cases: dict[str, Case], saved: str = "", save_to: str = ""
+) -> dict[str, Any]:
     dist.init_process_group("gloo")
     data = build_data()
     out = {}
     for label, case in cases.items():
         try:
-            out[label] = train_case(rank, case, data)
+            out[label] = train_case(rank, case, data, save_to if label == saved else "")
         except Exception as e:  # name the layout: one launch runs them all
             raise RuntimeError(f"{label}: {type(e).__name__}: {e}") from e
     return out
@@ -186,8 +193,19 @@ def refs() -> dict[str, dict[str, Any]]:
 
 
 @pytest.mark.timeout(300)
-def test_tp_torch_attention_and_odd_vocab_two_ranks(refs: dict[str, dict[str, Any]]) -> None:
-    results = run_distributed(train_cases, 2, TWO_RANKS, timeout=270)
+def test_tp_torch_attention_and_odd_vocab_two_ranks(
+    refs: dict[str, dict[str, Any]], tmp_path: Path
+) -> None:
+    saved, ckpt = "qwen2 vocab 257 tied TP 2", tmp_path / "ckpt"
+    results = run_distributed(train_cases, 2, TWO_RANKS, saved, str(ckpt), timeout=270)
+    # The checkpoint holds the whole, unpadded tensors: what one process reads back.
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    dcp_to_torch_save(ckpt, tmp_path / "whole.pt")
+    whole = torch.load(tmp_path / "whole.pt", weights_only=True)
+    trained = results[0][saved]["params"]
+    assert whole["lm_head.weight"].shape == (257, 32)
+    assert all(torch.equal(whole[k], trained[k]) for k in whole), "checkpoint != trained model"
     for r in results:  # refused before step 1, on every rank, naming the attention and the fix
         why = r["encoder TP 2"]["refused"]
         assert "encoder.layers.0.self_attn" in why and "nn.MultiheadAttention" in why, why
