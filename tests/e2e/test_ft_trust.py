@@ -152,3 +152,54 @@ def test_a_stranger_quorum_request_is_refused_and_both_groups_train_to_the_end(
 
 def _events(run_dir: Path, name: str) -> list[dict[str, object]]:
     return [r for r in _rows(run_dir / "metrics.jsonl") if r.get("event") == name]
+
+
+@pytest.mark.timeout(600)
+def test_groups_on_two_hosts_listen_on_their_address_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two namespace hosts, one group each (`meshrun launch --nnodes 1 --rdzv-endpoint` its
+    own address), the lighthouse on host 0 (`meshrun lighthouse --bind` its address), one
+    secret: both groups train every step, and every socket listens on loopback or the host's
+    address, none on every interface."""
+    from test_multinode import nodes
+
+    import netns
+
+    netns.require()
+    monkeypatch.setenv("MESHRUN_JOB_SECRET", "0123456789abcdef" * 4)
+    with nodes(2) as cluster:
+        lighthouse = f"{cluster.net.address(0)}:29510"
+        keeper = subprocess.Popen(
+            cluster.net.argv(0, [sys.executable, "-m", "meshrun", "lighthouse", "--bind",
+                                 lighthouse, "--heartbeat-timeout-ms", "1000",
+                                 "--join-timeout-ms", "1000"]),
+            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )  # fmt: skip
+        watches = {"lighthouse": sockets.Watch(keeper.pid, every_s=0.5).__enter__()}
+        for g in (0, 1):
+            endpoint = f"{cluster.net.address(g)}:29500"
+            cluster.start(g, "--nnodes", "1", "--node-rank", "0", "--rdzv-endpoint", endpoint,
+                          "--nproc-per-node", "1", str(WORKER),
+                          f"--job.run_dir={tmp_path / f'group{g}'}", f"--optim.steps={STEPS}",
+                          *KEYS, *FT_KEYS, "--fault_tolerance.replica_groups=2",
+                          f"--fault_tolerance.group_index={g}",
+                          f"--fault_tolerance.lighthouse={lighthouse}")  # fmt: skip
+            watches[g] = sockets.Watch(cluster.procs[g].pid, every_s=0.5).__enter__()
+        outs = [cluster.wait(g, 400) for g in (0, 1)]
+        keeper.terminate()
+        keeper.wait(30)
+        for watch in watches.values():
+            watch.__exit__()
+        addresses = {g: cluster.net.address(g) for g in (0, 1)}
+    for rc, out in outs:
+        assert rc == 0, out[-4000:]
+    for g in (0, 1):
+        assert sorted(_losses(tmp_path / f"group{g}")) == list(range(1, STEPS + 1))
+    for name, watch in watches.items():
+        print(f"{name}:\n{sockets.describe(watch.seen)}")
+        assert not sockets.wildcard(watch.seen), sockets.describe(watch.seen)
+        host = addresses[0 if name == "lighthouse" else int(name)]
+        assert {s.address for s in watch.seen} <= {host, "127.0.0.1"}, sockets.describe(watch.seen)
+    # The manager and heal servers listen on the host's address (the route to the lighthouse).
+    assert sum(s.address == addresses[1] for s in watches[1].seen) >= 2
