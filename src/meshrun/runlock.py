@@ -138,9 +138,10 @@ def _no_locks(run_dir: Path, say: Say) -> None:
     )
 
 
-def _take(run_dir: Path, token: str, say: Say) -> int | None:
+def _take(run_dir: Path, token: str, say: Say, ours: str = "") -> int | None:
     """Lock ``run_dir`` and write this process's record; returns the open file (None: no
-    locks here, warned). Raises :class:`RunDirBusy` naming the holder."""
+    locks here, warned; or held by a process of this job, whose token is ``ours``). Raises
+    :class:`RunDirBusy` naming the holder."""
     fd = _open(run_dir)
     got = _try_lock(fd)
     if not got:
@@ -148,7 +149,10 @@ def _take(run_dir: Path, token: str, say: Say) -> int | None:
         if got is None:
             _no_locks(run_dir, say)
             return None
-        raise _busy(run_dir, read_holder(run_dir / LOCK_NAME))
+        holder = read_holder(run_dir / LOCK_NAME)
+        if ours and holder is not None and holder.token == ours:
+            return None
+        raise _busy(run_dir, holder)
     old = read_holder(run_dir / LOCK_NAME) if os.fstat(fd).st_size else None
     if old is not None and old.token != token:
         say(
@@ -242,15 +246,13 @@ def rank0_lock(run_dir: str | Path, environ: Mapping[str, str], say: Say = _say_
     the holder's token), else take it until :func:`release_rank0` (``Run.close``) or the end of
     this process. Raises :class:`RunDirBusy` when another job holds it."""
     path = Path(run_dir)
-    given = environ.get(TOKEN_ENV, "")
-    if given:
-        holder = read_holder(path / LOCK_NAME)
-        if holder is not None and holder.token == given:
-            return
     key = str(path.resolve())
     if key in _RANK0 or key in _HELD:
         return
-    fd = _take(path, given or _worker_token(environ), say)
+    given = environ.get(TOKEN_ENV, "")
+    # Held with this token: by the launcher. Free: taken (a replica group's own directory,
+    # or a restart after the rank 0 that held it died).
+    fd = _take(path, given or _worker_token(environ), say, ours=given)
     if fd is not None:
         _RANK0[key] = fd
 

@@ -91,3 +91,18 @@ def test_rank0_takes_the_lock_until_the_run_closes(tmp_path: Path) -> None:
         runlock.release_rank0(tmp_path)
     with hold_run_dir(tmp_path, "tok"):
         pass
+
+
+@pytest.mark.timeout(60)
+def test_rank0_takes_a_free_lock_even_with_its_launchers_token(tmp_path: Path) -> None:
+    """A replica group's own directory, or a restart after the rank 0 that held it died: the
+    token alone is no lock, so rank 0 takes it."""
+    runlock.rank0_lock(tmp_path, {TOKEN_ENV: "tok-a"})
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", HOLDER, str(tmp_path), "tok-b"], input="", text=True,
+            capture_output=True, timeout=30,
+        )  # fmt: skip
+        assert proc.returncode != 0 and f"pid {os.getpid()}" in proc.stderr, proc.stderr
+    finally:
+        runlock.release_rank0(tmp_path)
