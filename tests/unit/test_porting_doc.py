@@ -27,11 +27,51 @@ def test_the_stated_count_is_the_marked_lines_of_the_example() -> None:
     assert sorted(code for _, code in rows) == sorted(marked)
 
 
+def _run_fields() -> set[str]:
+    """The attributes ``Run.__init__`` sets, as declared (run_base.RunFields)."""
+    return {n for cls in meshrun.Run.__mro__ for n in getattr(cls, "__annotations__", {})}
+
+
 def test_every_run_call_in_the_doc_exists() -> None:
     names = set(re.findall(r"\brun\.([a-z_]+)", DOC))
-    assert {"unwrap", "evaluate", "optimizer", "parallelize"} <= names
-    assert [n for n in sorted(names) if not hasattr(meshrun.Run, n)] == []
+    assert {"unwrap", "evaluate", "optimizer", "parallelize", "is_step_end", "device"} <= names
+    fields = _run_fields()
+    assert [n for n in sorted(names) if not hasattr(meshrun.Run, n) and n not in fields] == []
     assert hasattr(meshrun.config, "split_overrides")
+
+
+def test_the_attribute_table_covers_every_public_field() -> None:
+    """Every field a Run has is in the table or named as machinery, and the reverse."""
+    section = DOC.split("## Run's public attributes", 1)[1].split("\n## ", 1)[0]
+    in_table = set(re.findall(r"^\| `run\.([a-z_]+)`(?:, `run\.([a-z_]+)`)?", section, re.M))
+    listed = {n for pair in in_table for n in pair if n}
+    machinery = {"loop", "state", "checkpointer", "metrics"}
+    assert all(f"`run.{n}`" in section for n in machinery)
+    public_props = {"step", "is_step_end", "grad_scaler"}
+    assert listed | machinery == _run_fields() | public_props, sorted(listed)
+
+
+def _shape_sections() -> list[tuple[str, str]]:
+    """(script path, diff text) of each section under "Three other shapes of script"."""
+    part = DOC.split("## Three other shapes of script", 1)[1].split("\n## ", 1)[0]
+    found = []
+    for sub in part.split("\n### ")[1:]:
+        script = re.search(r"\(\.\./(tests/e2e/scripts/porting/\w+\.py)\)", sub)
+        diff = re.search(r"^```diff\n(.*?)^```", sub, re.M | re.S)
+        assert script and diff, sub[:80]
+        found.append((script[1], diff[1]))
+    return found
+
+
+def test_each_shape_diff_is_the_code_of_its_script() -> None:
+    """Every added and context line of a shape's diff is a line of the ported script."""
+    sections = _shape_sections()
+    assert len(sections) == 3
+    for path, diff in sections:
+        lines = {line.strip() for line in (ROOT / path).read_text().splitlines()}
+        kept = [d[1:] for d in diff.splitlines() if d[:1] in "+ " and d[1:].strip() != "..."]
+        missing = [line for line in kept if line.strip() not in lines]
+        assert not missing, f"{path}: {missing}"
 
 
 def test_the_python_blocks_parse() -> None:
