@@ -128,6 +128,7 @@ def test_hostfile_launch_runs_the_demo_on_two_hosts(
         assert f"[{addr}] meshrun launch: 2 nodes joined [node1, node2]" in err
     assert "OMP_NUM_THREADS=1" in err
     assert f"[{a1}] step 3/3" in out  # global rank 0 lives on the first host
+    assert not (run_dir / "job.secret").exists()  # the secret came over ssh's stdin
     # Whole lines only: every line carries exactly one host prefix at its start.
     # split("\n"), not splitlines(): the demo's sample text holds \x0c, \x1c and the like.
     lines = [ln for ln in (out + err).split("\n") if ln.strip()]

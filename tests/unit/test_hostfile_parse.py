@@ -13,6 +13,7 @@ from meshrun.config import Config, load_config
 from meshrun.launch.cli import plan_from_args
 from meshrun.launch.hostfile import (
     GUARD_MODULE,
+    READ_SECRET,
     HostEntry,
     HostfileError,
     HostfilePlan,
@@ -133,10 +134,11 @@ def test_remote_command_quotes_everything_and_round_trips() -> None:
     nasty = ["--note", 'it\'s $HOME; rm -rf / `x` "q"', "--data.path=/a b/c"]
     plan = _plan(launch_args=["train.py", *nasty], env={"NCCL_DEBUG": "INFO", "X_Y": "a b"})
     command = remote_command(plan, 1)
-    assert command.startswith("cd '/shared/my project' && exec env ")
+    assert command.startswith("cd '/shared/my project' && exec sh -c ")
     words = shlex.split(command.split(" && ", 1)[1])
     guard = ["/opt/venv/bin/python", "-m", GUARD_MODULE, "--"]
-    assert words == ["exec", "env", "NCCL_DEBUG=INFO", "X_Y=a b", *guard, *node_argv(plan, 1)]
+    reader = ["exec", "sh", "-c", READ_SECRET, "sh"]  # the secret comes over stdin
+    assert words == [*reader, "env", "NCCL_DEBUG=INFO", "X_Y=a b", *guard, *node_argv(plan, 1)]
     assert words[-3:] == nasty
 
 

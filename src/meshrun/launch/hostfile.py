@@ -26,6 +26,7 @@ DEFAULT_RDZV_PORT = 29500  # torchrun's own default
 SSH_CONNECT_TIMEOUT_S = 5
 SSH_ENV = "MESHRUN_SSH"  # extra ssh arguments, shell-quoted, e.g. "-i ~/.ssh/cluster_key"
 GUARD_MODULE = "meshrun.launch.guard"
+READ_SECRET = 'IFS= read -r MESHRUN_JOB_SECRET && export MESHRUN_JOB_SECRET && exec "$@"'
 
 # What reaches the remote meshrun launch: what configures meshrun, threads, the collective
 # libraries and the import path. Never names that look like credentials, whatever the prefix.
@@ -218,11 +219,13 @@ def node_argv(plan: HostfilePlan, node_rank: int) -> list[str]:
 
 def remote_command(plan: HostfilePlan, node_rank: int) -> str:
     """The shell line ssh runs on host ``node_rank``: same directory, same Python, the
-    forwarded variables, and the guard that stops the launch when the ssh session ends."""
+    forwarded variables, and the guard that stops the launch when the ssh session ends.
+    The job secret is the first line the launcher writes to ssh's stdin (a command line
+    would show it in ``ps``): ``sh`` reads it into the environment, the guard gets the rest."""
     env = [f"{k}={v}" for k, v in plan.env.items()]
     guard = [plan.python, "-m", GUARD_MODULE, "--"]
     return f"cd {shlex.quote(plan.cwd)} && exec " + shlex.join(
-        ["env", *env, *guard, *node_argv(plan, node_rank)]
+        ["sh", "-c", READ_SECRET, "sh", "env", *env, *guard, *node_argv(plan, node_rank)]
     )
 
 

@@ -9,13 +9,15 @@ client terminated, which ends the channel just the same.
 
 from __future__ import annotations
 
+import os
 import queue
+import secrets
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,6 +32,7 @@ from meshrun.launch.hostfile import (
     remote_command,
     ssh_argv,
 )
+from meshrun.launch.secret import SECRET_ENV, SECRET_FILE_ENV, SecretError, resolve
 
 CHECK_TIMEOUT_S = 15.0  # per host, all hosts in parallel; ssh's own ConnectTimeout is shorter
 STOP_GRACE_S = 25.0  # > the guard's SIGTERM -> SIGKILL grace, so remote cleanup can finish
@@ -95,7 +98,7 @@ def _hint(said: str) -> str:
     return "is sshd running there, and the address reachable from this machine?"
 
 
-def run_plan(plan: HostfilePlan) -> int:
+def run_plan(plan: HostfilePlan, secret: str) -> int:
     """Start every host, stream, stop all on the first failure or a signal; the exit code."""
     lock = threading.Lock()
     hosts: list[_Host] = []
@@ -103,7 +106,7 @@ def run_plan(plan: HostfilePlan) -> int:
     with _stop_signals():
         try:
             for i, entry in enumerate(plan.hosts):
-                hosts.append(_start(plan, i, entry, lock))
+                hosts.append(_start(plan, i, entry, lock, secret))
                 threading.Thread(target=_wait, args=(hosts[-1], exits), daemon=True).start()
             return _supervise(hosts, exits, lock)
         except (_Stopped, KeyboardInterrupt) as err:
@@ -113,7 +116,20 @@ def run_plan(plan: HostfilePlan) -> int:
             return EXIT_INTERRUPTED if sig == signal.SIGINT else 128 + int(sig)
 
 
-def _start(plan: HostfilePlan, index: int, entry: HostEntry, lock: threading.Lock) -> _Host:
+def job_secret(environ: Mapping[str, str]) -> str:
+    """The secret every host's launch gets: the user's (``MESHRUN_JOB_SECRET`` or
+    ``MESHRUN_JOB_SECRET_FILE``), else a new one for this launch."""
+    if not (environ.get(SECRET_ENV) or environ.get(SECRET_FILE_ENV)):
+        return secrets.token_hex(32)
+    try:
+        return resolve("", environ, create=False).key.decode()
+    except SecretError as err:
+        raise HostfileError(str(err)) from None
+
+
+def _start(
+    plan: HostfilePlan, index: int, entry: HostEntry, lock: threading.Lock, secret: str
+) -> _Host:
     argv = ssh_argv(entry, plan.ssh_args, remote_command(plan, index))
     # Its own session: a Ctrl-C in the terminal reaches only this launcher, which then stops
     # the hosts in order (and keeps streaming their last lines) instead of ssh dying at once.
@@ -124,7 +140,9 @@ def _start(plan: HostfilePlan, index: int, entry: HostEntry, lock: threading.Loc
         stderr=subprocess.PIPE,
         start_new_session=True,
     )
-    assert proc.stdout is not None and proc.stderr is not None
+    assert proc.stdin is not None and proc.stdout is not None and proc.stderr is not None
+    proc.stdin.write(secret.encode() + b"\n")  # the remote sh reads it (hostfile.READ_SECRET)
+    proc.stdin.flush()
     readers = [
         threading.Thread(target=_stream, args=(pipe, out, entry.label, lock), daemon=True)
         for pipe, out in ((proc.stdout, sys.stdout), (proc.stderr, sys.stderr))
@@ -248,6 +266,7 @@ def _stop_signals() -> Iterator[None]:
 
 def launch_hostfile(plan: HostfilePlan) -> int:
     """Check the hosts, print the plan, run it."""
+    secret = job_secret(os.environ)
     check_hosts(plan)
     labels = ", ".join(h.label for h in plan.hosts)
     print(
@@ -257,4 +276,4 @@ def launch_hostfile(plan: HostfilePlan) -> int:
         file=sys.stderr,
         flush=True,
     )
-    return run_plan(plan)
+    return run_plan(plan, secret)
