@@ -10,7 +10,8 @@ and to join its store, stalled 60 s, and group 1 died. Now each group sees the s
 carries no tag of this job, refuses that quorum (an ``ft_refused`` event and one warning line
 naming it), asks again, and both groups train every step with the losses, bit for bit, of
 the same job without a stranger. While the groups wait, every listening socket of the job's
-processes is listed: none is bound to every interface.
+processes is listed: none is bound to every interface. The same holds for two groups on two
+network-namespace hosts (each socket on loopback or its host's address).
 """
 
 from __future__ import annotations
