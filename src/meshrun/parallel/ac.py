@@ -25,15 +25,22 @@ log = logging.getLogger("meshrun")
 
 
 class CheckpointedForward:
-    """A block's ``forward`` under activation checkpointing: the original bound method run
-    through ``checkpoint``. A class, not a closure, so ``copy.deepcopy`` of the model binds
-    the copy's forward to the copied block."""
+    """A block's ``forward`` under activation checkpointing: the original run through
+    ``checkpoint``. A class holding the block and its class's function (not a closure, not a
+    bound method), so ``copy.deepcopy`` and pickling of the model bind the copy's forward to
+    the copied block."""
 
-    def __init__(self, forward: Any) -> None:
-        self.forward = forward
+    def __init__(self, module: nn.Module) -> None:
+        forward = module.forward
+        bound = getattr(forward, "__self__", None) is module
+        self.module = module
+        # A forward another library set on the instance already is kept as it is.
+        self.function: Any = forward.__func__ if bound else forward  # type: ignore[attr-defined]
+        self.bound = bound
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+        head = (self.module,) if self.bound else ()
+        return checkpoint(self.function, *head, *args, use_reentrant=False, **kwargs)
 
 
 def is_checkpointed(module: nn.Module) -> bool:
@@ -54,7 +61,7 @@ def apply_ac(model: nn.Module, every: int, wrap: WrapPredicate = is_block) -> in
     chosen = blocks[every - 1 :: every] if every > 1 else blocks
     for block in chosen:
         if not is_checkpointed(block):
-            block.forward = CheckpointedForward(block.forward)
+            block.forward = CheckpointedForward(block)
     return len(chosen)
 
 
