@@ -65,10 +65,10 @@ class EvalMethods(RunFields):
             dist.all_reduce(totals, group=self.mesh.get_group("dp"))
         if totals[1] == 0:
             raise ValueError("run.evaluate: no rank had a batch to evaluate (empty batches)")
-        loss, seconds = float(totals[0] / totals[1]), time.perf_counter() - t0
+        mean, seconds = float(totals[0] / totals[1]), time.perf_counter() - t0
         self.loop.outside_step(seconds)
-        self.metrics.log_event("eval", step=self.state.step, loss=loss, seconds=seconds)
-        return loss
+        self.metrics.log_event("eval", step=self.state.step, loss=mean, seconds=seconds)
+        return mean
 
     def _sum_and_count(self, loss: torch.Tensor, n: int) -> torch.Tensor:
         if is_dtensor(loss):  # under loss_parallel: a replicated DTensor
