@@ -142,7 +142,7 @@ def read_file(path: Path, named: str) -> JobSecret:
             f"the job secret {named} belongs to uid {info.st_uid}, not to you ({os.getuid()}); "
             "a file someone else wrote cannot be trusted: remove it or choose another run dir"
         )
-    return _checked(text, f"file {path}")
+    return _checked(text, f"file {named}")
 
 
 def _create(path: Path) -> JobSecret:

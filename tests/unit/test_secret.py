@@ -1,0 +1,248 @@
+"""The job secret (where it comes from, what it refuses) and what it signs: the rendezvous
+state of meshrun's backend and the handshake's records, over a real in-process TCPStore."""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import stat
+import threading
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+import pytest
+from torch.distributed import TCPStore
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+import sockets
+from meshrun.launch.handshake import Handshake, HandshakeError, JoinTarget, NodeInfo
+from meshrun.launch.rdzv_signed import SignedBackend, forget_store, listen_store
+from meshrun.launch.secret import (
+    SECRET_ENV,
+    SECRET_FILE_ENV,
+    JobSecret,
+    SecretError,
+    resolve,
+    sanitize,
+)
+
+SECRET = JobSecret(b"0123456789abcdef0123456789abcdef", "test")
+OTHER = JobSecret(b"fedcba9876543210fedcba9876543210", "other")
+
+
+# --- where the secret comes from ----------------------------------------------------------
+
+
+def test_the_environment_wins_then_the_file_variable_then_the_run_dir(tmp_path: Path) -> None:
+    env_secret = "e" * 32
+    assert resolve(str(tmp_path), {SECRET_ENV: env_secret}, create=True).key == env_secret.encode()
+    assert not (tmp_path / "job.secret").exists()  # nothing written when the env has it
+    path = tmp_path / "s.txt"
+    path.write_text("f" * 32 + "\n")
+    path.chmod(0o600)
+    got = resolve(str(tmp_path), {SECRET_FILE_ENV: str(path)}, create=True)
+    assert got.key == b"f" * 32 and SECRET_FILE_ENV in got.source
+    made = resolve(str(tmp_path / "run"), {}, create=True)
+    file = tmp_path / "run" / "job.secret"
+    assert stat.S_IMODE(file.stat().st_mode) == 0o600 and len(made.key) == 64
+    assert resolve(str(tmp_path / "run"), {}, create=False).key == made.key  # the others read it
+
+
+def test_bad_secrets_are_refused_naming_the_fix(tmp_path: Path) -> None:
+    with pytest.raises(SecretError, match=f"the job secret from env {SECRET_ENV} has 5 char"):
+        resolve(str(tmp_path), {SECRET_ENV: "short"}, create=True)
+    readable = tmp_path / "open.txt"
+    readable.write_text("a" * 32)
+    readable.chmod(0o644)
+    with pytest.raises(SecretError, match=f"has mode 644.*chmod 600 {readable}"):
+        resolve(str(tmp_path), {SECRET_FILE_ENV: str(readable)}, create=True)
+    if os.getuid() == 0:
+        readable.chmod(0o600)
+        os.chown(readable, 1234, -1)
+        with pytest.raises(SecretError, match="belongs to uid 1234"):
+            resolve(str(tmp_path), {SECRET_FILE_ENV: str(readable)}, create=True)
+    with pytest.raises(SecretError, match=f"no job secret.*{SECRET_ENV}.*{SECRET_FILE_ENV}"):
+        resolve(str(tmp_path / "none"), {}, create=False)
+
+
+def test_seal_binds_the_value_to_its_key_and_the_secret() -> None:
+    sealed = SECRET.seal("k", "hello")
+    assert SECRET.unseal("k", sealed) == "hello"
+    assert SECRET.unseal("other-key", sealed) is None  # moved to another key
+    assert OTHER.unseal("k", sealed) is None  # another job's secret
+    assert SECRET.unseal("k", sealed[:-1] + b"!") is None  # tampered
+    assert SECRET.unseal("k", b"hello") is None
+
+
+def test_text_from_the_network_loses_its_control_characters() -> None:
+    assert sanitize("\x1b[31mred\x1b[0m\nnext\x07") == "?[31mred?[0m?next?"
+    assert sanitize("x" * 400, 10) == "x" * 10 + "..."
+
+
+# --- the signed rendezvous backend ----------------------------------------------------------
+
+
+class RunsCode:
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, tuple[str, str]]:
+        return (open, (str(self.path), "w"))
+
+
+@pytest.fixture
+def store() -> Any:
+    server = listen_store("127.0.0.1", 0, 30)
+    yield server
+    forget_store(server)
+
+
+def _state(round_: int = 1) -> _RendezvousState:
+    state = _RendezvousState()
+    node = _NodeDesc("10.0.0.1", 42, 0)
+    state.round, state.complete, state.participants = round_, True, {node: 0}
+    state.wait_list = {_NodeDesc("10.0.0.2", 7, 1)}
+    state.last_heartbeats = {node: datetime(2026, 1, 1, tzinfo=timezone.utc)}
+    state.deadline = datetime(2026, 1, 1, 0, 1, tzinfo=timezone.utc)
+    return state
+
+
+def _fields(state: _RendezvousState) -> dict[str, Any]:
+    return dict(vars(state))
+
+
+@pytest.mark.timeout(60)
+def test_the_state_round_trips_as_signed_json_and_no_pickle_is_stored(store: Any) -> None:
+    backend = SignedBackend(store, "job", SECRET, say=lambda _: None)
+    assert backend.get_state() is None
+    result = backend.set_state(pickle.dumps(_state()))
+    assert result is not None and result[2] is True
+    assert _fields(pickle.loads(result[0])) == _fields(_state())
+    raw = bytes(store.get("meshrun.rdzv/job"))
+    text = SECRET.unseal("meshrun.rdzv/job", raw)
+    assert text is not None and json.loads(text)["participants"] == [["10.0.0.1", 42, 0, 0]]
+    # A second node with the same secret reads the same state.
+    other = SignedBackend(TCPStore("127.0.0.1", store.port, is_master=False), "job", SECRET)
+    got = other.get_state()
+    assert got is not None and _fields(pickle.loads(got[0])) == _fields(_state())
+
+
+@pytest.mark.timeout(60)
+def test_a_forged_pickle_is_refused_named_and_replaced_by_the_last_good_state(
+    store: Any, tmp_path: Path
+) -> None:
+    said: list[str] = []
+    backend = SignedBackend(store, "job", SECRET, say=said.append)
+    good = backend.set_state(pickle.dumps(_state()))
+    assert good is not None
+    marker = tmp_path / "ran"
+    store.set("meshrun.rdzv/job", pickle.dumps(RunsCode(marker)))
+    got = backend.get_state()
+    assert not marker.exists()
+    assert got is not None and _fields(pickle.loads(got[0])) == _fields(_state())
+    assert (
+        len(said) == 1 and "refused rendezvous state not signed with this job's secret" in said[0]
+    )
+    assert bytes(store.get("meshrun.rdzv/job")) == good[1]  # put back
+    # Another job's secret, valid JSON, claiming addresses: refused too, the claim sanitized.
+    forged = OTHER.seal("meshrun.rdzv/job", json.dumps({"format": 1, "run_id": "job", "seq": 99,
+                                                         "participants": [["\x1b[2Jevil", 1, 0, 0]]}))  # fmt: skip
+    store.set("meshrun.rdzv/job", forged)
+    assert backend.get_state() is not None
+    assert "claims to be from ?[2Jevil" in said[-1]
+
+
+@pytest.mark.timeout(60)
+def test_an_older_signed_state_written_back_is_refused(store: Any) -> None:
+    said: list[str] = []
+    backend = SignedBackend(store, "job", SECRET, say=said.append)
+    first = backend.set_state(pickle.dumps(_state(1)))
+    assert first is not None
+    second = backend.set_state(pickle.dumps(_state(2)), first[1])
+    assert second is not None and second[2] is True
+    store.set("meshrun.rdzv/job", first[1])  # a replay of what anyone could read
+    got = backend.get_state()
+    assert got is not None and pickle.loads(got[0]).round == 2
+    assert "an older state written back" in said[-1]
+    # The same signed state moved under another job id (same secret) does not verify there.
+    store.set("meshrun.rdzv/job2", second[1])
+    said.clear()
+    other = SignedBackend(store, "job2", SECRET, say=said.append)
+    assert other.get_state() is None and "not signed" in said[0]
+
+
+@pytest.mark.timeout(60)
+def test_the_store_listens_on_the_address_given_only(store: Any) -> None:
+    mine = [s for s in sockets.listeners(os.getpid()) if s.port == store.port]
+    assert [s.address for s in mine] == ["127.0.0.1"], sockets.describe(set(mine))
+
+
+# --- the handshake refuses what is not signed -----------------------------------------------
+
+
+def _node(rank: int) -> NodeInfo:
+    return NodeInfo(f"node{rank}", rank, 1, "t", "c", "n", "p", "m", "d", token=f"t{rank}")
+
+
+def _run(store: Any, info: NodeInfo, is_host: bool, secret: JobSecret, said: list[str],
+         out: dict[int, Any], timeout_s: float = 10) -> threading.Thread:  # fmt: skip
+    hs = Handshake(store, "job", info, JoinTarget(2, 2), is_host, timeout_s, said.append, secret)
+
+    def body() -> None:
+        try:
+            out[info.node_rank] = hs.run()
+        except HandshakeError as err:
+            out[info.node_rank] = err
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread
+
+
+@pytest.mark.timeout(60)
+def test_a_node_with_another_secret_is_refused_and_named_by_the_host(store: Any) -> None:
+    said: dict[int, list[str]] = {0: [], 1: []}
+    out: dict[int, Any] = {}
+    client = TCPStore("127.0.0.1", store.port, is_master=False)
+    host = _run(store, _node(0), True, SECRET, said[0], out, timeout_s=3)
+    while not store.check(["meshrun/job/attempt"]):  # the host has drawn its attempt
+        time.sleep(0.05)
+    _run(client, _node(1), False, OTHER, said[1], out).join(30)
+    host.join(30)
+    assert isinstance(out[1], HandshakeError) and "not signed with this node's job secret" in str(
+        out[1]
+    )
+    assert any("refused a handshake record from node1 (node_rank 1)" in s for s in said[0]), said
+    assert isinstance(out[0], HandshakeError) and "give it the same secret" in str(out[0])
+
+
+@pytest.mark.timeout(60)
+def test_an_unsigned_error_is_ignored_and_a_signed_one_is_printed_clean(store: Any) -> None:
+    said: list[str] = []
+    out: dict[int, Any] = {}
+    host = _run(store, _node(0), True, SECRET, said, out, timeout_s=20)
+    while not store.check(["meshrun/job/attempt"]):  # the host has drawn its attempt
+        time.sleep(0.05)
+    token = SECRET.unseal("meshrun/job/attempt", store.get("meshrun/job/attempt"))
+    store.set(f"meshrun/job/{token}/error", "\x1b[2Jstop the job")  # a stranger's: no MAC
+    client = TCPStore("127.0.0.1", store.port, is_master=False)
+    _run(client, _node(1), False, SECRET, [], out).join(30)
+    host.join(30)
+    assert [n.hostname for n in sorted(out[0], key=lambda n: n.node_rank)] == ["node0", "node1"]
+    assert any("refused the handshake's error" in s for s in said), said
+
+
+@pytest.mark.timeout(60)
+def test_a_signed_error_stops_the_nodes_and_is_printed_without_escapes(store: Any) -> None:
+    out: dict[int, Any] = {}
+    host = _run(store, _node(0), True, SECRET, [], out, timeout_s=20)
+    while not store.check(["meshrun/job/attempt"]):  # the host has drawn its attempt
+        time.sleep(0.05)
+    token = SECRET.unseal("meshrun/job/attempt", store.get("meshrun/job/attempt"))
+    key = f"meshrun/job/{token}/error"
+    store.set(key, SECRET.seal(key, "node2 says \x1b[2Jno"))
+    host.join(30)
+    assert isinstance(out[0], HandshakeError) and str(out[0]) == "node2 says ?[2Jno"
