@@ -58,3 +58,17 @@ def test_the_installed_masking_functions_give_no_future_warning(fn: Any) -> None
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         fn(**_mask_kwargs(fn, config, H, POS))
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt2"])
+def test_hf_stages_run_without_a_future_warning(name: str) -> None:
+    """The whole stage path (masks, rotary embeddings, each block) on the installed
+    transformers: any FutureWarning from meshrun's calls fails here, not in a user's log."""
+    from test_pp_stages import MODELS, stages_of
+
+    from meshrun.parallel.pp_stages import check_stages_reproduce
+
+    model = MODELS[name]()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FutureWarning)
+        check_stages_reproduce(model, stages_of(model, 2))
