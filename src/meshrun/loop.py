@@ -129,7 +129,7 @@ class StepLoop:
         self._t_last, self._outside_s = time.perf_counter(), 0.0  # outside: see outside_step
         self._tokens_per_sample: int | None = None  # None: not known, samples/s only
         self.data_wait = WaitClock()  # this rank's time blocked on the loader, per step
-        self.grad_norm = math.nan  # norm of the whole gradient of the last step, before clipping
+        self.grad_norm = math.nan  # the whole gradient's norm at the last step, before clipping
         # Step breakdown, numerics guard (it exchanges the run's one per-step agreement),
         # stragglers.
         self.monitor = StepMonitor(
@@ -267,9 +267,10 @@ class StepLoop:
             return False
         self._boundary_calls += 1
         # Every rank learns whether any rank's loss is NaN/Inf; all skip (or stop) together.
-        # The gradient norm rides in the same collective (a share per rank: parallel/grads.py);
-        # under replica groups it is taken after their average instead (_apply_update).
-        share = None if self.replicas is not None else self._grad_sq(optimizer)
+        # The clip's gradient norm rides in the same collective (a share per rank:
+        # parallel/grads.py); under replica groups it is taken after their average instead.
+        clip = self.grad_clip > 0 and self.replicas is None
+        share = self._grad_sq(optimizer) if clip else None
         guard = self.monitor.guard(self._loss_sum, self.accum, self.state.step + 1, share)
         if share is not None:
             self.grad_norm = self.monitor.agreement.agreed(self.state.step + 1).grad_norm
@@ -350,10 +351,10 @@ class StepLoop:
         step."""
         if self.state.scaler is not None:
             self.state.scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        if norm is None:  # the norm of the whole gradient, also when it is sharded
-            self.grad_norm = norm = grad_norm(params, pp_group=self.state.pp_group)
         if self.grad_clip > 0:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            if norm is None:  # the norm of the whole gradient, also when it is sharded
+                self.grad_norm = norm = grad_norm(params, pp_group=self.state.pp_group)
             clip_grads_(params, self.grad_clip, norm)  # one float64 coefficient on every rank
         if self.state.scaler is None:
             optimizer.step()
@@ -390,7 +391,8 @@ class StepLoop:
             extra={
                 **(memory_stats(self.device) | self.monitor.host.sample() if logged else {}),
                 **wait,
-                "grad_norm": self.grad_norm,
+                # The clip's norm (without clipping it is not taken: docs/monitor.md).
+                **({"grad_norm": self.grad_norm} if self.grad_clip > 0 else {}),
                 **phases,
                 **(ft or {}),
                 **({"eval_s": outside} if outside else {}),

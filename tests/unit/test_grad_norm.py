@@ -4,7 +4,9 @@ tied copy counted once (also through a ZeRO-1 alias), and the inf-norm."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -74,3 +76,17 @@ def test_inf_norm_and_no_gradients() -> None:
     assert grad_norm([a, b], norm_type=math.inf) == 7.0
     none = nn.Parameter(torch.ones(2))
     assert grad_norm([none]) == 0.0 and grad_norm([]) == 0.0
+
+
+def test_the_step_line_and_metrics_jsonl_carry_grad_norm(tmp_path: Path) -> None:
+    from meshrun.monitor import METRICS_FILE, MetricsLogger
+    from meshrun.monitor.metrics_view import Status
+
+    line = Status(3, 10, 2.5, 1e-3, 0.1, 80.0, None, 1.0, grad_norm=0.8125).plain_line()
+    assert line.startswith("step  3/10 | loss 2.5000 | grad_norm 0.8125 | lr 1.00e-03 |")
+    assert "grad_norm" not in Status(3, 10, 2.5, 1e-3, 0.1, 80.0, None, 1.0).plain_line()
+    with MetricsLogger(tmp_path, is_main=True, total_steps=2, progress=False) as m:
+        m.log_step(1, loss=2.0, lr=1e-3, step_time_s=0.1, samples=8, tokens=None,
+                   extra={"grad_norm": 0.5})  # fmt: skip
+    row = json.loads((tmp_path / METRICS_FILE).read_text().splitlines()[0])
+    assert row["grad_norm"] == 0.5

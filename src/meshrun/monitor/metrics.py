@@ -66,6 +66,10 @@ def _rate(count: float, seconds: float) -> float:
     return count / seconds if seconds > 0 else math.nan
 
 
+def _float_or_none(value: float | str | None) -> float | None:
+    return value if isinstance(value, float) else None
+
+
 def _json_safe(row: Mapping[str, Any]) -> dict[str, Any]:
     # NaN/Infinity are not JSON; write null so every line parses with any reader.
     return {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in row.items()}
@@ -300,6 +304,7 @@ class MetricsLogger:
         status = Status(
             *(step, self.total_steps, shown_loss, lr, step_time_s),
             *(samples_per_s, tokens_per_s, self._eta(step)),
+            _float_or_none(extra.get("grad_norm")),
         )
         self._on_console("progress", lambda view: view.show(status, logged))
 

@@ -54,6 +54,7 @@ class Status:
     samples_per_s: float
     tokens_per_s: float | None  # None: the run's tokens are not known
     eta_s: float | None
+    grad_norm: float | None = None  # the clip's norm (optim.grad_clip > 0), else None
 
     def eta(self) -> str:
         return "-" if self.eta_s is None else format_duration(self.eta_s)
@@ -72,6 +73,7 @@ class Status:
         parts = [
             head,
             f"loss {self.loss:.4f}",
+            *([] if self.grad_norm is None else [f"grad_norm {self.grad_norm:.4g}"]),
             f"lr {self.lr:.2e}",
             f"{self.step_time_s:.3f} s/step",
             self.rate(),

@@ -112,7 +112,8 @@ def _power_sum(tensors: Sequence[Tensor], norm_type: float, device: torch.device
     total = torch.zeros((), dtype=torch.float64, device=device)
     by_device: dict[torch.device, list[Tensor]] = {}
     for t in tensors:
-        by_device.setdefault(t.device, []).extend(t.detach().reshape(-1).split(CHUNK))
+        pieces = (t,) if t.numel() <= CHUNK else t.detach().reshape(-1).split(CHUNK)
+        by_device.setdefault(t.device, []).extend(pieces)
     for chunks in by_device.values():
         norms = torch.stack(torch._foreach_norm(chunks, norm_type, dtype=torch.float64))
         part = norms.max() if math.isinf(norm_type) else norms.pow(norm_type).sum()
