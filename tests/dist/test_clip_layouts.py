@@ -27,7 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 import byo_models
-import layout_numerics as ln
+import ported_models as ln
 from _dist import run_distributed
 from meshrun.config import ParallelConfig, check_layout
 from meshrun.mesh import ParallelDims, build_mesh
