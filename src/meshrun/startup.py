@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import ipaddress
 import os
 import random
 import socket
@@ -98,13 +99,13 @@ def init_process_group(env: ClusterEnv, backend: str, device: torch.device, cfg:
         backend=backend,
         timeout=timeout,
         device_id=device if device.type == "cuda" else None,
-        store=_worker_store(timeout),
+        store=_worker_store(timeout, env.world_size > env.local_world_size),
         rank=int(os.environ["RANK"]),
         world_size=int(os.environ["WORLD_SIZE"]),
     )
 
 
-def _worker_store(timeout: timedelta) -> dist.TCPStore:
+def _worker_store(timeout: timedelta, spans_nodes: bool) -> dist.TCPStore:
     """The workers' store at MASTER_ADDR:MASTER_PORT. torch's env:// server listens on every
     interface; here rank 0 binds the socket itself, on MASTER_ADDR only, and hands it over."""
     addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
@@ -114,6 +115,10 @@ def _worker_store(timeout: timedelta) -> dist.TCPStore:
         return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
     family = socket.AF_INET6 if ":" in addr else socket.AF_INET
     try:
+        if spans_nodes and ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback:
+            # A hostname that /etc/hosts maps to 127.0.1.1: the other nodes could not connect.
+            raise OSError(0, f"it resolves to {socket.gethostbyname(addr)} here, which the "
+                          "other nodes cannot reach; give rank 0's address on their network")  # fmt: skip
         sock = socket.create_server((addr, port), family=family, backlog=1024)
     except OSError as err:
         raise RuntimeError(
