@@ -40,42 +40,54 @@ LAYOUTS: dict[str, tuple[int, dict[str, Any]]] = {
     "ZeRO-3": (2, {"zero": 3}),
     "HSDP 2 x 2": (4, {"zero": 3, "dp_replicate": 2, "dp_shard": 2}),
     "TP 2": (2, {"tp": 2}),
+    "TP 2 (feed-forward plan)": (2, {"tp": 2}),  # the transformer only: see OPTIONS
     "FSDP 2 x TP 2": (4, {"zero": 3, "tp": 2}),
     "PP 2": (2, {"pp": 2, "pp_microbatches": 2}),
     "PP 2 x DP 2": (4, {"pp": 2, "pp_microbatches": 2}),
     "AC + ZeRO-3": (2, {"zero": 3, "activation_checkpoint": 1}),
 }
+# torch's nn.MultiheadAttention is refused under TP (its q/k/v are one fused Parameter); the
+# refusal names this plan for the feed-forward: the row runs it, on that model only.
+FFN_PLAN = {"encoder.layers.*.linear1": "colwise", "encoder.layers.*.linear2": "rowwise"}
+OPTIONS = {"TP 2 (feed-forward plan)": {"transformer": {"tp_plan": FFN_PLAN}}}
 FLAG, LIMIT = 1e-6, 1e-4
 
 
-def run_models(rank: int, world: int, cases: list[tuple[str, Any]], ports: list[int]) -> Any:
+Case = tuple[str, Any, dict[str, Any]]  # model, Config, run.parallelize keywords
+
+
+def run_models(rank: int, world: int, cases: list[Case], ports: list[int]) -> Any:
     """One spawned rank: the models one after the other, each in its own ``meshrun.init``
     (a fresh process group on its own port: the previous run destroyed its own)."""
     out = []
-    for (model, cfg), port in zip(cases, ports, strict=True):
+    for (model, cfg, options), port in zip(cases, ports, strict=True):
         os.environ["MASTER_PORT"] = str(port)
-        out.append(ln.train(rank, world, model, cfg))
+        out.append(ln.train(rank, world, model, cfg, options))
     return out
 
 
-def launch(world: int, fields: dict[str, Any], models: list[str], steps: int) -> list[Any]:
+def launch(name: str, models: list[str], steps: int) -> list[Any]:
+    world, fields = LAYOUTS[name] if name else (1, {})
+    options = OPTIONS.get(name, {})
     d = tempfile.mkdtemp(prefix="meshrun-numerics-")
-    cases = [(m, ln.make_config(f"{d}/{m}", m, fields, world, steps)) for m in models]
+    cases = [(m, ln.make_config(f"{d}/{m}", m, fields, world, steps), options.get(m, {}))
+             for m in models]  # fmt: skip
     ports = [free_port() for _ in cases]
     return run_distributed(run_models, world, cases, ports, timeout=1800)[0]
 
 
-def launch_each(world: int, fields: dict[str, Any], steps: int) -> dict[str, Any]:
-    """All models in one spawn; if it fails, each alone, so a crash is named per model."""
+def launch_each(name: str, steps: int) -> dict[str, Any]:
+    """The layout's models in one spawn; if it fails, each alone, so a crash is named."""
+    models = list(OPTIONS.get(name, MODELS))
     try:
-        return dict(zip(MODELS, launch(world, fields, list(MODELS), steps), strict=True))
+        return dict(zip(models, launch(name, models, steps), strict=True))
     except BaseException as e:
         if isinstance(e, KeyboardInterrupt):
             raise
     out: dict[str, Any] = {}
-    for m in MODELS:
+    for m in models:
         try:
-            out[m] = launch(world, fields, [m], steps)[0]
+            out[m] = launch(name, [m], steps)[0]
         except BaseException as e:
             if isinstance(e, KeyboardInterrupt):
                 raise
@@ -107,7 +119,7 @@ def cell(got: dict[str, Any], ref: dict[str, Any], key: str) -> tuple[str, float
 def table(results: dict[str, dict[str, Any]], refs: dict[str, Any], key: str) -> list[str]:
     lines = ["| layout | ranks | " + " | ".join(MODELS) + " |", "|---|---|---|---|---|"]
     for name, per_model in results.items():
-        cells = [cell(per_model[m], refs[m], key)[0] for m in MODELS]
+        cells = [cell(per_model[m], refs[m], key)[0] if m in per_model else "-" for m in MODELS]
         lines.append(f"| {name} | {LAYOUTS[name][0]} | " + " | ".join(cells) + " |")
     return lines
 
@@ -123,18 +135,17 @@ def main() -> int:
     if unknown:
         ap.error(f"--layouts: unknown {unknown}; choose from {list(LAYOUTS)}")
     t0 = time.time()
-    refs = dict(zip(MODELS, launch(1, {}, list(MODELS), args.steps), strict=True))
+    refs = dict(zip(MODELS, launch("", list(MODELS), args.steps), strict=True))
     results = {}
     for name in names:
-        world, fields = LAYOUTS[name]
-        results[name] = launch_each(world, fields, args.steps)
+        results[name] = launch_each(name, args.steps)
         print(f"{name}: done at {time.time() - t0:.0f} s", file=sys.stderr, flush=True)
     print(f"Max relative difference of the logged loss to one process over {args.steps} steps")
     print("\n".join(table(results, refs, "losses")))
     print("\nThe same for the logged grad_norm (before clipping)")
     print("\n".join(table(results, refs, "grad_norms")))
-    refusals = {(n, m): per[m]["refused"] for n, per in results.items() for m in MODELS
-                if "refused" in per[m]}  # fmt: skip
+    refusals = {(n, m): got["refused"] for n, per in results.items() for m, got in per.items()
+                if "refused" in got}  # fmt: skip
     if refusals:
         print("\nThe refusals in full:")
         for (name, model), reason in refusals.items():
@@ -142,7 +153,7 @@ def main() -> int:
     if args.out:
         args.out.write_text(json.dumps({"refs": refs, "results": results}, indent=1))
     worst = max(
-        (cell(per[m], refs[m], k)[1] for per in results.values() for m in MODELS
+        (cell(got, refs[m], k)[1] for per in results.values() for m, got in per.items()
          for k in ("losses", "grad_norms")),
         default=0.0,
     )  # fmt: skip

@@ -146,18 +146,21 @@ def make_config(run_dir: str, model: str, parallel: dict[str, Any], world: int, 
     return cfg
 
 
-def train(rank: int, world_size: int, model: str, cfg: Any) -> dict[str, Any]:
+def train(
+    rank: int, world_size: int, model: str, cfg: Any, options: dict[str, Any] | None = None
+) -> dict[str, Any]:
     """One run of ``model`` under ``cfg`` (a spawned rank: see tests/_dist.py); rank 0 returns
-    the logged losses and gradient norms, or ``{"refused": reason}`` (every rank alike)."""
+    the logged losses and gradient norms, or ``{"refused": reason}`` (every rank alike).
+    ``options``: keywords for ``run.parallelize`` / ``run.pipeline`` (``tp_plan``, ...)."""
     import meshrun
 
     run = meshrun.init(cfg, argv=[])
     try:
         if cfg.parallel.pp > 1:
-            pipe = run.pipeline(build(model), lm_loss)
+            pipe = run.pipeline(build(model), lm_loss, **(options or {}))
             opt = run.optimizer(pipe, torch.optim.SGD, lr=LR)
         else:
-            net = run.parallelize(build(model))
+            net = run.parallelize(build(model), **(options or {}))
             opt = run.optimizer(net, torch.optim.SGD, lr=LR)
     except meshrun.ConfigError as e:
         run.close()
