@@ -300,11 +300,9 @@ class MetricsLogger:
             if self._tensorboard is not None:
                 self._tensorboard.add(step, row)
         # The console shows the latest *measured* loss (NaN marks steps that were not logged).
-        shown_loss = self._totals.last_loss
         status = Status(
-            *(step, self.total_steps, shown_loss, lr, step_time_s),
-            *(samples_per_s, tokens_per_s, self._eta(step)),
-            _float_or_none(extra.get("grad_norm")),
+            *(step, self.total_steps, self._totals.last_loss, lr, step_time_s),
+            *(samples_per_s, tokens_per_s, self._eta(step), _float_or_none(extra.get("grad_norm"))),
         )
         self._on_console("progress", lambda view: view.show(status, logged))
 
