@@ -79,15 +79,21 @@ def _local_grad(p: torch.Tensor) -> tuple[tuple[dist.ProcessGroup, ...], int, Te
     if spec is None:
         return (), 1, grad
     from torch.distributed.tensor import Partial, Replicate, Shard
-    from torch.distributed.tensor.placement_types import _StridedShard
 
+    shards: tuple[type, ...] = (Shard,)
+    try:  # FSDP2's shard of a TP shard; a private class (not a Shard subclass in torch 2.13)
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        shards = (Shard, _StridedShard)
+    except ImportError:
+        pass
     if is_dtensor(grad) and any(isinstance(pl, Partial) for pl in grad.placements):
         # Partial sums per rank: their squares do not add up. Reduce them (rare: a collective).
         full = [Replicate() if isinstance(pl, Partial) else pl for pl in grad.placements]
         grad = spec = grad.redistribute(grad.device_mesh, full)
     dims = []
     for i, pl in enumerate(spec.placements):
-        if isinstance(pl, (Shard, _StridedShard)):
+        if isinstance(pl, shards):
             dims.append(i)
         elif not isinstance(pl, Replicate):
             raise ValueError(
