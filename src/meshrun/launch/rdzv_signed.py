@@ -70,9 +70,11 @@ def listen_store(host: str, port: int, timeout_s: float) -> TCPStore:
         sock.close()
         raise
     bound = sock.getsockname()[1]
+    # multi_tenant: torch's static rendezvous, asking for a server on this port in this
+    # process, gets this one (bound where we asked) instead of failing on the port.
     store = TCPStore(
         host, bound, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach(),
-        timeout=timedelta(seconds=timeout_s),
+        timeout=timedelta(seconds=timeout_s), multi_tenant=True,
     )  # fmt: skip
     with _LOCK:
         _STORES[bound] = store
