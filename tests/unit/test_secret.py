@@ -246,3 +246,28 @@ def test_a_signed_error_stops_the_nodes_and_is_printed_without_escapes(store: An
     store.set(key, SECRET.seal(key, "node2 says \x1b[2Jno"))
     host.join(30)
     assert isinstance(out[0], HandshakeError) and str(out[0]) == "node2 says ?[2Jno"
+
+
+# --- the workers' store (rank 0 in meshrun.init) ---------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_rank_0_hosts_the_workers_store_on_master_addr_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from datetime import timedelta
+
+    from meshrun.launch.local import find_free_port
+    from meshrun.startup import _worker_store
+
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1"}.items():
+        monkeypatch.setenv(key, value)
+    monkeypatch.setenv("MASTER_PORT", str(find_free_port()))
+    monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
+    worker = _worker_store(timedelta(seconds=5), spans_nodes=False)
+    mine = [s for s in sockets.listeners(os.getpid()) if s.port == worker.port]
+    assert [s.address for s in mine] == ["127.0.0.1"], sockets.describe(set(mine))
+    # Across nodes, a MASTER_ADDR that resolves to loopback here is refused, named.
+    monkeypatch.setenv("MASTER_ADDR", "localhost")
+    with pytest.raises(RuntimeError, match=r"MASTER_ADDR=localhost .*resolves to 127\.0\.0\.1"):
+        _worker_store(timedelta(seconds=5), spans_nodes=True)
