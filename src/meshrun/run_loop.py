@@ -64,12 +64,6 @@ class LoopMethods(RunFields):
         micro-steps of a window: guard per-step work with ``run.is_step_end`` too."""
         return self.state.step
 
-    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
-        """Sum over the data-parallel ranks (e.g. eval loss sums and counts, once at the end)."""
-        if self.mesh is not None:
-            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh.get_group("dp"))
-        return value
-
     @property
     def is_step_end(self) -> bool:
         """True on the micro-step whose ``run.optimizer_step`` steps the optimizer (the last
@@ -77,6 +71,12 @@ class LoopMethods(RunFields):
         that call. ``if run.is_step_end and run.step % 100 == 0:`` runs once per 100 steps,
         where ``run.step % 100 == 0`` alone runs on every micro-step of the window."""
         return self.loop.is_step_end
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks (e.g. eval loss sums and counts, once at the end)."""
+        if self.mesh is not None:
+            dist.all_reduce(value, op=dist.ReduceOp.SUM, group=self.mesh.get_group("dp"))
+        return value
 
     # --- checkpoints (see checkpoint/) ----------------------------------------------------
 

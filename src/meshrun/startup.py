@@ -41,8 +41,8 @@ from meshrun.hostmem import set_mmap_threshold
 from meshrun.loop import StepLoop
 from meshrun.mesh import ParallelDims, build_mesh
 from meshrun.monitor import MetricsLogger
-from meshrun.state import TrainState
 from meshrun.runlock import claim_at_start
+from meshrun.state import TrainState
 
 __all__ = [
     "build_loop",
@@ -175,6 +175,8 @@ def start_process(
         set_mmap_threshold(cfg.job.cpu_mmap_threshold_kib)
     if env.distributed:
         init_process_group(env, backend, device, cfg)
+    # One job per run directory (runlock.py): before this process writes anything in it.
+    claim_at_start(cfg.resolved_run_dir(), env.rank, os.environ, device)
     mesh = build_mesh(dims, device.type) if dist.is_initialized() else None
     return device, backend, mesh
 
@@ -201,8 +203,6 @@ def build_metrics(cfg: Config, run_dir: Path, is_main: bool, world_size: int) ->
 
 
 def build_loop(
-    # One job per run directory (runlock.py): before this process writes anything in it.
-    claim_at_start(cfg.resolved_run_dir(), env.rank, os.environ, device)
     cfg: Config,
     accum: int,
     device: torch.device,
