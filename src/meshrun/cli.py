@@ -472,6 +472,6 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def reference_markdown() -> str:
     """docs/cli.md: every command's --help (a test keeps the file equal to this)."""
-    from meshrun.clidoc import markdown
+    from meshrun.cli_doc import markdown
 
     return markdown(build_parser)
