@@ -168,6 +168,8 @@ def cmd_launch(a: argparse.Namespace) -> int:
     for note in cli_torchrun.env_defaults(a, os.environ):  # PET_NPROC_PER_NODE=8 ...
         print(f"meshrun launch: {note}", file=sys.stderr)
     _check_target(target, module, a.no_python)
+    if a.secret_file:  # = MESHRUN_JOB_SECRET_FILE for every launcher below, checked now
+        _use_secret_file(a.secret_file)
     args = list(a.args)
     overrides, _ = split_overrides(args)
     cfg = load_config(a.config or default_config(module), [*a.set, *overrides])
@@ -203,6 +205,15 @@ def _check_target(target: str, module: str | None, no_python: bool | None) -> No
         return
     what = "program" if no_python else "script"
     raise ConfigError(f"{what} {target!r} does not exist")
+
+
+def _use_secret_file(path: str) -> None:
+    from meshrun.launch.secret import SecretError, use_secret_file
+
+    try:
+        use_secret_file(path, os.environ)
+    except SecretError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _maybe_from_slurm(cfg: Config, a: argparse.Namespace) -> None:
@@ -344,6 +355,12 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         action="append",
         metavar="KEY=VALUE",
         help="with --hostfile: an ssh -o option (repeatable); more ssh arguments: $MESHRUN_SSH",
+    )
+    p.add_argument(
+        "--secret-file",
+        metavar="PATH",
+        help="the job secret: a file only you can read (chmod 600), the same on every node; "
+        "as MESHRUN_JOB_SECRET_FILE (default: RUN_DIR/job.secret; docs/security.md)",
     )
     p.add_argument("--config", help="TOML config file")
     add_set(p)

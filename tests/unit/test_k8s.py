@@ -443,7 +443,8 @@ def test_cli_writes_both_files(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert main([*argv, "train.py", "--steps", "10"]) == 0
     captured = capsys.readouterr()
     assert "JobSet has no elastic scaling" in captured.err  # said aloud, not silently
-    assert sorted(p.name for p in out.iterdir()) == ["jobset.yaml", "pytorchjob.yaml"]
+    names = ["jobset.yaml", "llm-job-secret.yaml", "pytorchjob.yaml"]  # the secret's: see
+    assert sorted(p.name for p in out.iterdir()) == names  # tests/unit/test_k8s_secret.py
     pytorchjob = by_kind(list(yaml.safe_load_all((out / "pytorchjob.yaml").read_text())))
     check_pytorchjob(pytorchjob["PyTorchJob"])
     assert pytorchjob["ConfigMap"]["data"]["config.toml"] == CONFIG

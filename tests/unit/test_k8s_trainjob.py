@@ -154,7 +154,11 @@ def test_trainjob_passes_the_crd_schema_and_its_pod_the_kubernetes_schema() -> N
     trainer = spec["trainer"]
     assert (trainer["numNodes"], trainer["numProcPerNode"]) == (3, 8)  # int32 in v1alpha1
     assert trainer["resourcesPerNode"] == {"limits": {"nvidia.com/gpu": "8"}}
-    assert trainer["env"] == [{"name": "NCCL_DEBUG", "value": "INFO"}]
+    secret = {"secretKeyRef": {"name": "gpt-job-secret", "key": "secret"}}
+    assert trainer["env"] == [
+        {"name": "NCCL_DEBUG", "value": "INFO"},
+        {"name": "MESHRUN_JOB_SECRET", "valueFrom": secret},
+    ]
     command = trainer["command"]
     assert command[:2] == ["meshrun", "launch"]
     assert _flag(command, "--rdzv-backend") == "c10d"
@@ -174,7 +178,8 @@ def test_cpu_trainjob_without_config_or_env() -> None:
     check_trainjob_schema(job)
     check_pod(runtime_pod(job))
     trainer = job["spec"]["trainer"]
-    assert "resourcesPerNode" not in trainer and "env" not in trainer
+    assert "resourcesPerNode" not in trainer
+    assert [e["name"] for e in trainer["env"]] == ["MESHRUN_JOB_SECRET"]  # only the secret
     assert trainer["numProcPerNode"] == 2
     (patch,) = job["spec"]["runtimePatches"]
     pod = patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"][0]["template"]

@@ -48,6 +48,7 @@ from meshrun.launch.k8s import (
     header,
     render,
     write_manifests,
+    write_secret,
 )
 from meshrun.launch.k8s_job import DEFAULT_RUNTIME
 from meshrun.launch.slurm_submit import DEFAULT_SIGNAL_BEFORE_S, SubmitSpec, render_sbatch, submit
@@ -68,12 +69,32 @@ def cmd_k8s_render(a: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     if a.output:
-        for path in write_manifests(job, kinds, a.output):
+        paths = write_manifests(job, kinds, a.output)
+        _say_secret(job, a.output if not a.secret_name else None)
+        for path in paths:
             print(f"wrote {path}; apply with: kubectl apply -f {path}")
         return 0
     texts = [dump_documents(render(job, kind), header(job, kind)) for kind in kinds]
     sys.stdout.write("---\n".join(texts))
+    _say_secret(job, None)
     return 0
+
+
+def _say_secret(job: K8sJob, out_dir: str | None) -> None:
+    """The job secret's Secret: written next to the manifests (``--output`` without
+    ``--secret-name``), or said where it must come from; its key is never printed."""
+    if out_dir is not None:
+        path, new = write_secret(job, out_dir)
+        what = "wrote" if new else "kept (from an earlier render)"
+        print(f"{what} {path}, the job secret (mode 600); apply it first: kubectl apply -f {path}")
+        return
+    how = "" if job.secret_name else "; or render with --output DIR, which writes it"
+    print(
+        f"meshrun k8s render: every pod reads MESHRUN_JOB_SECRET from the Secret "
+        f"{job.job_secret!r} (key 'secret'), which must exist in namespace {job.namespace!r} "
+        f"before the job: docs/kubernetes.md says how to create it{how}",
+        file=sys.stderr,
+    )
 
 
 def job_from_args(a: argparse.Namespace) -> K8sJob:
@@ -108,6 +129,7 @@ def job_from_args(a: argparse.Namespace) -> K8sJob:
         port=a.port,
         config_text=config_text,
         runtime=a.runtime,
+        secret_name=a.secret_name or "",
     )
 
 
@@ -209,7 +231,16 @@ def _add_k8s_job_flags(r: argparse.ArgumentParser) -> None:
         help=f"TrainJob: the ClusterTrainingRuntime it runs on (default {DEFAULT_RUNTIME})",
     )
     r.add_argument(
-        "--output", metavar="DIR", help="directory for <kind>.yaml (default: print to stdout)"
+        "--output",
+        metavar="DIR",
+        help="directory for <kind>.yaml and the job secret's Secret (default: print the "
+        "manifests to stdout)",
+    )
+    r.add_argument(
+        "--secret-name",
+        metavar="NAME",
+        help="the Secret (key 'secret') the pods read MESHRUN_JOB_SECRET from, which you "
+        "create; default <name>-job-secret, written by --output",
     )
 
 

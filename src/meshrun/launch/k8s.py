@@ -25,6 +25,8 @@ checks and the pod pieces the kinds share are in launch/k8s_job.py. See docs/kub
 from __future__ import annotations
 
 import copy
+import os
+import secrets
 from pathlib import Path
 
 from meshrun.config import ConfigError
@@ -32,6 +34,7 @@ from meshrun.launch.k8s_job import (
     DEFAULT_RUNTIME,
     NODE_JOB,
     NODE_RANK_ENV,
+    SECRET_KEY,
     SHM_NOTE,
     Doc,
     K8sJob,
@@ -46,6 +49,7 @@ from meshrun.launch.k8s_job import (
     launch_command,
     metadata,
     parse_nodes,
+    secret_doc,
     volume_mounts,
     volumes,
 )
@@ -54,7 +58,7 @@ from meshrun.launch.yamlout import dump_documents
 
 # Importable from here as before; the job and its shared checks live in launch/k8s_job.py.
 __all__ = ["K8sJob", "check_config", "check_job", "header", "parse_nodes", "render"]
-__all__ += ["render_jobset", "render_pytorchjob", "write_manifests"]
+__all__ += ["render_jobset", "render_pytorchjob", "write_manifests", "write_secret"]
 
 KINDS = ("pytorchjob", "jobset", "trainjob")
 BOTH = ("pytorchjob", "jobset")  # --kind both: the two kinds of the training operator's era
@@ -215,8 +219,6 @@ def _pod_template(
         "ports": [{"name": port_name, "containerPort": job.port, "protocol": "TCP"}],
         "volumeMounts": volume_mounts(job),
     }
-    if not container["env"]:
-        del container["env"]
     if resources := gpu_resources(job):
         container["resources"] = resources
     return {
@@ -254,6 +256,10 @@ def header(job: K8sJob, kind: str) -> str:
         ]
     )
     lines.append(SHM_NOTE)
+    lines.append(
+        f"Every pod reads MESHRUN_JOB_SECRET from the Secret '{job.job_secret}' (key "
+        f"'{SECRET_KEY}'): create it before this job (docs/kubernetes.md)."
+    )
     if kind == "jobset" and low != high:
         lines.append(
             f"JobSet has no elastic scaling: it starts {high} pods; the torchrun agent accepts "
@@ -273,3 +279,23 @@ def write_manifests(job: K8sJob, kinds: tuple[str, ...], out_dir: str | Path) ->
         path.write_text(text)
         paths.append(path)
     return paths
+
+
+def write_secret(job: K8sJob, out_dir: str | Path) -> tuple[Path, bool]:
+    """``OUT/<secret name>.yaml``: the job's Secret with a fresh random key, mode 600 from the
+    start; and whether it was written now. An existing file is kept: rendering again must not
+    change the key under pods already running (a restarted pod would then be refused)."""
+    path = Path(out_dir) / f"{job.job_secret}.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path, False
+    note = (
+        f"meshrun k8s render: the job secret of '{job.name}', a random key every pod reads as "
+        f"MESHRUN_JOB_SECRET.\nApply it before the job; keep this file private (a render "
+        "again keeps it; delete it for a new key)."
+    )
+    with os.fdopen(fd, "w") as out:
+        out.write(dump_documents([secret_doc(job, secrets.token_hex(32))], note))
+    return path, True

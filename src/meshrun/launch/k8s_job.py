@@ -20,6 +20,7 @@ from meshrun.config import (
     split_overrides,
     validate_for_world,
 )
+from meshrun.launch.secret import SECRET_ENV
 
 Doc = dict[str, Any]
 
@@ -27,6 +28,7 @@ CONFIG_DIR = "/etc/meshrun"
 CONFIG_KEY = "config.toml"
 NODE_RANK_ENV = "MESHRUN_NODE_RANK"  # elastic PyTorchJob: the pod's replica index
 SHM_VOLUME = "dshm"
+SECRET_KEY = "secret"  # the key of the job's Kubernetes Secret that holds MESHRUN_JOB_SECRET
 CONFIG_VOLUME = "meshrun-config"
 # The replicated job of meshrun's JobSet, and of Trainer v2's torch-distributed runtime (which
 # names its container "node" too): pod i of both is <name>-node-0-<i>.
@@ -41,7 +43,9 @@ _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 _DNS1123 = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
 _ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
 _QUANTITY = re.compile(r"^([0-9]+(\.[0-9]+)?)(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?$")
+_DNS1123_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 MAX_LABEL = 63
+MAX_NAME = 253
 
 
 @dataclass
@@ -65,6 +69,7 @@ class K8sJob:
     config_text: str | None = None  # TOML shipped as a ConfigMap
     runtime: str = DEFAULT_RUNTIME  # TrainJob only: the ClusterTrainingRuntime it runs on
     nodes_flag: str = "--nodes"  # the spelling the user typed (--nodes or --nnodes), for errors
+    secret_name: str = ""  # the Kubernetes Secret with the job secret; "" = <name>-job-secret
 
     @property
     def node_range(self) -> tuple[int, int]:
@@ -78,6 +83,11 @@ class K8sJob:
     @property
     def procs(self) -> int:
         return self.nproc_per_node or max(self.gpus_per_node, 1)
+
+    @property
+    def job_secret(self) -> str:
+        """The name of the Secret every pod reads ``MESHRUN_JOB_SECRET`` from."""
+        return self.secret_name or f"{self.name}-job-secret"
 
 
 # --- validation ------------------------------------------------------------------------------
@@ -110,6 +120,11 @@ def check_common(job: K8sJob) -> None:
             f"--shm-size {job.shm_size!r} is not allowed: a Kubernetes quantity > 0, e.g. 16Gi"
         )
     for key in job.env:
+        if key == SECRET_ENV:  # it would sit in the manifest, readable by all who read that
+            raise ConfigError(
+                f"--env {key}: every pod reads it from the Kubernetes Secret "
+                f"{job.job_secret!r}; choose that Secret with --secret-name instead"
+            )
         if key == NODE_RANK_ENV:
             raise ConfigError(f"--env {key}: meshrun sets this variable itself; use another name")
         if not _ENV_NAME.match(key):
@@ -126,6 +141,11 @@ def _check_names(job: K8sJob) -> None:
         raise ConfigError(
             f"--name {job.name!r} is not allowed: lower-case letters, digits and '-', starting "
             "with a letter and not ending with '-' (a DNS-1035 label)"
+        )
+    if not _DNS1123_NAME.match(job.job_secret) or len(job.job_secret) > MAX_NAME:
+        raise ConfigError(
+            f"--secret-name {job.job_secret!r} is not allowed: lower-case letters, digits, '-' "
+            "and '.', at most 253 characters (a DNS-1123 subdomain)"
         )
     if not _DNS1123.match(job.namespace) or len(job.namespace) > MAX_LABEL:
         raise ConfigError(
@@ -229,7 +249,24 @@ def volume_mounts(job: K8sJob) -> list[Doc]:
 
 
 def env_list(job: K8sJob) -> list[Doc]:
-    return [{"name": k, "value": kubelet_literal(v)} for k, v in job.env.items()]
+    """``--env`` values, then the job secret from its Secret: the pod does not start without
+    it (the kubelet reports the missing Secret by name), so no pod runs with another."""
+    secret = {"secretKeyRef": {"name": job.job_secret, "key": SECRET_KEY}}
+    return [
+        *({"name": k, "value": kubelet_literal(v)} for k, v in job.env.items()),
+        {"name": SECRET_ENV, "valueFrom": secret},
+    ]
+
+
+def secret_doc(job: K8sJob, value: str) -> Doc:
+    """The job's Secret holding ``value`` (written to a file of mode 600, never printed)."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Secret",
+        "metadata": metadata(job, job.job_secret),
+        "type": "Opaque",
+        "stringData": {SECRET_KEY: value},
+    }
 
 
 def gpu_resources(job: K8sJob) -> Doc | None:

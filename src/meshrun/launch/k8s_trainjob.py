@@ -102,8 +102,6 @@ def render_trainjob(job: K8sJob) -> Doc:
         "numNodes": job.node_range[1],
         "numProcPerNode": job.procs,
     }
-    if not trainer["env"]:
-        del trainer["env"]
     if resources := gpu_resources(job):
         trainer["resourcesPerNode"] = resources
     return {

@@ -5,7 +5,8 @@ trusted only when it carries an HMAC made with it.
 Where it comes from, first match wins:
 
 1. ``MESHRUN_JOB_SECRET`` in the environment (a k8s Secret, ``srun``'s inherited env, CI);
-2. ``MESHRUN_JOB_SECRET_FILE``: a file holding it, readable by its owner only;
+2. ``MESHRUN_JOB_SECRET_FILE`` (or ``meshrun launch --secret-file``): a file holding it,
+   readable by its owner only;
 3. ``RUN_DIR/job.secret``: created (mode 0600, 32 random bytes as hex) by a one-node launch
    and by the node that hosts a multi-node rendezvous; the other nodes read it there, which
    is the default for nodes sharing the run directory (SLURM, a shared filesystem).
@@ -24,7 +25,7 @@ import re
 import secrets
 import stat
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -123,6 +124,27 @@ def resolve(
             f"{SECRET_ENV}, or {SECRET_FILE_ENV}=PATH of a file readable only by you"
         )
     return read_file(path, str(path))
+
+
+def use_secret_file(path: str, environ: MutableMapping[str, str]) -> JobSecret:
+    """``meshrun launch --secret-file PATH``: ``MESHRUN_JOB_SECRET_FILE=PATH`` for this launch
+    and everything it starts, the file checked now (before any process is spawned). A
+    different secret already in the environment is a conflict, not a silent choice."""
+    named = f"--secret-file {path}"
+    if environ.get(SECRET_ENV):
+        raise SecretError(
+            f"{named} and {SECRET_ENV} are both set: the job would have two secrets. Unset "
+            f"{SECRET_ENV} or drop --secret-file"
+        )
+    other = environ.get(SECRET_FILE_ENV)
+    if other and os.path.realpath(other) != os.path.realpath(path):
+        raise SecretError(
+            f"{named} and {SECRET_FILE_ENV}={other} name different files: unset "
+            f"{SECRET_FILE_ENV} or drop --secret-file"
+        )
+    secret = read_file(Path(path), named)
+    environ[SECRET_FILE_ENV] = os.path.abspath(path)
+    return secret
 
 
 def read_file(path: Path, named: str) -> JobSecret:
