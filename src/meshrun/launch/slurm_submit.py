@@ -253,6 +253,27 @@ mpirun -np {world} --map-by ppr:{nproc}:node --bind-to none \\
     {command}""",
 }
 
+# The job secret for every node's meshrun launch (docs/security.md): made in the batch step,
+# once per job (and per requeue), from the kernel's random bytes; never printed, never on a
+# command line (a shell assignment and `export` are builtins), and handed to every task in
+# srun's environment. Made here rather than before sbatch: SLURM may store the submitting
+# environment (AccountingStoreFlags=job_env), not what this script exports.
+_SECRET = """\
+# The job secret, one per job: every node's meshrun launch gets it in srun's environment
+# (docs/security.md). One exported before sbatch is kept. Never printed, even under set -x.
+case $- in *x*) MESHRUN_XTRACE=1; {{ set +x; }} 2>/dev/null ;; *) MESHRUN_XTRACE=0 ;; esac
+if [ -z "${{MESHRUN_JOB_SECRET:-}}" ] && [ -z "${{MESHRUN_JOB_SECRET_FILE:-}}" ]; then
+    MESHRUN_JOB_SECRET="$(od -An -vtx1 -N32 /dev/urandom | tr -d ' \\n')"
+    if [ "${{#MESHRUN_JOB_SECRET}}" -ne 64 ]; then
+        echo "meshrun: could not make the job secret from /dev/urandom" >&2
+        exit 1
+    fi
+    export MESHRUN_JOB_SECRET
+fi
+if [ "$MESHRUN_XTRACE" = 1 ]; then set -x; fi
+
+"""
+
 _CONFIG = """\
 # The resolved config (file, --set and the script's overrides) for every worker, as meshrun
 # launch writes it on the node; and OMP_NUM_THREADS as it sets it (CPUs per process).
@@ -306,7 +327,7 @@ def _start_lines(spec: SubmitSpec) -> str:
         command=shlex.join(command),
     )
     if not spec.direct:
-        return start
+        return _SECRET.format() + start
     if not spec.config_toml or not spec.config_path:
         raise SlurmError(f"--launcher {spec.launcher}: the spec has no resolved config to pass")
     if CONFIG_END in spec.config_toml.splitlines():  # it would end the here-document early
