@@ -78,6 +78,9 @@ def test_submitted_demo_runs_to_completion(cluster: slurm.Slurm, tmp_path: Path)
     assert "2 processes x 1 node" in out
     assert "step 4/4" in out, out
     assert (run_dir / "checkpoints" / "step_00000004").is_dir()
+    # The batch step's job secret reached the node's launch through srun's environment (it
+    # wins over RUN_DIR/job.secret, which the launch would otherwise have written).
+    assert not (run_dir / "job.secret").exists()
     batch_out = (run_dir / "slurm" / f"meshrun-run-{job}.out").read_text()
     assert f"job {job} finished with exit code 0" in batch_out
 
