@@ -15,7 +15,7 @@ import functools
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,10 +75,13 @@ class AsyncSaves:
         step: int,
         collect: Callable[[], tuple[dict[str, Any], dict[str, Any]]],
         layout_name: str,
+        digests: Callable[[], Mapping[str, int]] = dict,
     ) -> float | None:
         """Start writing the state ``collect()`` returns (its tensors cloned where they may
         change: :func:`clone_volatile`) into ``step``'s tmp dir; returns the seconds training
-        was blocked, None when the start failed (then :meth:`Commit.finish` has raised)."""
+        was blocked, None when the start failed (then :meth:`Commit.finish` has raised).
+        ``digests()``: the replicated objects' digests as of that ``collect()``, checked by
+        :meth:`Commit.prepare`."""
         import torch.distributed.checkpoint as dcp  # imported before the clock starts
         from torch.distributed.checkpoint.api import CheckpointException as DCPException
         from torch.distributed.checkpoint.state_dict_saver import AsyncSaveResponse
@@ -92,7 +95,7 @@ class AsyncSaves:
         t0 = time.perf_counter()
         tmp = layout.tmp_dir(self.commit.root, step)
         tensors, plain = collect()
-        self.commit.prepare(tmp)
+        self.commit.prepare(tmp, digests())
         pending = _Pending(step, tmp, plain, t0)
         try:
             self.commit.write_rank_file(tmp, plain)

@@ -14,6 +14,7 @@ import json
 import logging
 import shutil
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -21,10 +22,10 @@ import torch.distributed as dist
 
 from meshrun.checkpoint import layout
 from meshrun.checkpoint.checks import CheckpointError, space_text
-from meshrun.checkpoint.facts import RunFacts, any_rank, barrier
+from meshrun.checkpoint.facts import RunFacts, any_rank
 from meshrun.checkpoint.hf_files import HF_FILES
 from meshrun.checkpoint.state import capture_rng
-from meshrun.checkpoint.targets import PER_RANK, SAMPLER_AT_SAVE
+from meshrun.checkpoint.targets import PER_RANK, SAMPLER_AT_SAVE, agree_replicated
 from meshrun.config import CheckpointConfig
 
 if TYPE_CHECKING:  # the writer subclasses DCP's FileSystem: imported at the first save
@@ -48,12 +49,20 @@ class Commit:
         self.facts = facts
         self.root = facts.root
 
-    def prepare(self, tmp: Path) -> None:
-        """A fresh, empty ``tmp`` on every rank (one left by a save that was killed goes)."""
+    def prepare(self, tmp: Path, digests: Mapping[str, int] | None = None) -> None:
+        """A fresh, empty ``tmp`` on every rank (one left by a save that was killed goes).
+        ``digests``: the replicated objects' (``Targets.digests``), compared by the barrier
+        every rank waits in for ``tmp`` (one collective either way); when they differ every
+        rank raises the same :class:`CheckpointError` and ``tmp`` goes again."""
         if self.facts.rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
             tmp.mkdir(parents=True)
-        barrier()
+        try:
+            agree_replicated(digests or {}, self.facts.device)
+        except CheckpointError:
+            if self.facts.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
 
     def write_rank_file(self, tmp: Path, plain: dict[str, Any]) -> None:
         """This rank's RNG states and its per-rank objects (``plain[PER_RANK]``), as JSON."""

@@ -65,7 +65,7 @@ class Checkpointer:
         self.last_saved: int | None = None
         # The step whose save is due once the user's loop body of that step has run (flush).
         self._due: tuple[int, Callable[[], AbstractContextManager[None]]] | None = None
-        self.targets = Targets(state, facts.rank, facts.device)
+        self.targets = Targets(state, facts.rank)
         self.commit = Commit(cfg, facts)
         self.preemption = Preemption(cfg.on_signal)
         # Made now with checkpoint.async (its gloo group is created at start-up), else at the
@@ -192,7 +192,7 @@ class Checkpointer:
 
         t0 = time.perf_counter()
         tensors, plain = self.targets.collect()
-        self.commit.prepare(tmp)
+        self.commit.prepare(tmp, self.targets.digests)  # the replicated objects checked there
         error: BaseException | None = None
         mine: dict[str, Any] = {}
         try:
@@ -231,7 +231,7 @@ class Checkpointer:
             tensors, plain = self.targets.collect()
             return clone_volatile(tensors, *self.targets.resolve()), plain
 
-        blocked = self.saves.start(step, collect, self._layout())
+        blocked = self.saves.start(step, collect, self._layout(), lambda: self.targets.digests)
         if blocked is not None:
             self.metrics.log_event("checkpoint", after_step=step, blocked_s=blocked)
 

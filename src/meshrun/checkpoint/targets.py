@@ -6,10 +6,13 @@ pipeline stages, the optimizer ``run.optimizer_step`` steps, the loader position
 follows).
 
 Objects registered by name are replicated: one copy is saved and every rank gets it back, so a
-save first checks, with one all-gather of a digest per object, that every rank holds the same
-state, and names the objects that differ. Per-rank objects (``per_rank={name: obj}``: a hidden
-state carried over one rank's data, a ``StatefulDataLoader``) are saved by every rank into its
-own JSON file, tensors included (small state; nothing is pickled), and come back on the same rank.
+save checks that every rank holds the same state, and names the objects that differ: each rank
+hashes them here (``Targets.digests``) and :func:`agree_replicated`'s all-gather of the digests
+is the barrier the save runs anyway (``Commit.prepare``), so the check adds no collective (a
+node-local snapshot, restored by each rank from its own shard, needs none). Per-rank objects
+(``per_rank={name: obj}``: a hidden state carried over one rank's data, a ``StatefulDataLoader``)
+are saved by every rank into its own JSON file, tensors included (small state; nothing is
+pickled), and come back on the same rank.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 from meshrun.checkpoint.checks import CheckpointError
+from meshrun.checkpoint.facts import barrier
 from meshrun.checkpoint.hf_files import HF_FILES, hf_files
 from meshrun.checkpoint.pipeline import PipelineView, gather_optim_plain, maybe_pipeline_view
 from meshrun.checkpoint.state import encode_tensors, split_state, state_digest
@@ -31,7 +35,7 @@ from meshrun.checkpoint.zero1 import is_zero1, zero1_state_dict
 from meshrun.data.sampler import ResumableSampler
 from meshrun.state import TrainState
 
-__all__ = ["PER_RANK", "SAMPLER_AT_SAVE", "Stateful", "Targets"]
+__all__ = ["PER_RANK", "SAMPLER_AT_SAVE", "Stateful", "Targets", "agree_replicated"]
 
 log = logging.getLogger("meshrun")
 SAMPLER_AT_SAVE = "__sampler_at_save__"
@@ -46,15 +50,16 @@ class Stateful(Protocol):
 class Targets:
     """The model, optimizer, data position and user objects a checkpoint saves and restores."""
 
-    def __init__(self, state: TrainState, rank: int, device: torch.device | None = None) -> None:
+    def __init__(self, state: TrainState, rank: int) -> None:
         self.state = state
         self.rank = rank
-        self.device = torch.device("cpu") if device is None else device
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.sampler: ResumableSampler | None = None
         self.named: dict[str, Stateful] = {}  # replicated: one copy saved, checked at save
         self.per_rank: dict[str, Stateful] = {}  # saved and restored by each rank
+        # The replicated objects' digests as of the last collect(), for agree_replicated.
+        self.digests: dict[str, int] = {}
 
     def register(
         self,
@@ -119,7 +124,7 @@ class Targets:
         model, optimizer = self.resolve()
         self._warn_unregistered(optimizer)
         user = {name: obj.state_dict() for name, obj in self.named.items()}
-        self._check_replicated(user)
+        self.digests = {name: state_digest(user[name]) for name in sorted(user)}
         if is_zero1(optimizer):  # each rank gives the optimizer state it owns (zero1.py)
             ot, op = zero1_state_dict(model, optimizer)
             tensors, plain = split_state({"model": get_model_state_dict(model), "user": user})
@@ -148,33 +153,6 @@ class Targets:
         }
         return tensors, plain
 
-    def _check_replicated(self, user: Mapping[str, Any]) -> None:
-        """Every rank must hold the same state of a replicated object (one copy is saved and
-        every rank gets it back): one all-gather of a digest per object; the objects that
-        differ are named, and so are the ranks."""
-        if not user or not dist.is_initialized() or dist.get_world_size() == 1:
-            return
-        names = sorted(user)
-        device = self.device if self.device.type == "cuda" else torch.device("cpu")
-        mine = torch.tensor([state_digest(user[n]) for n in names], device=device)
-        every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
-        dist.all_gather(every, mine)
-        table = torch.stack(every).cpu()
-        differ = {
-            n: [r for r in range(len(every)) if table[r, i] != table[0, i]]
-            for i, n in enumerate(names)
-        }
-        bad = {n: ranks for n, ranks in differ.items() if ranks}
-        if bad:
-            what = "; ".join(
-                f"{n!r} differs between rank 0 and rank(s) {r}" for n, r in bad.items()
-            )
-            raise CheckpointError(
-                f"a replicated object is not the same on every rank ({what}): one copy would be "
-                "saved and every rank would resume with it; register per-rank state with "
-                "run.resume(..., per_rank={name: obj}) (see docs/checkpoint.md, Your own state)"
-            )
-
     def _warn_unregistered(self, optimizer: torch.optim.Optimizer) -> None:
         driven = hasattr(optimizer.step, "_wrapped_by_lr_sched")
         registered = [*self.state.schedulers, *self.named.values(), *self.per_rank.values()]
@@ -184,6 +162,34 @@ class Targets:
                 "an LR scheduler steps this optimizer but is not saved: create it with "
                 "run.lr_scheduler(optimizer) (or pass it to run.resume(..., sched=scheduler))"
             )
+
+
+def agree_replicated(digests: Mapping[str, int], device: torch.device) -> None:
+    """Every rank holds the same state of each replicated object (one copy is saved and every
+    rank gets it back), else a :class:`CheckpointError` on every rank naming the objects that
+    differ and the ranks. Collective, and a barrier: the save's own barrier is this all-gather
+    of the digests (``Targets.digests``, the same names on every rank), a plain barrier when
+    no object is registered."""
+    if not digests or not dist.is_initialized() or dist.get_world_size() == 1:
+        barrier()
+        return
+    names = sorted(digests)
+    device = device if device.type == "cuda" else torch.device("cpu")
+    mine = torch.tensor([digests[n] for n in names], device=device)
+    every = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(every, mine)
+    table = torch.stack(every).cpu()
+    differ = {
+        n: [r for r in range(len(every)) if table[r, i] != table[0, i]] for i, n in enumerate(names)
+    }
+    bad = {n: ranks for n, ranks in differ.items() if ranks}
+    if bad:
+        what = "; ".join(f"{n!r} differs between rank 0 and rank(s) {r}" for n, r in bad.items())
+        raise CheckpointError(
+            f"a replicated object is not the same on every rank ({what}): one copy would be "
+            "saved and every rank would resume with it; register per-rank state with "
+            "run.resume(..., per_rank={name: obj}) (see docs/checkpoint.md, Your own state)"
+        )
 
 
 def _stateful(where: str, obj: Any) -> Stateful:
