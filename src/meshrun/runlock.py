@@ -30,7 +30,6 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 from meshrun.config import ConfigError
 
@@ -39,6 +38,7 @@ __all__ = [
     "TOKEN_ENV",
     "Holder",
     "RunDirBusy",
+    "RunDirError",
     "check_run_dir",
     "claim_at_start",
     "hold_run_dir",
@@ -55,7 +55,11 @@ _READ_TRIES = 20  # a holder writes its record right after locking: a reader may
 Say = Callable[[str], None]
 
 
-class RunDirBusy(ConfigError):
+class RunDirError(ConfigError):
+    """The run directory is busy, not the same directory on every rank, or not writable."""
+
+
+class RunDirBusy(RunDirError):
     """Another job holds the run directory."""
 
 
@@ -274,7 +278,7 @@ def _worker_token(environ: Mapping[str, str]) -> str:
     return secrets.token_hex(8)
 
 
-def claim_at_start(run_dir: str | Path, rank: int, environ: Mapping[str, str], device: Any) -> None:
+def claim_at_start(run_dir: str | Path, rank: int, environ: Mapping[str, str]) -> None:
     """``meshrun.init()`` on every rank, once the process group exists: rank 0 takes the lock
     (:func:`rank0_lock`) and, without a meshrun launcher, tells the others whether it could,
     so that every rank of a refused job stops with the same message instead of waiting for
@@ -284,19 +288,22 @@ def claim_at_start(run_dir: str | Path, rank: int, environ: Mapping[str, str], d
         if rank == 0:
             rank0_lock(run_dir, environ)
         return
-    error: RunDirBusy | None = None
+    error: RunDirError | None = None
     if rank == 0:
         try:
             rank0_lock(run_dir, environ)
         except RunDirBusy as e:
             error = e
-    import torch
+        except OSError as e:  # e.g. a full disk: every rank must stop, not wait for rank 0
+            host = socket.gethostname()
+            error = RunDirError(f"job.run_dir {run_dir}: rank 0 on {host} cannot write in it: {e}")
     import torch.distributed as dist
 
     if dist.is_initialized() and dist.get_world_size() > 1:
-        flag = torch.tensor([error is not None], dtype=torch.int32, device=device)
-        dist.broadcast(flag, src=0)
-        if rank != 0 and flag.item():
-            raise _busy(Path(run_dir), read_holder(Path(run_dir) / LOCK_NAME))
+        # Rank 0's verdict (a str between the job's own processes, which passed its handshake).
+        said = [str(error) if error is not None else "", isinstance(error, RunDirBusy)]
+        dist.broadcast_object_list(said, src=0)
+        if rank != 0 and said[0]:
+            raise (RunDirBusy if said[1] else RunDirError)(str(said[0]))
     if error is not None:
         raise error

@@ -176,7 +176,7 @@ def start_process(
     if env.distributed:
         init_process_group(env, backend, device, cfg)
     # One job per run directory (runlock.py): before this process writes anything in it.
-    claim_at_start(cfg.resolved_run_dir(), env.rank, os.environ, device)
+    claim_at_start(cfg.resolved_run_dir(), env.rank, os.environ)
     mesh = build_mesh(dims, device.type) if dist.is_initialized() else None
     return device, backend, mesh
 

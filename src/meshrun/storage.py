@@ -29,17 +29,13 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from meshrun.config import ConfigError
+from meshrun.runlock import RunDirError as RunDirError  # raised here; defined with the lock
 
 MARKER_PREFIX = ".meshrun-shared-"
 # A rank that does not see the marker looks again for this long before it gives up: on NFS a
 # file closed on one client is visible to another's next lookup of a new name (close-to-open
 # consistency), but a slow server or an attribute cache should not fail a shared directory.
 LOOK_S = 2.0
-
-
-class RunDirError(ConfigError):
-    """The run directory is not the same directory on every rank, or not writable."""
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@ manifest and COMPLETE marker are re-hashed (every checksum matches). A run with
 ``checkpoint.resume`` naming it stops on every rank with the reason; a run with
 ``checkpoint.resume=auto`` skips it with a warning and starts at step 0; a run with
 ``checkpoint.init_from`` naming it stops. The marker never appears: nothing was unpickled
-outside the restricted reader (tests/unit/test_checkpoint_safety.py shows plain DCP runs it).
+outside the restricted reader (tests/unit/test_safe_metadata.py shows plain DCP runs it).
 """
 
 from __future__ import annotations

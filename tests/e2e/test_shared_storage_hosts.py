@@ -3,11 +3,14 @@ its own disk mounted at the same run-directory path (a mount namespace per host 
 host-local directory there), run the demo across both with `meshrun launch --nnodes 2`. Both
 stop in `meshrun.init`, before step 1 and before the corpus is prepared, with the error that
 names the directory each host sees and says to put it on shared storage. (Before: rank 1
-failed in the demo with `FileNotFoundError: .../corpus/stdlib-.../manifest.json`.)"""
+failed in the demo with `FileNotFoundError: .../corpus/stdlib-.../manifest.json`.) Both nodes
+get the job secret in MESHRUN_JOB_SECRET, as nodes without a shared directory must (without
+it the joining node would stop at the secret, tested in tests/e2e/test_trust_rendezvous.py)."""
 
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +32,7 @@ def test_two_hosts_with_their_own_run_dirs_stop_before_step_1(tmp_path: Path) ->
     for d in (run_dir, *local):
         d.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "100"}
+    env["MESHRUN_JOB_SECRET"] = secrets.token_hex(32)
     demo = ["-m", "meshrun.demo", "--steps", "2", "--size", "tiny", f"--job.run_dir={run_dir}"]
     with netns.hosts(2) as net:
         endpoint = f"{net.address(0)}:{PORT}"
