@@ -16,7 +16,8 @@ directory on both sides, so the saved config (which names it) is the same too.
 Layouts: DDP 2, ZeRO-1 2, ZeRO-3 2, PP 2, DDP 2 with async interval saves, a resume (a DDP 2
 run of 4 steps, then the same run directory continued to 8 steps from its checkpoint), and the
 rest of docs/parallel.md's table: TP 2, and on 4 processes DDP, ZeRO-1/2/3, HSDP, ZeRO-3 x TP 2,
-PP 2 x {ZeRO-3, DDP, ZeRO-1, TP 2}.
+PP 2 x {ZeRO-3, DDP, ZeRO-1, TP 2}; and the three example loops of examples/ on 2 processes
+(the Hugging Face one under ZeRO-3).
 """
 
 from __future__ import annotations
@@ -54,6 +55,11 @@ LAYOUTS: dict[str, list[tuple[int, list[str]]]] = {
     "pp2_ddp_4": [(STEPS, ["--nproc", "4", "--parallel.pp=2"])],
     "pp2_zero1_4": [(STEPS, ["--nproc", "4", "--parallel.pp=2", "--parallel.zero=1"])],
     "pp2_tp2_4": [(STEPS, ["--nproc", "4", "--parallel.pp=2", "--parallel.tp=2"])],
+    # The three complete example loops (examples/), as `meshrun launch --nproc-per-node 2` runs
+    # them, from the checkout given: the Hugging Face model under ZeRO-3, the others under DDP.
+    "example_hf_causal_lm": [(STEPS, ["--example", "hf_causal_lm.py", "--parallel.zero=3"])],
+    "example_nanogpt_style": [(STEPS, ["--example", "nanogpt_style.py"])],
+    "example_cnn_classifier": [(STEPS, ["--example", "cnn_classifier.py"])],
 }
 # The manifest and its marker hold a creation time; DCP's .metadata differs between two runs of
 # the same code (measured: the only file that did), so the tensors are compared loaded back.
@@ -65,10 +71,16 @@ def run_layout(name: str, src: Path, work: Path, timeout: float) -> dict[str, An
     shutil.rmtree(run_dir, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": str(src.resolve()), "OMP_NUM_THREADS": "1"}
     for steps, overrides in LAYOUTS[name]:
-        nproc = overrides[1] if overrides[:1] == ["--nproc"] else "2"
-        overrides = overrides[2:] if overrides[:1] == ["--nproc"] else overrides
-        cmd = [sys.executable, "-m", "meshrun", "demo", "--nproc", nproc, "--steps", str(steps)]
-        cmd += ["--run-dir", str(run_dir), *overrides, *COMMON]
+        if overrides[:1] == ["--example"]:  # the checkout's own example script
+            script = src.resolve().parent / "examples" / overrides[1]
+            cmd = [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2", str(script)]
+            cmd += [f"--optim.steps={steps}", f"--job.run_dir={run_dir}", *overrides[2:]]
+            cmd += ["--metrics.progress=false", "--checkpoint.interval=3"]  # final parameters
+        else:
+            nproc = overrides[1] if overrides[:1] == ["--nproc"] else "2"
+            overrides = overrides[2:] if overrides[:1] == ["--nproc"] else overrides
+            cmd = [sys.executable, "-m", "meshrun", "demo", "--nproc", nproc]
+            cmd += ["--steps", str(steps), "--run-dir", str(run_dir), *overrides, *COMMON]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
         if done.returncode != 0:
             raise SystemExit(f"{name}: {' '.join(cmd)} exited {done.returncode}\n{done.stderr}")
@@ -79,8 +91,8 @@ def _metrics(run_dir: Path) -> dict[str, Any]:
     steps, evals = [], []
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
-        if rec.get("event") == "eval":
-            evals.append([rec["at_step"], rec["val_loss"]])
+        if rec.get("event") == "eval":  # the demo's own record, or run.evaluate's
+            evals.append([rec.get("at_step", rec.get("step")), rec.get("val_loss", rec.get("loss"))])
         elif "loss" in rec and "step" in rec:
             steps.append([rec["step"], rec["loss"], rec.get("lr")])
     return {"steps": steps, "evals": evals}
