@@ -92,7 +92,9 @@ def _metrics(run_dir: Path) -> dict[str, Any]:
     for line in (run_dir / "metrics.jsonl").read_text().splitlines():
         rec = json.loads(line)
         if rec.get("event") == "eval":  # the demo's own record, or run.evaluate's
-            evals.append([rec.get("at_step", rec.get("step")), rec.get("val_loss", rec.get("loss"))])
+            evals.append(
+                [rec.get("at_step", rec.get("step")), rec.get("val_loss", rec.get("loss"))]
+            )
         elif "loss" in rec and "step" in rec:
             steps.append([rec["step"], rec["loss"], rec.get("lr")])
     return {"steps": steps, "evals": evals}
