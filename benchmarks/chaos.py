@@ -67,7 +67,7 @@ import torch.distributed.checkpoint as dcp
 
 import meshrun.demo
 from meshrun.checkpoint import layout
-from meshrun.checkpoint.export import tensor_table
+from meshrun.checkpoint.export.dcp import tensor_table
 from meshrun.launch.guard import descendants
 
 FAULTS = ("kill_step", "kill_save", "kill_resume", "kill_agent", "stop", "disk_full", "corrupt")

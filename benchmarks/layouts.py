@@ -35,8 +35,6 @@ from torch import Tensor, nn
 
 from meshrun.config import ParallelConfig, check_layout
 from meshrun.demo.model import GPT, demo_config
-from meshrun.hostmem import set_mmap_threshold
-from meshrun.mesh import ParallelDims, build_mesh
 from meshrun.parallel import (
     build_optimizer,
     parallelize,
@@ -45,6 +43,8 @@ from meshrun.parallel import (
     set_grad_sync,
 )
 from meshrun.parallel.report import state_bytes
+from meshrun.runtime.hostmem import set_mmap_threshold
+from meshrun.runtime.mesh import ParallelDims, build_mesh
 
 GLOBAL_BATCH = 8
 LAYOUTS: dict[int, dict[str, dict[str, Any]]] = {

@@ -37,9 +37,9 @@ from torch.utils.data import DataLoader
 import meshrun
 from meshrun.demo.corpus import build_demo_datasets
 from meshrun.demo.model import GPT, demo_config
-from meshrun.loop import to_device
 from meshrun.monitor import memory_stats
 from meshrun.parallel import set_grad_sync
+from meshrun.train.loop import to_device
 
 
 def timed(fn: Callable[[], Any], reps: int) -> float:

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 
 import meshrun
-import meshrun.loop
+import meshrun.train.loop
 from meshrun.demo.corpus import build_demo_datasets
 from meshrun.demo.model import GPT, demo_config
 from meshrun.monitor.metrics import MetricsLogger
@@ -34,14 +34,14 @@ Timings = dict[str, list[tuple[float, float]]]
 
 # (owner, attribute, label): what runs on every optimizer step besides the user's code.
 TIMED: list[tuple[Any, str, str]] = [
-    (meshrun.loop.StepLoop, "_record", "all metrics work (_record)"),
-    (meshrun.loop.StepLoop, "_global_mean_loss", "  loss all-reduce + .item()"),
-    (meshrun.loop, "memory_stats", "  memory_stats"),
+    (meshrun.train.loop.StepLoop, "_record", "all metrics work (_record)"),
+    (meshrun.train.loop.StepLoop, "_global_mean_loss", "  loss all-reduce + .item()"),
+    (meshrun.train.loop, "memory_stats", "  memory_stats"),
     (MetricsLogger, "log_step", "  MetricsLogger.log_step"),
     (MetricsLogger, "_write", "    jsonl row"),
     (MetricsLogger, "_on_console", "    console line (rich)"),
-    (meshrun.loop, "to_device", "to_device (per call, nested)"),
-    (meshrun.loop, "set_grad_sync", "set_grad_sync"),
+    (meshrun.train.loop, "to_device", "to_device (per call, nested)"),
+    (meshrun.train.loop, "set_grad_sync", "set_grad_sync"),
 ]
 
 

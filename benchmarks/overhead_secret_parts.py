@@ -20,7 +20,7 @@ from pathlib import Path
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
-from meshrun.launch.handshake import publish_attempt
+from meshrun.launch.multinode.handshake import publish_attempt
 from meshrun.launch.rdzv_signed import forget_store, listen_store, register
 from meshrun.launch.secret import SECRET_ENV, resolve
 

@@ -115,8 +115,8 @@ def _build(run: Any, name: str) -> tuple[Any, Any, Any]:
     import torch.distributed as dist
 
     from meshrun.demo.model import GPT, demo_config
-    from meshrun.mesh import ParallelDims, build_mesh
     from meshrun.parallel import parallelize
+    from meshrun.runtime.mesh import ParallelDims, build_mesh
 
     zero, tp = LAYOUTS[name]
     zero = _zero(name, run.world_size)
@@ -169,8 +169,8 @@ def _summary(times: list[float], states: tuple[int, int, int]) -> dict[str, floa
 def predict(name: str, nproc: int, calibration: str) -> dict[str, Any]:
     import torch
 
+    from meshrun.cli.plan import read_calibration
     from meshrun.demo.model import GPT, demo_config
-    from meshrun.plan.cli import read_calibration
     from meshrun.plan.cost import Cluster, Layout, Model, Training, evaluate
 
     cfg = demo_config("small")
@@ -269,7 +269,7 @@ def main() -> None:
     p.add_argument("--order", help=argparse.SUPPRESS)
     a, rest = p.parse_known_args()
     if a.worker:
-        from meshrun.entry import main as entry
+        from meshrun.train.entry import main as entry
 
         order = a.order.split(",")
         entry(worker)(a.out, a.cal, a.steps, a.skip, a.seconds, order, rest)

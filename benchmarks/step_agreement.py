@@ -70,7 +70,7 @@ def old_flags(device: Any) -> None:
 def bench_exchange(a: argparse.Namespace, device: Any) -> list[dict[str, float]]:
     import torch.distributed as dist
 
-    from meshrun.agreement import Slot, StepAgreement
+    from meshrun.runtime.agreement import Slot, StepAgreement
 
     agreement = StepAgreement(device)
     agreement.provide(Slot.PREEMPT, lambda: False)

@@ -70,10 +70,10 @@ def adamw(params: Iterator[nn.Parameter] | list[nn.Parameter]) -> torch.optim.Ad
 
 def setup_meshrun(model: nn.Module, zero: int) -> Trainer:
     from meshrun.config import JobConfig, ParallelConfig
-    from meshrun.hostmem import set_mmap_threshold
-    from meshrun.mesh import ParallelDims, build_mesh
     from meshrun.parallel import build_optimizer, parallelize
     from meshrun.parallel.grads import clip_grad_norm_
+    from meshrun.runtime.hostmem import set_mmap_threshold
+    from meshrun.runtime.mesh import ParallelDims, build_mesh
 
     set_mmap_threshold(JobConfig().cpu_mmap_threshold_kib)  # meshrun.init()'s default on CPU
     cfg = ParallelConfig(zero=zero)

@@ -27,20 +27,20 @@ __version__ = "0.1.0"
 _LAZY = {
     "ResumableSampler": "meshrun.data",
     "build_dataloader": "meshrun.data",
-    "main": "meshrun.entry",
-    "ParallelDims": "meshrun.mesh",
-    "Run": "meshrun.runtime",
-    "init": "meshrun.runtime",
-    "lr_factor": "meshrun.schedule",
-    "scale_lr": "meshrun.schedule",
+    "main": "meshrun.train.entry",
+    "ParallelDims": "meshrun.runtime.mesh",
+    "Run": "meshrun.train.run",
+    "init": "meshrun.train.run",
+    "lr_factor": "meshrun.runtime.schedule",
+    "scale_lr": "meshrun.runtime.schedule",
 }
 
 if TYPE_CHECKING:
     from meshrun.data import ResumableSampler, build_dataloader
-    from meshrun.entry import main
-    from meshrun.mesh import ParallelDims
-    from meshrun.runtime import Run, init
-    from meshrun.schedule import lr_factor, scale_lr
+    from meshrun.runtime.mesh import ParallelDims
+    from meshrun.runtime.schedule import lr_factor, scale_lr
+    from meshrun.train.entry import main
+    from meshrun.train.run import Run, init
 
 
 __getattr__ = lazy_exports(globals(), _LAZY)

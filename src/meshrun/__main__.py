@@ -3,7 +3,7 @@
 import gc
 import sys
 
-from meshrun.cli import main
+from meshrun.cli.main import main
 
 code = main()
 # With torch loaded, the interpreter's final garbage collection takes 4 s on a loaded 2-core

@@ -24,7 +24,7 @@ from torch.distributed.tensor import DTensor
 import byo_models
 from _dist import run_distributed
 from meshrun.config import ParallelConfig
-from meshrun.mesh import ParallelDims, build_mesh
+from meshrun.runtime.mesh import ParallelDims, build_mesh
 from meshrun.parallel import parallelize
 
 STEPS = 4
@@ -118,7 +118,7 @@ def no_block_warnings(zero: int) -> list[str]:
     finally:
         log.removeHandler(handler)
     warnings = [r for r in handler.records if r.levelno == logging.WARNING]
-    # Every rank reaches the same warning: none is marked as its own (logs.py: rank 0 prints).
+    # Every rank reaches the same warning: none is marked as its own (runtime/logs.py: rank 0 prints).
     assert not any(getattr(r, "per_rank", False) for r in warnings)
     return [r.getMessage() for r in warnings]
 

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_distributed
-from meshrun.agreement import Slot, StepAgreement
+from meshrun.runtime.agreement import Slot, StepAgreement
 
 LOSSES = {0: [1.25, 0.1, 3.0, 2.0], 1: [0.75, 0.2, 1.0, float("nan")]}
 GRAD_SQ = {0: 9.0, 1: 16.0}  # each rank's share of the squared norm: the whole norm is 5

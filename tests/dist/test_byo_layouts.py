@@ -28,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import byo_models
 from _dist import run_distributed
 from meshrun.config import ConfigError, ParallelConfig, check_layout
-from meshrun.mesh import ParallelDims, build_mesh
+from meshrun.runtime.mesh import ParallelDims, build_mesh
 from meshrun.parallel import build_optimizer, clip_grad_norm_, parallelize
 
 GLOBAL_BATCH = 8

@@ -27,7 +27,7 @@ from torch.distributed.tensor import DTensor
 from _dist import run_distributed
 from byo_models import SEQ, VOCAB, NanoGPT, logits_of, tiny_gpt2, tiny_llama, tiny_qwen2
 from meshrun.config import ParallelConfig, check_layout
-from meshrun.mesh import ParallelDims, build_mesh
+from meshrun.runtime.mesh import ParallelDims, build_mesh
 from meshrun.parallel import clip_grad_norm_, parallelize_pipeline, pipeline_eval, pipeline_step
 
 STEPS = 5

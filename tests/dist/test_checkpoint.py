@@ -26,7 +26,7 @@ import meshrun
 from _dist import run_distributed
 from meshrun.checkpoint import CheckpointError, layout
 from meshrun.checkpoint.checks import pick
-from meshrun.cli import main as cli_main
+from meshrun.cli.main import main as cli_main
 
 GLOBAL_BATCH = 16
 MICRO = 2

@@ -11,7 +11,7 @@ import torch.distributed.checkpoint as dcp
 
 from meshrun.checkpoint import layout
 from meshrun.checkpoint.writer import hashing_writer
-from meshrun.cli import main as cli_main
+from meshrun.cli.main import main as cli_main
 
 
 def test_digests_made_while_writing_equal_a_reread_and_verify(tmp_path: Path) -> None:

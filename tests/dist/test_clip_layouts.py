@@ -32,7 +32,7 @@ import byo_models
 import ported_models as ln
 from _dist import run_distributed
 from meshrun.config import ParallelConfig, check_layout
-from meshrun.mesh import ParallelDims, build_mesh
+from meshrun.runtime.mesh import ParallelDims, build_mesh
 from meshrun.parallel import parallelize
 from meshrun.parallel.grads import grad_norm, grad_sq_share
 

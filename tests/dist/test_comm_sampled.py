@@ -25,8 +25,8 @@ from test_layouts_pp import lm_loss
 
 from _dist import run_distributed
 from meshrun.config import MonitorConfig, ParallelConfig, check_layout
-from meshrun.loop import StepLoop
-from meshrun.mesh import ParallelDims, build_mesh
+from meshrun.train.loop import StepLoop
+from meshrun.runtime.mesh import ParallelDims, build_mesh
 from meshrun.monitor import MetricsLogger
 from meshrun.parallel import parallelize, parallelize_pipeline, pipeline_step
 

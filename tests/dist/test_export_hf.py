@@ -26,7 +26,7 @@ import byo_models
 import meshrun
 from _dist import run_distributed
 from meshrun.checkpoint import layout
-from meshrun.cli import main as cli_main
+from meshrun.cli.main import main as cli_main
 
 STEPS = 2
 LAYOUTS: dict[str, dict[str, Any]] = {

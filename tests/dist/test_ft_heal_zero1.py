@@ -20,7 +20,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from _dist import run_distributed
 from meshrun.ft.heal import StateCodec
-from meshrun.state import TrainState
+from meshrun.runtime.state import TrainState
 
 
 def _zero1() -> tuple[nn.Module, ZeroRedundancyOptimizer]:

@@ -30,7 +30,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from _dist import run_distributed
 from meshrun.config import ParallelConfig, check_layout
 from meshrun.demo.model import GPT, demo_config
-from meshrun.mesh import ParallelDims, build_mesh
+from meshrun.runtime.mesh import ParallelDims, build_mesh
 from meshrun.parallel import (
     build_optimizer,
     clip_grad_norm_,

@@ -35,7 +35,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import run_distributed
 from meshrun.config import ParallelConfig, check_layout
-from meshrun.mesh import ParallelDims, build_mesh
+from meshrun.runtime.mesh import ParallelDims, build_mesh
 from meshrun.parallel import (
     build_grad_scaler,
     build_optimizer,

@@ -42,7 +42,7 @@ from torch.utils.data import Dataset
 import meshrun
 from _dist import run_distributed
 from meshrun.config import ParallelConfig, check_layout
-from meshrun.mesh import ParallelDims, build_mesh
+from meshrun.runtime.mesh import ParallelDims, build_mesh
 from meshrun.parallel import build_grad_scaler, build_optimizer, clip_grad_norm_, parallelize
 
 FP16_RTOL, FP16_PARAM_ATOL = 5e-4, 2e-3

@@ -40,7 +40,7 @@ from _dist import run_distributed
 from meshrun.checkpoint.init_from import load_initial_weights
 from meshrun.config import ParallelConfig, check_layout
 from meshrun.hf import load_pretrained
-from meshrun.mesh import ParallelDims, build_mesh
+from meshrun.runtime.mesh import ParallelDims, build_mesh
 from meshrun.parallel import parallelize, parallelize_pipeline, pipeline_eval
 
 BATCH = 4

@@ -22,7 +22,7 @@ import byo_models
 from _dist import run_distributed
 from meshrun.config import ParallelConfig, check_layout
 from meshrun.hf import load_pretrained
-from meshrun.mesh import ParallelDims, build_mesh
+from meshrun.runtime.mesh import ParallelDims, build_mesh
 from meshrun.parallel import parallelize
 
 VOCAB = 257

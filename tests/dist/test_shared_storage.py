@@ -19,11 +19,11 @@ pytestmark = pytest.mark.slow
 
 def start(rank: int, world: int, root: str, per_rank: bool, full_on_rank0: bool = False) -> str:
     import meshrun
-    from meshrun.storage import RunDirError
+    from meshrun.runtime.storage import RunDirError
 
     if full_on_rank0 and rank == 0:  # any write fails with EFBIG, as on a full disk
         # Imports first (torch probes the temp dir with a write), and the temp dir is cached.
-        import meshrun.runtime
+        import meshrun.train.run
 
         tempfile.gettempdir()
         signal.signal(signal.SIGXFSZ, signal.SIG_IGN)

@@ -28,7 +28,7 @@ from torch.distributed.tensor import DTensor
 import byo_models
 from _dist import run_distributed
 from meshrun.config import ConfigError, ParallelConfig, check_layout
-from meshrun.mesh import ParallelDims, build_mesh
+from meshrun.runtime.mesh import ParallelDims, build_mesh
 from meshrun.parallel import build_optimizer, parallelize
 
 GLOBAL_BATCH = 8

@@ -93,7 +93,7 @@ def test_a_hugging_face_config_directory_as_a_user_runs_it(tmp_path: Path) -> No
 
 
 def test_plan_without_a_model_imports_neither_torch_nor_transformers(tmp_path: Path) -> None:
-    code = ("import sys\nfrom meshrun.cli import main\n"
+    code = ("import sys\nfrom meshrun.cli.main import main\n"
             "assert main(['plan', '--params', '7e9', '--top', '1']) == 0\n"
             "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")  # fmt: skip
     proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,

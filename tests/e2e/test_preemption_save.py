@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.cli import main
+from meshrun.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
 

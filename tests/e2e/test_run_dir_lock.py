@@ -1,4 +1,4 @@
-"""One job per run directory, through real launches (meshrun/runlock.py).
+"""One job per run directory, through real launches (meshrun/runtime/runlock.py).
 
 A first ``meshrun launch`` trains 2 Gloo workers and pauses after step 3 (it has written its
 config, metrics and a checkpoint) until the test says go. While it waits, a second

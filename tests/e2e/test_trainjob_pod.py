@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.launch.k8s import K8sJob
-from meshrun.launch.k8s_trainjob import render_trainjob
+from meshrun.launch.k8s.render import K8sJob
+from meshrun.launch.k8s.trainjob import render_trainjob
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from meshrun.agreement import Slot, StepAgreement
+from meshrun.runtime.agreement import Slot, StepAgreement
 
 
 def test_flags_and_loss_in_one_exchange() -> None:

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from meshrun.cli import SUBCOMMANDS, build_parser
+from meshrun.cli.main import SUBCOMMANDS, build_parser
 
 
 def _commands(parser: argparse.ArgumentParser) -> list[str]:
@@ -50,10 +50,10 @@ def test_errors_and_usage_are_the_same(capsys: pytest.CaptureFixture[str]) -> No
 
 def test_launch_does_not_import_the_other_commands() -> None:
     code = (
-        "import sys, meshrun.cli; meshrun.cli.build_parser('launch');"
+        "import sys, meshrun.cli.main; meshrun.cli.main.build_parser('launch');"
         "print(sorted(m for m in sys.modules if m.split('.')[1:2] in"
         " (['plan'], ['diagnose'], ['data'], ['ft']) or m in"
-        " ('meshrun.monitor.report', 'meshrun.checkpoint.cli', 'rich')))"
+        " ('meshrun.report.summary', 'meshrun.cli.ckpt', 'rich')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

@@ -62,7 +62,7 @@ def _target(command: list[str], tmp_path: Path) -> list[str]:
 
 
 def test_safe_text_strips_terminal_escapes_from_foreign_text() -> None:
-    from meshrun.cliout import safe_text
+    from meshrun.cli.out import safe_text
 
     raw = "ok\x1b]52;c;ZXZpbA==\x07\x1b[2J\rfake\x9b\nnext\tcol\x00"
     assert safe_text(raw) == "ok?]52;c;ZXZpbA==??[2J?fake?\nnext\tcol?"

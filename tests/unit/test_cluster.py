@@ -6,7 +6,7 @@ import zlib
 
 import pytest
 
-from meshrun.cluster import ClusterError, derived_port, detect, expand_hostlist, slurm_port
+from meshrun.runtime.cluster import ClusterError, derived_port, detect, expand_hostlist, slurm_port
 
 pytestmark = pytest.mark.timeout(10)
 

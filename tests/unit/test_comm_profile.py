@@ -111,7 +111,7 @@ def test_report_renders_when_only_sampled_steps_carry_comm(tmp_path: Path) -> No
     pytest.importorskip("matplotlib")
     from test_report import T0, start, step_row, write_run
 
-    from meshrun.cli import main as cli_main
+    from meshrun.cli.main import main as cli_main
 
     records = [start(T0)]
     for step in range(1, 9):

@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 
 import meshrun
-from meshrun.cli import _fit_micro_batch, _prepare, main
-from meshrun.cliargs import DEMO_CONFIG
+from meshrun.cli.main import _fit_micro_batch, _prepare, main
 from meshrun.config import (
     Config,
     ConfigError,
@@ -27,6 +26,7 @@ from meshrun.config import (
     validate,
     validate_for_world,
 )
+from meshrun.launch.target import DEMO_CONFIG
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -205,7 +205,7 @@ def test_a_hostfile_launch_checks_its_flags_here_before_any_ssh(
 def test_launch_flags_are_launch_keys_in_the_resolved_config() -> None:
     import argparse
 
-    from meshrun.cli import apply_launch_flags, launch_flag_overrides
+    from meshrun.cli.main import apply_launch_flags, launch_flag_overrides
 
     a = argparse.Namespace(nproc_per_node=3, nnodes="2", rdzv_endpoint="10.0.0.1:29500",
                            node_rank=1, join_timeout=60.0, max_restarts=None)  # fmt: skip
@@ -389,7 +389,7 @@ def test_an_unset_global_batch_is_the_resumed_checkpoints(
 
 @pytest.mark.timeout(180)  # imports torch: slow on a loaded machine
 def test_init_without_a_launcher_takes_the_resumed_batch_too(tmp_path: Path) -> None:
-    from meshrun.startup import resolve_batch as _resolve_batch
+    from meshrun.train.startup import resolve_batch as _resolve_batch
 
     cfg = load_config(None, [("job.run_dir", str(tmp_path))])
     assert _resolve_batch(cfg, 2) == "micro_batch x dp"  # nothing to resume: derived

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from meshrun.cli import main
+from meshrun.cli.main import main
 from meshrun.data.prepare import list_inputs, prepare
 from meshrun.data.shards import load_manifest, verify_dataset
 from meshrun.data.tokenizers import ByteTokenizer, get_tokenizer

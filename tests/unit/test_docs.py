@@ -3,7 +3,7 @@ must exist in the Makefile."""
 
 from pathlib import Path
 
-from meshrun.cli import reference_markdown as cli_reference
+from meshrun.cli.main import reference_markdown as cli_reference
 from meshrun.config import reference_markdown as config_reference
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.cli import build_parser
-from meshrun.cli import main as cli_main
+from meshrun.cli.diagnose import use_doctor_worker
+from meshrun.cli.main import build_parser
+from meshrun.cli.main import main as cli_main
 from meshrun.diagnose import doctor_checks as dc
-from meshrun.diagnose.cli import use_doctor_worker
 from meshrun.diagnose.doctor import WORKER_MODULE, exit_code, render
 from meshrun.diagnose.doctor_checks import Check
 from meshrun.diagnose.doctor_worker import merge

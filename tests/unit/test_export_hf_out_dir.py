@@ -12,7 +12,7 @@ from test_export_safetensors import commit_checkpoint
 
 import byo_models
 from meshrun.checkpoint.hf_files import hf_files
-from meshrun.cli import main as cli_main
+from meshrun.cli.main import main as cli_main
 
 TOKENIZER = {"tokenizer.json": "{}", "tokenizer_config.json": "{}", "README.md": "mine"}
 

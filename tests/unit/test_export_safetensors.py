@@ -28,9 +28,9 @@ from torch import nn
 
 import byo_models
 from meshrun.checkpoint import layout
-from meshrun.checkpoint.export_hf import parse_size
+from meshrun.checkpoint.export.hf import parse_size
 from meshrun.checkpoint.hf_files import hf_files
-from meshrun.cli import main as cli_main
+from meshrun.cli.main import main as cli_main
 
 
 def commit_checkpoint(root: Path, sd: dict[str, torch.Tensor], files: dict[str, str]) -> Path:

@@ -248,7 +248,7 @@ def _ask(server: Any, g: int, seen: dict[Any, Any]) -> None:
 
 
 def test_servers_bind_loopback_for_one_node_and_the_route_toward_the_lighthouse_else() -> None:
-    from meshrun.launch.netif import list_interfaces
+    from meshrun.launch.multinode.netif import list_interfaces
 
     assert bind_host("127.0.0.1:29510") == bind_host("localhost:29510") == "127.0.0.1"
     others = [i.address for i in list_interfaces() if not i.is_loopback]

@@ -9,7 +9,7 @@ from torch import nn
 
 from meshrun.checkpoint.targets import Targets
 from meshrun.ft.heal import StateCodec
-from meshrun.state import TrainState
+from meshrun.runtime.state import TrainState
 
 
 def _trained() -> tuple[TrainState, torch.optim.Optimizer]:

@@ -16,12 +16,12 @@ from typing import Any
 import pytest
 import yaml
 
-from meshrun.cli import main
-from meshrun.launch.hostfile import HostfileError, parse_hostfile_text
-from meshrun.launch.k8s import KINDS, K8sJob, render
-from meshrun.launch.slurm import SlurmError
-from meshrun.launch.slurm_submit import SubmitSpec, render_sbatch
-from meshrun.launch.yamlout import dump_documents
+from meshrun.cli.main import main
+from meshrun.launch.hostfile.hosts import HostfileError, parse_hostfile_text
+from meshrun.launch.k8s.render import KINDS, K8sJob, render
+from meshrun.launch.k8s.yamlout import dump_documents
+from meshrun.launch.slurm.job import SlurmError
+from meshrun.launch.slurm.submit import SubmitSpec, render_sbatch
 
 NASTY = [
     "$(touch PWNED)",

@@ -62,7 +62,7 @@ def test_clip_scales_by_one_float64_coefficient_and_leaves_small_gradients_alone
 def test_a_tied_copy_counts_once_also_through_an_alias() -> None:
     first, second = _param(torch.tensor([3.0])), _param(torch.tensor([3.0]))
     other = _param(torch.tensor([4.0]))
-    second.meshrun_tied_replica = True  # type: ignore[attr-defined]  # parallel/pp_tied.py
+    second.meshrun_tied_replica = True  # type: ignore[attr-defined]  # parallel/pp/tied.py
     assert grad_norm([first, second, other]) == 5.0
     alias = _param(torch.tensor([3.0]))  # a pipeline under ZeRO-1 steps plain aliases
     alias.meshrun_view_of = second  # type: ignore[attr-defined]

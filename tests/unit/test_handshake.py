@@ -13,7 +13,8 @@ from typing import Any
 import pytest
 from torch.distributed import TCPStore
 
-from meshrun.launch.handshake import (
+from meshrun.launch.local import find_free_port
+from meshrun.launch.multinode.handshake import (
     Handshake,
     HandshakeError,
     JoinTarget,
@@ -23,7 +24,6 @@ from meshrun.launch.handshake import (
     missing_ranks,
     waiting_message,
 )
-from meshrun.launch.local import find_free_port
 from meshrun.launch.secret import JobSecret
 
 SECRET = JobSecret(b"0123456789abcdef0123456789abcdef", "test")

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.cli import build_parser
+from meshrun.cli.launch import plan_from_args
+from meshrun.cli.main import build_parser
 from meshrun.config import Config, load_config
-from meshrun.launch.cli import plan_from_args
-from meshrun.launch.hostfile import (
+from meshrun.launch.hostfile.hosts import (
     GUARD_MODULE,
     READ_SECRET,
     HostEntry,
@@ -222,7 +222,7 @@ def test_conflicts_fail_before_any_ssh(
 def test_ssh_opt_without_a_hostfile_is_an_error(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from meshrun.cli import main
+    from meshrun.cli.main import main
 
     script = tmp_path / "train.py"
     script.write_text("")

@@ -1,4 +1,4 @@
-"""job.cpu_mmap_threshold_kib: freed host tensors leave the resident set (meshrun/hostmem.py)."""
+"""job.cpu_mmap_threshold_kib: freed host tensors leave the resident set (meshrun/runtime/hostmem.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ import sys
 
 import pytest
 
-from meshrun.hostmem import set_mmap_threshold
+from meshrun.runtime.hostmem import set_mmap_threshold
 
 # Allocate, free, allocate and free a 24 MiB tensor; print the resident MiB that stay after.
 PROBE = """
 import sys, torch
-from meshrun.hostmem import set_mmap_threshold
+from meshrun.runtime.hostmem import set_mmap_threshold
 def rss_mib():
     return int(open('/proc/self/status').read().split('VmRSS:')[1].split()[0]) / 1024
 set_mmap_threshold(int(sys.argv[1]))

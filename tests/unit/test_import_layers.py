@@ -1,10 +1,13 @@
 """docs/architecture.md's import contract, checked on the source: every module sits in one layer
-of the doc's table, imports only from its own layer or those below it, and no circle joins
-modules or subsystems (top-level packages and modules). Lazy imports inside functions count
-too (they close a circle as surely, only later); ``if TYPE_CHECKING:`` blocks never run.
+of the doc's table (a folder per layer), imports only from its own layer or those below it,
+imports another package of its own layer only where the doc's allowed list says so, and no
+circle joins modules or subsystems (top-level packages and modules). Lazy imports inside
+functions count too (they close a circle as surely, only later); ``if TYPE_CHECKING:`` imports
+never run, but a circle through them is still a circle of meaning, so they count for circles.
+The pure layers the doc names import no ``torch.distributed`` and start no process group.
 
-The checker takes a source root, so a test can plant an upward import in a copy of the tree
-and see it fail."""
+The checker takes a source root, so a test can plant a breach in a copy of the tree and see
+it fail."""
 
 from __future__ import annotations
 
@@ -37,20 +40,21 @@ def _is_type_checking(node: ast.If) -> bool:
     )
 
 
-def _imports(tree: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
-    """Every import statement that can run, at any depth; ``if TYPE_CHECKING:`` bodies never do."""
+def _imports(tree: ast.AST, typing: bool = False) -> Iterator[ast.Import | ast.ImportFrom]:
+    """Every import statement that can run, at any depth; ``if TYPE_CHECKING:`` bodies never do
+    (``typing=True`` adds them)."""
     for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and _is_type_checking(node):
-            yield from (i for n in node.orelse for i in _imports_in(n))
+        if isinstance(node, ast.If) and _is_type_checking(node) and not typing:
+            yield from (i for n in node.orelse for i in _imports_in(n, typing))
             continue
-        yield from _imports_in(node)
+        yield from _imports_in(node, typing)
 
 
-def _imports_in(node: ast.AST) -> Iterator[ast.Import | ast.ImportFrom]:
+def _imports_in(node: ast.AST, typing: bool) -> Iterator[ast.Import | ast.ImportFrom]:
     if isinstance(node, (ast.Import, ast.ImportFrom)):
         yield node
     else:
-        yield from _imports(node)
+        yield from _imports(node, typing)
 
 
 def _lazy_names(mods: dict[str, Path], package: str) -> dict[str, str]:
@@ -90,12 +94,13 @@ def _targets(mods: dict[str, Path], name: str, node: ast.Import | ast.ImportFrom
         yield sub if sub in mods else lazy.get(alias.name, base)
 
 
-def import_graph(src: Path = SRC) -> Graph:
+def import_graph(src: Path = SRC, typing: bool = False) -> Graph:
+    """Module -> the meshrun modules it imports (``typing=True``: ``TYPE_CHECKING`` ones too)."""
     mods = modules(src)
     graph: Graph = {}
     for name, path in mods.items():
         tree = ast.parse(path.read_text())
-        deps = {t for node in _imports(tree) for t in _targets(mods, name, node)}
+        deps = {t for node in _imports(tree, typing) for t in _targets(mods, name, node)}
         # A module's own package __init__ runs before it anyway: not an edge of its own.
         graph[name] = {d for d in deps if d != name and not name.startswith(d + ".")}
     return graph
@@ -150,9 +155,10 @@ def subsystem_graph(graph: Graph) -> Graph:
 
 def doc_layers(text: str) -> list[tuple[str, list[str]]]:
     """The ``## Layers`` table, bottom layer first: (layer, the paths in its second column:
-    ``config/`` a package, ``loop.py`` a module, relative to src/meshrun)."""
+    ``config/`` a package, ``train/loop.py`` a module, relative to src/meshrun)."""
     section = text.split("## Layers", 1)[1].split("\n## ", 1)[0]
     rows = [line.split("|")[1:3] for line in section.splitlines() if line.startswith("| ")]
+    rows = rows[: next((i for i, r in enumerate(rows[1:], 1) if not r[0].strip()), len(rows))]
     return [(layer.strip(), re.findall(r"`([^`]+)`", paths)) for layer, paths in rows[1:]]
 
 
@@ -161,8 +167,7 @@ def layer_of(layers: list[tuple[str, list[str]]]) -> dict[str, int]:
     out: dict[str, int] = {}
     for height, (_, paths) in enumerate(layers):
         for path in paths:
-            stem = path.removesuffix("/").removesuffix(".py").replace("/", ".")
-            out["meshrun" if stem == "__init__" else f"meshrun.{stem}"] = height
+            out[_prefix(path)] = height
     return out
 
 
@@ -192,13 +197,81 @@ def upward_imports(graph: Graph, heights: dict[str, int]) -> list[tuple[str, str
     return sorted(found)
 
 
+def _section(text: str, title: str) -> str:
+    return text.split(f"## {title}", 1)[1].split("\n## ", 1)[0] if f"## {title}" in text else ""
+
+
+def _prefix(path: str) -> str:
+    """A doc path (``parallel/``, ``launch/k8s/``, ``__init__.py``) as a module prefix."""
+    stem = path.removesuffix("/").removesuffix(".py").replace("/", ".")
+    return "meshrun" if stem == "__init__" else f"meshrun.{stem}"
+
+
+def allowed_same_layer(text: str) -> set[tuple[str, str]]:
+    """The doc's ``### Imports within a layer`` list: lines `` `a/` -> `b/`, `c/` ``."""
+    section = _section(text, "Layers").split("### Imports within a layer", 1)
+    pairs = set()
+    for line in (section[1] if len(section) > 1 else "").splitlines():
+        head, sep, tail = line.partition("->")
+        if sep and (src := re.findall(r"`([^`]+)`", head)):
+            pairs |= {(_prefix(src[0]), _prefix(b)) for b in re.findall(r"`([^`]+)`", tail)}
+    return pairs
+
+
+def same_layer_imports(graph: Graph, heights: dict[str, int], allowed: set[tuple[str, str]]):
+    """Imports between two subsystems of one layer that the doc does not allow, as pairs."""
+    found = set()
+    for a, deps in graph.items():
+        for b in deps:
+            sa, sb = subsystem(a), subsystem(b)
+            ha, hb = height(a, heights), height(b, heights)
+            if sa != sb and ha is not None and ha == hb and (sa, sb) not in allowed:
+                found.add((sa, sb))
+    return sorted(found)
+
+
+def pure_paths(text: str) -> list[str]:
+    """The module prefixes the doc's ``Pure:`` line names (no process group, no collective)."""
+    line = next((x for x in _section(text, "Layers").splitlines() if x.startswith("Pure:")), "")
+    return [_prefix(p) for p in re.findall(r"`([^`]+)`", line)]
+
+
+def impure(src: Path, prefixes: list[str]) -> list[str]:
+    """Modules under ``prefixes`` that import ``torch.distributed`` (at any depth, type-only
+    imports aside) or call ``init_process_group``."""
+    found = []
+    for name, path in sorted(modules(src).items()):
+        if not any(name == p or name.startswith(p + ".") for p in prefixes):
+            continue
+        tree = ast.parse(path.read_text())
+        for node in _imports(tree):
+            mods = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            if any(m == "torch.distributed" or m.startswith("torch.distributed.") for m in mods):
+                found.append(f"{name} imports torch.distributed")
+                break
+        calls = [n for n in ast.walk(tree) if isinstance(n, ast.Attribute | ast.Name)]
+        if any(getattr(n, "attr", getattr(n, "id", "")) == "init_process_group" for n in calls):
+            found.append(f"{name} starts a process group")
+    return found
+
+
 def check(src: Path, doc_text: str) -> list[str]:
     """Every breach of the contract, in words; empty when the tree keeps it."""
     graph, heights = import_graph(src), layer_of(doc_layers(doc_text))
+    allowed = allowed_same_layer(doc_text)
     problems = [f"{m} is in no layer of docs/architecture.md" for m in unplaced(graph, heights)]
     problems += [f"upward import: {a} imports {b}" for a, b in upward_imports(graph, heights)]
+    problems += [
+        f"import within a layer not allowed by docs/architecture.md: {a} imports {b}"
+        for a, b in same_layer_imports(graph, heights, allowed)
+    ]
     problems += [f"import circle between modules: {c}" for c in cycles(graph)]
     problems += [f"import circle between subsystems: {c}" for c in cycles(subsystem_graph(graph))]
+    typed = [c for c in cycles(import_graph(src, typing=True)) if c not in cycles(graph)]
+    problems += [f"import circle through TYPE_CHECKING imports: {c}" for c in typed]
+    problems += [f"not pure: {p}" for p in impure(src, pure_paths(doc_text))]
     return problems
 
 
@@ -207,7 +280,7 @@ def check(src: Path, doc_text: str) -> list[str]:
 
 def test_the_scanner_sees_lazy_and_relative_imports() -> None:
     graph = import_graph()
-    assert "meshrun.launch.local" in graph["meshrun.diagnose.cli"]  # inside a function
+    assert "meshrun.launch.local" in graph["meshrun.cli.diagnose"]  # inside a function
     assert "meshrun.config" in graph["meshrun"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
@@ -217,6 +290,7 @@ def test_the_doc_names_the_layers_bottom_first() -> None:
     assert layers[0][0] == "config" and layers[-1][0] == "CLI"
     heights = layer_of(layers)
     assert heights["meshrun.config"] < heights["meshrun.parallel"] < heights["meshrun.cli"]
+    assert heights["meshrun.runtime"] < heights["meshrun.train"] < heights["meshrun.launch"]
     assert height("meshrun.plan.cost", heights) == heights["meshrun.plan"]
 
 
@@ -227,12 +301,12 @@ def test_the_tree_keeps_the_layer_contract() -> None:
 def test_a_planted_upward_import_fails_the_check(tmp_path: Path) -> None:
     tree = tmp_path / "meshrun"
     shutil.copytree(SRC, tree, ignore=shutil.ignore_patterns("__pycache__"))
-    logs = tree / "logs.py"  # runtime layer
+    logs = tree / "runtime" / "logs.py"  # runtime layer
     logs.write_text(
-        logs.read_text() + "\n\ndef _later() -> None:\n    from meshrun.cli import main\n"
+        logs.read_text() + "\n\ndef _later() -> None:\n    from meshrun.cli.main import main\n"
     )
     problems = check(tree, DOC.read_text())
-    assert "upward import: meshrun.logs imports meshrun.cli" in problems
+    assert "upward import: meshrun.runtime.logs imports meshrun.cli.main" in problems
 
 
 def test_a_planted_circle_and_an_unplaced_module_fail_the_check(tmp_path: Path) -> None:
@@ -248,6 +322,8 @@ def test_a_planted_circle_and_an_unplaced_module_fail_the_check(tmp_path: Path) 
     doc = "## Layers\n\n| layer | modules |\n|---|---|\n| subsystems | `parallel/`, `data/`, `__init__.py` |\n"
     assert check(tree, doc) == [
         "meshrun.extra is in no layer of docs/architecture.md",
+        "import within a layer not allowed by docs/architecture.md: meshrun.data imports meshrun.parallel",
+        "import within a layer not allowed by docs/architecture.md: meshrun.parallel imports meshrun.data",
         "import circle between modules: ['meshrun.data.b', 'meshrun.parallel.a']",
         "import circle between subsystems: ['meshrun.data', 'meshrun.parallel']",
     ]
@@ -264,3 +340,48 @@ def test_every_package_names_its_entry_points_and_they_resolve() -> None:
         assert exports, f"{name}: __init__.py names no entry points (__all__)"
         for export in exports:
             assert getattr(package, export) is not None, f"{name}.{export}"
+
+
+def _copy(tmp_path: Path) -> Path:
+    tree = tmp_path / "meshrun"
+    shutil.copytree(SRC, tree, ignore=shutil.ignore_patterns("__pycache__"))
+    return tree
+
+
+def _plant(path: Path, line: str) -> None:
+    path.write_text(path.read_text() + f"\n\ndef _later() -> None:\n    {line}\n")
+
+
+def test_a_planted_import_between_two_subsystems_of_one_layer_fails(tmp_path: Path) -> None:
+    tree = _copy(tmp_path)
+    _plant(tree / "hf" / "names.py", "from meshrun.ft import data_share")
+    problems = check(tree, DOC.read_text())
+    assert problems == [
+        "import within a layer not allowed by docs/architecture.md: meshrun.hf imports meshrun.ft"
+    ]
+
+
+def test_the_pure_layers_start_no_process_group(tmp_path: Path) -> None:
+    assert "meshrun.plan" in pure_paths(DOC.read_text())
+    assert "meshrun.launch.k8s" in pure_paths(DOC.read_text())
+    tree = _copy(tmp_path)
+    _plant(tree / "plan" / "cost.py", "import torch.distributed as dist; dist.init_process_group()")
+    _plant(tree / "launch" / "k8s" / "render.py", "from torch.distributed import barrier")
+    assert check(tree, DOC.read_text()) == [
+        "not pure: meshrun.launch.k8s.render imports torch.distributed",
+        "not pure: meshrun.plan.cost imports torch.distributed",
+        "not pure: meshrun.plan.cost starts a process group",
+    ]
+
+
+def test_a_planted_type_checking_circle_fails(tmp_path: Path) -> None:
+    tree = _copy(tmp_path)
+    mfu = tree / "monitor" / "mfu.py"
+    text = mfu.read_text().replace(
+        "if TYPE_CHECKING:\n",
+        "if TYPE_CHECKING:\n    from meshrun.monitor.metrics import MetricsLogger\n",
+    )
+    mfu.write_text(text)
+    assert check(tree, DOC.read_text()) == [
+        "import circle through TYPE_CHECKING imports: ['meshrun.monitor.metrics', 'meshrun.monitor.mfu']"
+    ]

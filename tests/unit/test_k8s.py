@@ -26,10 +26,10 @@ import pytest
 import yaml
 from kubeflow.training import ApiClient
 
-from meshrun.cli import build_parser, main
+from meshrun.cli.main import build_parser, main
 from meshrun.config import ConfigError
-from meshrun.launch.k8s import K8sJob, check_job, render, render_jobset, render_pytorchjob
-from meshrun.launch.yamlout import dump_documents
+from meshrun.launch.k8s.render import K8sJob, check_job, render, render_jobset, render_pytorchjob
+from meshrun.launch.k8s.yamlout import dump_documents
 
 pytestmark = pytest.mark.timeout(60)
 

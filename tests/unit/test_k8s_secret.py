@@ -13,9 +13,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from meshrun.cli import main
+from meshrun.cli.main import main
 from meshrun.config import ConfigError
-from meshrun.launch.k8s import KINDS, K8sJob, check_job, render
+from meshrun.launch.k8s.render import KINDS, K8sJob, check_job, render
 from meshrun.launch.secret import SECRET_ENV, resolve
 
 pytestmark = pytest.mark.timeout(60)

@@ -24,11 +24,11 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from meshrun.cli import build_parser, main
+from meshrun.cli import torchrun as cli_torchrun
+from meshrun.cli.main import build_parser, main
 from meshrun.config import ConfigError
-from meshrun.launch import cli_torchrun
-from meshrun.launch.k8s import K8sJob, check_job, render
-from meshrun.launch.k8s_trainjob import PET_VARIABLES, render_trainjob
+from meshrun.launch.k8s.render import K8sJob, check_job, render
+from meshrun.launch.k8s.trainjob import PET_VARIABLES, render_trainjob
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -4,8 +4,8 @@ says shards for DDP), ZeRO-1 shards the optimizer state, FSDP2 shards all three.
 import pytest
 
 from meshrun.config import ParallelConfig
-from meshrun.mesh import ParallelDims
 from meshrun.parallel.report import layout_header
+from meshrun.runtime.mesh import ParallelDims
 
 
 def test_ddp_is_described_as_replicated() -> None:

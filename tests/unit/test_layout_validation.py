@@ -9,7 +9,6 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
 from meshrun.config import ConfigError, ParallelConfig, load_config, validate_for_world
 from meshrun.demo.model import GPT, GPTConfig, demo_config
-from meshrun.mesh import ParallelDims, mesh_dims
 from meshrun.parallel import (
     apply_ac,
     build_optimizer,
@@ -19,9 +18,10 @@ from meshrun.parallel import (
     parallelize,
 )
 from meshrun.parallel.ac import is_checkpointed
-from meshrun.parallel.pp import split_blocks
+from meshrun.parallel.pp.pipeline import split_blocks
 from meshrun.parallel.report import describe_layout
 from meshrun.parallel.tp import check_tp_plan
+from meshrun.runtime.mesh import ParallelDims, mesh_dims
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -21,19 +21,19 @@ import sys
 
 HEAVY = ["pipelining", "tensor", "fsdp", "optim", "checkpoint"]
 UNUSED = [
-    "meshrun.checkpoint.local_tier",
-    "meshrun.checkpoint.local_files",
-    "meshrun.checkpoint.local_plan",
-    "meshrun.checkpoint.local_p2p",
-    "meshrun.checkpoint.local_restore",
+    "meshrun.checkpoint.local.tier",
+    "meshrun.checkpoint.local.files",
+    "meshrun.checkpoint.local.plan",
+    "meshrun.checkpoint.local.p2p",
+    "meshrun.checkpoint.local.restore",
     "meshrun.checkpoint.async_save",
     "meshrun.checkpoint.init_from",
     "meshrun.hf.reading",
-    "meshrun.parallel.pp",
-    "meshrun.parallel.pp_split",
-    "meshrun.parallel.pp_stages",
-    "meshrun.parallel.pp_tied",
-    "meshrun.parallel.pp_meta",
+    "meshrun.parallel.pp.pipeline",
+    "meshrun.parallel.pp.split",
+    "meshrun.parallel.pp.stages",
+    "meshrun.parallel.pp.tied",
+    "meshrun.parallel.pp.meta",
 ]
 
 SCRIPT = """

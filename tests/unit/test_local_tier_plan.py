@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from meshrun.checkpoint.local_files import decode, encode, scan, to_local, write_atomically
-from meshrun.checkpoint.local_plan import (
+from meshrun.checkpoint.local.files import decode, encode, scan, to_local, write_atomically
+from meshrun.checkpoint.local.plan import (
     Held,
     choose_step,
     history_name,

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 from meshrun.checkpoint.checks import CheckpointError
-from meshrun.checkpoint.local_files import decode, encode, private_dir, write_atomically
-from meshrun.checkpoint.local_tier import _node_dir, default_local_dir
+from meshrun.checkpoint.local.files import decode, encode, private_dir, write_atomically
+from meshrun.checkpoint.local.tier import _node_dir, default_local_dir
 
 OTHER_UID = 65534  # nobody
 

@@ -15,7 +15,7 @@ import pytest
 PROGRAM = """
 import logging, sys, warnings
 from pathlib import Path
-from meshrun.logs import OWN_HOST, OWN_RANK, init_logging
+from meshrun.runtime.logs import OWN_HOST, OWN_RANK, init_logging
 rank, local_rank, run_dir = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
 log = init_logging(rank, run_dir, "info", local_rank)
 log.info("info line")

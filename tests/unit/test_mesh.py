@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from meshrun.config import ConfigError, ParallelConfig
-from meshrun.mesh import MESH_DIMS, ParallelDims
+from meshrun.runtime.mesh import MESH_DIMS, ParallelDims
 
 pytestmark = pytest.mark.timeout(10)
 

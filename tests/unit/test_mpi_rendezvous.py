@@ -8,7 +8,7 @@ import socket
 
 import pytest
 
-from meshrun.mpi_rendezvous import (
+from meshrun.runtime.mpi_rendezvous import (
     Endpoint,
     MpiRendezvousError,
     choose_address,

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.cli import main
+from meshrun.cli.main import main
 from meshrun.config import Config, ConfigError
-from meshrun.launch import multinode, netif
 from meshrun.launch.local import LaunchSpec, build_torchrun_args, start_line
+from meshrun.launch.multinode import netif
+from meshrun.launch.multinode import nodes as multinode
 
 EXAMPLE = str(Path(__file__).resolve().parents[2] / "examples" / "ddp_minimal.py")
 

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from meshrun.cli import main
+from meshrun.cli.main import main
 from meshrun.diagnose.calibration import (
     bus_bandwidth,
     calibration,

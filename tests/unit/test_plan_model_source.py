@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from meshrun.cli import main
+from meshrun.cli.main import main
 from meshrun.plan.user_model import format_count
 
 pytestmark = pytest.mark.timeout(300)

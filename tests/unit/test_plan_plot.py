@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.cli import main
+from meshrun.cli.main import main
 from meshrun.plan.cost import GB, Cluster, Model, Training
 from meshrun.plan.plot import node_counts, scaling
 

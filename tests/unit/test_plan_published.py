@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.cli import main
+from meshrun.cli.main import main
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "plan.md"
 WITHIN = 0.15

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from meshrun.cli import main
+from meshrun.cli.main import main
 from meshrun.config import load_config
 from meshrun.plan import Cluster, Layout, Model, PlanError, Training, get_gpu, search
 from meshrun.plan.cost import GB

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from meshrun.config import ConfigError
-from meshrun.parallel.pp_split import split_model
-from meshrun.parallel.pp_stages import StageModule, check_stages_reproduce
+from meshrun.parallel.pp.split import split_model
+from meshrun.parallel.pp.stages import StageModule, check_stages_reproduce
 from meshrun.parallel.structure import ModelSpec, find_structure
 
 

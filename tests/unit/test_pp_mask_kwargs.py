@@ -15,7 +15,7 @@ import torch
 from transformers import LlamaConfig, masking_utils
 from transformers.utils.deprecation import deprecate_kwarg
 
-from meshrun.parallel.pp_stages import _mask_kwargs
+from meshrun.parallel.pp.stages import _mask_kwargs
 
 H = torch.zeros(1, 4, 8)
 POS = torch.arange(4).unsqueeze(0)
@@ -66,7 +66,7 @@ def test_hf_stages_run_without_a_future_warning(name: str) -> None:
     transformers: any FutureWarning from meshrun's calls fails here, not in a user's log."""
     from test_pp_stages import MODELS, stages_of
 
-    from meshrun.parallel.pp_stages import check_stages_reproduce
+    from meshrun.parallel.pp.stages import check_stages_reproduce
 
     model = MODELS[name]()
     with warnings.catch_warnings():

@@ -11,9 +11,9 @@ from torch import Tensor, nn
 
 from byo_models import NanoGPT, tiny_llama
 from meshrun.config import ConfigError
-from meshrun.parallel.pp_meta import materialize_stages, stage_initializer
-from meshrun.parallel.pp_split import split_model
-from meshrun.parallel.pp_stages import StageModule, check_stages_reproduce, hf_context
+from meshrun.parallel.pp.meta import materialize_stages, stage_initializer
+from meshrun.parallel.pp.split import split_model
+from meshrun.parallel.pp.stages import StageModule, check_stages_reproduce, hf_context
 from meshrun.parallel.structure import find_structure, is_hf_model
 
 

@@ -15,9 +15,9 @@ from torch import Tensor, nn
 from byo_models import NanoGPT, tiny_gpt2, tiny_llama, tiny_qwen2
 from meshrun.config import ConfigError
 from meshrun.demo.model import GPT, demo_config
-from meshrun.parallel.pp_split import split_model
-from meshrun.parallel.pp_stages import StageModule, StageParts, check_stages_reproduce, hf_context
-from meshrun.parallel.pp_tied import plan_tied
+from meshrun.parallel.pp.split import split_model
+from meshrun.parallel.pp.stages import StageModule, StageParts, check_stages_reproduce, hf_context
+from meshrun.parallel.pp.tied import plan_tied
 from meshrun.parallel.structure import ModelSpec, find_structure, is_hf_model
 
 

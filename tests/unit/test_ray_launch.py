@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.cli import main
+from meshrun.cli.main import main
+from meshrun.cli.ray import ray_backend
 from meshrun.config import Config, ConfigError
-from meshrun.launch.ray_cli import ray_backend
-from meshrun.launch.ray_summary import DIED, read_failures, summarize
+from meshrun.launch.ray.summary import DIED, read_failures, summarize
 
 
 @pytest.mark.parametrize(
@@ -99,15 +99,13 @@ def test_an_exception_is_summarised_with_its_traceback_and_exit_code(tmp_path: P
 
 
 def test_meshrun_and_its_cli_do_not_import_ray() -> None:
-    code = (
-        "import sys, meshrun, meshrun.cli; meshrun.cli.build_parser(); print('ray' in sys.modules)"
-    )
+    code = "import sys, meshrun, meshrun.cli.main; meshrun.cli.main.build_parser(); print('ray' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.stdout.strip() == "False", out.stderr
 
 
 def test_without_ray_the_error_names_the_extra(monkeypatch: pytest.MonkeyPatch) -> None:
-    from meshrun.launch.ray_job import import_ray
+    from meshrun.launch.ray.job import import_ray
 
     monkeypatch.setitem(sys.modules, "ray", None)  # what an environment without ray sees
     with pytest.raises(ConfigError, match=r"install the `ray` extra, pip install 'meshrun\[ray\]'"):

@@ -2,7 +2,7 @@
 ``meshrun launch --replica-groups N`` checks the layout against nproc-per-node / N processes,
 a launch that is one group of ``fault_tolerance.replica_groups`` against its own world, and an
 unset global batch becomes micro-batch x one group's data-parallel size x the groups (the
-number each group's workers divide by: ``startup.py`` accumulates over dp x groups)."""
+number each group's workers divide by: ``train/startup.py`` accumulates over dp x groups)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import meshrun.launch.local
-from meshrun.cli import _prepare, main
+from meshrun.cli.main import _prepare, main
 from meshrun.config import ConfigError, grad_accumulation, load_config, validate_for_world
 
 pytestmark = pytest.mark.timeout(30)

@@ -13,9 +13,9 @@ from typing import Any
 
 import pytest
 
-from meshrun.cli import main as cli_main
+from meshrun.cli.main import main as cli_main
 from meshrun.diagnose.scale import parse_sizes
-from meshrun.monitor.report import ReportError, analyse, load_run, scaling
+from meshrun.report.summary import ReportError, analyse, load_run, scaling
 
 STEP_S = 0.1
 T0 = 1_000_000.0
@@ -153,7 +153,7 @@ def test_report_cli_names_the_wrong_dir(tmp_path: Path, capsys: Any) -> None:
 
 
 def test_missing_matplotlib_names_the_extra(tmp_path: Path, monkeypatch: Any) -> None:
-    from meshrun.monitor.figures import require_matplotlib
+    from meshrun.report.figures import require_matplotlib
 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     with pytest.raises(ReportError, match=r"pip install 'meshrun\[report\]'"):

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from test_report import STEP_S, T0, restarted_run, start, step_row, write_run
 
-from meshrun.monitor.report import analyse, load_run
+from meshrun.report.summary import analyse, load_run
 
 LOST_S = 0.4  # the uncommitted attempt of step 4: from step 3's line to its ft_uncommitted
 
@@ -79,7 +79,7 @@ def test_uncommitted_step_after_the_last_line_comes_out_of_outside_time(tmp_path
 
 def test_report_html_has_the_events_table_and_a_plain_run_does_not(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    from meshrun.monitor.report_html import write_report
+    from meshrun.report.html import write_report
 
     write_report([ft_run(tmp_path / "ft")], tmp_path / "out_ft")
     html = (tmp_path / "out_ft" / "report.html").read_text()

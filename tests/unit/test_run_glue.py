@@ -21,8 +21,8 @@ from torch import nn
 
 from meshrun.config import ConfigError
 from meshrun.parallel.param_groups import check_param_groups
-from meshrun.run_model import unwrap_module
-from meshrun.startup import resolve_config
+from meshrun.train.model import unwrap_module
+from meshrun.train.startup import resolve_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -112,7 +112,7 @@ def test_param_groups_are_checked_against_the_model() -> None:
 
 
 def test_a_batch_counts_by_its_first_tensor() -> None:
-    from meshrun.run_eval import _batch_size
+    from meshrun.train.evaluate import _batch_size
 
     batch = {"names": ["a", "b", "c"], "image": torch.zeros(3, 2), "label": torch.zeros(3)}
     assert _batch_size(batch) == 3  # a list of strings first is passed over

@@ -1,4 +1,4 @@
-"""The run directory's lock (meshrun/runlock.py) between real processes: a holder in a child
+"""The run directory's lock (meshrun/runtime/runlock.py) between real processes: a holder in a child
 process, a second taker here. No timing window: the child says "held" once it holds the lock
 and keeps it until its stdin closes."""
 
@@ -14,12 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from meshrun import runlock
-from meshrun.runlock import LOCK_NAME, TOKEN_ENV, RunDirBusy, hold_run_dir
+from meshrun.runtime import runlock
+from meshrun.runtime.runlock import LOCK_NAME, TOKEN_ENV, RunDirBusy, hold_run_dir
 
 HOLDER = """
 import sys
-from meshrun.runlock import hold_run_dir
+from meshrun.runtime.runlock import hold_run_dir
 with hold_run_dir(sys.argv[1], sys.argv[2]):
     print("held", flush=True)
     sys.stdin.read()

@@ -45,7 +45,7 @@ from meshrun.checkpoint import CheckpointError, layout
 from meshrun.checkpoint.checks import check_keys, pick
 from meshrun.checkpoint.init_from import load_initial_weights
 from meshrun.checkpoint.safe_metadata import MetadataError, read_metadata
-from meshrun.cli import main as cli_main
+from meshrun.cli.main import main as cli_main
 from meshrun.hf import PretrainedError, load_pretrained
 
 CPU = torch.device("cpu")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from meshrun.config import OptimConfig
-from meshrun.schedule import build_lr_scheduler, lr_factor, scale_lr
+from meshrun.runtime.schedule import build_lr_scheduler, lr_factor, scale_lr
 
 pytestmark = pytest.mark.timeout(10)
 

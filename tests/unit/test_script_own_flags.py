@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.cli import build_parser
-from meshrun.cliargs import keep_separator
+from meshrun.cli.args import keep_separator
+from meshrun.cli.main import build_parser
 from meshrun.config import ConfigError, load_config, split_overrides
-from meshrun.startup import resolve_config
+from meshrun.train.startup import resolve_config
 
 SCRIPT = Path(__file__).resolve().parents[1] / "e2e" / "scripts" / "dotted_own_flags.py"
 OWN = ["--trainer.batch_size=4", "--model.n_layer", "3"]

@@ -18,7 +18,7 @@ from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 import sockets
-from meshrun.launch.handshake import Handshake, HandshakeError, JoinTarget, NodeInfo
+from meshrun.launch.multinode.handshake import Handshake, HandshakeError, JoinTarget, NodeInfo
 from meshrun.launch.rdzv_signed import SignedBackend, forget_store, listen_store
 from meshrun.launch.secret import (
     SECRET_ENV,
@@ -258,7 +258,7 @@ def test_rank_0_hosts_the_workers_store_on_master_addr_only(
     from datetime import timedelta
 
     from meshrun.launch.local import find_free_port
-    from meshrun.startup import _worker_store
+    from meshrun.train.startup import _worker_store
 
     for key, value in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(key, value)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.launch.remote import job_secret
+from meshrun.launch.hostfile.remote import job_secret
 from meshrun.launch.secret import (
     SECRET_ENV,
     SECRET_FILE_ENV,

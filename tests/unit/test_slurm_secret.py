@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from meshrun.launch.secret import SECRET_ENV, SECRET_FILE_ENV, resolve
-from meshrun.launch.slurm_submit import SubmitSpec, render_sbatch
+from meshrun.launch.slurm.submit import SubmitSpec, render_sbatch
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.cli import main
-from meshrun.cluster import slurm_port
+from meshrun.cli.main import main
 from meshrun.config import LaunchConfig
-from meshrun.launch.slurm import (
+from meshrun.launch.slurm.job import (
     Given,
     SlurmError,
     apply_to_launch,
@@ -23,12 +22,13 @@ from meshrun.launch.slurm import (
     in_allocation,
     tasks_per_node,
 )
-from meshrun.launch.slurm_submit import (
+from meshrun.launch.slurm.submit import (
     SubmitSpec,
     check_direct_config,
     render_sbatch,
     time_limit_seconds,
 )
+from meshrun.runtime.cluster import slurm_port
 
 pytestmark = pytest.mark.timeout(30)
 

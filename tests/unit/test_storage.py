@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from meshrun.storage import Sighting, job_id, marker_name, unshared_message
+from meshrun.runtime.storage import Sighting, job_id, marker_name, unshared_message
 
 
 def test_every_rank_seeing_the_marker_is_no_error() -> None:

@@ -118,8 +118,8 @@ def test_tp_refusals_name_the_reason_before_anything_is_split() -> None:
 
 def test_fsdp_without_blocks_is_said_not_silent(caplog: pytest.LogCaptureFixture) -> None:
     from meshrun.config import ParallelConfig
-    from meshrun.mesh import ParallelDims
     from meshrun.parallel import units_of
+    from meshrun.runtime.mesh import ParallelDims
 
     cnn = find_structure(nn.Sequential(nn.Conv2d(3, 8, 3), nn.BatchNorm2d(8), nn.Flatten()))
     dims = ParallelDims(pp=1, dp_replicate=1, dp_shard=2, tp=1)

@@ -11,10 +11,10 @@ import pytest
 import torch
 from torch.distributed.run import get_args_parser
 
-from meshrun.cli import build_parser, main
+from meshrun.cli import torchrun as cli_torchrun
+from meshrun.cli.main import build_parser, main
+from meshrun.cli.torchrun import resolve
 from meshrun.config import ConfigError
-from meshrun.launch import cli_torchrun
-from meshrun.launch.cli_torchrun import resolve
 from meshrun.launch.local import LaunchSpec, build_torchrun_args
 from meshrun.launch.torchrun_flags import FLAGS, OTHER_FLAGS, REFUSED, Flag, flag_argv
 
@@ -286,7 +286,7 @@ def test_meshrun_launch_refuses_with_exit_2(
 
 
 def test_no_python_takes_a_program_on_path(tmp_path: Path) -> None:
-    from meshrun.cli import _check_target
+    from meshrun.cli.main import _check_target
 
     _check_target("true", None, True)  # found on PATH, as torchrun would run it
     with pytest.raises(ConfigError, match="script 'true' does not exist"):

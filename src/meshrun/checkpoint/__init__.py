@@ -2,7 +2,7 @@
 committed atomically with a verified manifest, resumed from the newest valid one on any world
 size. ``Run`` owns a :class:`Checkpointer` (``run.resume``, ``run.save_checkpoint`` and the
 saves every ``checkpoint.interval`` steps), which reads and writes the run's ``TrainState``
-(meshrun/state.py) and takes ``[checkpoint]`` and a :class:`RunFacts` record, not the whole
+(meshrun/runtime/state.py) and takes ``[checkpoint]`` and a :class:`RunFacts` record, not the whole
 config. One module per concern: ``targets`` (what is saved), ``commit`` (protocol, manifest,
 retention), ``async_save`` (staging), ``preemption`` (signals), ``resume`` (load, re-shard);
 ``layout`` is the pure part (naming, manifest, validation, retention). See

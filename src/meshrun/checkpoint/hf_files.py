@@ -56,7 +56,7 @@ def _user_class(module: nn.Module) -> type:
 
 def _pipeline_source(model: nn.Module) -> Any:
     """A pipeline's stages hold no transformers model, only parts of one: the split kept the
-    model's class and configs (parallel/pp.py ``HFSource``), which the checkpoint's view of the
+    model's class and configs (parallel/pp/pipeline.py ``HFSource``), which the checkpoint's view of the
     stages carries (checkpoint/pipeline.py)."""
     modeling = sys.modules.get("transformers.modeling_utils")
     source = getattr(model, "meshrun_hf_source", None)

@@ -4,9 +4,9 @@ One :class:`Checkpointer` per run (``Run`` owns it). It tracks what defines the 
 and optimizer (through DCP's ``get_state_dict``/``set_state_dict``, so any layout works: DDP,
 FSDP2, TP), the LR schedulers, the step counter, the sampler's data position, every rank's RNG
 states, the resolved config and user objects registered by name. Tensors go to DCP (every rank
-writes its part); everything else to JSON (see ``state.py``: nothing is unpickled on load).
+writes its part); everything else to JSON (see ``runtime/state.py``: nothing is unpickled on load).
 
-It reads and writes the run's :class:`~meshrun.state.TrainState` and delegates each concern
+It reads and writes the run's :class:`~meshrun.runtime.state.TrainState` and delegates each concern
 to a module of its own: what is saved (``targets.py``), the commit protocol, manifest and
 retention (``commit.py``), async staging (``async_save.py``), preemption signals
 (``preemption.py``) and resume with re-sharding (``resume.py``).
@@ -23,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from meshrun.agreement import Slot, StepAgreement
 from meshrun.checkpoint import layout
 from meshrun.checkpoint.checks import CheckpointError, first_cause, layout_text
 from meshrun.checkpoint.commit import Commit
@@ -33,13 +32,14 @@ from meshrun.checkpoint.resume import Resume
 from meshrun.checkpoint.targets import Stateful, Targets
 from meshrun.config import CheckpointConfig
 from meshrun.monitor import MetricsLogger
-from meshrun.state import TrainState
+from meshrun.runtime.agreement import Slot, StepAgreement
+from meshrun.runtime.state import TrainState
 
 # The node-local tier and async saves are imported where a run first uses them: a run with
 # neither (checkpoint.local_interval = 0, checkpoint.async = false) never loads them (issue 19).
 if TYPE_CHECKING:
     from meshrun.checkpoint.async_save import AsyncSaves
-    from meshrun.checkpoint.local_tier import LocalTier
+    from meshrun.checkpoint.local.tier import LocalTier
 
 __all__ = ["CheckpointError", "Checkpointer", "RunFacts", "Stateful"]
 
@@ -71,14 +71,14 @@ class Checkpointer:
         # Made now with checkpoint.async (its gloo group is created at start-up), else at the
         # first save_async call.
         self.saves: AsyncSaves | None = self._async_saves() if cfg.async_ else None
-        # The frequent node-local snapshots (local_tier.py); the shared ones stay the durable.
+        # The frequent node-local snapshots (checkpoint/local/tier.py); the shared ones stay the durable.
         self.local: LocalTier | None = None
         if cfg.local_interval:
-            from meshrun.checkpoint.local_tier import LocalTier  # only a run with the tier
+            from meshrun.checkpoint.local.tier import LocalTier  # only a run with the tier
 
             self.local = LocalTier(cfg, facts, self.targets, metrics)
         # The "any rank signalled?" and "every rank's async write done?" questions ride in the
-        # run's one per-step agreement (meshrun/agreement.py) when there is one; without it
+        # run's one per-step agreement (meshrun/runtime/agreement.py) when there is one; without it
         # (a Checkpointer driven by hand) each is a small all-reduce of its own.
         self.agreement = agreement
         if agreement is not None:

@@ -2,7 +2,7 @@
 
 ``run.pipeline`` splits a model into ``StageModule``s that keep the original parameter names
 (``tok_emb``, ``blocks.3.attn.q.weight``, ``model.layers.2.mlp.up_proj.weight``, ``lm_head``;
-see parallel/pp.py).
+see parallel/pp/pipeline.py).
 Gathering a rank's stages (unwrapped from DDP) into one container gives a module whose FQNs
 are exactly the unsplit model's, so DCP's ``get_state_dict``/``set_state_dict`` work on it as on
 any model: every rank writes the parameters (and optimizer state) of its own stages, and the

@@ -29,7 +29,7 @@ from meshrun.checkpoint.state import decode_json, merge_state, restore_rng, spli
 from meshrun.checkpoint.targets import PER_RANK, Targets
 from meshrun.checkpoint.zero1 import is_zero1, zero1_load, zero1_load_template
 from meshrun.config import CheckpointConfig
-from meshrun.schedule import scale_lr
+from meshrun.runtime.schedule import scale_lr
 
 __all__ = ["Resume", "check_per_rank", "choose", "restore_per_rank", "restore_progress"]
 

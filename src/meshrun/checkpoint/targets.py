@@ -1,7 +1,7 @@
 """What a checkpoint holds, and its collection into tensors (for DCP) and plain values (JSON).
 
 ``run.resume(model, optimizer, loader, per_rank=..., **named)`` registers the targets; without
-it, interval saves take them from the run's :class:`~meshrun.state.TrainState` (its one model or
+it, interval saves take them from the run's :class:`~meshrun.runtime.state.TrainState` (its one model or
 pipeline stages, the optimizer ``run.optimizer_step`` steps, the loader position ``run.steps``
 follows).
 
@@ -33,7 +33,7 @@ from meshrun.checkpoint.pipeline import PipelineView, gather_optim_plain, maybe_
 from meshrun.checkpoint.state import encode_tensors, split_state, state_digest
 from meshrun.checkpoint.zero1 import is_zero1, zero1_state_dict
 from meshrun.data.sampler import ResumableSampler
-from meshrun.state import TrainState
+from meshrun.runtime.state import TrainState
 
 __all__ = ["PER_RANK", "SAMPLER_AT_SAVE", "Stateful", "Targets", "agree_replicated"]
 

@@ -1,7 +1,7 @@
 """The checks of the node-local checkpoint tier's keys (``checkpoint.local_*``) that involve
 more than one key or the shape of a path; ``CheckpointConfig.__post_init__`` runs them.
 
-The tier (meshrun/checkpoint/local_tier.py, docs/checkpoint.md) is the frequent, fast one;
+The tier (meshrun/checkpoint/local/tier.py, docs/checkpoint.md) is the frequent, fast one;
 ``checkpoint.interval`` stays the durable one, so a local interval at or above it is refused.
 """
 

@@ -101,7 +101,7 @@ def check_pipeline(p: ParallelConfig, dims: Mapping[str, int], shown: str) -> No
     FSDP2 on the other dims compose: each stage module is parallelized on the sub-mesh.)"""
     # ZeRO-1 composes: its optimizer steps plain aliases of the replicated stage parameters
     # (Pipeline.local_parameters); loss parallel too: the last stage's schedule step runs in
-    # loss_parallel() (parallel/pp.py).
+    # loss_parallel() (parallel/pp/pipeline.py).
     if p.pp_microbatches < p.pp:
         raise ConfigError(
             f"parallel.pp_microbatches = {p.pp_microbatches} is fewer than the pp = {p.pp} "

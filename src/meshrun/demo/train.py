@@ -37,7 +37,7 @@ import meshrun
 from meshrun.data import TokenDataset
 from meshrun.demo.corpus import demo_tokens_dir, prepare_demo_tokens
 from meshrun.demo.model import GPT, GPTConfig, demo_config
-from meshrun.parallel.pp import Pipeline
+from meshrun.parallel.pp.pipeline import Pipeline
 from meshrun.plan.cost import Model, model_flops_per_iteration
 
 DEFAULT_CONFIG = Path(__file__).with_name("demo.toml")

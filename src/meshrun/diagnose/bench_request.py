@@ -1,6 +1,6 @@
 """What ``meshrun bench`` asks every rank to measure, as one JSON argument of the worker.
 
-The flags and their checks live in diagnose/cli.py only; the worker (diagnose/bench_worker.py)
+The flags and their checks live in cli/diagnose.py only; the worker (diagnose/bench_worker.py)
 reads this record back, so it has no parser of its own to keep in step with the command line.
 Kept apart from the worker so the command line builds it without importing the measurements.
 """
@@ -16,7 +16,7 @@ MODULE = "meshrun.diagnose.bench_worker"
 
 @dataclass(frozen=True)
 class BenchRequest:
-    """What ``meshrun bench`` asks every rank to measure (checked by diagnose/cli.py)."""
+    """What ``meshrun bench`` asks every rank to measure (checked by cli/diagnose.py)."""
 
     out: str
     kind: str = "all"

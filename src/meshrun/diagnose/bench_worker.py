@@ -1,5 +1,5 @@
 """The worker of ``meshrun bench`` (``python -m meshrun.diagnose.bench_worker REQUEST``, started
-on every rank by diagnose/cli.py through ``launch_local``): runs the measurements the parent asked
+on every rank by cli/diagnose.py through ``launch_local``): runs the measurements the parent asked
 for, prints them on rank 0 and merges them into the calibration file.
 
 The parent's request travels as one JSON argument (diagnose/bench_request.py), not as flags.
@@ -48,6 +48,6 @@ def measure(a: BenchRequest, device: Any) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from meshrun.entry import main as _entry
+    from meshrun.train.entry import main as _entry
 
     _entry(worker)(sys.argv[1:])

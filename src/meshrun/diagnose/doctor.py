@@ -72,7 +72,7 @@ def _port_check(opts: DoctorOptions) -> Check:
 
 
 def _env_checks(nproc: int) -> list[Check]:
-    from meshrun.launch.netif import SOCKET_IFNAME_VARS, list_interfaces
+    from meshrun.launch.multinode.netif import SOCKET_IFNAME_VARS, list_interfaces
 
     names = [i.name for i in list_interfaces()]
     checks = [dc.check_socket_ifname(var, os.environ, names) for var in SOCKET_IFNAME_VARS]

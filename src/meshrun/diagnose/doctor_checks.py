@@ -18,7 +18,12 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from meshrun.launch.netif import Interface, NetworkError, choose_interface, is_local_address
+from meshrun.launch.multinode.netif import (
+    Interface,
+    NetworkError,
+    choose_interface,
+    is_local_address,
+)
 
 Status = Literal["PASS", "WARN", "FAIL"]
 GiB = 2**30

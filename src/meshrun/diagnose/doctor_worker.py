@@ -227,6 +227,6 @@ def worker() -> int:
 
 
 if __name__ == "__main__":
-    from meshrun.entry import main as _entry
+    from meshrun.train.entry import main as _entry
 
     _entry(worker)()

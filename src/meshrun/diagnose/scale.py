@@ -14,7 +14,6 @@ import dataclasses
 import sys
 from pathlib import Path
 
-from meshrun.cliargs import default_config, require_script
 from meshrun.config import (
     Config,
     ConfigError,
@@ -24,8 +23,9 @@ from meshrun.config import (
     split_overrides,
     validate_for_world,
 )
-from meshrun.monitor.report import ReportError
-from meshrun.monitor.report_html import summary_lines, write_report
+from meshrun.launch.target import default_config, require_script
+from meshrun.report.html import summary_lines, write_report
+from meshrun.report.summary import ReportError
 
 __all__ = ["ScaleRequest", "parse_sizes", "run_dirs", "run_scale_test", "scale_configs"]
 
@@ -51,7 +51,7 @@ def run_dirs(parent: Path, sizes: list[int]) -> dict[int, Path]:
 
 @dataclasses.dataclass
 class ScaleRequest:
-    """What ``meshrun scale-test`` was asked for (diagnose/cli.py fills it from its flags)."""
+    """What ``meshrun scale-test`` was asked for (cli/diagnose.py fills it from its flags)."""
 
     sizes: list[int]
     out: Path

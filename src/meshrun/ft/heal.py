@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_leaves, tree_map
 
 from meshrun.parallel.kinds import is_zero_redundancy
-from meshrun.state import TrainState
+from meshrun.runtime.state import TrainState
 
 if TYPE_CHECKING:
     from torch.distributed.optim import ZeroRedundancyOptimizer

@@ -36,8 +36,8 @@ from meshrun.ft.data import live_share
 from meshrun.ft.heal import HealState, StateCodec
 from meshrun.ft.manager import build_manager
 from meshrun.monitor import MetricsLogger
-from meshrun.schedule import scale_lr
-from meshrun.state import TrainState
+from meshrun.runtime.schedule import scale_lr
+from meshrun.runtime.state import TrainState
 
 __all__ = ["ReplicaGroup", "StepOutcome", "scaled_lr"]
 

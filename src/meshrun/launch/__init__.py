@@ -14,21 +14,21 @@ from typing import TYPE_CHECKING
 from meshrun._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from meshrun.launch.k8s import K8sJob, write_manifests
+    from meshrun.launch.hostfile.remote import launch_hostfile
+    from meshrun.launch.k8s.render import K8sJob, write_manifests
     from meshrun.launch.local import LaunchSpec, launch_local
-    from meshrun.launch.remote import launch_hostfile
-    from meshrun.launch.slurm_submit import SubmitSpec, render_sbatch
+    from meshrun.launch.slurm.submit import SubmitSpec, render_sbatch
 
 __getattr__ = lazy_exports(
     globals(),
     {
-        "K8sJob": "meshrun.launch.k8s",
-        "write_manifests": "meshrun.launch.k8s",
+        "K8sJob": "meshrun.launch.k8s.render",
+        "write_manifests": "meshrun.launch.k8s.render",
         "LaunchSpec": "meshrun.launch.local",
         "launch_local": "meshrun.launch.local",
-        "launch_hostfile": "meshrun.launch.remote",
-        "SubmitSpec": "meshrun.launch.slurm_submit",
-        "render_sbatch": "meshrun.launch.slurm_submit",
+        "launch_hostfile": "meshrun.launch.hostfile.remote",
+        "SubmitSpec": "meshrun.launch.slurm.submit",
+        "render_sbatch": "meshrun.launch.slurm.submit",
     },
 )
 

@@ -24,16 +24,16 @@ from types import FrameType
 from typing import TYPE_CHECKING, Any, TypeAlias
 
 from meshrun.config import CONFIG_ENV, LaunchConfig
-from meshrun.launch import multinode
-from meshrun.launch.handshake import (
+from meshrun.launch.multinode import nodes as multinode
+from meshrun.launch.multinode.handshake import (
     Handshake,
     HandshakeError,
     local_node_info,
     publish_attempt,
     say_stderr,
 )
-from meshrun.launch.multinode import NetworkPlan
-from meshrun.launch.netif import NetworkError
+from meshrun.launch.multinode.netif import NetworkError
+from meshrun.launch.multinode.nodes import NetworkPlan
 from meshrun.launch.orphans import orphan_guard
 from meshrun.launch.rundir import claim_run_dir
 from meshrun.launch.secret import SECRET_ENV, JobSecret, SecretError, from_env, resolve
@@ -294,7 +294,7 @@ def _plan_network(spec: LaunchSpec) -> NetworkPlan | None:
 
 def _checked_handshake(spec: LaunchSpec, network: NetworkPlan) -> Any:
     """Open the rendezvous store and check the nodes against each other; return the store."""
-    from meshrun.launch.handshake import open_store
+    from meshrun.launch.multinode.handshake import open_store
 
     target = multinode.parse_nnodes(spec.nnodes)
     store = open_store(

@@ -150,7 +150,7 @@ def _store_for(params: RendezvousParameters) -> Store:
 
 
 def _is_local(host: str) -> bool:
-    from meshrun.launch.netif import is_local_address, resolve_host
+    from meshrun.launch.multinode.netif import is_local_address, resolve_host
 
     try:
         return is_local_address(resolve_host(host))

@@ -1,4 +1,4 @@
-"""The run directory's lock as ``meshrun launch`` takes it (meshrun/runlock.py has the lock).
+"""The run directory's lock as ``meshrun launch`` takes it (meshrun/runtime/runlock.py has the lock).
 
 One node takes it before it writes the resolved config; a multi-node job's rendezvous host
 takes it once it knows it is the host, and the other nodes only refuse a directory that another
@@ -11,8 +11,8 @@ import os
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from meshrun.launch.multinode import is_multinode
-from meshrun.runlock import TOKEN_ENV, hold_run_dir, job_token
+from meshrun.launch.multinode.nodes import is_multinode
+from meshrun.runtime.runlock import TOKEN_ENV, hold_run_dir, job_token
 
 __all__ = ["claim_run_dir"]
 
@@ -20,7 +20,7 @@ __all__ = ["claim_run_dir"]
 def claim_run_dir(
     run_dir: str | Path, nnodes: str, rdzv_endpoint: str, rdzv_id: str, host: bool | None = None
 ) -> AbstractContextManager[None]:
-    """The lock of a launch inside the block (raises :class:`meshrun.runlock.RunDirBusy`).
+    """The lock of a launch inside the block (raises :class:`meshrun.runtime.runlock.RunDirBusy`).
     ``host``: whether this node hosts a multi-node job's rendezvous (None: not known yet, only
     check); one node always takes it."""
     multi = is_multinode(nnodes, rdzv_endpoint)

@@ -14,7 +14,7 @@ not import torch; ``tests/unit/test_torchrun_flags.py`` checks it against
 ``torch.distributed.run.get_args_parser()``, so a flag that a newer torch adds fails that
 test until it is placed here. Everything in this module is pure (no torch import) except
 ``torchrun_nproc``, which asks torch how many devices there are. What the parsed command line
-means (argparse, the rendezvous a set of flags implies) is launch/cli_torchrun.py's.
+means (argparse, the rendezvous a set of flags implies) is cli/torchrun.py's.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ METAVARS = {"nproc_per_node": "N", "nnodes": "N|MIN:MAX", "max_restarts": "N", "
 OTHER_FLAGS = {"module": ("-m", "--module")}
 # torchrun flags `meshrun launch` does not accept at all, with the reason (none in 2.13).
 REFUSED: dict[str, str] = {}
-# With --hostfile, the flags each host's `meshrun launch` gets (launch/hostfile.py forwards
+# With --hostfile, the flags each host's `meshrun launch` gets (launch/hostfile/hosts.py forwards
 # or decides these); any other torchrun flag would be lost on the way, so it is refused.
 HOSTFILE_FLAGS = ("nproc_per_node", "nnodes", "node_rank", "max_restarts", "rdzv_endpoint",
                   "rdzv_id")  # fmt: skip

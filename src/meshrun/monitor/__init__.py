@@ -17,8 +17,8 @@ if TYPE_CHECKING:
     from meshrun.monitor.memory import memory_stats
     from meshrun.monitor.metrics import METRICS_FILE, MetricsLogger
     from meshrun.monitor.numerics import NonFiniteLossError
-    from meshrun.monitor.report_html import write_report
     from meshrun.monitor.step import StepMonitor
+    from meshrun.report.html import write_report
 
 __getattr__ = lazy_exports(
     globals(),
@@ -27,7 +27,7 @@ __getattr__ = lazy_exports(
         "METRICS_FILE": "meshrun.monitor.metrics",
         "MetricsLogger": "meshrun.monitor.metrics",
         "NonFiniteLossError": "meshrun.monitor.numerics",
-        "write_report": "meshrun.monitor.report_html",
+        "write_report": "meshrun.report.html",
         "StepMonitor": "meshrun.monitor.step",
     },
 )

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from meshrun.logs import OWN_HOST
+from meshrun.runtime.logs import OWN_HOST
 
 __all__ = ["HostStats", "parse_net_dev"]
 

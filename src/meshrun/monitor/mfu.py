@@ -9,7 +9,7 @@ FLOPs (forward + backward), first found of:
   output layer: ``meshrun.plan.cost``, docs/plan.md) at the run's tokens per sample.
 
 The peak: ``metrics.peak_flops`` when set, else, on CUDA, the datasheet table
-(``meshrun.gpus``) matched on the device's name. On CPU there is no datasheet: MFU needs
+(``meshrun.specs.gpus``) matched on the device's name. On CPU there is no datasheet: MFU needs
 ``metrics.peak_flops`` there (``meshrun bench compute`` measures a matmul peak).
 """
 
@@ -17,14 +17,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from meshrun.config import ConfigError
-from meshrun.gpus import get_gpu, gpu_key
+from meshrun.specs.gpus import get_gpu, gpu_key
 
 if TYPE_CHECKING:
     from meshrun.config import Config
-    from meshrun.monitor.metrics import MetricsLogger
 
 __all__ = [
     "ModelFlops",
@@ -117,7 +116,7 @@ def hf_causal_lm_flops(model: Any) -> ModelFlops | None:
     if shape is None:
         return None
     # The planner's FLOPs formulas (pure functions). An import from the plan layer: the formulas
-    # belong in a leaf module both read, as the GPU table now is (meshrun/gpus.py).
+    # belong in a leaf module both read, as the GPU table now is (meshrun/specs/gpus.py).
     from meshrun.plan.cost import Model, model_flops_per_iteration
 
     base = Model(
@@ -155,7 +154,7 @@ def peak_flops(
     key = gpu_key(device_name)
     if key is None:
         return 0.0, (
-            f"GPU {device_name!r} is not in meshrun's GPU table (meshrun/gpus.py): set "
+            f"GPU {device_name!r} is not in meshrun's GPU table (meshrun/specs/gpus.py): set "
             "metrics.peak_flops to its dense peak FLOP/s to get MFU in the metrics"
         )
     try:
@@ -165,7 +164,13 @@ def peak_flops(
     return value, f"{key} {precision} datasheet peak {value / 1e12:.0f} TFLOP/s"
 
 
-def start_mfu(metrics: MetricsLogger, flops: ModelFlops, config: Config, device: Any) -> str:
+class FlopsSink(Protocol):
+    """What MFU needs of the metrics logger (a Protocol: the logger imports this module)."""
+
+    def set_flops(self, flops: ModelFlops, peak_flops_per_rank: float) -> None: ...
+
+
+def start_mfu(metrics: FlopsSink, flops: ModelFlops, config: Config, device: Any) -> str:
     """Give the metrics the model's FLOPs and the device's peak (``metrics.peak_flops`` or the
     datasheet table); return the line that says what MFU is measured against, or why not."""
     import torch

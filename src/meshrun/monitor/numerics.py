@@ -4,7 +4,7 @@ stepping on garbage while another does not, or one rank raising while the others
 next collective.
 
 Cost: nothing of its own. The guard's flag (and the loss, whose global mean the metrics log) is
-a slot of the run's one per-step agreement (``meshrun/agreement.py``: one all-reduce of a few
+a slot of the run's one per-step agreement (``meshrun/runtime/agreement.py``: one all-reduce of a few
 float64 plus one per rank, over the whole world, so pipeline stages and tensor-parallel shards
 agree too). The mean is taken over the ranks that recorded a loss; tensor-parallel peers hold
 the same loss, so their copies do not change it.
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from meshrun.agreement import Agreed, StepAgreement
+from meshrun.runtime.agreement import Agreed, StepAgreement
 
 __all__ = ["GuardResult", "NonFiniteLossError", "check_loss", "guard_result", "local_loss"]
 
@@ -53,7 +53,7 @@ def check_loss(
     loss_sum: torch.Tensor | None, accum: int, device: torch.device, distributed: bool
 ) -> GuardResult:
     """The guard on its own: one exchange of an agreement that carries only the loss (the run
-    uses its :class:`~meshrun.agreement.StepAgreement`, which carries the other flags too).
+    uses its :class:`~meshrun.runtime.agreement.StepAgreement`, which carries the other flags too).
     Collective when ``distributed``: every rank must call it."""
     agreement = StepAgreement(device, distributed)
     return guard_result(agreement.exchange(0, loss=local_loss(loss_sum, accum)))

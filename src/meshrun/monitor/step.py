@@ -24,7 +24,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.agreement import StepAgreement
 from meshrun.config import MonitorConfig
 from meshrun.monitor.comm import CommHook, CommTimer
 from meshrun.monitor.comm_profile import CommSampler
@@ -44,6 +43,7 @@ from meshrun.monitor.stragglers import (
     gather_hosts,
 )
 from meshrun.monitor.watchdog import Watchdog
+from meshrun.runtime.agreement import StepAgreement
 
 __all__ = ["StepMonitor"]
 
@@ -75,7 +75,7 @@ class StepMonitor:
     ) -> None:
         self.settings = settings
         # The run's one per-step collective: the guard exchanges it; the checkpointer's
-        # preemption and async-save flags are slots of it (meshrun/agreement.py).
+        # preemption and async-save flags are slots of it (meshrun/runtime/agreement.py).
         self.agreement = agreement or StepAgreement(device, distributed)
         self.device = device
         self.distributed = distributed

@@ -36,7 +36,6 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshrun._lazy import lazy_exports
 from meshrun.config import ConfigError, ParallelConfig, check_layout
-from meshrun.mesh import ParallelDims, fsdp_mesh, tp_mesh
 from meshrun.parallel.ac import apply_ac
 from meshrun.parallel.comm import apply_comm_hook
 from meshrun.parallel.compile import apply_compile
@@ -48,6 +47,7 @@ from meshrun.parallel.precision import apply_autocast, build_grad_scaler, build_
 from meshrun.parallel.report import describe_layout
 from meshrun.parallel.structure import ModelSpec, ModelStructure, find_structure
 from meshrun.parallel.zero import build_optimizer, check_optimizer
+from meshrun.runtime.mesh import ParallelDims, fsdp_mesh, tp_mesh
 
 __all__ = [
     "apply_ac",
@@ -79,7 +79,7 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import MixedPrecisionPolicy
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    from meshrun.parallel.pp import LossFn, Pipeline, pipeline_eval, pipeline_step
+    from meshrun.parallel.pp.pipeline import LossFn, Pipeline, pipeline_eval, pipeline_step
     from meshrun.parallel.tp import TPPlan, apply_tp, default_tp_plan
 
 log = logging.getLogger("meshrun")
@@ -93,8 +93,8 @@ __getattr__ = lazy_exports(
     {
         "apply_tp": "meshrun.parallel.tp",
         "default_tp_plan": "meshrun.parallel.tp",
-        **dict.fromkeys(_PIPELINE, "meshrun.parallel.pp"),
-        "bind_tied": "meshrun.parallel.pp_tied",
+        **dict.fromkeys(_PIPELINE, "meshrun.parallel.pp.pipeline"),
+        "bind_tied": "meshrun.parallel.pp.tied",
     },
 )
 
@@ -232,7 +232,7 @@ def units_of(
 ) -> WrapPredicate:
     """FSDP's and AC's units: the structure's blocks. With none found, FSDP2 makes the whole
     model one unit (one all-gather of every parameter) and AC has nothing to wrap: one warning
-    says each that applies (logs.py prints it on rank 0)."""
+    says each that applies (runtime/logs.py prints it on rank 0)."""
     if structure.blocks_fqn is None:
         _warn_no_blocks(structure, zero >= 2 and dims.dp > 1, cfg.activation_checkpoint > 0)
     return structure.is_block
@@ -340,13 +340,13 @@ def parallelize_pipeline(
     """Pipeline parallel: split ``model`` into this rank's stages, then parallelize each stage
     module on the non-pp sub-mesh in the order of :func:`parallelize` (tensor parallel, AC,
     compile, then FSDP2 or DDP over the dp dims), then build the schedule. The user's loop
-    calls :func:`pipeline_step` instead of the model (see ``parallel/pp.py``); under fp16
+    calls :func:`pipeline_step` instead of the model (see ``parallel/pp/pipeline.py``); under fp16
     ``scaler`` (:func:`build_grad_scaler`) scales each chunk's loss inside the schedule.
     ``spec`` tells meshrun the model's structure where it cannot find it (its blocks, split
     points, tied pairs: parallel/structure.py); tied parameters on two stages stay tied."""
     # Only a pipelined run pays for importing the pipeline's modules.
-    from meshrun.parallel.pp import build_pipeline, build_stage_modules
-    from meshrun.parallel.pp_tied import bind_tied
+    from meshrun.parallel.pp.pipeline import build_pipeline, build_stage_modules
+    from meshrun.parallel.pp.tied import bind_tied
 
     dims = ParallelDims.from_mesh(mesh)
     check_layout(cfg, vars(dims))  # e.g. tp x ZeRO-1, pp_microbatches < pp
@@ -354,7 +354,7 @@ def parallelize_pipeline(
     zero = data_parallel_stage(cfg, dims)
     check_offload(cfg, device)
     mp_policy = build_mp_policy(cfg, zero)  # checked before anything changes
-    if not has_meta_params(model):  # on meta each rank allocates its stages (pp_meta.py)
+    if not has_meta_params(model):  # on meta each rank allocates its stages (parallel/pp/meta.py)
         model = model.to(device)
     stages = build_stage_modules(model, mesh, cfg, spec)
     log.info(stages.describe)

@@ -12,7 +12,7 @@ then over the pipeline stages, and the coefficient ``min(1, max_norm / (norm + 1
 float64 number, applied to each gradient in its own dtype. Placements: ``Shard`` (FSDP2, TP,
 HSDP's shard dim) and FSDP2's strided shard over a TP shard count as sharding; ``Replicate``
 (HSDP's replicate dim, DDP-style replication of a stage) does not; a ``Partial`` gradient is
-reduced first. A pipeline's second copy of a tied parameter (parallel/pp_tied.py) is counted
+reduced first. A pipeline's second copy of a tied parameter (parallel/pp/tied.py) is counted
 once, as one process counts the one tensor.
 """
 

@@ -1,4 +1,5 @@
-"""``isinstance`` checks for DTensor, FSDP2 modules and pipelines that import none of them.
+"""``isinstance`` checks for DTensor, FSDP2 modules and ZeRO-1 optimizers that import none of them
+(pipelines: ``parallel/pp/kind.py``).
 
 ``torch.distributed.tensor`` and ``torch.distributed.fsdp`` cost about a second of CPU to import;
 a plain DDP run never needs them, nor meshrun's pipeline modules (``parallel/pp*.py``). Before a
@@ -14,8 +15,6 @@ if TYPE_CHECKING:
     from torch.distributed.fsdp import FSDPModule
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.distributed.tensor import DTensor
-
-    from meshrun.parallel.pp import Pipeline
 
 
 def is_dtensor(t: object) -> TypeGuard[DTensor]:
@@ -35,10 +34,3 @@ def is_zero_redundancy(optimizer: object) -> TypeGuard[ZeroRedundancyOptimizer]:
     ``torch.distributed.optim`` (about 0.3 s of CPU)."""
     mod = sys.modules.get("torch.distributed.optim")
     return mod is not None and isinstance(optimizer, mod.ZeroRedundancyOptimizer)
-
-
-def is_pipeline(obj: object) -> TypeGuard[Pipeline]:
-    """``isinstance(obj, Pipeline)`` (``run.pipeline``), without importing ``parallel/pp*.py``
-    (a plain run never builds one)."""
-    mod = sys.modules.get("meshrun.parallel.pp")
-    return mod is not None and isinstance(obj, mod.Pipeline)

@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.modules.batchnorm import _BatchNorm
 
 from meshrun.config import ConfigError, ParallelConfig
-from meshrun.mesh import ParallelDims
+from meshrun.runtime.mesh import ParallelDims
 
 log = logging.getLogger("meshrun")
 

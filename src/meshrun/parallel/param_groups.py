@@ -20,10 +20,10 @@ import torch
 from torch import nn
 
 from meshrun.config import ConfigError
-from meshrun.parallel.kinds import is_pipeline
+from meshrun.parallel.pp.kind import is_pipeline
 
 if TYPE_CHECKING:  # parallel/pp*.py load only when a pipeline is built
-    from meshrun.parallel.pp import Pipeline
+    from meshrun.parallel.pp.pipeline import Pipeline
 
 __all__ = ["check_param_groups"]
 

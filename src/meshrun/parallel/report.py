@@ -13,8 +13,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshrun.config import ParallelConfig
-from meshrun.mesh import ParallelDims
 from meshrun.parallel.kinds import is_dtensor, is_zero_redundancy
+from meshrun.runtime.mesh import ParallelDims
 
 
 def local_param_bytes(model: nn.Module) -> tuple[int, int]:

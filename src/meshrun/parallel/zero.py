@@ -22,11 +22,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshrun.config import ConfigError, ParallelConfig
 from meshrun.parallel.foreach import with_foreach_default
-from meshrun.parallel.kinds import is_pipeline, is_zero_redundancy
+from meshrun.parallel.kinds import is_zero_redundancy
 from meshrun.parallel.param_groups import check_param_groups
+from meshrun.parallel.pp.kind import is_pipeline
 
 if TYPE_CHECKING:  # parallel/pp*.py load only when a pipeline is built
-    from meshrun.parallel.pp import Pipeline
+    from meshrun.parallel.pp.pipeline import Pipeline
 
 
 def build_optimizer(

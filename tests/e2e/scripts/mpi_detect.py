@@ -1,7 +1,7 @@
-"""``meshrun.cluster.detect()`` under an MPI launcher: the first thing ``meshrun.init()`` does,
+"""``meshrun.runtime.cluster.detect()`` under an MPI launcher: the first thing ``meshrun.init()`` does,
 without torch's imports (the error paths stop here). Prints what it found."""
 
-from meshrun.cluster import detect
+from meshrun.runtime.cluster import detect
 
 env = detect()
 print(

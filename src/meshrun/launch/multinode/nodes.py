@@ -1,0 +1,127 @@
+"""``meshrun launch`` across hosts: flag checks, the network plan, and the torchrun settings.
+
+One ``meshrun launch`` runs on every node with the same ``--rdzv-endpoint`` (an address of one
+of the nodes) and ``--nnodes``. Before the torchrun agent starts, this module checks the flags
+(pure), chooses the interface that routes to the endpoint (``netif``), and decides whether this
+node hosts the rendezvous store (it owns the endpoint's address). ``handshake`` then checks the
+nodes against each other over that store; the agent's c10d rendezvous does the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import ipaddress
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from meshrun.config import Config, ConfigError
+from meshrun.config.launch_values import (
+    check_rdzv_id,
+    nnodes_range,
+    parse_endpoint,
+    parse_rdzv_conf,
+)
+from meshrun.launch.multinode import netif
+from meshrun.launch.multinode.handshake import JoinTarget
+
+# Keys that may differ between the nodes of one job: left out of the digest the nodes compare.
+PER_NODE_KEYS = ("node_rank", "interface", "omp_num_threads", "join_timeout_s", "nproc_per_node")
+
+
+def parse_nnodes(text: str) -> JoinTarget:
+    """``"2"`` or ``"2:3"`` (elastic MIN:MAX) as a JoinTarget; errors name the flag."""
+    return JoinTarget(*nnodes_range(text))
+
+
+def is_multinode(nnodes: str, rdzv_endpoint: str) -> bool:
+    """More than one node may join, or an endpoint was given (then it is used as is)."""
+    return bool(rdzv_endpoint) or parse_nnodes(nnodes).max_nodes > 1
+
+
+def validate(
+    nnodes: str, node_rank: int, rdzv_endpoint: str, rdzv_id: str, rdzv_conf: str = ""
+) -> None:
+    """Every multi-node flag checked before anything starts (ConfigError naming the flag)."""
+    target = parse_nnodes(nnodes)
+    if target.max_nodes > 1 and not rdzv_endpoint:
+        raise ConfigError(
+            f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (launch.rdzv_endpoint): the "
+            "address of one of the nodes, the same on every node"
+        )
+    if rdzv_endpoint:
+        parse_endpoint(rdzv_endpoint)
+    if not 0 <= node_rank < target.max_nodes:
+        raise ConfigError(
+            f"--node-rank / launch.node_rank = {node_rank} is not allowed with --nnodes {nnodes}: "
+            f"expected 0..{target.max_nodes - 1}"
+        )
+    parse_rdzv_conf(rdzv_conf)
+    check_rdzv_id(rdzv_id)
+
+
+def shared_digest(cfg: Config) -> str:
+    """The config digest the nodes compare: the per-node launch keys are left out."""
+    defaults = dataclasses.asdict(type(cfg.launch)())
+    launch = dataclasses.replace(cfg.launch, **{k: defaults[k] for k in PER_NODE_KEYS})
+    return dataclasses.replace(cfg, launch=launch).digest()
+
+
+def shared_settings(cfg: Config) -> dict[str, Any]:
+    """``{"section.key": value}`` without the per-node keys: what a config mismatch names."""
+    per_node = {f"launch.{k}" for k in PER_NODE_KEYS}
+    flat = {f"{s}.{k}": v for s, body in cfg.to_dict().items() for k, v in body.items()}
+    return {k: v for k, v in flat.items() if k not in per_node}
+
+
+@dataclass(frozen=True)
+class NetworkPlan:
+    """This node's part in a multi-node job, derived from one interface choice."""
+
+    interface: netif.Interface
+    rdzv_host: str  # as given
+    rdzv_address: str  # resolved IPv4
+    rdzv_port: int
+    is_host: bool  # this node owns the endpoint's address: it hosts the store
+    env: dict[str, str]  # GLOO/NCCL_SOCKET_IFNAME the user had not set
+    warnings: list[str]
+
+    def torchrun_args(self, join_timeout_s: float, rdzv_conf: str = "") -> list[str]:
+        conf = {"is_host": str(int(self.is_host)), "join_timeout": str(max(1, int(join_timeout_s)))}
+        conf.update(parse_rdzv_conf(rdzv_conf))  # the user's keys win
+        joined = ",".join(f"{k}={v}" for k, v in conf.items())
+        return ["--local-addr", self.interface.address, "--rdzv-conf", joined]
+
+    def describe(self) -> str:
+        role = "hosts the rendezvous store" if self.is_host else "joins the rendezvous"
+        return f"interface {self.interface}, route to {self.rdzv_address}, this node {role}"
+
+
+def plan_network(
+    rdzv_endpoint: str, requested: str, environ: Mapping[str, str], rdzv_conf: str = ""
+) -> NetworkPlan:
+    """Choose the interface (``requested`` if given, else the route to the endpoint). This
+    node hosts the store if it owns the endpoint's address, unless ``--rdzv-conf is_host=``
+    says otherwise (several launches on one machine)."""
+    host, port = parse_endpoint(rdzv_endpoint)
+    address = netif.resolve_host(host)
+    if ipaddress.ip_address(address).is_loopback:
+        # All nodes on this machine (a test, or one host playing several): loopback is right.
+        chosen, warnings = netif.choose_interface(host, requested, multi_host=False)
+    else:
+        chosen, warnings = netif.choose_interface(host, requested, multi_host=True)
+    return NetworkPlan(
+        interface=chosen,
+        rdzv_host=host,
+        rdzv_address=address,
+        rdzv_port=port,
+        is_host=_is_host(address, parse_rdzv_conf(rdzv_conf).get("is_host")),
+        env=netif.socket_env(chosen, environ),
+        warnings=warnings,
+    )
+
+
+def _is_host(address: str, given: str | None) -> bool:
+    if given is None:
+        return netif.is_local_address(address)
+    return given.strip().lower() in ("1", "true", "yes", "y", "on")

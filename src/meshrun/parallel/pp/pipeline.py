@@ -1,0 +1,363 @@
+"""Pipeline parallel with ``torch.distributed.pipelining``: split at block boundaries, one or
+more stages per rank, GPipe / 1F1B / interleaved 1F1B schedules.
+
+The loop change is explicit: a pipelined model is not called by the user. Each optimizer step,
+every rank calls :func:`pipeline_step` with the whole micro-batch (the first stage's ranks use
+the inputs, the last stage's ranks the targets); the schedule splits it into
+``pp_microbatches`` chunks, runs forward and backward through the stages with each chunk's
+loss divided by the number of chunks, so the gradients equal those of one pass over the
+micro-batch and accumulate across micro-steps like ``run.backward``'s. The returned loss
+is the mean over the chunks, broadcast from the last stage to every rank of the pipeline.
+Under fp16 each chunk's loss is multiplied by the loss scaler's scale inside the schedule
+(the schedule runs the backward, so that is the only place the scaling can happen); the
+returned loss is the unscaled one.
+
+Each stage module is parallelized on the non-pp sub-mesh before the schedule is built
+(torchtitan's ``pipeline_llama`` + ``parallelize`` flow): tensor parallel over ``tp``, FSDP2
+or ``replicate`` over the dp dims. ``PipelineStage`` knows both (FSDPModules): it runs the
+chunks' backwards without gradient sync and reduces once, after the last chunk.
+
+ZeRO-1 (``zero = 1``): the stages are replicated as for DDP, and the ZeroRedundancyOptimizer
+steps plain aliases of their DTensor parameters (:meth:`Pipeline.local_parameters`), which
+``pipeline_step`` keeps in step. Loss parallel: only the last stage holds the head, and its
+``schedule.step`` (which computes the loss and runs the backward) runs in ``loss_parallel()``.
+
+Stages are built from the model's structure (parallel/structure.py: its blocks, what runs
+before and after them; a Hugging Face model's ``_pp_plan``; parallel/pp/split.py) for any model
+whose structure is known: the demo GPT, nanoGPT, Hugging Face causal LMs (Llama, Qwen2, GPT-2,
+...), or the user's ``ModelSpec``. Stage modules keep the model's own FQNs
+(``model.layers.3.mlp.up_proj.weight``), so checkpoints, TP plans and FSDP units stay those of
+the unsplit model; every stage is checked against the model's own forward before training
+(parallel/pp/stages.py). Tied parameters that span two stages (nanoGPT's and GPT-2's
+``lm_head`` = ``wte``) are kept tied (parallel/pp/tied.py). :func:`pipeline_eval` is the
+forward-only call for evaluation.
+
+A model built on the meta device is split as it is; each rank allocates and initialises only
+its own stages, after their layout (parallel/pp/meta.py), and the check against the model's
+forward compares shapes only (a meta model has no values). The stages keep a transformers
+model's class and configs (not the model), so a pipeline checkpoint saves its ``config.json``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshrun.config import ConfigError, ParallelConfig
+from meshrun.parallel.kinds import is_dtensor as _is_dtensor
+from meshrun.parallel.pp.meta import StageInit, materialize_stages, stage_initializer
+from meshrun.parallel.pp.split import split_blocks, split_model
+from meshrun.parallel.pp.stages import StageModule, check_stages_reproduce, hf_context
+from meshrun.parallel.pp.tied import (
+    TiedCopy,
+    TiedPair,
+    plan_tied,
+    stash_tied_grads,
+    sync_tied_grads,
+)
+from meshrun.parallel.structure import ModelSpec, ModelStructure, find_structure, is_hf_model
+
+# torch.distributed.pipelining and DTensor are imported where a pipeline first needs them: a
+# run without one (plain DDP) starts without paying for their imports (about 1.5 s of CPU).
+if TYPE_CHECKING:
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining.schedules import (
+        PipelineScheduleMulti,
+        PipelineScheduleSingle,
+    )
+
+__all__ = [
+    "Pipeline",
+    "Stages",
+    "build_pipeline",
+    "build_stage_modules",
+    "pipeline_eval",
+    "pipeline_step",
+    "split_blocks",
+]
+
+LossFn = Callable[[Tensor, Tensor], Tensor]
+
+
+def stages_per_rank(cfg: ParallelConfig) -> int:
+    return cfg.pp_virtual_stages if cfg.pp_schedule == "interleaved" else 1
+
+
+@dataclass
+class Pipeline:
+    """This rank's stage modules (StageModules, changed in place by TP / FSDP2 / replicate)
+    and the schedule that drives them."""
+
+    modules: list[nn.Module]
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti
+    is_first: bool
+    is_last: bool
+    group: dist.ProcessGroup
+    last_rank: int  # global rank of the last stage in this rank's pipeline
+    scaler: ShardedGradScaler | None = None  # fp16: scales each chunk's loss (see build_pipeline)
+    loss_parallel: bool = False  # the last stage's loss runs inside loss_parallel()
+    # (stage parameter, plain alias of its local data): see local_parameters
+    local_views: list[tuple[nn.Parameter, nn.Parameter]] = field(default_factory=list)
+    # This rank's copies of tied parameters that span two stages (parallel/pp/tied.py).
+    tied: list[TiedCopy] = field(default_factory=list)
+    loss_fn: LossFn | None = None  # the loss the schedule computes, unscaled (pipeline_eval)
+
+    def parameters(self) -> list[nn.Parameter]:
+        """This rank's parameters (all its stages), for the optimizer."""
+        return [p for m in self.modules for p in m.parameters()]
+
+    def local_parameters(self) -> list[nn.Parameter]:
+        """Plain-tensor parameters sharing storage with this rank's stage parameters, for an
+        optimizer that cannot take DTensors (ZeRO-1's ZeroRedundancyOptimizer broadcasts each
+        updated parameter with a plain c10d broadcast). Under ``replicate`` each DTensor's
+        local tensor is the whole parameter, so stepping the alias steps the parameter.
+
+        :func:`pipeline_step` keeps the pairs in step: after the schedule each alias's
+        ``.grad`` is the (already all-reduced) local gradient, and an alias whose gradient
+        the optimizer set to None clears its parameter's before the next backward (else
+        FSDP2's reduce would accumulate into the stale gradient)."""
+        if not self.local_views:
+            self.local_views = [(p, _alias(p)) for p in self.parameters() if p.requires_grad]
+        return [alias for _, alias in self.local_views]
+
+
+def _local(t: Tensor) -> Tensor:
+    with torch.no_grad():  # without grad mode to_local() returns the local tensor itself
+        return t.to_local() if _is_dtensor(t) else t
+
+
+def _alias(p: nn.Parameter) -> nn.Parameter:
+    if _is_dtensor(p) and not all(pl.is_replicate() for pl in p.placements):
+        raise ConfigError(
+            f"Pipeline.local_parameters: a stage parameter is split ({p.placements}), so its "
+            "local tensor is not the whole parameter; it needs replicated stages (parallel.zero"
+            " 0 or 1 without tp), or use pipe.parameters()"
+        )
+    alias = nn.Parameter(_local(p), requires_grad=p.requires_grad)  # shares the storage
+    alias.meshrun_view_of = p  # type: ignore[attr-defined]  # checkpoints name it by p's FQN
+    return alias
+
+
+def _views_before_step(pipe: Pipeline) -> None:
+    for p, alias in pipe.local_views:
+        if alias.grad is None:
+            p.grad = None  # optimizer.zero_grad(set_to_none=True) went through the alias
+        alias.data = _local(p)  # the same storage, unless a load replaced the tensor
+
+
+def _views_after_step(pipe: Pipeline) -> None:
+    for p, alias in pipe.local_views:
+        alias.grad = None if p.grad is None else _local(p.grad)
+
+
+@dataclass
+class Stages:
+    """This rank's stage modules (before parallelization), their indices in the pipeline, the
+    tied pairs that span two stages, and the start-up line that says how the model was split."""
+
+    modules: list[StageModule]
+    ids: list[int]
+    tied: list[TiedPair]
+    describe: str
+    structure: ModelStructure  # the whole model's (TP plans name the model's FQNs)
+    init: StageInit | None = None  # the model was on the meta device: its initialiser
+
+    def materialize(self, modules: Sequence[nn.Module], device: torch.device) -> None:
+        """A meta model's stages, once parallelized: allocated and initialised
+        (parallel/pp/meta.py); nothing for a model built on a real device."""
+        if self.init is not None:
+            materialize_stages(modules, device, self.init)
+
+    def structure_of(self, stage: StageModule) -> ModelStructure:
+        """The model's structure as one stage sees it: tied pairs only where the stage holds
+        both names (pairs across stages are kept tied by parallel/pp/tied.py)."""
+        held = set(stage.state_dict(keep_vars=True))
+        inside = tuple(t for t in self.structure.tied if set(t) <= held)
+        return dataclasses.replace(self.structure, tied=inside)
+
+
+def build_stage_modules(
+    model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, spec: ModelSpec | None = None
+) -> Stages:
+    """This rank's stages: with v stages per rank, rank r holds stages r, r + pp, ... (looped).
+    Every stage is built on every rank (they only reference the model's modules) so that all
+    of them are checked, in a row, against the model's own forward before any training."""
+    structure = find_structure(model, spec)
+    meta = any(p.is_meta for p in model.parameters())
+    init = stage_initializer(model) if meta else None  # refused before anything changes
+    pp, v = cfg.pp, stages_per_rank(cfg)
+    blocks = structure.block_names() if structure.blocks_fqn else []
+    block_kwargs, shared = (
+        hf_context(model, blocks) if is_hf_model(model) and blocks else (None, ())
+    )
+    split = split_model(model, structure, pp * v, shared)
+    every = [StageModule(model, parts, block_kwargs) for parts in split.parts]
+    checked = check_stages_reproduce(model, every)
+    source = _hf_source(model)
+    for stage in every:  # what a checkpoint saves as config.json (checkpoint/hf_files.py)
+        stage.meshrun_hf_source = source
+    tied = plan_tied(structure.tied, split.parts, pp)
+    me = mesh["pp"].get_local_rank()
+    ids = [me + k * pp for k in range(v)]
+    names = ", ".join(
+        " = ".join(t.fqns) + f" (stages {t.stages[0]} and {t.stages[1]})" for t in tied
+    )
+    line = (
+        f"pipeline split: {split.describe()} | tied across stages: {names or 'none'} | "
+        f"checked against the model's forward: {checked}"
+    )
+    return Stages([every[i] for i in ids], ids, tied, line, structure, init)
+
+
+@dataclass(frozen=True)
+class HFSource:
+    """A transformers model's class and configs, kept by its stages after the split (never
+    the model: its other stages' weights would stay alive), so that a pipeline checkpoint
+    saves ``config.json`` as a whole model's does."""
+
+    model_class: type
+    config: Any
+    generation_config: Any
+
+
+def _hf_source(model: nn.Module) -> HFSource | None:
+    config = getattr(model, "config", None)
+    if not callable(getattr(config, "to_json_string", None)):
+        return None
+    return HFSource(type(model), config, getattr(model, "generation_config", None))
+
+
+def build_pipeline(
+    modules: list[nn.Module],
+    mesh: DeviceMesh,
+    cfg: ParallelConfig,
+    loss_fn: LossFn,
+    device: torch.device,
+    scaler: ShardedGradScaler | None = None,
+) -> Pipeline:
+    """Wrap the (already parallelized) stage modules in PipelineStages and a schedule; under
+    fp16 ``scaler`` scales each chunk's loss before the schedule's backward."""
+    if cfg.pp_microbatches < cfg.pp:
+        raise ConfigError(
+            f"parallel.pp_microbatches = {cfg.pp_microbatches} is fewer than parallel.pp = "
+            f"{cfg.pp} stages: the pipeline would idle; set pp_microbatches >= {cfg.pp}"
+        )
+    pp_mesh, v = mesh["pp"], stages_per_rank(cfg)
+    group, me = pp_mesh.get_group(), pp_mesh.get_local_rank()
+    n = cfg.pp * v
+    ids = [me + k * cfg.pp for k in range(v)]
+    chunks = cfg.pp_microbatches
+
+    if scaler is not None:
+        # The scale is created lazily by the first scale(); ranks without the last stage never
+        # call it in the schedule, yet their unscale_/step/update need it.
+        scaler.scale(torch.zeros((), device=device))
+
+    def chunk_loss(output: Tensor, target: Tensor) -> Tensor:
+        # 1/chunks here, not the schedule's scale_grads: that divides the whole .grad after the
+        # step, so it would also divide what earlier accumulation micro-steps left there.
+        loss = loss_fn(output, target) / chunks
+        return loss if scaler is None else scaler.scale(loss)
+
+    from torch.distributed.pipelining import PipelineStage
+
+    stages = [
+        PipelineStage(m, i, n, device, group=group) for m, i in zip(modules, ids, strict=True)
+    ]
+    schedule = _schedule(cfg, stages, chunks, chunk_loss)
+    last_local = (n - 1) % cfg.pp
+    last_rank = dist.get_global_rank(group, last_local)
+    is_last = n - 1 in ids
+    lp = cfg.loss_parallel and is_last
+    pipe = Pipeline(modules, schedule, 0 in ids, is_last, group, last_rank, scaler, lp)
+    pipe.loss_fn = loss_fn
+    return pipe
+
+
+def pipeline_step(pipe: Pipeline, inputs: Tensor, targets: Tensor) -> Tensor:
+    """Forward and backward of one micro-batch through the pipeline; returns the mean loss on
+    every rank of the pipeline (see the module docstring)."""
+    losses: list[Tensor] = []
+    kwargs: dict[str, Any] = {"target": targets, "losses": losses} if pipe.is_last else {}
+    args = (inputs,) if pipe.is_first else ()
+    _views_before_step(pipe)
+    saved = stash_tied_grads(pipe.tied)
+    # Loss parallel: the schedule computes the loss on the vocab-sharded logits and runs its
+    # backward inside step(), so the whole step runs in the context (it only changes DTensor
+    # log-softmax / nll-loss, which nothing but the loss uses).
+    with _loss_parallel(pipe):
+        pipe.schedule.step(*args, **kwargs)
+    sync_tied_grads(pipe.tied, saved)  # before the aliases read the gradients
+    _views_after_step(pipe)
+    # The chunks' losses carry 1/chunks already: their sum is the mean over the micro-batch.
+    loss = (
+        torch.stack([_full(x) for x in losses]).sum().float() if pipe.is_last else torch.zeros(())
+    )
+    if pipe.scaler is not None and pipe.is_last:
+        loss = loss / pipe.scaler.get_scale()  # a power of two: the division is exact
+    dist.broadcast(loss, src=pipe.last_rank, group=pipe.group)
+    return loss
+
+
+def pipeline_eval(pipe: Pipeline, inputs: Tensor, targets: Tensor) -> Tensor:
+    """Forward only (evaluation): the micro-batch's mean loss, ``pipe.loss_fn`` on the last
+    stage's logits, on every rank of the pipeline. No gradients, no change to any state; call
+    it with the stage modules in eval mode (``for m in pipe.modules: m.eval()``) as one would
+    call ``model.eval()``.
+
+    The schedule's ``eval`` runs the chunks forward only (torch.distributed.pipelining); it
+    takes the targets because it computes its chunk losses (with the training scale), so the
+    loss returned here is recomputed from the merged logits instead."""
+    if pipe.loss_fn is None:
+        raise ValueError("pipeline_eval: this Pipeline was built without a loss_fn")
+    args = (inputs,) if pipe.is_first else ()
+    target = targets if pipe.is_last else None
+    with torch.no_grad(), _loss_parallel(pipe):
+        logits = pipe.schedule.eval(*args, target=target)
+        loss = _full(pipe.loss_fn(logits, targets)).float() if pipe.is_last else None
+    out = loss if loss is not None else torch.zeros(())
+    dist.broadcast(out, src=pipe.last_rank, group=pipe.group)
+    return out
+
+
+def _full(loss: Tensor) -> Tensor:
+    """A chunk's loss as a plain tensor (under loss parallel a replicated DTensor)."""
+    loss = loss.detach()
+    return loss.full_tensor() if _is_dtensor(loss) else loss
+
+
+def _schedule(
+    cfg: ParallelConfig,
+    stages: list[PipelineStage],
+    chunks: int,
+    chunk_loss: Callable[[Tensor, Tensor], Tensor],
+) -> PipelineScheduleSingle | PipelineScheduleMulti:
+    from torch.distributed.pipelining.schedules import (
+        Schedule1F1B,
+        ScheduleGPipe,
+        ScheduleInterleaved1F1B,
+    )
+
+    if cfg.pp_schedule == "interleaved":
+        return ScheduleInterleaved1F1B(
+            cast("list[Any]", stages), chunks, loss_fn=chunk_loss, scale_grads=False
+        )
+    cls = ScheduleGPipe if cfg.pp_schedule == "gpipe" else Schedule1F1B
+    return cls(stages[0], chunks, loss_fn=chunk_loss, scale_grads=False)
+
+
+def _loss_parallel(pipe: Pipeline) -> AbstractContextManager[None]:
+    if not pipe.loss_parallel:
+        return nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()

@@ -1,0 +1,406 @@
+"""The step loop: gradient accumulation, the all-reduce only on boundary micro-steps, timing and
+metrics. The user's loop stays theirs: this only hands out micro-batches and decides when the
+optimizer steps.
+
+Normalisation: the user's loss is the mean over *their micro-batch*. ``backward`` divides it
+by the accumulation count before ``.backward()``, and DDP averages over the data-parallel
+ranks, so the gradient equals the mean over the whole global batch: the same gradient as one
+process with the global batch. This is the only change to the loss, and it is documented here
+and in the README (no hidden scaling).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import socket
+import time
+from collections.abc import Callable, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from meshrun.config import MonitorConfig
+from meshrun.data.iterable import ResumableIterable
+from meshrun.data.loader import WaitClock
+from meshrun.data.permutation import mix_seed
+from meshrun.data.sampler import ResumableSampler
+from meshrun.monitor import MetricsLogger, StepMonitor, memory_stats
+from meshrun.monitor.throughput import resolve_tokens_per_sample
+from meshrun.parallel import set_grad_sync
+from meshrun.parallel.grads import clip_grads_, grad_norm, grad_sq_share
+from meshrun.parallel.kinds import is_dtensor
+from meshrun.parallel.report import log_state_table
+from meshrun.runtime.agreement import StepAgreement
+from meshrun.runtime.state import TrainState
+
+if TYPE_CHECKING:  # built by startup.build_loop only under fault_tolerance.replica_groups > 1
+    from meshrun.ft.replica import ReplicaGroup
+
+log = logging.getLogger("meshrun")
+
+
+def to_device(batch: Any, device: torch.device) -> Any:
+    """Move tensors in (nested) dicts, lists and tuples to ``device``."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=device.type == "cuda")
+    if isinstance(batch, dict):
+        return {k: to_device(v, device) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device) for v in batch)
+    return batch
+
+
+def seed_per_dp(seed: int, step: int, dp_coord: int) -> None:
+    """Give torch's RNG (CPU and every CUDA device) a stream per data-parallel coordinate, so
+    dropout draws its own masks on each data-parallel rank, as one process would over the
+    global batch, while the tensor/context-parallel and pipeline ranks of one coordinate keep
+    one stream (a replicated activation needs the same mask on each TP rank; DTensor's random
+    ops, which shard one mask over the TP ranks, need one seed there).
+
+    Called when ``run.steps`` begins, after the model was built from the same seed on every
+    rank (identical initial weights). Data-parallel coordinate 0 of a fresh run keeps the
+    stream it has: one process trains exactly as the same script without meshrun."""
+    if step == 0 and dp_coord == 0:
+        return
+    torch.manual_seed(mix_seed(seed, step, dp_coord))
+
+
+def _first_tensor(batch: Any) -> torch.Tensor | None:
+    if isinstance(batch, torch.Tensor):
+        return batch
+    values = batch.values() if isinstance(batch, dict) else batch
+    if isinstance(values, Iterable) and not isinstance(values, (str, bytes)):
+        for v in values:
+            t = _first_tensor(v)
+            if t is not None:
+                return t
+    return None
+
+
+class StepLoop:
+    """Counts micro-steps and optimizer steps for one run (one instance per ``Run``)."""
+
+    # Run after the user's loop body of each micro-step (``run.optimizer_step`` sets it: the
+    # checkpoint of a step is written there, once the user's own objects have moved).
+    on_step_end: Callable[[], object] | None = None
+    # job.seed and this rank's data-parallel coordinate over every replica group (set by
+    # startup.build_loop): torch's RNG stream once run.steps begins (seed_per_dp), unless a
+    # resume restored it.
+    seed: int = 0
+    dp_coord: int = 0
+    _rng_placed: bool = False
+
+    def __init__(
+        self,
+        *,
+        accum: int,
+        global_batch: int,
+        micro_batch: int,
+        total_steps: int,
+        grad_clip: float,
+        log_every: int,
+        device: torch.device,
+        dp_group: ProcessGroup | None,
+        metrics: MetricsLogger,
+        monitor: MonitorConfig | None = None,
+        state: TrainState | None = None,
+        agreement: StepAgreement | None = None,
+        replicas: ReplicaGroup | None = None,
+    ) -> None:
+        if min(accum, global_batch, micro_batch) < 1:
+            # An unset global batch (0) is resolved before the loop (launcher or Run): a 0 here
+            # would count no samples per step and divide the loss by zero.
+            raise ValueError(
+                f"StepLoop needs resolved batch figures >= 1, got accum={accum}, "
+                f"global_batch={global_batch}, micro_batch={micro_batch}; derive an unset "
+                "data.global_batch with meshrun.config.resolve_global_batch first"
+            )
+        self.accum, self.global_batch, self.micro_batch = accum, global_batch, micro_batch
+        self.total_steps, self.grad_clip, self.log_every = total_steps, grad_clip, log_every
+        self.device, self.dp_group, self.metrics = device, dp_group, metrics
+        # Counters, models, schedulers, data position, scaler: shared with the checkpoints.
+        self.state = TrainState() if state is None else state
+        self._state_reported = False  # the per-rank model-state table, once per process
+        self._boundary = accum == 1
+        self._loss_sum: torch.Tensor | None = None
+        self._t_last, self._outside_s = time.perf_counter(), 0.0  # outside: see outside_step
+        self._tokens_per_sample: int | None = None  # None: not known, samples/s only
+        self.data_wait = WaitClock()  # this rank's time blocked on the loader, per step
+        self.grad_norm = math.nan  # the whole gradient's norm at the last step, before clipping
+        # Step breakdown, numerics guard (it exchanges the run's one per-step agreement),
+        # stragglers.
+        self.monitor = StepMonitor(
+            monitor or MonitorConfig(),
+            device=device,
+            distributed=dist.is_initialized(),
+            hostname=socket.gethostname(),
+            metrics=metrics,
+            agreement=agreement,
+        )
+        self.monitor.models = self.state.models  # DDP models get their all-reduce timed
+        self.replicas, self._target = replicas, total_steps  # torchft groups: ft/replica.py
+        self._boundary_calls = 0  # optimizer_step calls on a boundary (committed or not)
+
+    # --- the loop -------------------------------------------------------------------------
+
+    def steps(
+        self, loader: Iterable[Any], steps: int | None = None, tokens_per_sample: int | None = None
+    ) -> Iterator[Any]:
+        """Yield micro-batches (on the device) until ``steps`` optimizer steps are done in all.
+        The hang watchdog is armed while this runs (monitor.step_timeout_s)."""
+        self.monitor.loop_starts(self.state.step)
+        try:
+            yield from self._steps(loader, steps, tokens_per_sample)
+        finally:
+            self.monitor.loop_ends()
+
+    def _steps(
+        self, loader: Iterable[Any], steps: int | None, tokens_per_sample: int | None
+    ) -> Iterator[Any]:
+        target = self.total_steps if steps is None else steps
+        if self.state.step >= target:
+            # Typically a resumed run that had already finished: say so rather than exit quietly.
+            log.warning(
+                "nothing to train: already at step %d of %d (resumed from a finished run?); "
+                "raise optim.steps, use a new job.run_dir, or set checkpoint.resume=never",
+                self.state.step,
+                target,
+            )
+        sampler = getattr(loader, "sampler", None)
+        self.state.sampler = sampler if isinstance(sampler, ResumableSampler) else None
+        dataset = getattr(loader, "dataset", None)
+        self.state.iterable = dataset if isinstance(dataset, ResumableIterable) else None
+        self._t_last, self._outside_s = time.perf_counter(), 0.0
+        self._target = target
+        if not self._rng_placed:  # once per process, before the first forward
+            self._rng_placed = True
+            if not self.state.rng_restored:
+                seed_per_dp(self.seed, self.state.step, self.dp_coord)
+        if self.replicas is not None:
+            self.replicas.check_sampler(self.state.sampler)
+        self._maybe_start_quorum()
+        first = True
+        while self.state.step < target:
+            produced = False
+            if self.replicas is not None:  # a new iteration starts at the sampler's position
+                self.replicas.data_moved = False
+            for batch in self.data_wait.wrap(loader):
+                produced = True
+                if first:
+                    self._inspect_first(batch, tokens_per_sample)
+                    first = False
+                yield from self._one_micro_step(batch)
+                if self.state.step >= target:
+                    return
+                if self.replicas is not None and self.replicas.data_moved:
+                    break  # healed or uncommitted: read from the (new) position again
+            if not produced:
+                raise RuntimeError("the data loader produced no batches: is the dataset empty?")
+
+    def _one_micro_step(self, batch: Any) -> Iterator[Any]:
+        self._boundary = self.state.micro == self.accum - 1
+        for m in self.state.models:
+            set_grad_sync(m, self._boundary)
+        before = self._boundary_calls
+        batch = to_device(batch, self.device)
+        self.monitor.batch_ready()
+        yield batch
+        if self._boundary and self._boundary_calls == before:
+            raise RuntimeError(
+                "the step loop reached an optimizer boundary but run.optimizer_step(optimizer) "
+                "was not called: call it once per micro-batch, after run.backward(loss)"
+            )
+        self.state.micro = 0 if self._boundary else self.state.micro + 1
+        if self.on_step_end is not None:
+            self.on_step_end()
+
+    def _inspect_first(self, batch: Any, tokens_per_sample: int | None) -> None:
+        t = _first_tensor(batch)
+        self._tokens_per_sample = resolve_tokens_per_sample(batch, tokens_per_sample)
+        if t is not None and t.dim() >= 1 and t.shape[0] != self.micro_batch:
+            log.warning(
+                "the loader's batch has %d samples but data.micro_batch = %d: throughput figures "
+                "and the global batch (%d) assume data.micro_batch; build the loader with "
+                "run.dataloader(...) or set --data.micro_batch=%d",
+                t.shape[0],
+                self.micro_batch,
+                self.global_batch,
+                t.shape[0],
+            )
+
+    @property
+    def is_step_end(self) -> bool:
+        """Whether this micro-step's ``optimizer_step`` steps the optimizer (the last of its
+        accumulation window)."""
+        return self._boundary
+
+    def outside_step(self, seconds: float) -> None:
+        """Time spent between steps on other work (``run.evaluate``): left out of the next
+        step's time and reported in its line as ``eval_s``."""
+        self._outside_s += seconds
+
+    # --- what the user calls -------------------------------------------------------------
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``(loss / accumulation).backward()``, recording the loss for the metrics."""
+        self.record_loss(loss)
+        t0 = self.monitor.backward_starts()
+        scaled = loss / self.accum
+        (scaled if self.state.scaler is None else self.state.scaler.scale(scaled)).backward()
+        self.monitor.add("backward_s", t0)
+
+    def record_loss(self, loss: torch.Tensor) -> None:
+        """Count a micro-step's loss in the metrics (the pipeline step's backward is its own)."""
+        detached = loss.detach().float()
+        if is_dtensor(detached):  # loss parallel: a replicated DTensor scalar
+            detached = detached.full_tensor()
+        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step (and zero) the optimizer on a boundary micro-step; return whether this was one.
+        A step the numerics guard skips (NaN/Inf loss on some rank) still counts as a step;
+        under replica groups a step the quorum does not commit does not (False)."""
+        if not self._boundary:
+            return False
+        self._boundary_calls += 1
+        # Every rank learns whether any rank's loss is NaN/Inf; all skip (or stop) together.
+        # The clip's gradient norm rides in the same collective (a share per rank:
+        # parallel/grads.py); under replica groups it is taken after their average instead.
+        clip = self.grad_clip > 0 and self.replicas is None
+        share = self._grad_sq(optimizer) if clip else None
+        guard = self.monitor.guard(self._loss_sum, self.accum, self.state.step + 1, share)
+        if share is not None:
+            self.grad_norm = self.monitor.agreement.agreed(self.state.step + 1).grad_norm
+        t0 = time.perf_counter()
+        if self.replicas is not None:
+            return self._replicated_step(optimizer, guard.loss, guard.finite, t0)
+        if guard.finite:
+            self._apply_update(optimizer, self.grad_norm)
+        if not self._state_reported:  # the state exists now: which rank holds how much of it
+            self._state_reported = True
+            log_state_table(optimizer, log)
+        lr = self._advance(optimizer, t0)
+        self._record(lr, guard.loss)
+        return True
+
+    def _replicated_step(
+        self, optimizer: torch.optim.Optimizer, loss: float, finite: bool, t0: float
+    ) -> bool:
+        """The boundary under replica groups: average across the live groups, then step only
+        if the quorum commits. An uncommitted step is not counted: the same data is read again
+        (the position did not move) and the next quorum reconfigures around a lost group."""
+        from meshrun.ft.replica import scaled_lr
+
+        assert self.replicas is not None
+        self.replicas.apply_pending_optimizer(optimizer)
+        outcome = self.replicas.sync(loss, finite)
+        if not outcome.committed:  # no step taken: False, so nothing runs "after a step"
+            optimizer.zero_grad(set_to_none=True)
+            self._loss_sum = None
+            self.replicas.data_moved = True
+            self._maybe_start_quorum()
+            return False
+        # The live groups' shares only (fault_tolerance.missing_group = shrink, ft/data.py):
+        # the position moves by them, the LR by optim.lr_scaling's rule for them.
+        with scaled_lr(optimizer, outcome.lr_factor):
+            self._apply_update(optimizer)
+        lr = self._advance(optimizer, t0, outcome.samples) * outcome.lr_factor
+        ft: dict[str, float | str] = {"live_groups": outcome.live_groups, "committed": True,
+                                      "samples": outcome.samples}  # fmt: skip
+        self._record(lr, outcome.loss, outcome.samples, ft)
+        self._maybe_start_quorum()
+        return True
+
+    def _advance(
+        self, optimizer: torch.optim.Optimizer, t0: float, samples: int | None = None
+    ) -> float:
+        """After an update: one step more, the schedulers and the data position (by
+        ``samples``, default the whole global batch) moved; returns the step's LR."""
+        samples = self.global_batch if samples is None else samples
+        lr = float(optimizer.param_groups[0]["lr"])
+        optimizer.zero_grad(set_to_none=True)
+        self.monitor.add("optimizer_s", t0)
+        for s in self.state.schedulers:
+            s.step()
+        self.state.step += 1
+        if self.state.sampler is not None:
+            self.state.sampler.step(samples)
+        if self.state.iterable is not None:
+            self.state.iterable.step(samples)
+        return lr
+
+    def _maybe_start_quorum(self) -> None:
+        if self.replicas is not None and self.state.step < self._target:
+            self.replicas.start_step()
+
+    def _grad_sq(self, optimizer: torch.optim.Optimizer) -> Callable[[], float]:
+        """This rank's share of the squared norm of the (unscaled) gradient, for the agreement:
+        each parameter is held by world / pp ranks (its stage's)."""
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        pp = 1 if self.state.pp_group is None else self.state.pp_group.size()
+        holders = self.monitor.agreement.world // pp
+        scaler = self.state.scaler  # fp16: the gradients are still scaled here
+        scale = 1.0 if scaler is None else float(scaler.get_scale())
+        return lambda: grad_sq_share(params, holders) / scale**2
+
+    def _apply_update(self, optimizer: torch.optim.Optimizer, norm: float | None = None) -> None:
+        """Unscale, clip by ``norm`` (None: taken here, after the replica groups' average),
+        step."""
+        if self.state.scaler is not None:
+            self.state.scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
+        if self.grad_clip > 0:
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            if norm is None:  # the norm of the whole gradient, also when it is sharded
+                self.grad_norm = norm = grad_norm(params, pp_group=self.state.pp_group)
+            clip_grads_(params, self.grad_clip, norm)  # one float64 coefficient on every rank
+        if self.state.scaler is None:
+            optimizer.step()
+        else:  # skipped on every rank alike when any rank found inf/nan (parallel/precision.py)
+            self.state.scaler.step(optimizer)
+            self.state.scaler.update()
+
+    # --- metrics -------------------------------------------------------------------------
+
+    def _record(
+        self,
+        lr: float,
+        loss: float,
+        samples: int | None = None,
+        ft: dict[str, float | str] | None = None,
+    ) -> None:
+        """``loss``: the global mean loss, from the guard's collective (NaN on a skipped step);
+        ``samples``: those trained (default the global batch); ``ft``: replica-group figures."""
+        now = time.perf_counter()
+        step_time, self._t_last = now - self._t_last - self._outside_s, now
+        outside, self._outside_s = self._outside_s, 0.0
+        logged = self.state.step % self.log_every == 0 or self.state.step == self.total_steps
+        self._loss_sum = None
+        wait = self._data_wait(step_time)
+        phases = self.monitor.end_step(self.state.step, step_time, wait["data_wait_s"])
+        self.metrics.log_step(
+            self.state.step,
+            loss=loss,
+            lr=lr,
+            step_time_s=step_time,
+            samples=self.global_batch if samples is None else samples,
+            tokens=self._tokens_per_sample
+            and (self.global_batch if samples is None else samples) * self._tokens_per_sample,
+            extra={
+                **(memory_stats(self.device) | self.monitor.host.sample() if logged else {}),
+                **wait,
+                # The clip's norm (without clipping it is not taken: docs/monitor.md).
+                **({"grad_norm": self.grad_norm} if self.grad_clip > 0 else {}),
+                **phases,
+                **(ft or {}),
+                **({"eval_s": outside} if outside else {}),
+            },
+        )
+        self.monitor.add("loop_s", now)  # metrics and monitoring: the next step's time
+
+    def _data_wait(self, step_time: float) -> dict[str, float]:
+        """This rank's loader wait in the step, in seconds and as a share of the step time."""
+        waited = self.data_wait.take()
+        return {"data_wait_s": waited, "data_wait_share": waited / step_time if step_time else 0.0}

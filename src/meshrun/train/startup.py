@@ -1,0 +1,287 @@
+"""What ``meshrun.init()`` settles and builds for a ``Run``: the config (file, launcher, argv
+overrides, the global batch); the process-wide effects (the device, the process group and its
+mesh, the seeds); the metrics logger, the step loop and the checkpoints' record of the run.
+Each is called once per process by ``init``/``Run`` (train/run.py), which keeps only the facade."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import ipaddress
+import os
+import random
+import socket
+import sys
+from collections.abc import Sequence
+from datetime import timedelta
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from meshrun.checkpoint import RunFacts
+from meshrun.checkpoint.resumed_batch import resume_global_batch
+from meshrun.config import (
+    CONFIG_ENV,
+    Config,
+    ConfigError,
+    apply_overrides,
+    grad_accumulation,
+    load_config,
+    resolve_global_batch,
+    split_overrides,
+    to_toml,
+    validate_for_world,
+)
+from meshrun.monitor import MetricsLogger
+from meshrun.runtime.agreement import StepAgreement
+from meshrun.runtime.cluster import ClusterEnv
+from meshrun.runtime.hostmem import set_mmap_threshold
+from meshrun.runtime.mesh import ParallelDims, build_mesh
+from meshrun.runtime.runlock import claim_at_start
+from meshrun.runtime.state import TrainState
+from meshrun.train.loop import StepLoop
+
+__all__ = [
+    "build_loop",
+    "build_metrics",
+    "checkpoint_facts",
+    "init_process_group",
+    "init_seeds",
+    "mesh_text",
+    "pick_device",
+    "resolve_batch",
+    "resolve_config",
+    "start_process",
+]
+
+
+def pick_device(cfg: Config, env: ClusterEnv) -> tuple[torch.device, str]:
+    """cuda + nccl with one GPU per local rank, else cpu + gloo; never a silent fallback."""
+    want, backend = cfg.job.device, cfg.job.backend
+    has_cuda = torch.cuda.is_available()
+    if want == "cuda" and not has_cuda:
+        raise ConfigError("job.device = 'cuda' but no CUDA device is visible; use job.device=cpu")
+    use_cuda = want == "cuda" or (want == "auto" and has_cuda)
+    if backend == "nccl" and not use_cuda:
+        raise ConfigError("job.backend = 'nccl' needs CUDA devices; use job.backend=gloo on CPU")
+    if use_cuda:
+        if env.local_rank >= torch.cuda.device_count():
+            raise ConfigError(
+                f"local rank {env.local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
+                "start at most one process per GPU (meshrun launch --nproc-per-node)"
+            )
+        torch.cuda.set_device(env.local_rank)
+        device = torch.device("cuda", env.local_rank)
+    else:
+        device = torch.device("cpu")
+    if backend == "auto":
+        backend = "nccl" if use_cuda else "gloo"
+    return device, backend
+
+
+def init_process_group(env: ClusterEnv, backend: str, device: torch.device, cfg: Config) -> None:
+    if dist.is_initialized():
+        return
+    if env.kind != "torchelastic":
+        # SLURM/MPI give ranks but not torch's env:// variables: fill them in.
+        os.environ.update(
+            MASTER_ADDR=env.master_addr,
+            MASTER_PORT=str(env.master_port),
+            RANK=str(env.rank),
+            WORLD_SIZE=str(env.world_size),
+            LOCAL_RANK=str(env.local_rank),
+        )
+    timeout = timedelta(seconds=cfg.job.timeout_s)
+    dist.init_process_group(
+        backend=backend,
+        timeout=timeout,
+        device_id=device if device.type == "cuda" else None,
+        store=_worker_store(timeout, env.world_size > env.local_world_size),
+        rank=int(os.environ["RANK"]),
+        world_size=int(os.environ["WORLD_SIZE"]),
+    )
+
+
+def _worker_store(timeout: timedelta, spans_nodes: bool) -> dist.TCPStore:
+    """The workers' store at MASTER_ADDR:MASTER_PORT. torch's env:// server listens on every
+    interface; here rank 0 binds the socket itself, on MASTER_ADDR only, and hands it over."""
+    addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    world = int(os.environ["WORLD_SIZE"])
+    # The agent hosts it when the user shares the rendezvous store (torchrun's default).
+    if os.environ["RANK"] != "0" or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return dist.TCPStore(addr, port, world, is_master=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in addr else socket.AF_INET
+    try:
+        if spans_nodes and ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback:
+            # A hostname that /etc/hosts maps to 127.0.1.1: the other nodes could not connect.
+            raise OSError(0, f"it resolves to {socket.gethostbyname(addr)} here, which the "
+                          "other nodes cannot reach; give rank 0's address on their network")  # fmt: skip
+        sock = socket.create_server((addr, port), family=family, backlog=1024)
+    except OSError as err:
+        raise RuntimeError(
+            f"rank 0 cannot listen on MASTER_ADDR={addr} MASTER_PORT={port} ({err.strerror}): "
+            "MASTER_ADDR must be an address of rank 0's node and the port free"
+        ) from None
+    return dist.TCPStore(addr, port, world, is_master=True, timeout=timeout,
+                         wait_for_workers=False, master_listen_fd=sock.detach())  # fmt: skip
+
+
+def init_seeds(seed: int, rank: int) -> None:
+    # Same torch seed everywhere: every rank builds identical initial weights. Dropout's
+    # stream is made per data-parallel rank when run.steps begins (loop.seed_per_dp).
+    torch.manual_seed(seed)
+    # Rank-offset seeds for Python/NumPy: data augmentation differs per rank.
+    random.seed(seed + rank)
+    np.random.seed((seed + rank) % 2**32)
+
+
+def resolve_config(
+    config: Config | str | Path | None, argv: Sequence[str] | None, keep_argv: bool = False
+) -> Config:
+    """The config: ``config`` (a Config or a TOML path), else ``MESHRUN_CONFIG``'s file, else
+    the defaults; then the ``--section.key=value`` overrides of ``argv`` (default
+    ``sys.argv[1:]``). Overrides read from ``sys.argv`` are removed from it once applied
+    (unless ``keep_argv``): a script's own strict parser (``parse_args()``, nanoGPT's
+    configurator) would reject ``--optim.steps=...`` as unknown; so is the ``--`` that ends
+    them, which leaves the arguments after it to the script as written."""
+    overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
+    if isinstance(config, Config):
+        cfg = apply_overrides(copy.deepcopy(config), overrides)
+    else:
+        path = config if config is not None else os.environ.get(CONFIG_ENV)
+        cfg = load_config(path, overrides)
+    if argv is None and rest != sys.argv[1:] and not keep_argv:
+        sys.argv[1:] = rest  # in place: a reference to sys.argv held elsewhere sees it too
+    return cfg
+
+
+def resolve_batch(cfg: Config, world_size: int) -> str:
+    """Fill in an unset data.global_batch; return where it came from ("" when it was set)."""
+    if resume_global_batch(cfg) is not None:
+        validate_for_world(cfg, world_size)  # the saved batch must divide on this world too
+        return "from the checkpoint it resumes"
+    return "micro_batch x dp" if resolve_global_batch(cfg, [world_size]) else ""
+
+
+def start_process(
+    cfg: Config, env: ClusterEnv, dims: ParallelDims
+) -> tuple[torch.device, str, DeviceMesh | None]:
+    """The device, the process group (when launched distributed) and the mesh over it."""
+    device, backend = pick_device(cfg, env)
+    if device.type == "cpu":  # host memory holds the model: see meshrun/runtime/hostmem.py
+        set_mmap_threshold(cfg.job.cpu_mmap_threshold_kib)
+    if env.distributed:
+        init_process_group(env, backend, device, cfg)
+    # One job per run directory (runtime/runlock.py): before this process writes anything in it.
+    claim_at_start(cfg.resolved_run_dir(), env.rank, os.environ)
+    mesh = build_mesh(dims, device.type) if dist.is_initialized() else None
+    return device, backend, mesh
+
+
+def mesh_text(mesh: DeviceMesh | None) -> str:
+    if mesh is None:
+        return "none (one process)"
+    names = mesh.mesh_dim_names or ()
+    return " x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape, strict=True))
+
+
+def build_metrics(cfg: Config, run_dir: Path, is_main: bool, world_size: int) -> MetricsLogger:
+    m = cfg.metrics
+    return MetricsLogger(
+        run_dir,
+        is_main=is_main,
+        jsonl=m.jsonl,
+        log_every=m.log_every,
+        total_steps=cfg.optim.steps,
+        progress=m.progress,
+        world_size=world_size,
+        tensorboard=m.tensorboard,
+    )
+
+
+def build_loop(
+    cfg: Config,
+    accum: int,
+    device: torch.device,
+    mesh: DeviceMesh | None,
+    metrics: MetricsLogger,
+    state: TrainState,
+    agreement: StepAgreement,
+) -> StepLoop:
+    """The step loop; under ``fault_tolerance.replica_groups > 1`` with this group's torchft
+    Manager, and the accumulation over every group's data-parallel ranks."""
+    replicas = None
+    if cfg.fault_tolerance.enabled:
+        from meshrun.ft.replica import ReplicaGroup
+
+        dp = mesh.get_group("dp").size() if mesh is not None else 1
+        accum = grad_accumulation(cfg.data, dp, cfg.fault_tolerance.replica_groups)
+        replicas = ReplicaGroup(cfg.fault_tolerance, state, metrics, dp,
+                                global_batch=cfg.data.global_batch,
+                                lr_scaling=cfg.optim.lr_scaling)  # fmt: skip
+    loop = StepLoop(
+        accum=accum,
+        global_batch=cfg.data.global_batch,
+        micro_batch=cfg.data.micro_batch,
+        total_steps=cfg.optim.steps,
+        grad_clip=cfg.optim.grad_clip,
+        log_every=cfg.metrics.log_every,
+        device=device,
+        dp_group=mesh.get_group("dp") if mesh is not None else None,
+        metrics=metrics,
+        monitor=cfg.monitor,
+        state=state,
+        agreement=agreement,
+        replicas=replicas,
+    )
+    loop.seed, loop.dp_coord = cfg.job.seed, _dp_coord(cfg, mesh, device)
+    return loop
+
+
+def _dp_coord(cfg: Config, mesh: DeviceMesh | None, device: torch.device) -> int:
+    """This rank's data-parallel coordinate over every replica group (its dropout stream)."""
+    if mesh is None:
+        return 0
+    dp = mesh.get_group("dp")
+    if device.type == "cuda":
+        # DTensor's first random op would broadcast rank 0's CUDA RNG state over the world
+        # (run_state_sync): its tracker is made now without that, so the per-coordinate
+        # streams stay (torch.distributed.tensor._random; torchtitan does the same).
+        from torch.distributed.tensor import _random as dtensor_random
+
+        if dtensor_random._rng_tracker is None:
+            dtensor_random._rng_tracker = dtensor_random.OffsetBasedRNGTracker(
+                mesh, run_state_sync=False
+            )
+    group = cfg.fault_tolerance.group_index if cfg.fault_tolerance.enabled else 0
+    return group * dp.size() + dp.rank()
+
+
+def checkpoint_facts(cfg: Config, run_dir: Path, accum: int, device: torch.device) -> RunFacts:
+    """What the checkpoints record and check besides ``[checkpoint]``: the resolved figures."""
+    distributed = dist.is_initialized()
+    return RunFacts(
+        root=Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints",
+        rank=dist.get_rank() if distributed else 0,
+        world=dist.get_world_size() if distributed else 1,
+        device=device,
+        accum=accum,
+        global_batch=cfg.data.global_batch,
+        micro_batch=cfg.data.micro_batch,
+        seed=cfg.job.seed,
+        lr_scaling=cfg.optim.lr_scaling,
+        config_toml=to_toml(cfg),
+        config_digest=run_digest(cfg),
+    )
+
+
+def run_digest(cfg: Config) -> str:
+    """The config digest the checkpoints record and key node-local snapshots by: the config
+    without the lighthouse's address, which is no part of what is trained. A local launch of
+    replica groups starts its lighthouse on a new port each time; with the port in it, a new
+    launch of the same run could not find its own node-local snapshots."""
+    ft = dataclasses.replace(cfg.fault_tolerance, lighthouse="")
+    return dataclasses.replace(cfg, fault_tolerance=ft).digest()
