@@ -38,6 +38,11 @@ class LoopMethods(RunFields):
         return maybe_loss_parallel(self.config.parallel)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step (and zero) ``optimizer`` at the end of an accumulation window and advance what
+        moves with it (registered LR schedulers, the sampler's position, metrics, interval
+        checkpoints); return whether this micro-step was the window's last (else nothing ran).
+        A step the numerics guard skips still counts; under replica groups a step the quorum
+        does not commit does not (False)."""
         check_optimizer(optimizer, self.config.parallel, self.dp_size)
         self.checkpointer.flush()  # the last step's save, in a loop without run.steps
         self.checkpointer.before_update()  # an async save's background copy must end first
