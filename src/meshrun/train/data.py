@@ -45,8 +45,8 @@ class DataMethods(RunFields):
         self, dataset_len: int, *, mode: Literal["train", "eval"] = "train"
     ) -> ResumableSampler:
         """A :class:`ResumableSampler` over ``dataset_len`` samples for this rank's data-parallel
-        share: ``train`` (shuffled when ``data.shuffle``) one stream of epochs whose position resumes on any number of
-        ranks; ``eval`` gives each sample exactly once, in order, never padded."""
+        share: ``train``, one stream of epochs (shuffled when ``data.shuffle``) whose position
+        resumes on any number of ranks; ``eval``, each sample exactly once, in order, unpadded."""
         rank, world = self.dp_rank, self.dp_size
         if mode == "train":  # with replica groups, this group's share of the global batch
             rank, world = data_share(self.config.fault_tolerance, rank, world)
