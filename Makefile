@@ -23,7 +23,11 @@ demo: $(STAMP)
 # runs them one by one. Tests are safe side by side: free ports, namespaces and SLURM
 # clusters named per test.
 TEST_WORKERS ?= 2
-PYTEST := OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q --durations=30 -n $(TEST_WORKERS) --dist loadfile
+# Each run keeps its cost: the slowest tests, each tier's total against its budget
+# (tests/conftest.py), every test's time (test-results/durations.json) and a JUnit XML.
+PYTEST := OMP_NUM_THREADS=1 MESHRUN_DURATIONS_FILE=test-results/durations.json \
+	$(BIN)/python -m pytest -q --durations=30 --junitxml=test-results/junit.xml \
+	-n $(TEST_WORKERS) --dist loadfile
 
 test: $(STAMP) lint
 	$(PYTEST) tests
@@ -51,4 +55,4 @@ e2e: $(STAMP)
 	OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q tests/e2e
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) runs test-results .pytest_cache .mypy_cache .ruff_cache

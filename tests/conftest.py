@@ -24,3 +24,47 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "heavy" in item.keywords:
             item.add_marker(skip)
+
+
+# --- what the suite costs, per tier -------------------------------------------------------
+
+# Worker-seconds each tier may take (the sum of its tests' setup, call and teardown). CI runs
+# two workers on 2 cores inside a 25-minute job, about 3 of which go to installs: the three
+# budgets add up to two workers' worth of 21 minutes. A tier over its budget is printed as
+# such (never failed on: a time is not a test's verdict); growth is then a decision.
+TIER_BUDGET_S = {"unit": 150.0, "dist": 900.0, "e2e": 1470.0}
+_DURATIONS: dict[str, dict[str, float]] = {}
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Add each phase's duration to its test (xdist sends the workers' reports here too)."""
+    tests = _DURATIONS.setdefault(report.nodeid, {})
+    tests[report.when] = report.duration
+
+
+def _tier(nodeid: str) -> str:
+    parts = nodeid.split("/")
+    return parts[1] if len(parts) > 2 and parts[0] == "tests" else "other"
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Each tier's total against its budget, and every test's time in the file that
+    ``MESHRUN_DURATIONS_FILE`` names (JSON: nodeid -> seconds), for the next change to compare."""
+    if not _DURATIONS:
+        return
+    per_test = {k: round(sum(v.values()), 3) for k, v in sorted(_DURATIONS.items())}
+    totals: dict[str, list[float]] = {}
+    for nodeid, seconds in per_test.items():
+        totals.setdefault(_tier(nodeid), []).append(seconds)
+    terminalreporter.section("time per tier (worker-seconds)")
+    for tier, times in sorted(totals.items()):
+        budget = TIER_BUDGET_S.get(tier)
+        verdict = "" if budget is None else f" of {budget:.0f} s budget"
+        if budget is not None and sum(times) > budget:
+            verdict += f": OVER by {sum(times) - budget:.0f} s"
+        terminalreporter.write_line(f"{tier}: {len(times)} tests, {sum(times):.0f} s{verdict}")
+    if path := os.environ.get("MESHRUN_DURATIONS_FILE"):
+        import json
+
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(per_test, indent=1) + "\n")
