@@ -99,12 +99,6 @@ def _steps(run_dir: Path) -> list[dict[str, float]]:
     return [r for r in rows if "event" not in r]
 
 
-def _timed(cluster: Cluster, i: int, timeout: float) -> tuple[int, str, float]:
-    start = time.monotonic()
-    rc, out = cluster.wait(i, timeout)
-    return rc, out, time.monotonic() - start
-
-
 # --- a real two-host run -------------------------------------------------------------------
 
 
@@ -143,57 +137,77 @@ def test_two_hosts_of_two_processes_train_like_one_host_of_four(tmp_path: Path) 
 # --- failures: each fast, with the message that says what to fix ---------------------------
 
 
-@pytest.mark.timeout(120)
-def test_failures_are_named_within_the_timeout(tmp_path: Path) -> None:
-    script = str(SCRIPTS / "plain_ddp_ok.py")
+# Start-up allowance on top of a configured timeout: torch's imports and the agent's start on
+# a loaded 2-core machine. A bound derived from the configuration, never a timing window: a
+# launch that waited out its join timeout says "gave up", which the checks below refuse.
+STARTUP_S = 60
+
+
+def _stopped(cluster: Cluster, i: int, join_timeout_s: float = 0) -> str:
+    """Node i's output once it stopped, which must be with an error and within its join
+    timeout plus start-up (else the wait raises: a hang is a failure, never a pass)."""
+    rc, out = cluster.wait(i, join_timeout_s + STARTUP_S)
+    assert rc != 0, out[-2000:]
+    return out
+
+
+def _run_arg(tmp_path: Path) -> str:
+    return f"--job.run_dir={tmp_path / 'r'}"
+
+
+SCRIPT = str(SCRIPTS / "plain_ddp_ok.py")
+
+
+def test_an_interface_that_does_not_exist_is_named_with_the_real_ones(tmp_path: Path) -> None:
     with nodes(2) as cluster:
-        run = f"--job.run_dir={tmp_path / 'r'}"
-        # A non-existent interface: fails before anything starts, listing the real ones.
-        cluster.start(
-            1, *_launch_args(cluster.endpoint, "2", 1, "--interface", "eth9"), script, run
-        )
-        rc, out, took = _timed(cluster, 1, 30)
-        assert rc != 0 and took < 10, (took, out[-2000:])
-        assert "--interface 'eth9' does not exist" in out and "eth-mr" in out and "lo" in out
+        args = _launch_args(cluster.endpoint, "2", 1, "--interface", "eth9")
+        cluster.start(1, *args, SCRIPT, _run_arg(tmp_path))
+        out = _stopped(cluster, 1)
+    assert "--interface 'eth9' does not exist" in out and "eth-mr" in out and "lo" in out
 
-        # Nobody hosts the endpoint: bounded, and says what to check.
-        wrong = f"{cluster.net.address(1)[:-1]}9:{PORT}"  # an address no namespace holds
-        args = _launch_args(wrong, "2", 1, "--join-timeout", "6")
-        cluster.start(1, *args, script, run)
-        rc, out, took = _timed(cluster, 1, 60)
-        assert rc != 0 and took < 30, (took, out[-2000:])
-        assert f"the rendezvous endpoint {wrong} could not be reached within 6 s" in out
-        assert "--rdzv-endpoint is the address of one of the nodes" in out
 
-        # Two nodes both claim node_rank 0: both stop, naming both hosts.
-        for i in (0, 1):
-            cluster.start(i, *_launch_args(cluster.endpoint, "2", 0, "--join-timeout", "40"),
-                          script, run)  # fmt: skip
-        for i in (0, 1):
-            rc, out, took = _timed(cluster, i, 60)
-            assert rc != 0 and took < 30, (i, took, out[-2000:])
-            assert "node_rank 0 is claimed by 2 nodes" in out, out[-2000:]
-            assert "node0 (node_rank 0)" in out and "node1 (node_rank 0)" in out
+def test_an_endpoint_nobody_answers_is_named_after_the_join_timeout(tmp_path: Path) -> None:
+    with nodes(2) as cluster:
+        cluster.net.unplug(0)  # the endpoint's own host, off the network
+        args = _launch_args(cluster.endpoint, "2", 1, "--join-timeout", "6")
+        cluster.start(1, *args, SCRIPT, _run_arg(tmp_path))
+        out = _stopped(cluster, 1, 6)
+    assert f"the rendezvous endpoint {cluster.endpoint} could not be reached within 6 s" in out
+    assert "--rdzv-endpoint is the address of one of the nodes" in out
 
-        # Different configs: both stop, naming the hosts.
-        for i in (0, 1):
-            lr = f"--optim.lr={0.1 * (i + 1)}"
-            cluster.start(i, *_launch_args(cluster.endpoint, "2", i, "--join-timeout", "40"),
-                          script, run, lr)  # fmt: skip
-        for i in (0, 1):
-            rc, out, took = _timed(cluster, i, 60)
-            assert rc != 0 and took < 30, (i, took, out[-2000:])
-            assert "configs (digest of the resolved config" in out and "differ" in out
-            assert "optim.lr: 0.1 on node0, 0.2 on node1" in out
-            assert "node0 (node_rank 0)" in out and "node1 (node_rank 1)" in out
 
-        # One node alone: it says who is missing, and gives up after join_timeout_s.
-        cluster.start(0, *_launch_args(cluster.endpoint, "2", 0, "--join-timeout", "4"),
-                      script, run)  # fmt: skip
-        rc, out, took = _timed(cluster, 0, 60)
-        assert rc != 0 and took < 30, (took, out[-2000:])
-        assert "1/2 nodes joined [node0]; waiting for node_rank 1" in out
-        assert "gave up after 4 s" in out
+def test_two_nodes_claiming_one_rank_both_stop_naming_both_hosts(tmp_path: Path) -> None:
+    with nodes(2) as cluster:
+        for i in (0, 1):
+            args = _launch_args(cluster.endpoint, "2", 0, "--join-timeout", "40")
+            cluster.start(i, *args, SCRIPT, _run_arg(tmp_path))
+        outs = [_stopped(cluster, i, 40) for i in (0, 1)]
+    for out in outs:
+        assert "node_rank 0 is claimed by 2 nodes" in out and "gave up" not in out, out[-2000:]
+        assert "node0 (node_rank 0)" in out and "node1 (node_rank 0)" in out
+
+
+def test_two_nodes_with_different_configs_both_stop_naming_the_key(tmp_path: Path) -> None:
+    with nodes(2) as cluster:
+        for i in (0, 1):
+            args = _launch_args(cluster.endpoint, "2", i, "--join-timeout", "40")
+            cluster.start(i, *args, SCRIPT, _run_arg(tmp_path), f"--optim.lr={0.1 * (i + 1)}")
+        outs = [_stopped(cluster, i, 40) for i in (0, 1)]
+    for out in outs:
+        assert "configs (digest of the resolved config" in out and "differ" in out
+        assert "optim.lr: 0.1 on node0, 0.2 on node1" in out and "gave up" not in out
+        assert "node0 (node_rank 0)" in out and "node1 (node_rank 1)" in out
+
+
+def test_a_node_alone_names_who_is_missing_and_gives_up_at_its_join_timeout(
+    tmp_path: Path,
+) -> None:
+    with nodes(2) as cluster:
+        args = _launch_args(cluster.endpoint, "2", 0, "--join-timeout", "4")
+        cluster.start(0, *args, SCRIPT, _run_arg(tmp_path))
+        out = _stopped(cluster, 0, 4)
+    assert "1/2 nodes joined [node0]; waiting for node_rank 1" in out
+    assert "gave up after 4 s" in out
 
 
 # --- elastic: a node goes away, the job goes on --------------------------------------------
