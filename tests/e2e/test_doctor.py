@@ -10,7 +10,6 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -45,15 +44,13 @@ def _need_root_and_unshare() -> None:
 
 @pytest.mark.timeout(120)
 def test_missing_interface_fails_fast_naming_the_valid_ones(tmp_path: Path) -> None:
-    start = time.monotonic()
-    r = _run([*MESHRUN, "doctor", "--interface", "nope0"], tmp_path)
-    took = time.monotonic() - start
+    # Refused before any probe waits: the 30 s allowance is imports on a loaded machine.
+    r = _run([*MESHRUN, "doctor", "--interface", "nope0"], tmp_path, timeout=30)
     assert r.returncode == 1, r.stdout + r.stderr
     line = next(x for x in r.stdout.splitlines() if "interface" in x)
     assert "FAIL" in line and "'nope0' does not exist" in line and "lo (127.0.0.1/8)" in line
     assert "fix: pass --interface with one of the interfaces listed" in r.stdout
     assert r.stdout.splitlines()[-1].startswith("doctor: FAILED (1 FAIL")
-    assert took < 60  # the issue asks < 10 s; loose here for a shared, loaded machine
 
 
 @pytest.mark.timeout(180)
@@ -83,14 +80,14 @@ def test_small_dev_shm_fails_locally_and_across_the_launch(tmp_path: Path) -> No
 @pytest.mark.timeout(180)
 def test_unreachable_master_fails_within_seconds() -> None:
     netns.require()
-    with netns.hosts(2) as net:
+    with netns.hosts(3) as net:
         closed = f"{net.address(0)}:29400"  # node0 answers, nothing listens
-        nobody = f"{net.subnet}.99:29400"  # no host at all: connect times out
+        net.unplug(2)
+        nobody = f"{net.address(2)}:29400"  # a host off the network: connect times out
         for endpoint, expect in ((closed, "connection refused"), (nobody, "no answer within 3 s")):
             argv = net.argv(1, [*MESHRUN, "doctor", "--json", "--rdzv-endpoint", endpoint])
-            start = time.monotonic()
-            r = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd="/tmp")
-            took = time.monotonic() - start
+            # Bounded by the probe's 3 s connect timeout plus imports on a loaded machine.
+            r = subprocess.run(argv, capture_output=True, text=True, timeout=3 + 60, cwd="/tmp")
             assert r.returncode == 1, r.stdout + r.stderr
             checks = _by_name(json.loads(r.stdout))
             assert checks["port"]["status"] == "FAIL" and expect in checks["port"]["detail"]
@@ -98,7 +95,6 @@ def test_unreachable_master_fails_within_seconds() -> None:
             # The interface is the namespace's veth, chosen by route, not loopback.
             assert checks["interface"]["status"] == "PASS"
             assert checks["interface"]["detail"].startswith(f"{netns.IFNAME} ")
-            assert took < 90, took  # bounded: 3 s connect timeout + imports on a busy machine
         # On the endpoint's own node the port is checked by binding it.
         argv = net.argv(0, [*MESHRUN, "doctor", "--json", "--rdzv-endpoint", closed])
         r = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd="/tmp")

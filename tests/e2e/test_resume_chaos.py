@@ -152,15 +152,14 @@ def test_sigterm_to_launcher_saves_current_step_and_exits(tmp_path: Path) -> Non
     while steps_logged(tmp_path) < 5:
         assert proc.poll() is None and time.monotonic() < deadline, "run ended too early"
         time.sleep(0.01)
-    sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=60)
-    took = time.monotonic() - sent
     log = (tmp_path / "launcher.log").read_text()
     [saved] = layout.list_checkpoints(tmp_path / "checkpoints")
-    print(f"SIGTERM -> exit {code} in {took:.1f} s; checkpoint of step {saved.step}")
+    print(f"SIGTERM -> exit {code}; checkpoint of step {saved.step}")
     assert code == 128 + signal.SIGTERM, log[-3000:]  # the documented code of `meshrun launch`
-    assert took < 30  # torchrun's agent SIGKILLs workers 30 s after forwarding the signal
+    # Ended by the save, not by torchrun's SIGKILL of the workers 30 s after the signal.
+    assert "ending it with SIGKILL" not in log, log[-3000:]
     assert "preempted (SIGTERM)" in log, log[-3000:]
     assert layout.problems(saved.path) == []
     assert saved.step >= 5 and saved.step == steps_logged(tmp_path)

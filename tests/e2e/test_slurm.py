@@ -183,7 +183,6 @@ def test_launch_in_allocation_derives_srun_topology(cluster: slurm.Slurm, tmp_pa
 def test_launch_in_allocation_rejects_a_mismatch(cluster: slurm.Slurm, tmp_path: Path) -> None:
     launch = [sys.executable, "-m", "meshrun", "launch", str(SCRIPTS / "print_topology.py")]
     # Two tasks on the node would each start their own launcher: refused before any spawn.
-    t0 = time.monotonic()
     r = _srun(cluster, ["--ntasks-per-node=2", *launch, f"--job.run_dir={tmp_path}"])
     assert r.returncode != 0
     assert r.stderr.count("SLURM_STEP_TASKS_PER_NODE=2") == 2, r.stderr
@@ -203,7 +202,6 @@ def test_launch_in_allocation_rejects_a_mismatch(cluster: slurm.Slurm, tmp_path:
     )
     assert r.returncode != 0
     assert "SLURM_CPUS_ON_NODE=1" in r.stderr and "--cpus-per-task=2" in r.stderr, r.stderr
-    assert time.monotonic() - t0 < 100  # no hang: refused before anything waits
 
 
 @pytest.mark.timeout(200)
