@@ -106,7 +106,11 @@ LAYOUTS = {
 
 
 @pytest.mark.timeout(600)  # with the one-process reference on the first call; 2 busy cores
-@pytest.mark.parametrize("name", list(LAYOUTS))
+# pp2_zero0 (a plain pipeline with DDP) is also shown by test_layouts_pp.py: heavy here.
+@pytest.mark.parametrize(
+    "name",
+    [pytest.param(n, marks=pytest.mark.heavy) if n == "pp2_zero0" else n for n in LAYOUTS],
+)
 def test_demo_runs_like_one_process_under(
     name: str, tmp_path: Path, one_process: tuple[list[float], list[float]]
 ) -> None:

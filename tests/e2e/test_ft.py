@@ -185,24 +185,28 @@ def _check_survived(run_dir: Path, kills: int, ranks: int = 1, steps: int = STEP
     assert consumed == 16 * steps - 8 * len(alone)
 
 
-def _five_kills(tmp_path: Path, flags: list[str], *more: str, ranks: int = 1) -> None:
-    """Group 1 (of 2) killed at 5 seeded steps of 32 (``FT_TEST_SEED`` replays a seed); each
+# Kills per run: 2 in CI, 5 with MESHRUN_HEAVY_TESTS=1 (each costs a restart and a heal).
+KILLS = 5 if os.environ.get("MESHRUN_HEAVY_TESTS") else 2
+
+
+def _repeated_kills(tmp_path: Path, flags: list[str], *more: str, ranks: int = 1) -> None:
+    """Group 1 (of 2) killed at ``KILLS`` seeded steps (``FT_TEST_SEED`` replays a seed); each
     kill lands at its step: the survivor logs an uncommitted step there."""
     seed = int(os.environ.get("FT_TEST_SEED") or random.randrange(10**6))
-    steps = 32
-    kills = _kill_steps(random.Random(seed), 5, first=3, last=steps - 6, gap=5)
+    steps = 7 + 5 * KILLS  # 3 before the first kill, 5 between kills, room to end after (32 for 5)
+    kills = _kill_steps(random.Random(seed), KILLS, first=3, last=steps - 6, gap=5)
     print(f"FT_TEST_SEED={seed}: group 1 is killed at steps {kills}")
     env = {"FT_KILL_STEPS": "1:" + ",".join(map(str, kills)), "FT_HOLD_AT": str(steps - 3)}
-    flags = [*flags, "--replica-groups", "2", "--max-restarts", "6"]
+    flags = [*flags, "--replica-groups", "2", "--max-restarts", str(KILLS + 1)]
     _launch(tmp_path, flags, env, 880, *more, steps=steps)
-    _check_survived(tmp_path, kills=5, ranks=ranks, steps=steps)
+    _check_survived(tmp_path, kills=KILLS, ranks=ranks, steps=steps)
     broken = [int(e["step"]) for e in _events(tmp_path / "group0", "ft_uncommitted")]  # type: ignore[call-overload]
     assert broken == kills, (broken, kills)
 
 
 @pytest.mark.timeout(900)
-def test_five_kills_five_heals_while_the_other_group_keeps_training(tmp_path: Path) -> None:
-    _five_kills(tmp_path, [])
+def test_repeated_kills_five_heals_while_the_other_group_keeps_training(tmp_path: Path) -> None:
+    _repeated_kills(tmp_path, [])
 
 
 @pytest.mark.timeout(600)
@@ -216,7 +220,7 @@ def test_a_death_inside_the_all_reduce_leaves_that_step_uncommitted(tmp_path: Pa
 
 
 @pytest.mark.timeout(900)
-def test_two_groups_of_zero3_survive_five_kills_healing_shard_by_shard(tmp_path: Path) -> None:
-    """2 groups x 2 processes, ZeRO-3 (FSDP2) inside each, 5 kills: rank r heals from rank r."""
-    _five_kills(tmp_path, ["--nproc-per-node", "4"], "--parallel.zero=3", "--data.micro_batch=4",
+def test_two_groups_of_zero3_survive_repeated_kills_healing_shard_by_shard(tmp_path: Path) -> None:
+    """2 groups x 2 processes, ZeRO-3 (FSDP2) inside each, KILLS kills: rank r heals from rank r."""
+    _repeated_kills(tmp_path, ["--nproc-per-node", "4"], "--parallel.zero=3", "--data.micro_batch=4",
                 ranks=2)  # fmt: skip

@@ -121,6 +121,7 @@ def _kill_one_of_two(run_dir: Path, kill: int, *keys: str) -> None:
     assert _check_pp_samples([survivor, healed]) == 16 * STEPS - 8 * len(alone)
 
 
+@pytest.mark.heavy  # a heal of a sharded group is shown in CI by the tensor-parallel one
 @pytest.mark.timeout(600)
 def test_a_killed_pipeline_group_heals_both_stages_from_its_peer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -161,6 +162,7 @@ def test_zero1_inside_replica_groups_trains_what_plain_zero1_trains(tmp_path: Pa
     assert test_ft._check_samples(tmp_path / "ft", groups) == STEPS * 16
 
 
+@pytest.mark.heavy  # per-rank heals run in CI in test_ft.py's ZeRO-3 groups
 @pytest.mark.timeout(600)
 def test_a_killed_zero1_group_heals_each_ranks_optimizer_partition(tmp_path: Path) -> None:
     """Group 1's two ranks each load their own partition of the optimizer state from the

@@ -1,5 +1,7 @@
 """The size limits of STYLE.md's small modules, kept: no src file over 500 lines, no function
-over 50, no class over 25 methods (the ``Run`` facade included)."""
+over 50 (statements, branches, arguments and complexity are ruff's budgets, pyproject.toml),
+no class over 25 methods counted over its whole MRO within meshrun: mixins split a class into
+files, they do not make it smaller."""
 
 from __future__ import annotations
 
@@ -10,6 +12,12 @@ SRC = Path(__file__).resolve().parents[2] / "src"
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 50
 MAX_METHODS = 25
+# Classes allowed more, each with its reason (the count is the one measured when it was set).
+METHOD_ALLOWANCE = {
+    # Its 26 public names are the API scripts call (frozen by test_public_api.py), each a short
+    # call into a subsystem; 7 more are its life cycle and the evaluation's helpers.
+    "meshrun.Run": 33,
+}
 
 
 def oversized(root: Path) -> list[str]:
@@ -32,6 +40,34 @@ def oversized(root: Path) -> list[str]:
                 if len(methods) > MAX_METHODS:
                     found.append(f"{name}: class {node.name} has {len(methods)} methods")
     return found
+
+
+def methods_over_mro(cls: type) -> set[str]:
+    """The functions and properties a class has from itself and its meshrun bases."""
+    names: set[str] = set()
+    for klass in cls.__mro__:
+        if klass.__module__.startswith("meshrun"):
+            names |= {n for n, v in vars(klass).items() if callable(v) or isinstance(v, property)}
+    return names
+
+
+def test_classes_with_bases_stay_within_the_method_limit_over_their_mro() -> None:
+    import importlib
+    import inspect
+
+    found = []
+    for path in sorted((SRC / "meshrun").rglob("*.py")):
+        if path.name == "__main__.py":
+            continue
+        module = ".".join(path.relative_to(SRC).with_suffix("").parts).removesuffix(".__init__")
+        for _, cls in inspect.getmembers(importlib.import_module(module), inspect.isclass):
+            if cls.__module__ != module or len(cls.__mro__) <= 2:
+                continue
+            key = "meshrun.Run" if cls.__name__ == "Run" and module == "meshrun.train.run" else ""
+            count = len(methods_over_mro(cls))
+            if count > METHOD_ALLOWANCE.get(key, MAX_METHODS):
+                found.append(f"{module}.{cls.__name__}: {count} methods over its MRO")
+    assert found == []
 
 
 def test_src_stays_within_the_size_limits() -> None:

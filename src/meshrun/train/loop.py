@@ -93,7 +93,9 @@ class StepLoop:
     dp_coord: int = 0
     _rng_placed: bool = False
 
-    def __init__(
+    # Keyword-only, each a part the loop drives, passed once by train/startup.build_loop: a
+    # bundle object would only rename them (PLR0913 counts them all).
+    def __init__(  # noqa: PLR0913
         self,
         *,
         accum: int,
@@ -169,19 +171,7 @@ class StepLoop:
                 self.state.step,
                 target,
             )
-        sampler = getattr(loader, "sampler", None)
-        self.state.sampler = sampler if isinstance(sampler, ResumableSampler) else None
-        dataset = getattr(loader, "dataset", None)
-        self.state.iterable = dataset if isinstance(dataset, ResumableIterable) else None
-        self._t_last, self._outside_s = time.perf_counter(), 0.0
-        self._target = target
-        if not self._rng_placed:  # once per process, before the first forward
-            self._rng_placed = True
-            if not self.state.rng_restored:
-                seed_per_dp(self.seed, self.state.step, self.dp_coord)
-        if self.replicas is not None:
-            self.replicas.check_sampler(self.state.sampler)
-        self._maybe_start_quorum()
+        self._begin(loader, target)
         first = True
         while self.state.step < target:
             produced = False
@@ -199,6 +189,23 @@ class StepLoop:
                     break  # healed or uncommitted: read from the (new) position again
             if not produced:
                 raise RuntimeError("the data loader produced no batches: is the dataset empty?")
+
+    def _begin(self, loader: Iterable[Any], target: int) -> None:
+        """What a loop over ``loader`` sets up before its first batch: the data position the
+        checkpoints save, the clocks, the per-rank RNG stream, the first quorum."""
+        sampler = getattr(loader, "sampler", None)
+        self.state.sampler = sampler if isinstance(sampler, ResumableSampler) else None
+        dataset = getattr(loader, "dataset", None)
+        self.state.iterable = dataset if isinstance(dataset, ResumableIterable) else None
+        self._t_last, self._outside_s = time.perf_counter(), 0.0
+        self._target = target
+        if not self._rng_placed:  # once per process, before the first forward
+            self._rng_placed = True
+            if not self.state.rng_restored:
+                seed_per_dp(self.seed, self.state.step, self.dp_coord)
+        if self.replicas is not None:
+            self.replicas.check_sampler(self.state.sampler)
+        self._maybe_start_quorum()
 
     def _one_micro_step(self, batch: Any) -> Iterator[Any]:
         self._boundary = self.state.micro == self.accum - 1
