@@ -13,7 +13,6 @@ from typing import Any
 import pytest
 from torch.distributed import TCPStore
 
-from meshrun.launch.local import find_free_port
 from meshrun.launch.multinode.handshake import (
     Handshake,
     HandshakeError,
@@ -25,6 +24,7 @@ from meshrun.launch.multinode.handshake import (
     waiting_message,
 )
 from meshrun.launch.secret import JobSecret
+from meshrun.runtime.ports import free_port
 
 SECRET = JobSecret(b"0123456789abcdef0123456789abcdef", "test")
 
@@ -115,7 +115,7 @@ class Nodes:
     """Runs Handshake.run for several "nodes" against one in-process store."""
 
     def __init__(self, target: JoinTarget, timeout_s: float = 10.0) -> None:
-        self.port = find_free_port()
+        self.port = free_port()
         self.target, self.timeout_s = target, timeout_s
         self.host_store = TCPStore(
             "127.0.0.1", self.port, is_master=True, multi_tenant=True, wait_for_workers=False,

@@ -12,7 +12,6 @@ from meshrun.runtime.mpi_rendezvous import (
     Endpoint,
     MpiRendezvousError,
     choose_address,
-    free_port,
     init_socket_ifname,
     interface_of,
     local_addresses,
@@ -59,7 +58,9 @@ def test_interfaces_and_routes_of_this_host() -> None:
 
 
 def test_free_port_can_be_bound() -> None:
-    port = free_port()
+    from meshrun.runtime.ports import free_port
+
+    port = free_port("")
     with socket.socket() as sock:
         sock.bind(("", port))  # still free a moment later (nobody else took it)
 

@@ -257,12 +257,12 @@ def test_rank_0_hosts_the_workers_store_on_master_addr_only(
 ) -> None:
     from datetime import timedelta
 
-    from meshrun.launch.local import find_free_port
+    from meshrun.runtime.ports import free_port
     from meshrun.train.startup import _worker_store
 
     for key, value in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "WORLD_SIZE": "1"}.items():
         monkeypatch.setenv(key, value)
-    monkeypatch.setenv("MASTER_PORT", str(find_free_port()))
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
     monkeypatch.delenv("TORCHELASTIC_USE_AGENT_STORE", raising=False)
     worker = _worker_store(timedelta(seconds=5), spans_nodes=False)
     mine = [s for s in sockets.listeners(os.getpid()) if s.port == worker.port]

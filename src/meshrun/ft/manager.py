@@ -29,6 +29,7 @@ from meshrun.config import ConfigError
 from meshrun.config.fault_tolerance import FaultToleranceConfig, check_lighthouse
 from meshrun.ft.auth import Member, job_key, quorum_problem, replica_id
 from meshrun.ft.heal import StateCodec
+from meshrun.runtime.ports import free_port
 
 if TYPE_CHECKING:
     from torchft import Manager
@@ -101,13 +102,6 @@ def bind_host(lighthouse: str) -> str:
         sock.connect((address, 9))  # sends nothing: asks the kernel for the route
         source: str = sock.getsockname()[0]
     return source
-
-
-def free_port(host: str) -> int:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    with socket.socket(family, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
 
 
 class CheckedClient:

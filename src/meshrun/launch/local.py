@@ -39,6 +39,7 @@ from meshrun.launch.rundir import claim_run_dir
 from meshrun.launch.secret import SECRET_ENV, JobSecret, SecretError, from_env, resolve
 from meshrun.launch.torchrun_flags import FLAGS
 from meshrun.monitor.watchdog import hang_report, hang_states, watch_for_hangs
+from meshrun.runtime.ports import free_port
 
 if TYPE_CHECKING:
     from meshrun.launch.replicas import GroupPlan
@@ -98,14 +99,6 @@ def default_nproc_per_node() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 2
-
-
-def find_free_port(host: str = LOCAL_HOST) -> int:
-    """A TCP port free on ``host`` right now (the OS picks it; another process may race)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def build_torchrun_args(
@@ -229,7 +222,7 @@ def _local_store(spec: LaunchSpec) -> Iterator[int]:
     """One node's rendezvous store, created here on loopback (the agent's ``meshrun``
     rendezvous uses it); yields its port. The static rendezvous keeps torchrun's own."""
     if spec.rdzv_backend != "c10d":
-        yield find_free_port()
+        yield free_port()
         return
     from meshrun.launch.rdzv_signed import forget_store, listen_store
 
@@ -253,7 +246,7 @@ def _group_plan(spec: LaunchSpec) -> GroupPlan:
             spec, nproc_per_node=spec.nproc_per_node // spec.replica_groups, run_dir=run_dir,
             config_path=config_path, rdzv_id=f"{spec.rdzv_id}-group{index}", replica_groups=0,
         )  # fmt: skip
-        return build_torchrun_args(group, find_free_port())
+        return build_torchrun_args(group, free_port())
 
     return GroupPlan(
         spec.replica_groups, spec.nproc_per_node, spec.config_path,

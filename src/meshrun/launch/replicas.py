@@ -15,7 +15,6 @@ import copy
 import dataclasses
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from pathlib import Path
 from meshrun.config import CONFIG_ENV, Config, apply_overrides, load_config, validate_for_world
 from meshrun.config import write_config as write_config_file
 from meshrun.launch.secret import SECRET_ENV, resolve
+from meshrun.runtime.ports import free_port
 
 __all__ = ["GroupPlan", "group_config", "launch_replica_groups", "run_lighthouse"]
 
@@ -104,7 +104,7 @@ def run_lighthouse(given: str, cfg: Config, groups: int) -> Iterator[str]:
     from torchft.coordination import LighthouseServer
 
     ft = dataclasses.replace(cfg.fault_tolerance, replica_groups=groups)
-    port = _free_port()
+    port = free_port(LOCAL_HOST)
     server = LighthouseServer(
         bind=f"{LOCAL_HOST}:{port}",
         min_replicas=ft.quorum_size(),
@@ -116,12 +116,6 @@ def run_lighthouse(given: str, cfg: Config, groups: int) -> Iterator[str]:
         yield f"{LOCAL_HOST}:{port}"
     finally:
         server.shutdown()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOCAL_HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 def _start_group(

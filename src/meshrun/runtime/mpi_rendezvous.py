@@ -26,6 +26,8 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from types import ModuleType
 
+from meshrun.runtime.ports import free_port
+
 _SIOCGIFADDR = 0x8915
 _IFNAME_VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 _LOOPBACK = "127.0.0.1"
@@ -119,7 +121,7 @@ def _choose_on_rank0(reports: list[tuple[bool, list[str]]], port: int) -> tuple[
         addr = choose_address(reports, os.environ)
     except MpiRendezvousError as err:
         return "", 0, str(err)
-    return addr, port or free_port(), ""
+    return addr, port or free_port(""), ""  # free on every interface: the store binds them all
 
 
 def choose_address(reports: list[tuple[bool, list[str]]], environ: Mapping[str, str]) -> str:
@@ -187,14 +189,6 @@ def mismatch_message(library: str, world: int, mpi_size: int, launched_by: tuple
         f"mpi4py runs {library}, which sees {mpi_size} process(es): mpi4py loaded another MPI "
         f"than the launcher's, so every process would be rank 0 of its own job. Fix: {fix}"
     )
-
-
-def free_port() -> int:
-    """A port free on every interface now (the TCPStore binds them all); torchrun's way."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def route_source(dest: str) -> str:
