@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from meshrun.cli.main import main
-from meshrun.config import Config, ConfigError
+from meshrun.config import Config, ConfigError, LaunchConfig
 from meshrun.launch.local import LaunchSpec, build_torchrun_args, start_line
 from meshrun.launch.multinode import netif
 from meshrun.launch.multinode import nodes as multinode
@@ -46,18 +46,35 @@ def test_bad_endpoint_names_the_flag_and_the_port_range(text: str) -> None:
         multinode.parse_endpoint(text)
 
 
+def _rdzv(
+    nnodes: str, node_rank: int = 0, endpoint: str = "", rdzv_id: str = "job", conf: str = ""
+) -> multinode.Rendezvous:
+    launch = LaunchConfig(
+        nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=endpoint, rdzv_id=rdzv_id, rdzv_conf=conf
+    )
+    return multinode.Rendezvous.of(launch)
+
+
+def test_the_rendezvous_is_parsed_once_into_typed_values() -> None:
+    rdzv = _rdzv("2:4", 1, "10.0.0.1:29500", conf="last_call_timeout=5, a=b")
+    assert rdzv.nodes == multinode.JoinTarget(2, 4) and rdzv.endpoint == ("10.0.0.1", 29500)
+    assert rdzv.conf == (("last_call_timeout", "5"), ("a", "b"))
+    assert rdzv.endpoint_text == "10.0.0.1:29500" and rdzv.multinode
+    assert not _rdzv("1").multinode and _rdzv("1:2", endpoint="10.0.0.1:1").multinode
+
+
 def test_validate_checks_every_multinode_flag() -> None:
-    multinode.validate("2", 1, "10.0.0.1:29500", "job")
+    multinode.validate(_rdzv("2", 1, "10.0.0.1:29500"))
     with pytest.raises(ConfigError, match=r"--node-rank / launch.node_rank = 2 .* expected 0..1"):
-        multinode.validate("2", 2, "10.0.0.1:29500", "job")
+        multinode.validate(_rdzv("2", 2, "10.0.0.1:29500"))
     with pytest.raises(ConfigError, match="--nnodes 2 needs --rdzv-endpoint"):
-        multinode.validate("2", 0, "", "job")
+        multinode.validate(_rdzv("2", 0, ""))
+    with pytest.raises(ConfigError, match="--nnodes 2:3 needs --rdzv-endpoint"):
+        multinode.validate(_rdzv("2:3", 0, ""))
     with pytest.raises(ConfigError, match=r"--rdzv-id / launch\.rdzv_id = 'a/b'"):
-        multinode.validate("2", 0, "10.0.0.1:29500", "a/b")
+        multinode.validate(_rdzv("2", 0, "10.0.0.1:29500", "a/b"))
     with pytest.raises(ConfigError, match=r"--rdzv-conf / launch\.rdzv_conf = 'oops'"):
-        multinode.validate("2", 0, "10.0.0.1:29500", "job", "oops")
-    assert not multinode.is_multinode("1", "")
-    assert multinode.is_multinode("1:2", "10.0.0.1:1")
+        multinode.validate(_rdzv("2", 0, "10.0.0.1:29500", conf="oops"))
 
 
 def test_shared_digest_leaves_out_per_node_keys() -> None:
@@ -94,10 +111,11 @@ def test_cli_rejects_bad_multinode_flags(
 
 
 def test_loopback_endpoint_uses_loopback_and_hosts_the_store() -> None:
-    plan = multinode.plan_network("127.0.0.1:29500", "", {"NCCL_SOCKET_IFNAME": "ib0"})
+    rdzv = _rdzv("2", 0, "127.0.0.1:29500", conf="last_call_timeout=5,join_timeout=9")
+    plan = multinode.plan_network(rdzv, "", {"NCCL_SOCKET_IFNAME": "ib0"})
     assert plan.interface.is_loopback and plan.is_host
     assert plan.env == {"GLOO_SOCKET_IFNAME": plan.interface.name}  # the user's NCCL one kept
-    argv = plan.torchrun_args(60, "last_call_timeout=5,join_timeout=9")
+    argv = plan.torchrun_args(60)
     assert _flag(argv, "--local-addr") == "127.0.0.1"
     assert _flag(argv, "--rdzv-conf") == "is_host=1,join_timeout=9,last_call_timeout=5"
 
@@ -109,7 +127,7 @@ def test_multi_host_job_never_gets_loopback() -> None:
 
 def test_unknown_interface_lists_the_real_ones() -> None:
     with pytest.raises(netif.NetworkError) as err:
-        multinode.plan_network("127.0.0.1:29500", "eth-nope", {})
+        multinode.plan_network(_rdzv("2", 0, "127.0.0.1:29500"), "eth-nope", {})
     text = str(err.value)
     assert "--interface 'eth-nope' does not exist" in text and "lo (127.0.0.1/8)" in text
 

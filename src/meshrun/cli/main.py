@@ -88,14 +88,14 @@ def _launch(
     **spec_fields: Any,  # more LaunchSpec fields (meshrun launch: torchrun's flags)
 ) -> int:
     from meshrun.launch.local import LaunchSpec, launch_local
-    from meshrun.launch.multinode.nodes import shared_digest, shared_settings
+    from meshrun.launch.multinode.nodes import Rendezvous, shared_digest, shared_settings
     from meshrun.launch.rundir import claim_run_dir
 
     set_value(cfg, "launch.nproc_per_node", nproc)  # the resolved config records the count
     _resolve(cfg, _group_nproc(cfg, nproc, spec_fields), cfg.launch.nnodes)
     ln, run_dir = cfg.launch, cfg.resolved_run_dir()
     # One job per run directory: a busy one is refused before anything is written in it.
-    with claim_run_dir(run_dir, ln.nnodes, ln.rdzv_endpoint, ln.rdzv_id):
+    with claim_run_dir(run_dir, Rendezvous.of(ln)):
         spec = LaunchSpec.of(
             cfg.launch,
             script=script,
@@ -245,8 +245,7 @@ def apply_launch_flags(cfg: Config, a: argparse.Namespace, topology: bool = True
         apply_overrides(cfg, [(key, text)], source=f"{flag} {text}")
     if not topology:
         return
-    lc = cfg.launch
-    multinode.validate(lc.nnodes, lc.node_rank, lc.rdzv_endpoint, lc.rdzv_id, lc.rdzv_conf)
+    multinode.validate(multinode.Rendezvous.of(cfg.launch))
 
 
 def cmd_demo(a: argparse.Namespace) -> int:

@@ -28,6 +28,7 @@ from meshrun.launch.multinode import nodes as multinode
 from meshrun.launch.multinode.handshake import (
     Handshake,
     HandshakeError,
+    JoinTarget,
     local_node_info,
     publish_attempt,
     say_stderr,
@@ -124,7 +125,7 @@ def build_torchrun_args(
         # meshrun's handshake only.)
         argv += ["--node-rank", str(spec.node_rank)]
     if network is not None:
-        argv += network.torchrun_args(spec.join_timeout_s, spec.rdzv_conf)
+        argv += network.torchrun_args(spec.join_timeout_s)
     elif not spec.rdzv_endpoint:
         # One node: keep the workers' store on loopback too; otherwise torch advertises
         # the host's FQDN, which does not resolve on many laptops and containers.
@@ -176,13 +177,14 @@ def rendezvous_endpoint(spec: LaunchSpec, port: int) -> str:
 
 def launch_local(spec: LaunchSpec) -> int:
     """Run ``spec`` under torchrun's agent; return the exit code, never raise for a worker."""
+    rdzv = multinode.Rendezvous.of(spec)  # the rendezvous text, parsed once (checked: a config)
     if spec.replica_groups > 1:
         from meshrun.launch.replicas import launch_replica_groups  # its threads: on use
 
-        with orphan_guard(), _claim(spec, None):  # agents and workers end with us
+        with orphan_guard(), _claim(spec, rdzv, None):  # agents and workers end with us
             return launch_replica_groups(_group_plan(spec))
     try:
-        network = _plan_network(spec)
+        network = _plan_network(spec, rdzv)
         # A joining node reads the secret once the host's store answers (_checked_handshake).
         secret = _job_secret(spec, network) if network is None or network.is_host else None
     except (NetworkError, SecretError) as err:
@@ -191,22 +193,23 @@ def launch_local(spec: LaunchSpec) -> int:
     os.makedirs(spec.log_dir, exist_ok=True)
     # Runs already in the log folder, so the summary reads this run's logs, not theirs.
     known_runs = set(os.listdir(spec.log_dir))
-    with _claim(spec, network), _launch_environment(spec, network, secret) as omp_threads:
+    with _claim(spec, rdzv, network), _launch_environment(spec, network, secret) as omp_threads:
         if network is not None:
             argv = build_torchrun_args(spec, 0, network)
             print(start_line(spec, 0, omp_threads, network), file=sys.stderr, flush=True)
-            return _run_multinode(argv, spec, network, known_runs)
+            return _run_multinode(argv, spec, network, known_runs, rdzv)
         with _local_store(spec) as port:
             argv = build_torchrun_args(spec, port, network)
             print(start_line(spec, port, omp_threads, network), file=sys.stderr, flush=True)
             return _run_agent(argv, spec, known_runs, None)
 
 
-def _claim(spec: LaunchSpec, network: NetworkPlan | None) -> AbstractContextManager[None]:
+def _claim(
+    spec: LaunchSpec, rdzv: multinode.Rendezvous, network: NetworkPlan | None
+) -> AbstractContextManager[None]:
     """The run directory's lock (launch/rundir.py): one node, or the rendezvous host, takes
     it; the other nodes refuse a directory another job holds. Nested in meshrun launch's own."""
-    host = network is None or network.is_host
-    return claim_run_dir(spec.run_dir, spec.nnodes, spec.rdzv_endpoint, spec.rdzv_id, host)
+    return claim_run_dir(spec.run_dir, rdzv, network is None or network.is_host)
 
 
 def _job_secret(spec: LaunchSpec, network: NetworkPlan | None) -> JobSecret:
@@ -255,13 +258,17 @@ def _group_plan(spec: LaunchSpec) -> GroupPlan:
 
 
 def _run_multinode(
-    argv: list[str], spec: LaunchSpec, network: NetworkPlan, known_runs: set[str]
+    argv: list[str],
+    spec: LaunchSpec,
+    network: NetworkPlan,
+    known_runs: set[str],
+    rdzv: multinode.Rendezvous,
 ) -> int:
     for warning in network.warnings:
         say_stderr(f"warning: {warning}")
     try:
         # The host's store must outlive the agent, which reuses it: hold it until then.
-        store = _checked_handshake(spec, network)
+        store = _checked_handshake(spec, network, rdzv.nodes)
     except (HandshakeError, SecretError) as err:
         print(f"meshrun launch: error: {err}", file=sys.stderr, flush=True)
         return 1
@@ -276,20 +283,17 @@ def _run_multinode(
         del store
 
 
-def _plan_network(spec: LaunchSpec) -> NetworkPlan | None:
-    if not multinode.is_multinode(spec.nnodes, spec.rdzv_endpoint):
+def _plan_network(spec: LaunchSpec, rdzv: multinode.Rendezvous) -> NetworkPlan | None:
+    if not rdzv.multinode:
         return None
-    multinode.validate(
-        spec.nnodes, spec.node_rank, spec.rdzv_endpoint, spec.rdzv_id, spec.rdzv_conf
-    )
-    return multinode.plan_network(spec.rdzv_endpoint, spec.interface, os.environ, spec.rdzv_conf)
+    multinode.validate(rdzv)
+    return multinode.plan_network(rdzv, spec.interface, os.environ)
 
 
-def _checked_handshake(spec: LaunchSpec, network: NetworkPlan) -> Any:
+def _checked_handshake(spec: LaunchSpec, network: NetworkPlan, target: JoinTarget) -> Any:
     """Open the rendezvous store and check the nodes against each other; return the store."""
     from meshrun.launch.multinode.handshake import open_store
 
-    target = multinode.parse_nnodes(spec.nnodes)
     store = open_store(
         network.rdzv_address,
         network.rdzv_port,

@@ -11,18 +11,18 @@ import os
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from meshrun.launch.multinode.nodes import is_multinode
+from meshrun.launch.multinode.nodes import Rendezvous
 from meshrun.runtime.runlock import TOKEN_ENV, hold_run_dir, job_token
 
 __all__ = ["claim_run_dir"]
 
 
 def claim_run_dir(
-    run_dir: str | Path, nnodes: str, rdzv_endpoint: str, rdzv_id: str, host: bool | None = None
+    run_dir: str | Path, rdzv: Rendezvous, host: bool | None = None
 ) -> AbstractContextManager[None]:
     """The lock of a launch inside the block (raises :class:`meshrun.runtime.runlock.RunDirBusy`).
     ``host``: whether this node hosts a multi-node job's rendezvous (None: not known yet, only
     check); one node always takes it."""
-    multi = is_multinode(nnodes, rdzv_endpoint)
-    token = os.environ.get(TOKEN_ENV) or job_token(multi, rdzv_id, rdzv_endpoint)
+    multi = rdzv.multinode
+    token = os.environ.get(TOKEN_ENV) or job_token(multi, rdzv.rdzv_id, rdzv.endpoint_text)
     return hold_run_dir(run_dir, token, take=not multi or bool(host))

@@ -7,15 +7,15 @@ from typing import TYPE_CHECKING
 from meshrun._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from meshrun.launch.multinode.nodes import is_multinode, parse_nnodes, plan_network
+    from meshrun.launch.multinode.nodes import Rendezvous, parse_nnodes, plan_network
 
 __getattr__ = lazy_exports(
     globals(),
     {
-        "is_multinode": "meshrun.launch.multinode.nodes",
+        "Rendezvous": "meshrun.launch.multinode.nodes",
         "parse_nnodes": "meshrun.launch.multinode.nodes",
         "plan_network": "meshrun.launch.multinode.nodes",
     },
 )
 
-__all__ = ["is_multinode", "parse_nnodes", "plan_network"]
+__all__ = ["Rendezvous", "parse_nnodes", "plan_network"]

@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from meshrun.config import Config, ConfigError
+from meshrun.config import Config, ConfigError, LaunchConfig
 from meshrun.config.launch_values import (
     check_rdzv_id,
     nnodes_range,
@@ -34,30 +34,51 @@ def parse_nnodes(text: str) -> JoinTarget:
     return JoinTarget(*nnodes_range(text))
 
 
-def is_multinode(nnodes: str, rdzv_endpoint: str) -> bool:
-    """More than one node may join, or an endpoint was given (then it is used as is)."""
-    return bool(rdzv_endpoint) or parse_nnodes(nnodes).max_nodes > 1
+@dataclass(frozen=True)
+class Rendezvous:
+    """A launch's rendezvous, its ``[launch]`` text parsed once into typed values (``nnodes``
+    N or MIN:MAX, ``rdzv_endpoint`` HOST:PORT, ``rdzv_conf`` KEY=VALUE,...): what the checks,
+    the network plan, the run directory's lock and torchrun's arguments read."""
+
+    nodes: JoinTarget
+    endpoint: tuple[str, int] | None  # None: one node on a free loopback port
+    conf: tuple[tuple[str, str], ...]  # the user's --rdzv-conf, in order
+    rdzv_id: str
+    node_rank: int
+
+    @classmethod
+    def of(cls, launch: LaunchConfig) -> Rendezvous:
+        """Parse ``launch``'s values (errors name the flag and the key)."""
+        endpoint = parse_endpoint(launch.rdzv_endpoint) if launch.rdzv_endpoint else None
+        conf = tuple(parse_rdzv_conf(launch.rdzv_conf).items())
+        return cls(parse_nnodes(launch.nnodes), endpoint, conf, launch.rdzv_id, launch.node_rank)
+
+    @property
+    def multinode(self) -> bool:
+        """More than one node may join, or an endpoint was given (then it is used as is)."""
+        return self.endpoint is not None or self.nodes.max_nodes > 1
+
+    @property
+    def endpoint_text(self) -> str:
+        return "" if self.endpoint is None else f"{self.endpoint[0]}:{self.endpoint[1]}"
 
 
-def validate(
-    nnodes: str, node_rank: int, rdzv_endpoint: str, rdzv_id: str, rdzv_conf: str = ""
-) -> None:
-    """Every multi-node flag checked before anything starts (ConfigError naming the flag)."""
-    target = parse_nnodes(nnodes)
-    if target.max_nodes > 1 and not rdzv_endpoint:
+def validate(rdzv: Rendezvous) -> None:
+    """The multi-node checks that need more than one value, before anything starts
+    (ConfigError naming the flags)."""
+    nodes = rdzv.nodes
+    nnodes = str(nodes.max_nodes) if not nodes.elastic else f"{nodes.min_nodes}:{nodes.max_nodes}"
+    if nodes.max_nodes > 1 and rdzv.endpoint is None:
         raise ConfigError(
             f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (launch.rdzv_endpoint): the "
             "address of one of the nodes, the same on every node"
         )
-    if rdzv_endpoint:
-        parse_endpoint(rdzv_endpoint)
-    if not 0 <= node_rank < target.max_nodes:
+    if not 0 <= rdzv.node_rank < nodes.max_nodes:
         raise ConfigError(
-            f"--node-rank / launch.node_rank = {node_rank} is not allowed with --nnodes {nnodes}: "
-            f"expected 0..{target.max_nodes - 1}"
+            f"--node-rank / launch.node_rank = {rdzv.node_rank} is not allowed with --nnodes "
+            f"{nnodes}: expected 0..{nodes.max_nodes - 1}"
         )
-    parse_rdzv_conf(rdzv_conf)
-    check_rdzv_id(rdzv_id)
+    check_rdzv_id(rdzv.rdzv_id)
 
 
 def shared_digest(cfg: Config) -> str:
@@ -85,10 +106,11 @@ class NetworkPlan:
     is_host: bool  # this node owns the endpoint's address: it hosts the store
     env: dict[str, str]  # GLOO/NCCL_SOCKET_IFNAME the user had not set
     warnings: list[str]
+    user_conf: tuple[tuple[str, str], ...] = ()  # --rdzv-conf as given (Rendezvous.conf)
 
-    def torchrun_args(self, join_timeout_s: float, rdzv_conf: str = "") -> list[str]:
+    def torchrun_args(self, join_timeout_s: float) -> list[str]:
         conf = {"is_host": str(int(self.is_host)), "join_timeout": str(max(1, int(join_timeout_s)))}
-        conf.update(parse_rdzv_conf(rdzv_conf))  # the user's keys win
+        conf.update(self.user_conf)  # the user's keys win
         joined = ",".join(f"{k}={v}" for k, v in conf.items())
         return ["--local-addr", self.interface.address, "--rdzv-conf", joined]
 
@@ -97,13 +119,13 @@ class NetworkPlan:
         return f"interface {self.interface}, route to {self.rdzv_address}, this node {role}"
 
 
-def plan_network(
-    rdzv_endpoint: str, requested: str, environ: Mapping[str, str], rdzv_conf: str = ""
-) -> NetworkPlan:
+def plan_network(rdzv: Rendezvous, requested: str, environ: Mapping[str, str]) -> NetworkPlan:
     """Choose the interface (``requested`` if given, else the route to the endpoint). This
     node hosts the store if it owns the endpoint's address, unless ``--rdzv-conf is_host=``
     says otherwise (several launches on one machine)."""
-    host, port = parse_endpoint(rdzv_endpoint)
+    if rdzv.endpoint is None:
+        raise ConfigError("a multi-node launch needs --rdzv-endpoint HOST:PORT")
+    host, port = rdzv.endpoint
     address = netif.resolve_host(host)
     if ipaddress.ip_address(address).is_loopback:
         # All nodes on this machine (a test, or one host playing several): loopback is right.
@@ -115,9 +137,10 @@ def plan_network(
         rdzv_host=host,
         rdzv_address=address,
         rdzv_port=port,
-        is_host=_is_host(address, parse_rdzv_conf(rdzv_conf).get("is_host")),
+        is_host=_is_host(address, dict(rdzv.conf).get("is_host")),
         env=netif.socket_env(chosen, environ),
         warnings=warnings,
+        user_conf=rdzv.conf,
     )
 
 
