@@ -77,6 +77,8 @@ def test_demo_runs_and_is_comparable_across_world_sizes(tmp_path: Path) -> None:
 
 
 @pytest.mark.timeout(200)
+# `meshrun launch -m meshrun.demo` runs in CI in test_resume_chaos, test_multinode, test_mpirun, ...
+@pytest.mark.heavy
 def test_demo_module_runs_under_meshrun_launch(tmp_path: Path) -> None:
     p = meshrun(
         "launch",
