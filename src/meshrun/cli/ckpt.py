@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from meshrun.checkpoint import layout
+from meshrun.runtime.logs import say_error
 
 __all__ = ["add_parser"]
 
@@ -48,7 +50,7 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     # read from it: a crafted checkpoint is named here, never loaded.
     bad = layout.problems(path, checksums=False)
     if bad:
-        print(f"meshrun ckpt inspect: error: {path} is not a valid checkpoint: {'; '.join(bad)}")
+        say_error("ckpt inspect", f"{path} is not a valid checkpoint: {'; '.join(bad)}", sys.stdout)
         return 2
     manifest = layout.read_manifest(path)
     meta = {k: v for k, v in manifest.items() if k != "files"}
@@ -89,7 +91,7 @@ def cmd_export(a: argparse.Namespace) -> int:
     try:
         return _export_hf(a, path) if a.hf else _export_file(a, path)
     except ValueError as e:
-        print(f"meshrun ckpt export: error: {e}")
+        say_error("ckpt export", e, sys.stdout)
         return 2
 
 

@@ -9,6 +9,7 @@ import sys
 
 from meshrun.data.prepare import DEFAULT_SHARD_TOKENS, prepare
 from meshrun.data.shards import load_manifest, verify_dataset
+from meshrun.runtime.logs import say_error
 
 __all__ = ["add_bench_data", "add_parser"]
 
@@ -78,7 +79,7 @@ def _cmd_prepare(a: argparse.Namespace) -> int:
         )
     except (ValueError, FileNotFoundError) as e:
         message = str(e).removeprefix("data prepare: ")
-        print(f"meshrun data prepare: error: {message}", file=sys.stderr)
+        say_error("data prepare", message)
         return 2
     return 0
 
@@ -99,7 +100,7 @@ def _cmd_bench(a: argparse.Namespace) -> int:
     if a.nproc is None:  # one reader per accelerator, as training would run
         a.nproc = torch.cuda.device_count() or 1
     if problems := _bench_problems(a):
-        print(f"meshrun bench data: error: {'; '.join(problems)}", file=sys.stderr)
+        say_error("bench data", "; ".join(problems))
         return 2
     try:
         load_manifest(a.dir)  # a wrong directory: say so before spawning readers
@@ -112,7 +113,7 @@ def _cmd_bench(a: argparse.Namespace) -> int:
             batches=a.batches,
         )
     except (ValueError, FileNotFoundError) as e:
-        print(f"meshrun bench data: error: {e}", file=sys.stderr)
+        say_error("bench data", e)
         return 2
     print(
         f"loader alone: seq_len {a.seq_len}, micro-batch {a.micro_batch}, "
@@ -129,7 +130,7 @@ def _cmd_verify(a: argparse.Namespace) -> int:
     try:
         problems = verify_dataset(a.dir)
     except (ValueError, FileNotFoundError) as e:
-        print(f"meshrun data verify: error: {e}", file=sys.stderr)
+        say_error("data verify", e)
         return 2
     if problems:
         print(f"meshrun data verify: {len(problems)} problem(s) in {a.dir}:", file=sys.stderr)

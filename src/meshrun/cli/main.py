@@ -33,6 +33,7 @@ from meshrun.config import (
     write_config,
 )
 from meshrun.launch.target import DEMO_CONFIG, DEMO_MODULE, default_config
+from meshrun.runtime.logs import say_error
 
 
 def _prepare(cfg: Config, nproc: int, nnodes: str) -> Path:
@@ -470,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(quiet_on_broken_pipe(a.fn)(a))
     except ConfigError as e:
         command = args_list[0] if args_list else ""
-        print(f"meshrun {command}: error: {e}", file=sys.stderr)
+        say_error(command, e)
         return 2
     finally:
         if argv is None:  # the `meshrun` program, about to exit (not a caller in-process)

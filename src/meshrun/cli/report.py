@@ -4,18 +4,18 @@
 from __future__ import annotations
 
 import argparse
-import sys
 
 from meshrun.cli.args import Subparsers, add_command
 from meshrun.report.html import summary_lines, write_report
 from meshrun.report.summary import ReportError
+from meshrun.runtime.logs import say_error
 
 
 def cmd_report(a: argparse.Namespace) -> int:
     try:
         report = write_report(a.run_dirs, a.out)
     except ReportError as e:
-        print(f"meshrun report: error: {e}", file=sys.stderr)
+        say_error("report", e)
         return 2
     print("\n".join(summary_lines(report)))
     return 0

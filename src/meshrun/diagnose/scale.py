@@ -26,6 +26,7 @@ from meshrun.config import (
 from meshrun.launch.target import default_config, require_script
 from meshrun.report.html import summary_lines, write_report
 from meshrun.report.summary import ReportError
+from meshrun.runtime.logs import say_error
 
 __all__ = ["ScaleRequest", "parse_sizes", "run_dirs", "run_scale_test", "scale_configs"]
 
@@ -142,7 +143,7 @@ def _report(done: list[Path], failed: list[int], out: Path) -> int:
     try:
         report = write_report(done, out)
     except ReportError as e:
-        print(f"meshrun scale-test: error: {e}", file=sys.stderr)
+        say_error("scale-test", e)
         return 2
     print("\n".join(summary_lines(report)))
     return 1 if failed else 0

@@ -40,6 +40,7 @@ from meshrun.launch.rundir import claim_run_dir
 from meshrun.launch.secret import SECRET_ENV, JobSecret, SecretError, from_env, resolve
 from meshrun.launch.torchrun_flags import FLAGS
 from meshrun.monitor.watchdog import hang_report, hang_states, watch_for_hangs
+from meshrun.runtime.logs import say_error
 from meshrun.runtime.ports import free_port
 
 if TYPE_CHECKING:
@@ -188,7 +189,7 @@ def launch_local(spec: LaunchSpec) -> int:
         # A joining node reads the secret once the host's store answers (_checked_handshake).
         secret = _job_secret(spec, network) if network is None or network.is_host else None
     except (NetworkError, SecretError) as err:
-        print(f"meshrun launch: error: {err}", file=sys.stderr, flush=True)
+        say_error("launch", err)
         return 1
     os.makedirs(spec.log_dir, exist_ok=True)
     # Runs already in the log folder, so the summary reads this run's logs, not theirs.
@@ -270,7 +271,7 @@ def _run_multinode(
         # The host's store must outlive the agent, which reuses it: hold it until then.
         store = _checked_handshake(spec, network, rdzv.nodes)
     except (HandshakeError, SecretError) as err:
-        print(f"meshrun launch: error: {err}", file=sys.stderr, flush=True)
+        say_error("launch", err)
         return 1
     except KeyboardInterrupt:
         return _interrupted(signal.SIGINT)

@@ -161,3 +161,9 @@ class _ConsoleFormatter(logging.Formatter):
         if record.levelno >= logging.WARNING:
             return f"{self.who} {record.levelname.lower()}: {msg}"
         return f"{self.who}: {msg}"
+
+
+def say_error(command: str, message: object, stream: TextIO | None = None) -> None:
+    """The one line every meshrun command stops with: ``meshrun COMMAND: error: MESSAGE``, on
+    stderr unless the command reports on ``stream`` (``ckpt`` writes its verdicts to stdout)."""
+    print(f"meshrun {command}: error: {message}", file=stream or sys.stderr, flush=True)
