@@ -1,7 +1,9 @@
-"""The size limits of STYLE.md's small modules, kept: no src file over 500 lines, no function
-over 50 (statements, branches, arguments and complexity are ruff's budgets, pyproject.toml),
-no class over 25 methods counted over its whole MRO within meshrun: mixins split a class into
-files, they do not make it smaller."""
+"""The size limits of STYLE.md's small modules, kept: no src file over 500 lines as the
+formatter writes it (src has no ``# fmt: skip``: a line squeezed past the formatter hides the
+size the limit is meant to show), no class over 25 methods counted over its whole MRO within
+meshrun (mixins split a class into files, they do not make it smaller). A function's size is
+measured by ruff in statements, branches, arguments and complexity (pyproject.toml), not in
+physical lines."""
 
 from __future__ import annotations
 
@@ -10,7 +12,6 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[2] / "src"
 MAX_FILE_LINES = 500
-MAX_FUNCTION_LINES = 50
 MAX_METHODS = 25
 # Classes allowed more, each with its reason (the count is the one measured when it was set).
 METHOD_ALLOWANCE = {
@@ -21,7 +22,7 @@ METHOD_ALLOWANCE = {
 
 
 def oversized(root: Path) -> list[str]:
-    """Every file, function and class under ``root`` past the limits, one line each."""
+    """Every file and class under ``root`` past the limits, one line each."""
     found = []
     for path in sorted(root.rglob("*.py")):
         text = path.read_text()
@@ -29,11 +30,7 @@ def oversized(root: Path) -> list[str]:
         if text.count("\n") > MAX_FILE_LINES:
             found.append(f"{name}: {text.count(chr(10))} lines")
         for node in ast.walk(ast.parse(text)):
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
-                lines = (node.end_lineno or node.lineno) - node.lineno + 1
-                if lines > MAX_FUNCTION_LINES:
-                    found.append(f"{name}: function {node.name} is {lines} lines")
-            elif isinstance(node, ast.ClassDef):
+            if isinstance(node, ast.ClassDef):
                 methods = [
                     n for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
                 ]
@@ -74,7 +71,16 @@ def test_src_stays_within_the_size_limits() -> None:
     assert oversized(SRC) == []
 
 
-def test_the_check_sees_a_long_function(tmp_path: Path) -> None:
-    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
-    (tmp_path / "m.py").write_text(f"def long() -> None:\n{body}\n")
-    assert oversized(tmp_path) == [f"m.py: function long is {MAX_FUNCTION_LINES + 1} lines"]
+def test_the_check_sees_a_long_file(tmp_path: Path) -> None:
+    (tmp_path / "m.py").write_text("x = 1\n" * (MAX_FILE_LINES + 1))
+    assert oversized(tmp_path) == [f"m.py: {MAX_FILE_LINES + 1} lines"]
+
+
+def test_src_formats_every_line() -> None:
+    skipped = [
+        f"{p.relative_to(SRC)}:{i}"
+        for p in sorted(SRC.rglob("*.py"))
+        for i, line in enumerate(p.read_text().splitlines(), 1)
+        if "fmt: skip" in line or "fmt: off" in line
+    ]
+    assert skipped == []

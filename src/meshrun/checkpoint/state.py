@@ -102,9 +102,19 @@ def encode_json(value: Any, path: str = "value") -> Any:
 # file never makes decode_json look up an arbitrary attribute of torch.
 _DTYPES = {
     str(d).removeprefix("torch."): d
-    for d in (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64,
-              torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)
-}  # fmt: skip
+    for d in (
+        torch.float64,
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.int64,
+        torch.int32,
+        torch.int16,
+        torch.int8,
+        torch.uint8,
+        torch.bool,
+    )
+}
 
 
 def encode_tensors(value: Any, path: str = "value") -> Any:

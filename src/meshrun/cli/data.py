@@ -86,9 +86,13 @@ def _cmd_prepare(a: argparse.Namespace) -> int:
 
 def _bench_problems(a: argparse.Namespace) -> list[str]:
     """Flag errors, found before any process is spawned."""
-    limits = [("--nproc-per-node", a.nproc, 1), ("--seq-len", a.seq_len, 1),
-              ("--micro-batch", a.micro_batch, 1), ("--batches", a.batches, 1),
-              ("--num-workers", a.num_workers, 0)]  # fmt: skip
+    limits = [
+        ("--nproc-per-node", a.nproc, 1),
+        ("--seq-len", a.seq_len, 1),
+        ("--micro-batch", a.micro_batch, 1),
+        ("--batches", a.batches, 1),
+        ("--num-workers", a.num_workers, 0),
+    ]
     return [f"{flag} {value}: must be >= {low}" for flag, value, low in limits if value < low]
 
 

@@ -45,11 +45,22 @@ def cmd_bench(a: argparse.Namespace) -> int:
     cfg.data.micro_batch, cfg.data.global_batch = 1, nproc
     cfg.metrics.progress = False
     config_path = write_config(cfg, Path(a.run_dir) / "config.toml")
-    request = BenchRequest(out=str(Path(a.out).resolve()), kind=a.kind, max_mb=a.max_mb,
-                           precision=a.precision, seconds=a.seconds,
-                           pairs=getattr(a, "pairs", False), pair_mb=getattr(a, "pair_mb", 4.0))  # fmt: skip
-    spec = LaunchSpec(nproc_per_node=nproc, module=BENCH_WORKER, script_args=request.to_argv(),
-                      config_path=str(config_path), run_dir=a.run_dir)  # fmt: skip
+    request = BenchRequest(
+        out=str(Path(a.out).resolve()),
+        kind=a.kind,
+        max_mb=a.max_mb,
+        precision=a.precision,
+        seconds=a.seconds,
+        pairs=getattr(a, "pairs", False),
+        pair_mb=getattr(a, "pair_mb", 4.0),
+    )
+    spec = LaunchSpec(
+        nproc_per_node=nproc,
+        module=BENCH_WORKER,
+        script_args=request.to_argv(),
+        config_path=str(config_path),
+        run_dir=a.run_dir,
+    )
     code = launch_local(spec)
     if code == 0:
         print(f"wrote {a.out}; use it with `meshrun plan --calibration {a.out} ...`")
@@ -70,16 +81,23 @@ def add_bench_parser(sub: Subparsers) -> None:
     kinds = p.add_subparsers(dest="kind", required=True, metavar="{comm,compute,all,data}")
     common = argparse.ArgumentParser(add_help=False)
     _add_calibration_options(common)
-    for kind, help in (("comm", "collectives over a sweep of message sizes"),
-                       ("compute", "matmul and the demo GPT's step, FLOP/s"),
-                       ("all", "comm and compute")):  # fmt: skip
+    for kind, help in (
+        ("comm", "collectives over a sweep of message sizes"),
+        ("compute", "matmul and the demo GPT's step, FLOP/s"),
+        ("all", "comm and compute"),
+    ):
         k = kinds.add_parser(kind, help=help, parents=[common])
         k.set_defaults(fn=cmd_bench)
         if kind != "compute":
-            k.add_argument("--pairs", action="store_true", help="also measure every pair of "
-                           "nodes (of ranks on one node) alone: a matrix, to find a slow link")  # fmt: skip
-            k.add_argument("--pair-mb", type=float, default=4.0,
-                           help="message per pair and direction, MiB (4)")  # fmt: skip
+            k.add_argument(
+                "--pairs",
+                action="store_true",
+                help="also measure every pair of "
+                "nodes (of ranks on one node) alone: a matrix, to find a slow link",
+            )
+            k.add_argument(
+                "--pair-mb", type=float, default=4.0, help="message per pair and direction, MiB (4)"
+            )
     add_bench_data(kinds, "data")
 
 
@@ -87,8 +105,12 @@ def _add_calibration_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--nproc-per-node", type=int, help="processes (default: GPUs, else 2)")
     p.add_argument("--out", default="calibration.json", help="calibration file (merged into)")
     p.add_argument("--max-mb", type=float, default=16.0, help="largest message, MiB (16)")
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
-                   help="matmul precision (fp32; bf16/fp16 on GPUs)")  # fmt: skip
+    p.add_argument(
+        "--precision",
+        choices=["fp32", "bf16", "fp16"],
+        default="fp32",
+        help="matmul precision (fp32; bf16/fp16 on GPUs)",
+    )
     p.add_argument("--seconds", type=float, default=0.3, help="time per measurement (0.3)")
     p.add_argument("--run-dir", default="runs/bench", help="logs and config (runs/bench)")
 

@@ -37,14 +37,21 @@ def _cmd_lighthouse(a: argparse.Namespace) -> int:
         join_timeout_ms=a.join_timeout_ms,
         heartbeat_timeout_ms=a.heartbeat_timeout_ms,
     )
-    print(f"meshrun lighthouse: listening on {a.bind} ({server.address()}), min_replicas "
-          f"{a.min_replicas}; Ctrl-C stops it", file=sys.stderr, flush=True)  # fmt: skip
+    print(
+        f"meshrun lighthouse: listening on {a.bind} ({server.address()}), min_replicas "
+        f"{a.min_replicas}; Ctrl-C stops it",
+        file=sys.stderr,
+        flush=True,
+    )
     if a.bind.rpartition(":")[0] in ("[::]", "0.0.0.0", ""):
         # torchft's lighthouse authenticates no one: every interface is every network's reach.
-        print("meshrun lighthouse: warning: listening on every interface; anyone who reaches "
-              "the port can stall the job's quorums or restart its groups (docs/security.md): "
-              "pass --bind ADDRESS:PORT of the interface the groups use", file=sys.stderr,
-              flush=True)  # fmt: skip
+        print(
+            "meshrun lighthouse: warning: listening on every interface; anyone who reaches "
+            "the port can stall the job's quorums or restart its groups (docs/security.md): "
+            "pass --bind ADDRESS:PORT of the interface the groups use",
+            file=sys.stderr,
+            flush=True,
+        )
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
@@ -86,4 +93,4 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="MS",
         help="how long a quorum waits for groups that heartbeat but have not asked",
     )
-    p.set_defaults(fn=_cmd_lighthouse)  # fmt: skip
+    p.set_defaults(fn=_cmd_lighthouse)

@@ -220,9 +220,16 @@ def _maybe_from_slurm(cfg: Config, a: argparse.Namespace) -> None:
 
 # `meshrun launch` flags that override [launch] keys of the same name (flag given = wins).
 LAUNCH_FLAGS = (
-    "nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint", "rdzv_id", "rdzv_conf",
-    "max_restarts", "interface", ("join_timeout", "join_timeout_s"),
-)  # fmt: skip
+    "nproc_per_node",
+    "nnodes",
+    "node_rank",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "rdzv_conf",
+    "max_restarts",
+    "interface",
+    ("join_timeout", "join_timeout_s"),
+)
 
 
 def launch_flag_overrides(a: argparse.Namespace) -> list[tuple[str, str, str]]:

@@ -26,23 +26,32 @@ CALIBRATION_KEYS = {f.name for f in dataclasses.fields(Cluster)} - {"nodes", "gp
 def _model(a: argparse.Namespace) -> tuple[Model, Inferred | None]:
     shape = {k: getattr(a, k) for k in SHAPE_FLAGS if getattr(a, k) is not None}
     if a.model_kwargs is not None and not a.model:
-        raise PlanError(f"--model-kwargs {a.model_kwargs!r} gives arguments to --model's "
-                        "factory (or config.json fields): add --model, or drop it")  # fmt: skip
+        raise PlanError(
+            f"--model-kwargs {a.model_kwargs!r} gives arguments to --model's "
+            "factory (or config.json fields): add --model, or drop it"
+        )
     if a.params is not None:
         if shape or a.model:
-            raise PlanError("--params N is a bare parameter count: give it alone, or a shape "
-                            "(--layers ...) / --model instead")  # fmt: skip
+            raise PlanError(
+                "--params N is a bare parameter count: give it alone, or a shape "
+                "(--layers ...) / --model instead"
+            )
         if a.params < 1:
             raise PlanError(f"--params {a.params:g} is not allowed: must be >= 1")
         return Model(params=int(a.params)), None
     if a.model:
         inferred = model_from_spec(a.model, a.model_kwargs, shape, a.mlp)
         return inferred.model, inferred
-    missing = [f"--{k.replace('_', '-')}" for k in ("layers", "hidden", "heads", "vocab", "seq")
-               if k not in shape]  # fmt: skip
+    missing = [
+        f"--{k.replace('_', '-')}"
+        for k in ("layers", "hidden", "heads", "vocab", "seq")
+        if k not in shape
+    ]
     if missing:
-        raise PlanError(f"the model shape is incomplete: missing {', '.join(missing)} "
-                        "(or give --params N, or --model path/to/model.py:factory)")  # fmt: skip
+        raise PlanError(
+            f"the model shape is incomplete: missing {', '.join(missing)} "
+            "(or give --params N, or --model path/to/model.py:factory)"
+        )
     return Model(**shape, gated_mlp=a.mlp == "gated"), None
 
 
@@ -82,8 +91,16 @@ def _scaled(value: float | None, unit: float) -> float | None:
     return None if value is None else value * unit
 
 
-_ZERO_OK = ("overlap", "allowance_bytes", "fragmentation", "intra_latency", "inter_latency",
-            "optimizer_bw", "tp_layer_overhead", "fsdp_unit_overhead")  # fmt: skip
+_ZERO_OK = (
+    "overlap",
+    "allowance_bytes",
+    "fragmentation",
+    "intra_latency",
+    "inter_latency",
+    "optimizer_bw",
+    "tp_layer_overhead",
+    "fsdp_unit_overhead",
+)
 
 
 def _check_cluster_values(values: dict[str, Any]) -> None:
@@ -109,8 +126,10 @@ def read_calibration(path: str) -> dict[str, float]:
         raise PlanError(f"--calibration {path!r}: expected a JSON object")
     unknown = set(values) - CALIBRATION_KEYS - {"source", "measured"}
     if unknown:
-        raise PlanError(f"--calibration {path!r}: unknown keys {sorted(unknown)}; allowed: "
-                        f"{sorted(CALIBRATION_KEYS)}")  # fmt: skip
+        raise PlanError(
+            f"--calibration {path!r}: unknown keys {sorted(unknown)}; allowed: "
+            f"{sorted(CALIBRATION_KEYS)}"
+        )
     return {k: float(v) for k, v in values.items() if k in CALIBRATION_KEYS}
 
 
@@ -144,12 +163,22 @@ def estimate_json(e: Estimate) -> dict[str, Any]:
     out["memory_gb"] = e.memory.as_gb()
     t = e.time
     out["step_time_s"] = None if t is None else t.total
-    out["step_time_breakdown_s"] = None if t is None else {
-        "compute": t.compute, "exposed_comm": t.exposed_comm, "bubble": t.bubble,
-        "dp_comm": t.dp_comm, "dp_exposed": t.dp_exposed, "tp_comm": t.tp_comm,
-        "pp_comm": t.pp_comm, "optimizer": t.optimizer, "tp_overhead": t.tp_overhead,
-        "fsdp_overhead": t.fsdp_overhead,
-    }  # fmt: skip
+    out["step_time_breakdown_s"] = (
+        None
+        if t is None
+        else {
+            "compute": t.compute,
+            "exposed_comm": t.exposed_comm,
+            "bubble": t.bubble,
+            "dp_comm": t.dp_comm,
+            "dp_exposed": t.dp_exposed,
+            "tp_comm": t.tp_comm,
+            "pp_comm": t.pp_comm,
+            "optimizer": t.optimizer,
+            "tp_overhead": t.tp_overhead,
+            "fsdp_overhead": t.fsdp_overhead,
+        }
+    )
     out["tokens_per_s"] = None if t is None else e.tokens_per_s
     out["mfu"] = None if t is None else e.mfu
     out["notes"] = e.notes
@@ -174,10 +203,24 @@ def print_table(plan: Plan, c: Cluster, top: int) -> None:
     from rich.table import Table
 
     timed = plan.estimates[0].time is not None
-    table = Table(title=f"{format_count(plan.params)} parameters on {c.world} GPUs: "
-                  f"{len(plan.fitting)} of {plan.evaluated} layouts fit")  # fmt: skip
-    for col in ("#", "dp_rep", "dp_shard", "tp", "pp", "zero", "mb", "ac", "accum", "fits",
-                "mem GB p/g/o/act/buf", "total GB"):  # fmt: skip
+    table = Table(
+        title=f"{format_count(plan.params)} parameters on {c.world} GPUs: "
+        f"{len(plan.fitting)} of {plan.evaluated} layouts fit"
+    )
+    for col in (
+        "#",
+        "dp_rep",
+        "dp_shard",
+        "tp",
+        "pp",
+        "zero",
+        "mb",
+        "ac",
+        "accum",
+        "fits",
+        "mem GB p/g/o/act/buf",
+        "total GB",
+    ):
         table.add_column(col, justify="right")
     if timed:
         for col in ("step s", "comp/comm/bubble s", "tokens/s", "MFU"):
@@ -189,15 +232,31 @@ def print_table(plan: Plan, c: Cluster, top: int) -> None:
 
 def _row(i: int, e: Estimate) -> list[str]:
     lay, g = e.layout, e.memory.as_gb()
-    parts = "/".join(f"{g[k]:.1f}" for k in ("params", "grads", "optimizer", "activations",
-                                               "buffers"))  # fmt: skip
-    row = [str(i), str(lay.dp_replicate), str(lay.dp_shard), str(lay.tp), str(lay.pp),
-           str(lay.zero), str(lay.micro_batch), lay.activation_checkpointing,
-           str(e.microbatches), "yes" if e.fits else "NO", parts, f"{g['total']:.1f}"]  # fmt: skip
+    parts = "/".join(
+        f"{g[k]:.1f}" for k in ("params", "grads", "optimizer", "activations", "buffers")
+    )
+    row = [
+        str(i),
+        str(lay.dp_replicate),
+        str(lay.dp_shard),
+        str(lay.tp),
+        str(lay.pp),
+        str(lay.zero),
+        str(lay.micro_batch),
+        lay.activation_checkpointing,
+        str(e.microbatches),
+        "yes" if e.fits else "NO",
+        parts,
+        f"{g['total']:.1f}",
+    ]
     if e.time is not None:
         t = e.time
-        row += [f"{t.total:.3f}", f"{t.compute:.3f}/{t.exposed_comm:.3f}/{t.bubble:.3f}",
-                f"{e.tokens_per_s:,.0f}", f"{e.mfu:.1%}"]  # fmt: skip
+        row += [
+            f"{t.total:.3f}",
+            f"{t.compute:.3f}/{t.exposed_comm:.3f}/{t.bubble:.3f}",
+            f"{e.tokens_per_s:,.0f}",
+            f"{e.mfu:.1%}",
+        ]
     return row
 
 
@@ -282,8 +341,16 @@ def cmd_plan(a: argparse.Namespace) -> int:
     return _maybe_emit(a, plan, training)
 
 
-def _plot(path: str, plan: Plan, m: Model, t: Training, c: Cluster, micro: list[int],
-          recompute: list[Recompute], quiet: bool) -> None:  # fmt: skip
+def _plot(
+    path: str,
+    plan: Plan,
+    m: Model,
+    t: Training,
+    c: Cluster,
+    micro: list[int],
+    recompute: list[Recompute],
+    quiet: bool,
+) -> None:
     from meshrun.plan.plot import check_plottable, plot_plan, scaling
 
     check_plottable(plan)  # before the searches at every node count
@@ -295,13 +362,17 @@ def _maybe_emit(a: argparse.Namespace, plan: Plan, t: Training) -> int:
     if not a.emit_config:
         return 0
     if not plan.fitting:
-        print(f"meshrun plan: no config written to {a.emit_config}: no layout fits",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"meshrun plan: no config written to {a.emit_config}: no layout fits", file=sys.stderr
+        )
         return 1
     missing = emit_config(plan.fitting[0], t, a.emit_config)
     out = sys.stderr if a.json else sys.stdout
-    print(f"wrote {a.emit_config} (layout #1); run it with `meshrun launch --config "
-          f"{a.emit_config} train.py`", file=out)  # fmt: skip
+    print(
+        f"wrote {a.emit_config} (layout #1); run it with `meshrun launch --config "
+        f"{a.emit_config} train.py`",
+        file=out,
+    )
     for item in missing:
         print(f"  not in meshrun's config yet, set it in your script: {item}", file=out)
     return 0
@@ -317,35 +388,60 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     m = p.add_argument_group("model (a shape, --params, or --model)")
     for flag in SHAPE_FLAGS:
-        m.add_argument(f"--{flag.replace('_', '-')}", type=int, dest=flag,
-                       help=_SHAPE_HELP[flag])  # fmt: skip
-    m.add_argument("--mlp", choices=["plain", "gated"], help="plain (GELU, 2 matrices; the "
-                   "default) or gated (SwiGLU, 3 matrices); --model: read from its blocks")  # fmt: skip
-    m.add_argument("--params", type=float, help="bare parameter count, e.g. 7.5e9 (model "
-                   "states only)")  # fmt: skip
-    m.add_argument("--model", help="a model to plan for, built on the meta device (nothing "
-                   "allocated or downloaded): path/to/model.py:factory, pkg.module:factory, or a "
-                   "Hugging Face config.json or its directory; prints the shape it reads")  # fmt: skip
-    m.add_argument("--model-kwargs", metavar="JSON", help="keyword arguments of --model's factory"
-                   """ ('{"n_layer": 12}'), or fields over its config.json""")  # fmt: skip
+        m.add_argument(f"--{flag.replace('_', '-')}", type=int, dest=flag, help=_SHAPE_HELP[flag])
+    m.add_argument(
+        "--mlp",
+        choices=["plain", "gated"],
+        help="plain (GELU, 2 matrices; the "
+        "default) or gated (SwiGLU, 3 matrices); --model: read from its blocks",
+    )
+    m.add_argument(
+        "--params", type=float, help="bare parameter count, e.g. 7.5e9 (model states only)"
+    )
+    m.add_argument(
+        "--model",
+        help="a model to plan for, built on the meta device (nothing "
+        "allocated or downloaded): path/to/model.py:factory, pkg.module:factory, or a "
+        "Hugging Face config.json or its directory; prints the shape it reads",
+    )
+    m.add_argument(
+        "--model-kwargs",
+        metavar="JSON",
+        help="keyword arguments of --model's factory"
+        """ ('{"n_layer": 12}'), or fields over its config.json""",
+    )
     tr = p.add_argument_group("training")
     tr.add_argument("--global-batch", type=int, default=512, help="sequences per step (512)")
     tr.add_argument("--micro-batch", default="1,2,4,8,16,32", help="candidates (1,2,...,32)")
     tr.add_argument("--precision", choices=["bf16", "fp16", "fp32"], default="bf16")
     tr.add_argument("--optimizer", choices=["adam", "adamw", "sgd"], default="adamw")
-    tr.add_argument("--attention", choices=["fused", "eager"], default="fused",
-                    help="fused (SDPA/flash: no s*s scores stored) or eager (default fused)")  # fmt: skip
-    tr.add_argument("--ac", default="none,selective,full", help="activation checkpointing "
-                    "modes to consider (none,selective,full)")  # fmt: skip
+    tr.add_argument(
+        "--attention",
+        choices=["fused", "eager"],
+        default="fused",
+        help="fused (SDPA/flash: no s*s scores stored) or eager (default fused)",
+    )
+    tr.add_argument(
+        "--ac",
+        default="none,selective,full",
+        help="activation checkpointing modes to consider (none,selective,full)",
+    )
     _add_cluster_args(p)
     o = p.add_argument_group("output")
-    o.add_argument("--layout", help="evaluate one layout: dp_shard=64,zero=1,tp=8,micro_batch=2"
-                   ",activation_checkpointing=full (dp_shard left out = the rest)")  # fmt: skip
+    o.add_argument(
+        "--layout",
+        help="evaluate one layout: dp_shard=64,zero=1,tp=8,micro_batch=2"
+        ",activation_checkpointing=full (dp_shard left out = the rest)",
+    )
     o.add_argument("--top", type=int, default=5, help="layouts shown (0 = all; default 5)")
     o.add_argument("--json", action="store_true", help="JSON output (schema in docs/plan.md)")
     o.add_argument("--emit-config", metavar="FILE", help="write the best layout's meshrun config")
-    o.add_argument("--plot", metavar="FILE.png", help="draw the layouts' memory vs step time and "
-                   "the best layout's tokens/s and scaling efficiency vs nodes (matplotlib)")  # fmt: skip
+    o.add_argument(
+        "--plot",
+        metavar="FILE.png",
+        help="draw the layouts' memory vs step time and "
+        "the best layout's tokens/s and scaling efficiency vs nodes (matplotlib)",
+    )
     p.set_defaults(fn=cmd_plan)
 
 
@@ -358,10 +454,14 @@ def _add_cluster_args(p: argparse.ArgumentParser) -> None:
     c.add_argument("--peak-tflops", type=float, help="peak dense TFLOP/s at --precision")
     c.add_argument("--intra-bw", type=float, help="GB/s per GPU inside a node")
     c.add_argument("--inter-bw", type=float, help="GB/s per GPU between nodes")
-    c.add_argument("--intra-latency-us", type=float, help="latency per ring step inside a node, "
-                   "microseconds (alpha of the alpha-beta model)")  # fmt: skip
-    c.add_argument("--inter-latency-us", type=float, help="latency per ring step between nodes, "
-                   "microseconds")  # fmt: skip
+    c.add_argument(
+        "--intra-latency-us",
+        type=float,
+        help="latency per ring step inside a node, microseconds (alpha of the alpha-beta model)",
+    )
+    c.add_argument(
+        "--inter-latency-us", type=float, help="latency per ring step between nodes, microseconds"
+    )
     c.add_argument("--compute-efficiency", type=float, help="achievable fraction of peak (0.5)")
     c.add_argument("--comm-efficiency", type=float, help="achievable fraction of link bw (0.7)")
     c.add_argument("--overlap", type=float, help="share of the hiding window DP comm uses (0.8)")

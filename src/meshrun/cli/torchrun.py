@@ -36,13 +36,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_replica_arguments(p)
     for flag in FLAGS:
         if flag.type is None:
-            group.add_argument(*flag.options, dest=flag.dest, action="store_true",
-                               default=None, help=flag.help)  # fmt: skip
+            group.add_argument(
+                *flag.options, dest=flag.dest, action="store_true", default=None, help=flag.help
+            )
         else:
-            group.add_argument(*flag.options, dest=flag.dest, type=flag.type,
-                               choices=flag.choices,
-                               metavar=None if flag.choices else METAVARS.get(flag.dest, "NAME"),
-                               help=flag.help)  # fmt: skip
+            group.add_argument(
+                *flag.options,
+                dest=flag.dest,
+                type=flag.type,
+                choices=flag.choices,
+                metavar=None if flag.choices else METAVARS.get(flag.dest, "NAME"),
+                help=flag.help,
+            )
 
 
 def add_replica_arguments(p: argparse.ArgumentParser) -> None:
@@ -61,9 +66,13 @@ def add_replica_arguments(p: argparse.ArgumentParser) -> None:
         "own torchrun job (1 = off); without it, fault_tolerance.replica_groups > 1 makes "
         "this launch one group of that many (one launch per group)",
     )
-    group.add_argument("--lighthouse", default=None, metavar="HOST:PORT",
-                       help="torchft's lighthouse (`meshrun lighthouse`); default: meshrun "
-                       "starts one on loopback for this job")  # fmt: skip
+    group.add_argument(
+        "--lighthouse",
+        default=None,
+        metavar="HOST:PORT",
+        help="torchft's lighthouse (`meshrun lighthouse`); default: meshrun "
+        "starts one on loopback for this job",
+    )
 
 
 def given(a: argparse.Namespace) -> list[Flag]:
@@ -89,11 +98,14 @@ def env_defaults(a: argparse.Namespace, environ: Mapping[str, str]) -> list[str]
             value = bool(int(text)) if flag.type is None else flag.type(text)
         except ValueError:
             kind = "0 or 1" if flag.type is None else getattr(flag.type, "__name__", "a value")
-            raise ConfigError(f"{env_name}={text!r} (torchrun's default for {flag.name}) "
-                              f"is not allowed: expected {kind}") from None  # fmt: skip
+            raise ConfigError(
+                f"{env_name}={text!r} (torchrun's default for {flag.name}) "
+                f"is not allowed: expected {kind}"
+            ) from None
         if flag.choices and value not in flag.choices:
-            raise ConfigError(f"{env_name}={text!r} is not allowed: expected one of "
-                              f"{', '.join(flag.choices)}")  # fmt: skip
+            raise ConfigError(
+                f"{env_name}={text!r} is not allowed: expected one of {', '.join(flag.choices)}"
+            )
         if value is not False:  # PET_STANDALONE=0 is the switch left off
             setattr(a, flag.dest, value)
             notes.append(f"{flag.name} {text} from {env_name} (torchrun's environment default)")

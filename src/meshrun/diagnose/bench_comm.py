@@ -66,8 +66,7 @@ def bench_comm(device: Any, max_bytes: int, seconds: float) -> list[dict[str, An
         for op, fn in ops.items():
             t = timed_collective(fn, seconds, device)
             alg, bus = bus_bandwidth(op, numel * 4, t, n)
-            rows.append({"op": op, "bytes": numel * 4, "time_s": t, "algbw": alg,
-                         "busbw": bus})  # fmt: skip
+            rows.append({"op": op, "bytes": numel * 4, "time_s": t, "algbw": alg, "busbw": bus})
     return rows
 
 
@@ -155,7 +154,8 @@ def _ping_pong(buf: Any, a: int, b: int, seconds: float, device: Any) -> float:
     start = time.perf_counter()
     for _ in range(calls):
         trip()
-    took = torch.tensor([(time.perf_counter() - start) / calls if rank == a else 0.0],
-                        device=device)  # fmt: skip
+    took = torch.tensor(
+        [(time.perf_counter() - start) / calls if rank == a else 0.0], device=device
+    )
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return float(took)

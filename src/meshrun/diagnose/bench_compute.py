@@ -64,15 +64,21 @@ def bench_tp(device: Any, seconds: float) -> dict[str, float]:
     linears = 2 * TP_BENCH_BLOCKS
     extra = statistics.median((tp - lo - linears * ar) / linears for tp, lo, ar in rounds)
     t_tp, t_local, t_ar = (statistics.median(r[i] for r in rounds) for i in range(3))
-    return {"tp_layer_overhead": max(0.0, extra), "tp_stack_s": t_tp, "local_stack_s": t_local,
-            "all_reduce_s": t_ar}  # fmt: skip
+    return {
+        "tp_layer_overhead": max(0.0, extra),
+        "tp_stack_s": t_tp,
+        "local_stack_s": t_local,
+        "all_reduce_s": t_ar,
+    }
 
 
 def _mlp_stack(h: int, inner: int, device: Any) -> Any:
     from torch import nn
 
-    blocks = [nn.Sequential(nn.Linear(h, inner, bias=False), nn.Linear(inner, h, bias=False))
-              for _ in range(TP_BENCH_BLOCKS)]  # fmt: skip
+    blocks = [
+        nn.Sequential(nn.Linear(h, inner, bias=False), nn.Linear(inner, h, bias=False))
+        for _ in range(TP_BENCH_BLOCKS)
+    ]
     return nn.Sequential(*blocks).to(device)
 
 
@@ -171,8 +177,12 @@ def bench_compute(device: Any, precision: str, seconds: float) -> dict[str, floa
     big = torch.empty(2**24, device=device)  # 64 MiB: past every cache
     copy = torch.empty_like(big)
     mem_bw = 2.0 * big.numel() * 4 / timed(lambda: copy.copy_(big), seconds, sync)
-    return {"matmul_flops": statistics.median(matmul), "model_flops": statistics.median(model),
-            "mem_bw": mem_bw, "optimizer_bw": statistics.median(optim)}  # fmt: skip
+    return {
+        "matmul_flops": statistics.median(matmul),
+        "model_flops": statistics.median(model),
+        "mem_bw": mem_bw,
+        "optimizer_bw": statistics.median(optim),
+    }
 
 
 def _optimizer_bw(device: Any, seconds: float, sync: Callable[[], None]) -> float:
@@ -206,8 +216,14 @@ def _model_flops(device: Any, seconds: float, sync: Callable[[], None]) -> float
     def step() -> None:
         model(x, x).backward()
 
-    shape = Model(layers=cfg.n_layer, hidden=cfg.d_model, heads=cfg.n_head,
-                  vocab=cfg.vocab_size, seq=cfg.seq_len, ffn=cfg.ffn_mult * cfg.d_model)  # fmt: skip
+    shape = Model(
+        layers=cfg.n_layer,
+        hidden=cfg.d_model,
+        heads=cfg.n_head,
+        vocab=cfg.vocab_size,
+        seq=cfg.seq_len,
+        ffn=cfg.ffn_mult * cfg.d_model,
+    )
     return flops_per_iteration(shape, batch) / timed(step, seconds, sync)
 
 

@@ -80,28 +80,36 @@ def slow_pairs(bw: Sequence[Sequence[float]], factor: float = 0.5) -> list[tuple
     if not values:
         return []
     median = statistics.median(values)
-    return [(i, j) for i in range(len(bw)) for j in range(i + 1, len(bw))
-            if bw[i][j] < factor * median]  # fmt: skip
+    return [
+        (i, j) for i in range(len(bw)) for j in range(i + 1, len(bw)) if bw[i][j] < factor * median
+    ]
 
 
 def pairs_report(pairs: dict[str, Any]) -> list[str]:
     """The matrix in GB/s, then each slow link named (or a line saying there is none)."""
     labels, bw = pairs["labels"], pairs["bw"]
     width = max(8, *(len(x) for x in labels)) + 1
-    lines = [f"send/recv bandwidth between pairs, {pairs['bytes'] / 2**20:g} MiB each way, GB/s:",
-             " " * width + "".join(f"{x:>{width}}" for x in labels)]  # fmt: skip
+    lines = [
+        f"send/recv bandwidth between pairs, {pairs['bytes'] / 2**20:g} MiB each way, GB/s:",
+        " " * width + "".join(f"{x:>{width}}" for x in labels),
+    ]
     for i, row in enumerate(bw):
-        cells = "".join(f"{'-':>{width}}" if i == j else f"{v / 1e9:>{width}.3f}"
-                        for j, v in enumerate(row))  # fmt: skip
+        cells = "".join(
+            f"{'-':>{width}}" if i == j else f"{v / 1e9:>{width}.3f}" for j, v in enumerate(row)
+        )
         lines.append(f"{labels[i]:>{width}}{cells}")
     values = [bw[i][j] for i in range(len(bw)) for j in range(i + 1, len(bw))]
     slow = slow_pairs(bw)
     for i, j in slow:
-        lines.append(f"slow link: {labels[i]} <-> {labels[j]} at {bw[i][j] / 1e9:.3f} GB/s, "
-                     f"{bw[i][j] / statistics.median(values):.2f}x the median of all pairs")  # fmt: skip
+        lines.append(
+            f"slow link: {labels[i]} <-> {labels[j]} at {bw[i][j] / 1e9:.3f} GB/s, "
+            f"{bw[i][j] / statistics.median(values):.2f}x the median of all pairs"
+        )
     if values and not slow:
-        lines.append(f"no slow link: every pair within 2x of the median "
-                     f"{statistics.median(values) / 1e9:.3f} GB/s")  # fmt: skip
+        lines.append(
+            f"no slow link: every pair within 2x of the median "
+            f"{statistics.median(values) / 1e9:.3f} GB/s"
+        )
     return lines
 
 
@@ -153,9 +161,11 @@ def write_calibration(path: str, results: dict[str, Any], world: int, device: An
     p = Path(path)
     doc: dict[str, Any] = json.loads(p.read_text()) if p.is_file() else {}
     measured = {**doc.get("measured", {}), **results}
-    doc = {"source": f"meshrun bench on {world} {device.type} processes",
-           "cluster": {**doc.get("cluster", {}), **calibration(measured, world, device)},
-           "measured": measured}  # fmt: skip
+    doc = {
+        "source": f"meshrun bench on {world} {device.type} processes",
+        "cluster": {**doc.get("cluster", {}), **calibration(measured, world, device)},
+        "measured": measured,
+    }
     tmp = p.with_suffix(p.suffix + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2))
     tmp.replace(p)
@@ -183,8 +193,10 @@ def comm_lines(rows: list[dict[str, Any]]) -> list[str]:
     """``bench_comm``'s rows as a table: time and both bandwidths per op and size."""
     lines = [f"{'op':>15} {'bytes':>10} {'time us':>10} {'algbw GB/s':>11} {'busbw GB/s':>11}"]
     for r in rows:
-        lines.append(f"{r['op']:>15} {r['bytes']:>10} {r['time_s'] * 1e6:>10.1f} "
-                     f"{r['algbw'] / 1e9:>11.3f} {r['busbw'] / 1e9:>11.3f}")  # fmt: skip
+        lines.append(
+            f"{r['op']:>15} {r['bytes']:>10} {r['time_s'] * 1e6:>10.1f} "
+            f"{r['algbw'] / 1e9:>11.3f} {r['busbw'] / 1e9:>11.3f}"
+        )
     return lines
 
 
@@ -194,11 +206,15 @@ def results_lines(results: dict[str, Any]) -> list[str]:
     if "pairs" in results:
         lines += pairs_report(results["pairs"])
     if "tp" in results:
-        lines.append(f"tensor parallel: {results['tp']['tp_layer_overhead'] * 1e3:.3f} ms of "
-                     "DTensor dispatch per linear layer (forward + backward)")  # fmt: skip
+        lines.append(
+            f"tensor parallel: {results['tp']['tp_layer_overhead'] * 1e3:.3f} ms of "
+            "DTensor dispatch per linear layer (forward + backward)"
+        )
     if "fsdp" in results:
-        lines.append(f"FSDP2: {results['fsdp']['fsdp_unit_overhead'] * 1e3:.3f} ms per unit "
-                     "collective beyond its bytes (hooks, waiting for the slower rank)")  # fmt: skip
+        lines.append(
+            f"FSDP2: {results['fsdp']['fsdp_unit_overhead'] * 1e3:.3f} ms per unit "
+            "collective beyond its bytes (hooks, waiting for the slower rank)"
+        )
     if "compute" in results:
         lines += compute_lines(results["compute"])
     return lines

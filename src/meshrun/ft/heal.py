@@ -99,8 +99,9 @@ class StateCodec:
         if s.optimizer is not None:
             self.apply_pending_optimizer(s.optimizer)
         s.set_position(int(blob["step"]))
-        nbytes = sum(t.numel() * t.element_size() for t in tree_leaves(blob)
-                     if isinstance(t, torch.Tensor))  # fmt: skip
+        nbytes = sum(
+            t.numel() * t.element_size() for t in tree_leaves(blob) if isinstance(t, torch.Tensor)
+        )
         return Loaded(str(blob["source"]), nbytes, int(blob["step"]))
 
     def apply_pending_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
@@ -131,9 +132,13 @@ def _optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         return optimizer.state_dict()
     params = _params(optimizer)
     index = {id(p): i for i, p in enumerate(params)}
-    groups = [{**{k: v for k, v in g.items() if k != "params"},
-               "params": [index[id(p)] for p in g["params"]]}
-              for g in optimizer.param_groups]  # fmt: skip
+    groups = [
+        {
+            **{k: v for k, v in g.items() if k != "params"},
+            "params": [index[id(p)] for p in g["params"]],
+        }
+        for g in optimizer.param_groups
+    ]
     state = {index[id(p)]: dict(v) for p, v in optimizer.optim.state.items()}
     return {"state": state, "param_groups": groups, "zero1_partition": True}
 
@@ -186,9 +191,14 @@ def _as_params(optimizer: torch.optim.Optimizer, sd: dict[str, Any]) -> dict[str
             continue
         for name, value in entry.items():
             if isinstance(value, torch.Tensor) and value.shape == p.to_local().shape:
-                entry[name] = DTensor.from_local(value, p.device_mesh, p.placements,
-                                                 run_check=False, shape=p.shape,
-                                                 stride=p.stride())  # fmt: skip
+                entry[name] = DTensor.from_local(
+                    value,
+                    p.device_mesh,
+                    p.placements,
+                    run_check=False,
+                    shape=p.shape,
+                    stride=p.stride(),
+                )
     return sd
 
 

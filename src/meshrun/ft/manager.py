@@ -65,16 +65,24 @@ def build_manager(
     name = replica_id(key, member) if rank == 0 else f"meshrun_group_{cfg.group_index:04d}"
     with _torchft_built(url_host, key, refused):
         manager = Manager(
-            pg=ProcessGroupGloo(timeout=timeout), load_state_dict=load,
-            state_dict=codec.save, min_replica_size=cfg.quorum_size(), use_async_quorum=False,
-            timeout=timeout, quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
-            rank=rank, world_size=dist.get_world_size(), store_addr=os.environ["MASTER_ADDR"],
+            pg=ProcessGroupGloo(timeout=timeout),
+            load_state_dict=load,
+            state_dict=codec.save,
+            min_replica_size=cfg.quorum_size(),
+            use_async_quorum=False,
+            timeout=timeout,
+            quorum_timeout=timedelta(seconds=cfg.quorum_timeout_s),
+            rank=rank,
+            world_size=dist.get_world_size(),
+            store_addr=os.environ["MASTER_ADDR"],
             store_port=int(os.environ["MASTER_PORT"]),
             lighthouse_addr=f"http://{cfg.lighthouse.removeprefix('http://')}",
-            replica_id=name, port=port or None, hostname=url_host,
+            replica_id=name,
+            port=port or None,
+            hostname=url_host,
             checkpoint_transport=SignedTransport(key, host, timeout),
             init_sync=False,  # every group seeds the same initial weights (init_seeds)
-        )  # fmt: skip
+        )
     if not isinstance(getattr(manager, "_client", None), CheckedClient):
         manager.shutdown(wait=False)
         raise RuntimeError(

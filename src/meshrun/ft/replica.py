@@ -108,8 +108,9 @@ class ReplicaGroup:
         if live != self.live_groups and self.live_groups:
             word = "left" if live < self.live_groups else "joined"
             self.metrics.log_event("ft_groups", step=self.state.step, live_groups=live, change=word)
-            log.warning("replica groups: %d live (a group %s) at step %d", live, word,
-                        self.state.step)  # fmt: skip
+            log.warning(
+                "replica groups: %d live (a group %s) at step %d", live, word, self.state.step
+            )
         self.live_groups = live
         self._apply_share(live)
         if self.heal.loaded is not None:
@@ -139,8 +140,9 @@ class ReplicaGroup:
                 f"replica group {self.cfg.group_index} is in the quorum of step "
                 f"{self.state.step + 1} but torchft gives it no participant rank"
             )
-        share = live_share(self.global_batch, self.cfg.replica_groups, self._dp_rank, self.dp,
-                           participant, live)  # fmt: skip
+        share = live_share(
+            self.global_batch, self.cfg.replica_groups, self._dp_rank, self.dp, participant, live
+        )
         if share != (sampler.rank, sampler.world_size, sampler.global_batch):
             sampler.set_share(*share)
             self.data_moved = True
@@ -167,8 +169,12 @@ class ReplicaGroup:
                 "(fault_tolerance.quorum_timeout_s): no live group to heal from"
             )
         if live < self.cfg.replica_groups:
-            log.warning("replica groups: starting with %d of %d groups after %.0f s",
-                        live, self.cfg.replica_groups, self.cfg.quorum_timeout_s)  # fmt: skip
+            log.warning(
+                "replica groups: starting with %d of %d groups after %.0f s",
+                live,
+                self.cfg.replica_groups,
+                self.cfg.quorum_timeout_s,
+            )
         return live
 
     def sync(self, loss: float, finite: bool) -> StepOutcome:
@@ -189,9 +195,11 @@ class ReplicaGroup:
             _unpack(buf, grads)
             return StepOutcome(True, float(buf[-1]), live, samples, factor)
         self.metrics.log_event(
-            "ft_uncommitted", step=self.state.step + 1, live_groups=live,
+            "ft_uncommitted",
+            step=self.state.step + 1,
+            live_groups=live,
             error=_one_line(self.manager.errored()),
-        )  # fmt: skip
+        )
         return StepOutcome(False, float("nan"), live, 0, factor)
 
     def check_sampler(self, sampler: ResumableSampler | None) -> None:
@@ -205,9 +213,11 @@ class ReplicaGroup:
                 "serves: use a map-style dataset with run.dataloader(...) or run.sampler(...)"
             )
         if sampler is None:
-            log.warning("replica groups: the loader has no ResumableSampler, so meshrun cannot "
-                        "give each step's live groups their shares of the global order; build "
-                        "it with run.dataloader(...) or run.sampler(...)")  # fmt: skip
+            log.warning(
+                "replica groups: the loader has no ResumableSampler, so meshrun cannot "
+                "give each step's live groups their shares of the global order; build "
+                "it with run.dataloader(...) or run.sampler(...)"
+            )
         if sampler is None or sampler is self._sampler:
             return
         want, first = self.cfg.replica_groups * self.dp, self.cfg.group_index * self.dp
@@ -248,13 +258,21 @@ class ReplicaGroup:
         loaded = self.heal.loaded
         assert loaded is not None
         self.metrics.log_event(
-            "ft_heal", step=self.state.step, bytes=loaded.nbytes, seconds=round(seconds, 4),
-            source=loaded.source, live_groups=self.live_groups,
-        )  # fmt: skip
+            "ft_heal",
+            step=self.state.step,
+            bytes=loaded.nbytes,
+            seconds=round(seconds, 4),
+            source=loaded.source,
+            live_groups=self.live_groups,
+        )
         log.warning(
             "replica group %d healed from %s: %d bytes in %.2f s, continuing at step %d",
-            self.cfg.group_index, loaded.source, loaded.nbytes, seconds, self.state.step,
-        )  # fmt: skip
+            self.cfg.group_index,
+            loaded.source,
+            loaded.nbytes,
+            seconds,
+            self.state.step,
+        )
 
     def _pack(self, loss: float, finite: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """One flat float32 buffer: the local gradients, a non-finite flag, the loss."""

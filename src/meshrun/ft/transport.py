@@ -85,8 +85,10 @@ class SignedTransport(CheckpointTransport[dict[str, Any]]):
     ) -> dict[str, Any]:
         url = urllib.parse.urlsplit(f"{metadata}{step}/full")
         if url.scheme != "http" or not url.hostname or url.port is None:
-            raise HealError(f"healing: the peer's checkpoint address {sanitize(metadata)!r} "
-                            "is not http://HOST:PORT/...")  # fmt: skip
+            raise HealError(
+                f"healing: the peer's checkpoint address {sanitize(metadata)!r} "
+                "is not http://HOST:PORT/..."
+            )
         conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout.total_seconds())
         try:
             conn.request(
@@ -103,8 +105,9 @@ class SignedTransport(CheckpointTransport[dict[str, Any]]):
             )
         want = mac(self._key, _ANSWER, f"{step}\0".encode() + body)
         if not hmac.compare_digest(signature, want):
-            raise HealError("healing: the state received is not signed with this job's secret; "
-                            "refused unread")  # fmt: skip
+            raise HealError(
+                "healing: the state received is not signed with this job's secret; refused unread"
+            )
         try:
             state: dict[str, Any] = torch.load(io.BytesIO(body), weights_only=True)
         except pickle.UnpicklingError as err:
@@ -175,8 +178,9 @@ def _server(host: str, transport: SignedTransport) -> ThreadingHTTPServer:
             pass  # a line per heal request on stderr: the ft_heal event says it
 
     family = socket.AF_INET6 if ipaddress.ip_address(host).version == 6 else socket.AF_INET
-    server_class = type("HealServer", (ThreadingHTTPServer,), {"address_family": family,
-                                                              "daemon_threads": True})  # fmt: skip
+    server_class = type(
+        "HealServer", (ThreadingHTTPServer,), {"address_family": family, "daemon_threads": True}
+    )
     server: ThreadingHTTPServer = server_class((host, 0), Handler)
     return server
 

@@ -17,13 +17,13 @@ import socket
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
-from types import FrameType
-from typing import TYPE_CHECKING, Any, TypeAlias
+from typing import TYPE_CHECKING, Any
 
-from meshrun.config import CONFIG_ENV, LaunchConfig
+from meshrun.config import LaunchConfig
+from meshrun.launch.environment import launch_environment
 from meshrun.launch.multinode import nodes as multinode
 from meshrun.launch.multinode.handshake import (
     Handshake,
@@ -46,15 +46,8 @@ from meshrun.runtime.ports import free_port
 if TYPE_CHECKING:
     from meshrun.launch.replicas import GroupPlan
 
-# torchrun's c10d rendezvous lets workers reuse the agent's TCP store by default; with
-# restarts that fails or hangs in 6 of 9 runs measured here, and never when disabled.
-SHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
-# One node: Gloo's sockets on loopback, not on the address the hostname resolves to.
-GLOO_IFNAME_ENV = "GLOO_SOCKET_IFNAME"
 LOCAL_HOST = "127.0.0.1"
 EXIT_INTERRUPTED = 130
-
-_SignalHandler: TypeAlias = "Callable[[int, FrameType | None], Any] | int | None"
 
 
 @dataclass
@@ -147,8 +140,10 @@ def _output_args(spec: LaunchSpec) -> list[str]:
     """
     if not spec.tee and not spec.redirects:
         return ["--tee", "2"]
-    return [*(["--tee", spec.tee] if spec.tee else []),
-            *(["--redirects", spec.redirects] if spec.redirects else [])]  # fmt: skip
+    return [
+        *(["--tee", spec.tee] if spec.tee else []),
+        *(["--redirects", spec.redirects] if spec.redirects else []),
+    ]
 
 
 def _check_torchrun_fields(spec: LaunchSpec) -> None:
@@ -194,7 +189,7 @@ def launch_local(spec: LaunchSpec) -> int:
     os.makedirs(spec.log_dir, exist_ok=True)
     # Runs already in the log folder, so the summary reads this run's logs, not theirs.
     known_runs = set(os.listdir(spec.log_dir))
-    with _claim(spec, rdzv, network), _launch_environment(spec, network, secret) as omp_threads:
+    with _claim(spec, rdzv, network), launch_environment(spec, network, secret) as omp_threads:
         if network is not None:
             argv = build_torchrun_args(spec, 0, network)
             print(start_line(spec, 0, omp_threads, network), file=sys.stderr, flush=True)
@@ -247,15 +242,23 @@ def _group_plan(spec: LaunchSpec) -> GroupPlan:
 
     def argv_for(index: int, run_dir: str, config_path: str) -> list[str]:
         group = dataclasses.replace(
-            spec, nproc_per_node=spec.nproc_per_node // spec.replica_groups, run_dir=run_dir,
-            config_path=config_path, rdzv_id=f"{spec.rdzv_id}-group{index}", replica_groups=0,
-        )  # fmt: skip
+            spec,
+            nproc_per_node=spec.nproc_per_node // spec.replica_groups,
+            run_dir=run_dir,
+            config_path=config_path,
+            rdzv_id=f"{spec.rdzv_id}-group{index}",
+            replica_groups=0,
+        )
         return build_torchrun_args(group, free_port())
 
     return GroupPlan(
-        spec.replica_groups, spec.nproc_per_node, spec.config_path,
-        spec.lighthouse, argv_for, dict(spec.extra_env),
-    )  # fmt: skip
+        spec.replica_groups,
+        spec.nproc_per_node,
+        spec.config_path,
+        spec.lighthouse,
+        argv_for,
+        dict(spec.extra_env),
+    )
 
 
 def _run_multinode(
@@ -308,9 +311,15 @@ def _checked_handshake(spec: LaunchSpec, network: NetworkPlan, target: JoinTarge
         spec.node_rank, spec.nproc_per_node, spec.config_digest, spec.shared_config
     )
     handshake = Handshake(
-        store, spec.rdzv_id, info, target, network.is_host, spec.join_timeout_s, say_stderr,
+        store,
+        spec.rdzv_id,
+        info,
+        target,
+        network.is_host,
+        spec.join_timeout_s,
+        say_stderr,
         from_env(),
-    )  # fmt: skip
+    )
     nodes = handshake.run()
     names = ", ".join(n.hostname for n in sorted(nodes, key=lambda n: n.node_rank))
     say_stderr(f"{len(nodes)} nodes joined [{names}]; versions and config agree")
@@ -418,74 +427,3 @@ def _interrupted(sig: signal.Signals) -> int:
 def _one_line(err: BaseException) -> str:
     text = " ".join(str(err).split())
     return f"{type(err).__name__}: {text}" if text else type(err).__name__
-
-
-@contextmanager
-def _launch_environment(
-    spec: LaunchSpec, network: NetworkPlan | None = None, secret: JobSecret | None = None
-) -> Iterator[str]:
-    """Set the workers' environment for the agent; put os.environ and signals back after.
-
-    The agent copies os.environ into every worker, so this is how settings reach them.
-    Restoring matters because tests and tools call ``launch_local`` in-process, and the
-    agent both writes os.environ and installs its own SIGINT/SIGTERM handlers.
-    """
-    saved_env = dict(os.environ)
-    saved_handlers = _save_signal_handlers()
-    try:
-        os.environ.update(spec.extra_env)
-        if network is not None:
-            os.environ.update(network.env)  # GLOO/NCCL_SOCKET_IFNAME the user had not set
-        else:
-            if os.path.exists("/sys/class/net/lo"):  # Linux's loopback name
-                os.environ.setdefault(GLOO_IFNAME_ENV, "lo")
-        if secret is not None:  # the handshake, the agent's rendezvous and the workers read it
-            os.environ[SECRET_ENV] = secret.key.decode()
-        os.environ.setdefault(SHARE_STORE_ENV, "1")  # only if the user did not choose
-        if spec.config_path:
-            # Absolute, so a worker that changes directory still finds it.
-            os.environ[CONFIG_ENV] = os.path.abspath(spec.config_path)
-        omp_threads = _omp_num_threads(spec, os.environ)
-        os.environ["OMP_NUM_THREADS"] = omp_threads
-        yield omp_threads
-    finally:
-        _restore_environ(saved_env)
-        _restore_signal_handlers(saved_handlers)
-
-
-def _omp_num_threads(spec: LaunchSpec, environ: Mapping[str, str]) -> str:
-    if spec.omp_num_threads > 0:
-        return str(spec.omp_num_threads)
-    if environ.get("OMP_NUM_THREADS"):
-        return environ["OMP_NUM_THREADS"]
-    # Without this each worker starts one thread per core and they oversubscribe the CPU.
-    return str(max(1, _usable_cores() // spec.nproc_per_node))
-
-
-def _usable_cores() -> int:
-    # The affinity mask, not the machine: SLURM, cgroups and taskset narrow it.
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
-
-
-def _restore_environ(saved: dict[str, str]) -> None:
-    for key in set(os.environ) - set(saved):
-        del os.environ[key]
-    for key, value in saved.items():
-        if os.environ.get(key) != value:
-            os.environ[key] = value
-
-
-def _save_signal_handlers() -> dict[signal.Signals, _SignalHandler]:
-    if threading.current_thread() is not threading.main_thread():
-        return {}  # the agent only installs handlers from the main thread
-    names = ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT")
-    sigs = [getattr(signal, name) for name in names if hasattr(signal, name)]
-    return {sig: signal.getsignal(sig) for sig in sigs}
-
-
-def _restore_signal_handlers(saved: dict[signal.Signals, _SignalHandler]) -> None:
-    for sig, handler in saved.items():
-        if handler is not None:  # None: set outside Python, cannot be put back from here
-            signal.signal(sig, handler)

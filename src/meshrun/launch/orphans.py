@@ -69,8 +69,11 @@ def orphan_guard(grace_s: float = GRACE_S) -> Iterator[None]:
     env = {k: v for k, v in os.environ.items() if k != TOKEN_ENV}
     guard = subprocess.Popen(
         [sys.executable, "-I", "-S", __file__, token, str(grace_s), str(os.getpid())],
-        stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, start_new_session=True, env=env,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.DEVNULL,
+        start_new_session=True,
+        env=env,
+    )
     previous = os.environ.get(TOKEN_ENV)
     # An enclosing job's tokens stay: its guard ends this job's workers as well.
     os.environ[TOKEN_ENV] = f"{previous} {token}" if previous else token

@@ -73,9 +73,14 @@ def listen_store(host: str, port: int, timeout_s: float) -> TCPStore:
     # multi_tenant: torch's static rendezvous, asking for a server on this port in this
     # process, gets this one (bound where we asked) instead of failing on the port.
     store = TCPStore(
-        host, bound, is_master=True, wait_for_workers=False, master_listen_fd=sock.detach(),
-        timeout=timedelta(seconds=timeout_s), multi_tenant=True,
-    )  # fmt: skip
+        host,
+        bound,
+        is_master=True,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+        timeout=timedelta(seconds=timeout_s),
+        multi_tenant=True,
+    )
     with _LOCK:
         _STORES[bound] = store
     return store
@@ -165,9 +170,12 @@ class SignedBackend(RendezvousBackend):
     state written back (a replay) is refused like a forgery."""
 
     def __init__(
-        self, store: Store, run_id: str, secret: JobSecret,
+        self,
+        store: Store,
+        run_id: str,
+        secret: JobSecret,
         say: Callable[[str], None] | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if not run_id:
             raise ValueError("the rendezvous run id must not be empty")
         self._store, self._run_id, self._secret = store, run_id, secret
@@ -215,8 +223,12 @@ class SignedBackend(RendezvousBackend):
         text = self._secret.unseal(self._key, raw)
         doc = _parse(text) if text is not None else None
         if doc is None or doc["run_id"] != self._run_id or doc["seq"] < self._seq:
-            return self._refuse(raw, "not signed with this job's secret" if doc is None
-                                else "an older state written back")  # fmt: skip
+            return self._refuse(
+                raw,
+                "not signed with this job's secret"
+                if doc is None
+                else "an older state written back",
+            )
         try:
             state = state_from_json(doc)
         except (KeyError, TypeError, ValueError) as err:  # signed, so a bug: say so plainly

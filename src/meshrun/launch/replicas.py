@@ -131,7 +131,7 @@ def _start_group(
     tail = [f"--{k}={v}" for k, v in group_pairs(cfg, plan.groups, index, lighthouse, nproc)]
     argv = [*plan.argv_for(index, str(run_dir), str(path)), *tail]
     env = {**os.environ, **plan.extra_env, CONFIG_ENV: str(path.resolve())}
-    # The restarts need it (local.py's SHARE_STORE_ENV); OMP threads: cores / processes.
+    # The restarts need it (environment.py's SHARE_STORE_ENV); OMP threads: cores / processes.
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     cores = max(1, (os.cpu_count() or 1) // plan.nproc_per_node)
     env.setdefault("OMP_NUM_THREADS", str(cores))
@@ -140,9 +140,10 @@ def _start_group(
     # torchrun with meshrun's signed rendezvous: its store bound to the group's endpoint
     # (loopback), its state signed JSON, never a pickle read back (launch/rdzv_signed.py).
     return subprocess.Popen(
-        [sys.executable, "-m", "meshrun.launch.rdzv_signed", *argv], env=env,
+        [sys.executable, "-m", "meshrun.launch.rdzv_signed", *argv],
+        env=env,
         start_new_session=True,
-    )  # fmt: skip
+    )
 
 
 def _wait(procs: list[subprocess.Popen[bytes]]) -> int:

@@ -51,9 +51,20 @@ _log = logging.getLogger(__name__)
 
 # Keys the logger writes itself; `extra` may not overwrite them.
 _CORE_KEYS = frozenset(
-    {"step", "time", "loss", "lr", "step_time_s", "samples_per_s", "tokens_per_s", "event",
-     "samples_per_s_per_rank", "tokens_per_s_per_rank", "mfu"}
-)  # fmt: skip
+    {
+        "step",
+        "time",
+        "loss",
+        "lr",
+        "step_time_s",
+        "samples_per_s",
+        "tokens_per_s",
+        "event",
+        "samples_per_s_per_rank",
+        "tokens_per_s_per_rank",
+        "mfu",
+    }
+)
 # ETA follows the median of this many recent steps: robust to a slow checkpoint step,
 # yet quick to follow a real change of speed.
 _RECENT_STEPS = 50

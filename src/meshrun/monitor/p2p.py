@@ -87,9 +87,14 @@ class _P2PFilter(logging.Filter):
         with self._lock:
             seq = self._last[(kind, op.peer)].seq + 1 if (kind, op.peer) in self._last else 1
             rec = P2PRecord(
-                kind, int(op.peer), seq, what, list(op.tensor.shape),
-                str(op.tensor.dtype).removeprefix("torch."), label if group else "default",
-            )  # fmt: skip
+                kind,
+                int(op.peer),
+                seq,
+                what,
+                list(op.tensor.shape),
+                str(op.tensor.dtype).removeprefix("torch."),
+                label if group else "default",
+            )
             self._last[(kind, rec.peer)] = self._newest = rec
 
     def snapshot(self) -> dict[str, Any]:

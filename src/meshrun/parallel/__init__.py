@@ -86,8 +86,14 @@ log = logging.getLogger("meshrun")
 
 # Tensor parallel (DTensor) and the pipeline load on first use (PEP 562); the pipeline's
 # builders stay importable from here by name, as they were before.
-_PIPELINE = ["LossFn", "Pipeline", "build_pipeline", "build_stage_modules", "pipeline_eval",
-             "pipeline_step"]  # fmt: skip
+_PIPELINE = [
+    "LossFn",
+    "Pipeline",
+    "build_pipeline",
+    "build_stage_modules",
+    "pipeline_eval",
+    "pipeline_step",
+]
 __getattr__ = lazy_exports(
     globals(),
     {

@@ -35,8 +35,11 @@ _FIX = (
 
 def _named(model: nn.Module | Pipeline) -> list[tuple[str, nn.Parameter]]:
     if is_pipeline(model):
-        return [(f"stage{i}.{n}", p) for i, m in enumerate(model.modules) for n, p in
-                m.named_parameters()]  # fmt: skip
+        return [
+            (f"stage{i}.{n}", p)
+            for i, m in enumerate(model.modules)
+            for n, p in m.named_parameters()
+        ]
     return list(cast(nn.Module, model).named_parameters())  # TypeGuard narrows only if True
 
 

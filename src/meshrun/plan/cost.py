@@ -141,8 +141,14 @@ class StepTime:
 
     @property
     def total(self) -> float:
-        return (self.compute + self.exposed_comm + self.bubble + self.optimizer
-                + self.tp_overhead + self.fsdp_overhead)  # fmt: skip
+        return (
+            self.compute
+            + self.exposed_comm
+            + self.bubble
+            + self.optimizer
+            + self.tp_overhead
+            + self.fsdp_overhead
+        )
 
 
 def step_time(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) -> StepTime:
@@ -155,10 +161,17 @@ def step_time(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int)
     window = _hiding_window(lay, compute, microbatches)
     dp_exposed = max(0.0, dp - c.overlap * window)
     bubble = compute * (lay.pp - 1) / (lay.vpp * microbatches)
-    return StepTime(compute, dp, dp_exposed, _tp_comm(m, lay, t, c, microbatches),
-                    _pp_comm(m, lay, t, c, microbatches), bubble,
-                    optimizer_time(m, lay, t, c), tp_overhead(m, lay, c, microbatches),
-                    fsdp_overhead(m, lay, c, microbatches))  # fmt: skip
+    return StepTime(
+        compute,
+        dp,
+        dp_exposed,
+        _tp_comm(m, lay, t, c, microbatches),
+        _pp_comm(m, lay, t, c, microbatches),
+        bubble,
+        optimizer_time(m, lay, t, c),
+        tp_overhead(m, lay, c, microbatches),
+        fsdp_overhead(m, lay, c, microbatches),
+    )
 
 
 def tp_overhead(m: Model, lay: Layout, c: Cluster, microbatches: int) -> float:

@@ -126,8 +126,9 @@ def _read_block(found: Inspected, block: Any, prefix: str) -> None:
     _read_qkv(found, [p for p in projections if p[0] not in mlp], prefix)
 
 
-def _read_mlp(found: Inspected, projections: list[tuple[str, int, int]], hidden: int,
-              prefix: str) -> set[str]:  # fmt: skip
+def _read_mlp(
+    found: Inspected, projections: list[tuple[str, int, int]], hidden: int, prefix: str
+) -> set[str]:
     """The MLP: its down projection (from the config's ffn, else the widest back to hidden),
     and beside it, in the same module, its up (and gate) projections; their names returned.
     Shapes alone cannot tell a fused qkv from an up projection when ffn = 3 x hidden."""
@@ -138,8 +139,11 @@ def _read_mlp(found: Inspected, projections: list[tuple[str, int, int]], hidden:
     down, width = next(((n, i) for n, i in back if i == ffn), max(back, key=lambda b: b[1]))
     _put(found, "ffn", width, f"{prefix}.{down} (the widest projection back to hidden)")
     ffn, parent = found.shape["ffn"], down.rpartition(".")[0]
-    up = [(n, o) for n, i, o in projections
-          if n.rpartition(".")[0] == parent and i == hidden and o in (ffn, 2 * ffn)]  # fmt: skip
+    up = [
+        (n, o)
+        for n, i, o in projections
+        if n.rpartition(".")[0] == parent and i == hidden and o in (ffn, 2 * ffn)
+    ]
     if up:
         found.gated = len(up) >= 2 or any(o == 2 * ffn for _, o in up)  # gate+up, or fused
         names = ", ".join(n for n, _ in up)

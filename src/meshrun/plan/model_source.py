@@ -50,11 +50,15 @@ def parse_kwargs(text: str | None) -> dict[str, Any]:
     try:
         value = json.loads(text)
     except json.JSONDecodeError as e:
-        raise PlanError(f"--model-kwargs {text!r} is not valid JSON ({e}); expected an object "
-                        """such as '{"n_layer": 4, "n_embd": 256}'""") from None  # fmt: skip
+        raise PlanError(
+            f"--model-kwargs {text!r} is not valid JSON ({e}); expected an object "
+            """such as '{"n_layer": 4, "n_embd": 256}'"""
+        ) from None
     if not isinstance(value, dict):
-        raise PlanError(f"--model-kwargs {text!r} is a JSON {type(value).__name__}; expected an "
-                        """object of keyword arguments such as '{"n_layer": 4}'""")  # fmt: skip
+        raise PlanError(
+            f"--model-kwargs {text!r} is a JSON {type(value).__name__}; expected an "
+            """object of keyword arguments such as '{"n_layer": 4}'"""
+        )
     return value
 
 
@@ -65,8 +69,11 @@ def build_model(spec: str, kwargs: dict[str, Any]) -> Built:
         return _from_hf_config(spec, _config_file(spec), kwargs)
     source, sep, attr = spec.rpartition(":")
     if not sep or not source or not attr:
-        hint = f"{spec}:FACTORY (the function or class that builds it)" if spec.endswith(
-            ".py") else FORMS  # fmt: skip
+        hint = (
+            f"{spec}:FACTORY (the function or class that builds it)"
+            if spec.endswith(".py")
+            else FORMS
+        )
         raise PlanError(f"--model {spec!r}: expected {hint}")
     module = _load_module(spec, source)
     factory = _factory(spec, module, source, attr)
@@ -85,8 +92,10 @@ def _load_module(spec: str, source: str) -> ModuleType:
         return _import(spec, source, lambda: importlib.import_module(source))
     path = Path(source)
     if not path.is_file():
-        raise PlanError(f"--model {spec!r}: {source} does not exist (looked in {Path.cwd()}); "
-                        f"give an existing file as {FORMS.split(', ')[0]}")  # fmt: skip
+        raise PlanError(
+            f"--model {spec!r}: {source} does not exist (looked in {Path.cwd()}); "
+            f"give an existing file as {FORMS.split(', ')[0]}"
+        )
     return _import(spec, source, lambda: _exec_file(path.resolve()))
 
 
@@ -125,28 +134,38 @@ def _import(spec: str, source: str, load: Callable[[], ModuleType]) -> ModuleTyp
     try:
         return load()
     except SystemExit as e:  # a training script that parses sys.argv when imported
-        raise PlanError(f"--model {spec!r}: importing {source} exited (SystemExit {e.code}): it "
-                        "runs as a script when imported; put the model in a module of its own "
-                        "or guard the script with `if __name__ == '__main__':`") from None  # fmt: skip
+        raise PlanError(
+            f"--model {spec!r}: importing {source} exited (SystemExit {e.code}): it "
+            "runs as a script when imported; put the model in a module of its own "
+            "or guard the script with `if __name__ == '__main__':`"
+        ) from None
     except ModuleNotFoundError as e:
         hint = "" if _is_file_source(source) else " (a file? give its path: path/to/model.py)"
         raise PlanError(
             f"--model {spec!r}: cannot import {source}: {_first_line(e)}{hint}"
         ) from None
     except Exception as e:
-        raise PlanError(f"--model {spec!r}: importing {source} raised {type(e).__name__}: "
-                        f"{_first_line(e)}; fix that file") from None  # fmt: skip
+        raise PlanError(
+            f"--model {spec!r}: importing {source} raised {type(e).__name__}: "
+            f"{_first_line(e)}; fix that file"
+        ) from None
 
 
 def _factory(spec: str, module: ModuleType, source: str, attr: str) -> Callable[..., Any]:
     factory = getattr(module, attr, None)
     if callable(factory):
         return factory
-    own = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
-                 and getattr(v, "__module__", None) == module.__name__)  # fmt: skip
+    own = sorted(
+        k
+        for k, v in vars(module).items()
+        if callable(v)
+        and not k.startswith("_")
+        and getattr(v, "__module__", None) == module.__name__
+    )
     there = f"callables defined there: {', '.join(own)}" if own else "it defines no callable"
-    raise PlanError(f"--model {spec!r}: {source} has no callable {attr!r} ({there}); "
-                    f"give {source}:NAME")  # fmt: skip
+    raise PlanError(
+        f"--model {spec!r}: {source} has no callable {attr!r} ({there}); give {source}:NAME"
+    )
 
 
 def _call(spec: str, factory: Callable[..., Any], attr: str, kwargs: dict[str, Any]) -> Any:
@@ -159,12 +178,16 @@ def _call(spec: str, factory: Callable[..., Any], attr: str, kwargs: dict[str, A
             model = factory(**kwargs)
     except Exception as e:
         given = f" with --model-kwargs {json.dumps(kwargs)}" if kwargs else ""
-        raise PlanError(f"--model {spec!r}: {attr}(){given} raised {type(e).__name__}: "
-                        f"{_first_line(e)}; fix the factory or its arguments (it runs on the "
-                        "meta device: it must not read or copy weights)") from None  # fmt: skip
+        raise PlanError(
+            f"--model {spec!r}: {attr}(){given} raised {type(e).__name__}: "
+            f"{_first_line(e)}; fix the factory or its arguments (it runs on the "
+            "meta device: it must not read or copy weights)"
+        ) from None
     if not isinstance(model, nn.Module):
-        raise PlanError(f"--model {spec!r}: {attr}() returned a {type(model).__name__}, not a "
-                        "torch.nn.Module; give the function or class that builds the model")  # fmt: skip
+        raise PlanError(
+            f"--model {spec!r}: {attr}() returned a {type(model).__name__}, not a "
+            "torch.nn.Module; give the function or class that builds the model"
+        )
     return model
 
 
@@ -177,12 +200,17 @@ def _check_signature(spec: str, factory: Callable[..., Any], attr: str, kw: dict
     try:
         signature.bind(**kw)
     except TypeError as e:
-        needed = [p.name for p in signature.parameters.values()
-                  if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]  # fmt: skip
+        needed = [
+            p.name
+            for p in signature.parameters.values()
+            if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+        ]
         example = ", ".join(f'"{n}": ...' for n in needed) or '"name": value'
         given = f"with --model-kwargs {json.dumps(kw)}" if kw else "without --model-kwargs"
-        raise PlanError(f"--model {spec!r}: {attr}{signature} cannot be called {given}: {e}; "
-                        f"pass its arguments as a JSON object: --model-kwargs '{{{example}}}'") from None  # fmt: skip
+        raise PlanError(
+            f"--model {spec!r}: {attr}{signature} cannot be called {given}: {e}; "
+            f"pass its arguments as a JSON object: --model-kwargs '{{{example}}}'"
+        ) from None
 
 
 def _first_line(e: BaseException) -> str:
@@ -198,11 +226,15 @@ def _config_file(spec: str) -> Path:
     if path.is_dir():
         path = path / "config.json"
         if not path.is_file():
-            raise PlanError(f"--model {spec!r}: the directory has no config.json; give a "
-                            "Hugging Face model directory, or one of: " + FORMS)  # fmt: skip
+            raise PlanError(
+                f"--model {spec!r}: the directory has no config.json; give a "
+                "Hugging Face model directory, or one of: " + FORMS
+            )
     elif not path.is_file():
-        raise PlanError(f"--model {spec!r} does not exist (looked in {Path.cwd()}); give "
-                        "the path of a Hugging Face config.json or of its directory")  # fmt: skip
+        raise PlanError(
+            f"--model {spec!r} does not exist (looked in {Path.cwd()}); give "
+            "the path of a Hugging Face config.json or of its directory"
+        )
     return path
 
 
@@ -212,9 +244,11 @@ def _read_config(spec: str, path: Path) -> dict[str, Any]:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise PlanError(f"--model {spec!r}: cannot read {path} as JSON: {e}") from None
     if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
-        raise PlanError(f"--model {spec!r}: {path} has no \"model_type\", so it is not a Hugging "
-                        "Face model config; give the config.json that comes with the "
-                        "model (save it with config.save_pretrained(DIR))")  # fmt: skip
+        raise PlanError(
+            f'--model {spec!r}: {path} has no "model_type", so it is not a Hugging '
+            "Face model config; give the config.json that comes with the "
+            "model (save it with config.save_pretrained(DIR))"
+        )
     return data
 
 
@@ -227,23 +261,29 @@ def _from_hf_config(spec: str, path: Path, kwargs: dict[str, Any]) -> Built:
     kind = data.pop("model_type")
     version = transformers.__version__
     if kind not in CONFIG_MAPPING_NAMES:
-        raise PlanError(f"--model {spec!r}: model_type {kind!r} is unknown to transformers "
-                        f"{version} (its code is not part of transformers; meshrun does not "
-                        "run code from a model repository): give --model "
-                        "path/to/modeling.py:factory that builds it")  # fmt: skip
+        raise PlanError(
+            f"--model {spec!r}: model_type {kind!r} is unknown to transformers "
+            f"{version} (its code is not part of transformers; meshrun does not "
+            "run code from a model repository): give --model "
+            "path/to/modeling.py:factory that builds it"
+        )
     if kind not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        raise PlanError(f"--model {spec!r}: model_type {kind!r} has no causal language model in "
-                        f"transformers {version} (AutoModelForCausalLM: llama, qwen2, mistral, "
-                        "gpt2, ...); meshrun plan models decoder LMs: give the shape "
-                        "(--layers --hidden --heads --vocab --seq) or --params N")  # fmt: skip
+        raise PlanError(
+            f"--model {spec!r}: model_type {kind!r} has no causal language model in "
+            f"transformers {version} (AutoModelForCausalLM: llama, qwen2, mistral, "
+            "gpt2, ...); meshrun plan models decoder LMs: give the shape "
+            "(--layers --hidden --heads --vocab --seq) or --params N"
+        )
     config = _hf_config(spec, transformers, kind, data, kwargs)
     try:
         with torch.device("meta"):
             model = transformers.AutoModelForCausalLM.from_config(config)
     except Exception as e:
-        raise PlanError(f"--model {spec!r}: transformers could not build the {kind!r} model "
-                        f"from it: {type(e).__name__}: {_first_line(e)}; check its fields "
-                        "(and --model-kwargs)") from None  # fmt: skip
+        raise PlanError(
+            f"--model {spec!r}: transformers could not build the {kind!r} model "
+            f"from it: {type(e).__name__}: {_first_line(e)}; check its fields "
+            "(and --model-kwargs)"
+        ) from None
     return Built(model, config, "config.json")
 
 
@@ -252,13 +292,16 @@ def _import_transformers(spec: str) -> tuple[Any, Any]:
         import torch
         import transformers
     except ImportError as e:
-        raise PlanError(f"--model {spec!r}: a Hugging Face config.json is read with transformers, "
-                        f"which is not importable here ({e}); pip install transformers") from None  # fmt: skip
+        raise PlanError(
+            f"--model {spec!r}: a Hugging Face config.json is read with transformers, "
+            f"which is not importable here ({e}); pip install transformers"
+        ) from None
     return torch, transformers
 
 
-def _hf_config(spec: str, transformers: Any, kind: str, data: dict[str, Any],
-               kwargs: dict[str, Any]) -> Any:  # fmt: skip
+def _hf_config(
+    spec: str, transformers: Any, kind: str, data: dict[str, Any], kwargs: dict[str, Any]
+) -> Any:
     known = set(data)
     if kwargs:  # the fields of the architecture's default config, for the names a user may set
         with contextlib.suppress(Exception):
@@ -267,13 +310,17 @@ def _hf_config(spec: str, transformers: Any, kind: str, data: dict[str, Any],
     if unknown:
         close = {m for k in unknown for m in difflib.get_close_matches(k, known, n=2)}
         hint = f"did you mean {', '.join(sorted(close))}?" if close else "see its config.json"
-        raise PlanError(f"--model-kwargs: {', '.join(unknown)} is not a field of a {kind!r} "
-                        f"config (--model {spec}); {hint}")  # fmt: skip
+        raise PlanError(
+            f"--model-kwargs: {', '.join(unknown)} is not a field of a {kind!r} "
+            f"config (--model {spec}); {hint}"
+        )
     try:
         return transformers.AutoConfig.for_model(kind, **{**data, **kwargs})
     except Exception as e:
-        raise PlanError(f"--model {spec!r}: transformers refuses the {kind!r} config: "
-                        f"{type(e).__name__}: {_first_line(e)}") from None  # fmt: skip
+        raise PlanError(
+            f"--model {spec!r}: transformers refuses the {kind!r} config: "
+            f"{type(e).__name__}: {_first_line(e)}"
+        ) from None
 
 
 __all__ = ["FORMS", "Built", "build_model", "parse_kwargs"]

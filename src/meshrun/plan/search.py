@@ -28,46 +28,63 @@ def check_model(m: Model) -> None:
     """Reject shapes no transformer has (before any search)."""
     if not m.has_shape:
         if m.params <= 0:
-            raise PlanError("give a model: --layers/--hidden/--heads/--vocab/--seq, --params N "
-                            "or --model pkg.module:factory")  # fmt: skip
+            raise PlanError(
+                "give a model: --layers/--hidden/--heads/--vocab/--seq, --params N "
+                "or --model pkg.module:factory"
+            )
         return
     for name in ("layers", "hidden", "heads", "vocab", "seq"):
         if getattr(m, name) <= 0:
             raise PlanError(f"--{name} = {getattr(m, name)} is not allowed: must be >= 1")
     if m.hidden % m.heads:
-        raise PlanError(f"--hidden {m.hidden} is not divisible by --heads {m.heads}; "
-                        "choose a hidden size that is a multiple of the head count")  # fmt: skip
+        raise PlanError(
+            f"--hidden {m.hidden} is not divisible by --heads {m.heads}; "
+            "choose a hidden size that is a multiple of the head count"
+        )
     if m.heads % m.kv:
-        raise PlanError(f"--kv-heads {m.kv} does not divide --heads {m.heads}; grouped-query "
-                        "attention needs heads = kv_heads x group size")  # fmt: skip
+        raise PlanError(
+            f"--kv-heads {m.kv} does not divide --heads {m.heads}; grouped-query "
+            "attention needs heads = kv_heads x group size"
+        )
 
 
 def layout_problem(m: Model, lay: Layout, t: Training, c: Cluster) -> str | None:
     """Why ``lay`` cannot run this model on this cluster, or None."""
     if lay.size != c.world:
-        return (f"dp_replicate x dp_shard x tp x pp = {lay.dp_replicate} x {lay.dp_shard} x "
-                f"{lay.tp} x {lay.pp} = {lay.size}, but the cluster has {c.world} GPUs")  # fmt: skip
+        return (
+            f"dp_replicate x dp_shard x tp x pp = {lay.dp_replicate} x {lay.dp_shard} x "
+            f"{lay.tp} x {lay.pp} = {lay.size}, but the cluster has {c.world} GPUs"
+        )
     if lay.zero >= 1 and lay.dp_shard == 1:
-        return (f"zero = {lay.zero} with dp_shard = 1 shards nothing; use zero = 0 or "
-                "dp_shard > 1")  # fmt: skip
+        return f"zero = {lay.zero} with dp_shard = 1 shards nothing; use zero = 0 or dp_shard > 1"
     if t.global_batch % (lay.micro_batch * lay.dp):
-        return (f"global batch {t.global_batch} is not divisible by micro_batch x data-parallel "
-                f"size = {lay.micro_batch} x {lay.dp}")  # fmt: skip
+        return (
+            f"global batch {t.global_batch} is not divisible by micro_batch x data-parallel "
+            f"size = {lay.micro_batch} x {lay.dp}"
+        )
     return _shape_problem(m, lay, t.global_batch // (lay.micro_batch * lay.dp))
 
 
 def _shape_problem(m: Model, lay: Layout, microbatches: int) -> str | None:
     if m.has_shape:
-        for name, value in (("heads", m.heads), ("kv_heads", m.kv), ("hidden", m.hidden),
-                            ("ffn", m.ffn_size)):  # fmt: skip
+        for name, value in (
+            ("heads", m.heads),
+            ("kv_heads", m.kv),
+            ("hidden", m.hidden),
+            ("ffn", m.ffn_size),
+        ):
             if value % lay.tp:
                 return f"tp = {lay.tp} does not divide {name} = {value}; use a divisor of it"
         if m.layers % (lay.pp * lay.vpp):
-            return (f"pp x vpp = {lay.pp} x {lay.vpp} does not divide layers = {m.layers}; "
-                    "use a divisor so that every stage holds the same number of blocks")  # fmt: skip
+            return (
+                f"pp x vpp = {lay.pp} x {lay.vpp} does not divide layers = {m.layers}; "
+                "use a divisor so that every stage holds the same number of blocks"
+            )
     if lay.pp > 1 and microbatches < lay.pp:
-        return (f"pp = {lay.pp} needs at least {lay.pp} micro-batches per step, this layout has "
-                f"{microbatches}; lower micro_batch or raise the global batch")  # fmt: skip
+        return (
+            f"pp = {lay.pp} needs at least {lay.pp} micro-batches per step, this layout has "
+            f"{microbatches}; lower micro_batch or raise the global batch"
+        )
     if lay.vpp > 1 and lay.schedule != "interleaved":
         return f"vpp = {lay.vpp} needs schedule = interleaved"
     return None
@@ -181,15 +198,19 @@ def parse_layout(text: str, c: Cluster) -> Layout:
         key, sep, value = item.partition("=")
         key = {"ac": "activation_checkpointing"}.get(key.strip(), key.strip())
         if not sep or key not in _LAYOUT_KEYS:
-            raise PlanError(f"--layout item {item!r}: expected KEY=VALUE with KEY one of "
-                            f"{', '.join(_LAYOUT_KEYS)}")  # fmt: skip
+            raise PlanError(
+                f"--layout item {item!r}: expected KEY=VALUE with KEY one of "
+                f"{', '.join(_LAYOUT_KEYS)}"
+            )
         values[key] = _layout_value(key, value.strip())
     lay = replace(Layout(dp_shard=-1), **values)  # type: ignore[arg-type]
     if lay.dp_shard == -1:
         rest = lay.dp_replicate * lay.tp * lay.pp
         if c.world % rest:
-            raise PlanError(f"--layout: dp_replicate x tp x pp = {rest} does not divide the "
-                            f"cluster's {c.world} GPUs")  # fmt: skip
+            raise PlanError(
+                f"--layout: dp_replicate x tp x pp = {rest} does not divide the "
+                f"cluster's {c.world} GPUs"
+            )
         lay = replace(lay, dp_shard=c.world // rest)
     return lay
 
@@ -206,8 +227,10 @@ def _layout_value(key: str, value: str) -> object:
             raise PlanError(f"--layout {key}={value!r}: expected an integer") from None
         low = -1 if key == "dp_shard" else 0 if key == "zero" else 1
         if number < low or (key == "zero" and number > 3):
-            raise PlanError(f"--layout {key}={number}: must be "
-                            + ("0, 1, 2 or 3" if key == "zero" else f">= {low}"))  # fmt: skip
+            raise PlanError(
+                f"--layout {key}={number}: must be "
+                + ("0, 1, 2 or 3" if key == "zero" else f">= {low}")
+            )
         return number
     if value not in allowed:
         raise PlanError(f"--layout {key}={value!r}: expected one of {', '.join(allowed)}")
@@ -222,11 +245,15 @@ def what_would_fit(m: Model, t: Training, c: Cluster, plan: Plan) -> list[str]:
     micro-batch."""
     best = min(plan.estimates, key=lambda e: e.memory.total)
     mem, cap = best.memory, c.memory_bytes
-    out = [f"the smallest footprint found is {mem.total / GB:.1f} GB per GPU "
-           f"({_describe(best)}); the GPU has {cap / GB:.1f} GB"]  # fmt: skip
+    out = [
+        f"the smallest footprint found is {mem.total / GB:.1f} GB per GPU "
+        f"({_describe(best)}); the GPU has {cap / GB:.1f} GB"
+    ]
     if mem.total - mem.optimizer <= cap:
-        out.append(f"offload the optimizer states to CPU ({mem.optimizer / GB:.1f} GB per GPU), "
-                   "e.g. FSDP2 CPUOffloadPolicy: then it fits")  # fmt: skip
+        out.append(
+            f"offload the optimizer states to CPU ({mem.optimizer / GB:.1f} GB per GPU), "
+            "e.g. FSDP2 CPUOffloadPolicy: then it fits"
+        )
     if best.layout.micro_batch > 1:
         out.append("allow micro-batch 1 (--micro-batch 1)")
     nodes = _nodes_that_fit(m, t, c)
@@ -240,9 +267,11 @@ def what_would_fit(m: Model, t: Training, c: Cluster, plan: Plan) -> list[str]:
 
 def _describe(e: Estimate) -> str:
     lay = e.layout
-    return (f"dp_replicate={lay.dp_replicate}, dp_shard={lay.dp_shard}, tp={lay.tp}, "
-            f"pp={lay.pp}, zero={lay.zero}, micro_batch={lay.micro_batch}, "
-            f"activation_checkpointing={lay.activation_checkpointing}")  # fmt: skip
+    return (
+        f"dp_replicate={lay.dp_replicate}, dp_shard={lay.dp_shard}, tp={lay.tp}, "
+        f"pp={lay.pp}, zero={lay.zero}, micro_batch={lay.micro_batch}, "
+        f"activation_checkpointing={lay.activation_checkpointing}"
+    )
 
 
 def _nodes_that_fit(m: Model, t: Training, c: Cluster) -> int | None:

@@ -15,8 +15,15 @@ from meshrun.plan.errors import PlanError
 
 REQUIRED = ("layers", "hidden", "heads", "vocab", "seq")
 # How the user gives each field when the model does not say it.
-FLAG_FOR = {"layers": "--layers", "hidden": "--hidden", "heads": "--heads",
-            "kv_heads": "--kv-heads", "ffn": "--ffn", "vocab": "--vocab", "seq": "--seq"}  # fmt: skip
+FLAG_FOR = {
+    "layers": "--layers",
+    "hidden": "--hidden",
+    "heads": "--heads",
+    "kv_heads": "--kv-heads",
+    "ffn": "--ffn",
+    "vocab": "--vocab",
+    "seq": "--seq",
+}
 
 
 def format_count(n: float) -> str:
@@ -41,8 +48,9 @@ class Inferred:
     json: dict[str, Any]
 
 
-def model_from_spec(spec: str, kwargs_text: str | None, flags: dict[str, int],
-                    mlp: str | None) -> Inferred:  # fmt: skip
+def model_from_spec(
+    spec: str, kwargs_text: str | None, flags: dict[str, int], mlp: str | None
+) -> Inferred:
     """Build ``spec`` on the meta device, infer its shape, and apply the command line's
     ``flags`` (shape fields) and ``mlp`` (plain/gated; None: inferred) over it."""
     from meshrun.plan.inspect_model import inspect_module
@@ -53,27 +61,51 @@ def model_from_spec(spec: str, kwargs_text: str | None, flags: dict[str, int],
     shape, sources = _merge(found.shape, found.sources, flags)
     _check_complete(spec, shape, found.params)
     gated = mlp == "gated" if mlp is not None else bool(found.gated)
-    sources["mlp"] = "--mlp" if mlp is not None else found.sources.get(
-        "mlp", "not found in the blocks: plain assumed; --mlp gated for a SwiGLU MLP")  # fmt: skip
+    sources["mlp"] = (
+        "--mlp"
+        if mlp is not None
+        else found.sources.get(
+            "mlp", "not found in the blocks: plain assumed; --mlp gated for a SwiGLU MLP"
+        )
+    )
     params, layer_params = _exact_counts(found.shape, flags, found.params, found.layer_params)
-    model = Model(**shape, gated_mlp=gated, params=params, layer_params=layer_params,
-                  separate_qkv=bool(found.separate_qkv))  # fmt: skip
+    model = Model(
+        **shape,
+        gated_mlp=gated,
+        params=params,
+        layer_params=layer_params,
+        separate_qkv=bool(found.separate_qkv),
+    )
     tied = [f"{a} = {b}" for a, b in found.tied]
     shown = {"kv_heads": shape.get("heads", 0), "ffn": 4 * shape.get("hidden", 0), **shape}
-    facts = {"class": found.class_name, "params": found.params, "built_from": built.origin,
-             "shape": {**shown, "tied": bool(tied), "mlp": "gated" if gated else "plain",
-                       "separate_qkv": model.separate_qkv},
-             "sources": {**sources, "tied": "; ".join(tied) or "no parameter under two names",
-                         "separate_qkv": found.sources.get("qkv", "not found: fused assumed")}}  # fmt: skip
+    facts = {
+        "class": found.class_name,
+        "params": found.params,
+        "built_from": built.origin,
+        "shape": {
+            **shown,
+            "tied": bool(tied),
+            "mlp": "gated" if gated else "plain",
+            "separate_qkv": model.separate_qkv,
+        },
+        "sources": {
+            **sources,
+            "tied": "; ".join(tied) or "no parameter under two names",
+            "separate_qkv": found.sources.get("qkv", "not found: fused assumed"),
+        },
+    }
     lines = describe(spec, facts)
     if not params:
-        lines.append("  counts   from the shape formulas: the flags changed the model's shape "
-                     "(--model-kwargs builds it at that shape and keeps the exact counts)")  # fmt: skip
+        lines.append(
+            "  counts   from the shape formulas: the flags changed the model's shape "
+            "(--model-kwargs builds it at that shape and keeps the exact counts)"
+        )
     return Inferred(model, lines, {"spec": spec, **facts, "exact_counts": bool(params)})
 
 
-def _exact_counts(shape: dict[str, int], flags: dict[str, int], params: int,
-                  layer_params: int) -> tuple[int, int]:  # fmt: skip
+def _exact_counts(
+    shape: dict[str, int], flags: dict[str, int], params: int, layer_params: int
+) -> tuple[int, int]:
     """The counts of the model built, unless a flag changed a field they depend on (then 0:
     the planner's formulas count the shape the flags describe). The training length --seq
     changes no weight."""
@@ -81,8 +113,9 @@ def _exact_counts(shape: dict[str, int], flags: dict[str, int], params: int,
     return (0, 0) if changed else (params, layer_params)
 
 
-def _merge(shape: dict[str, int], sources: dict[str, str],
-           flags: dict[str, int]) -> tuple[dict[str, int], dict[str, str]]:  # fmt: skip
+def _merge(
+    shape: dict[str, int], sources: dict[str, str], flags: dict[str, int]
+) -> tuple[dict[str, int], dict[str, str]]:
     merged, where = dict(shape), dict(sources)
     for key, value in flags.items():
         said = shape.get(key)
@@ -100,17 +133,21 @@ def _merge(shape: dict[str, int], sources: dict[str, str],
 def _check_complete(spec: str, shape: dict[str, int], params: int) -> None:
     missing = [k for k in REQUIRED if k not in shape]
     if missing:
-        raise PlanError(f"--model {spec}: found no {', '.join(missing)} (not in a config on the "
-                        "model nor on its blocks or embeddings); give "
-                        + " ".join(f"{FLAG_FOR[k]} N" for k in missing)
-                        + f", or --params {params} alone (model-state memory only)")  # fmt: skip
+        raise PlanError(
+            f"--model {spec}: found no {', '.join(missing)} (not in a config on the "
+            "model nor on its blocks or embeddings); give "
+            + " ".join(f"{FLAG_FOR[k]} N" for k in missing)
+            + f", or --params {params} alone (model-state memory only)"
+        )
 
 
 def describe(spec: str, facts: dict[str, Any]) -> list[str]:
     """One line for the model, then one per inferred field: value and source."""
     shape, sources = facts["shape"], facts["sources"]
-    lines = [f"model {spec}: {facts['class']}, {format_count(facts['params'])} parameters "
-             f"({facts['params']:,}; built on the meta device from its {facts['built_from']})"]  # fmt: skip
+    lines = [
+        f"model {spec}: {facts['class']}, {format_count(facts['params'])} parameters "
+        f"({facts['params']:,}; built on the meta device from its {facts['built_from']})"
+    ]
     for key in ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq"):
         value = shape.get(key, "-")
         lines.append(f"  {key.replace('_', '-'):<9}{value!s:<9}{sources.get(key, '')}")

@@ -113,8 +113,14 @@ def _mark_ft(ax: Axes, run: RunFigures) -> None:
         color, style, label = _FT_MARKS[kind]
         # A heal comes at the step its group joins: a wide pale band keeps both lines visible.
         width, alpha = (5.0, 0.35) if kind == "ft_heal" else (1.2, 1.0)
-        ax.axvline(int(e["step"]), color=color, linestyle=style, linewidth=width, alpha=alpha,
-                   label=label if kind not in labelled else None)  # fmt: skip
+        ax.axvline(
+            int(e["step"]),
+            color=color,
+            linestyle=style,
+            linewidth=width,
+            alpha=alpha,
+            label=label if kind not in labelled else None,
+        )
         labelled.add(kind)
 
 

@@ -149,19 +149,40 @@ def _write_overview(page: _Page, runs: Sequence[RunFigures], result: Scaling | N
 
 
 _SUMMARY_HEADER = [
-    "run", "processes", "global batch", "steps", "median step", "samples/s", "tokens/s",
-    "tokens/s per process", "MFU", "goodput", "restarts", "stragglers", "non-finite skips", "stalls",
-]  # fmt: skip
+    "run",
+    "processes",
+    "global batch",
+    "steps",
+    "median step",
+    "samples/s",
+    "tokens/s",
+    "tokens/s per process",
+    "MFU",
+    "goodput",
+    "restarts",
+    "stragglers",
+    "non-finite skips",
+    "stalls",
+]
 
 
 def _summary_row(r: RunFigures) -> list[str]:
     return [
-        r.data.name, str(r.world_size), str(r.global_batch), str(r.steps_done),
-        f"{r.median_step_s * 1e3:.1f} ms", f"{r.samples_per_s:,.1f}", f"{r.tokens_per_s:,.0f}",
-        f"{r.tokens_per_s / r.world_size:,.0f}", _pct(r.mfu),
-        _pct(r.goodput.share), str(r.restarts), str(len(r.stragglers)), str(len(r.nonfinite)),
+        r.data.name,
+        str(r.world_size),
+        str(r.global_batch),
+        str(r.steps_done),
+        f"{r.median_step_s * 1e3:.1f} ms",
+        f"{r.samples_per_s:,.1f}",
+        f"{r.tokens_per_s:,.0f}",
+        f"{r.tokens_per_s / r.world_size:,.0f}",
+        _pct(r.mfu),
+        _pct(r.goodput.share),
+        str(r.restarts),
+        str(len(r.stragglers)),
+        str(len(r.nonfinite)),
         str(len(r.stalls)),
-    ]  # fmt: skip
+    ]
 
 
 def _write_scaling(page: _Page, result: Scaling) -> None:
@@ -245,19 +266,44 @@ def _write_breakdown(page: _Page, run: RunFigures, prefix: str) -> None:
 def _write_events(page: _Page, run: RunFigures) -> None:
     page.add("<h3>Stragglers, non-finite skips, stalls, checkpoints</h3>")
     sections: list[tuple[str, list[str], list[list[str]]]] = [
-        ("stragglers", ["step", "rank", "host", "component", "value", "median", "slower by"],
-         [[str(s["step"]), str(s["rank"]), str(s["host"]), str(s["component"]),
-           f"{s['value_s'] * 1e3:.1f} ms", f"{s['median_s'] * 1e3:.1f} ms",
-           f"{s['slower_by']:.2f}x"] for s in run.stragglers]),
-        ("non-finite skips", ["step", "ranks", "action"],
-         [[str(e["step"]), ", ".join(map(str, e["ranks"])), str(e["action"])]
-          for e in run.nonfinite]),
-        ("stalls", ["step", "step time", "median", "cause"],
-         [[str(s.step), f"{s.step_time_s:.3f} s", f"{s.median_s:.3f} s", s.cause or "unknown"]
-          for s in run.stalls]),
-        ("checkpoint saves", ["after step", "training blocked"],
-         [[str(e["after_step"]), f"{e['blocked_s']:.3f} s"] for e in run.checkpoints]),
-    ]  # fmt: skip
+        (
+            "stragglers",
+            ["step", "rank", "host", "component", "value", "median", "slower by"],
+            [
+                [
+                    str(s["step"]),
+                    str(s["rank"]),
+                    str(s["host"]),
+                    str(s["component"]),
+                    f"{s['value_s'] * 1e3:.1f} ms",
+                    f"{s['median_s'] * 1e3:.1f} ms",
+                    f"{s['slower_by']:.2f}x",
+                ]
+                for s in run.stragglers
+            ],
+        ),
+        (
+            "non-finite skips",
+            ["step", "ranks", "action"],
+            [
+                [str(e["step"]), ", ".join(map(str, e["ranks"])), str(e["action"])]
+                for e in run.nonfinite
+            ],
+        ),
+        (
+            "stalls",
+            ["step", "step time", "median", "cause"],
+            [
+                [str(s.step), f"{s.step_time_s:.3f} s", f"{s.median_s:.3f} s", s.cause or "unknown"]
+                for s in run.stalls
+            ],
+        ),
+        (
+            "checkpoint saves",
+            ["after step", "training blocked"],
+            [[str(e["after_step"]), f"{e['blocked_s']:.3f} s"] for e in run.checkpoints],
+        ),
+    ]
     for title, header, rows in sections:
         if rows:
             page.add(f"<p><b>{len(rows)} {title}</b></p>")
@@ -277,8 +323,13 @@ def _write_ft(page: _Page, run: RunFigures) -> None:
 def _ft_row(e: dict[str, Any]) -> list[str]:
     kind, live = e["event"], e.get("live_groups", "?")
     if kind == "ft_heal":
-        return [str(e["step"]), f"healed ({live} groups live)", str(e.get("source", "")),
-                f"{int(e['bytes']):,}", f"{float(e['seconds']):.3f}"]  # fmt: skip
+        return [
+            str(e["step"]),
+            f"healed ({live} groups live)",
+            str(e.get("source", "")),
+            f"{int(e['bytes']):,}",
+            f"{float(e['seconds']):.3f}",
+        ]
     if kind == "ft_uncommitted":
         what = f"step not committed ({live} groups live): {e.get('error', '')}"
     else:  # ft_groups

@@ -315,8 +315,11 @@ class StepLoop:
         with scaled_lr(optimizer, outcome.lr_factor):
             self._apply_update(optimizer)
         lr = self._advance(optimizer, t0, outcome.samples) * outcome.lr_factor
-        ft: dict[str, float | str] = {"live_groups": outcome.live_groups, "committed": True,
-                                      "samples": outcome.samples}  # fmt: skip
+        ft: dict[str, float | str] = {
+            "live_groups": outcome.live_groups,
+            "committed": True,
+            "samples": outcome.samples,
+        }
         self._record(lr, outcome.loss, outcome.samples, ft)
         self._maybe_start_quorum()
         return True

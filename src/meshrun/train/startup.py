@@ -117,16 +117,26 @@ def _worker_store(timeout: timedelta, spans_nodes: bool) -> dist.TCPStore:
     try:
         if spans_nodes and ipaddress.ip_address(socket.gethostbyname(addr)).is_loopback:
             # A hostname that /etc/hosts maps to 127.0.1.1: the other nodes could not connect.
-            raise OSError(0, f"it resolves to {socket.gethostbyname(addr)} here, which the "
-                          "other nodes cannot reach; give rank 0's address on their network")  # fmt: skip
+            raise OSError(
+                0,
+                f"it resolves to {socket.gethostbyname(addr)} here, which the "
+                "other nodes cannot reach; give rank 0's address on their network",
+            )
         sock = socket.create_server((addr, port), family=family, backlog=1024)
     except OSError as err:
         raise RuntimeError(
             f"rank 0 cannot listen on MASTER_ADDR={addr} MASTER_PORT={port} ({err.strerror}): "
             "MASTER_ADDR must be an address of rank 0's node and the port free"
         ) from None
-    return dist.TCPStore(addr, port, world, is_master=True, timeout=timeout,
-                         wait_for_workers=False, master_listen_fd=sock.detach())  # fmt: skip
+    return dist.TCPStore(
+        addr,
+        port,
+        world,
+        is_master=True,
+        timeout=timeout,
+        wait_for_workers=False,
+        master_listen_fd=sock.detach(),
+    )
 
 
 def init_seeds(seed: int, rank: int) -> None:
@@ -219,9 +229,14 @@ def build_loop(
 
         dp = mesh.get_group("dp").size() if mesh is not None else 1
         accum = grad_accumulation(cfg.data, dp, cfg.fault_tolerance.replica_groups)
-        replicas = ReplicaGroup(cfg.fault_tolerance, state, metrics, dp,
-                                global_batch=cfg.data.global_batch,
-                                lr_scaling=cfg.optim.lr_scaling)  # fmt: skip
+        replicas = ReplicaGroup(
+            cfg.fault_tolerance,
+            state,
+            metrics,
+            dp,
+            global_batch=cfg.data.global_batch,
+            lr_scaling=cfg.optim.lr_scaling,
+        )
     loop = StepLoop(
         accum=accum,
         global_batch=cfg.data.global_batch,

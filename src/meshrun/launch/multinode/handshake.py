@@ -251,9 +251,12 @@ def _connect(host: str, port: int, timeout_s: float, say: Callable[[str], None])
             # A plain socket first: a failed TCPStore connect prints a C++ stack per try.
             socket.create_connection((host, port), timeout=try_s).close()
             return TCPStore(
-                host, port, is_master=False, timeout=timedelta(seconds=timeout_s),
+                host,
+                port,
+                is_master=False,
+                timeout=timedelta(seconds=timeout_s),
                 wait_for_workers=False,
-            )  # fmt: skip
+            )
         except (RuntimeError, OSError) as err:  # refused, unreachable, timed out: retry
             last_err = err
             if time.monotonic() - last_said >= REPORT_EVERY_S:  # a line every few s, no flood
@@ -368,8 +371,10 @@ class Handshake:
                 if "/node/" in key
                 else f"the handshake's {key.rsplit('/')[-1]}"
             )
-            self.say(f"refused {what} {sanitize(self.refused[key], 160)}: not signed with this "
-                     "job's secret")  # fmt: skip
+            self.say(
+                f"refused {what} {sanitize(self.refused[key], 160)}: not signed with this "
+                "job's secret"
+            )
         return text
 
     def _records(self, prefix: str) -> list[NodeInfo]:

@@ -119,8 +119,11 @@ class SubmitSpec:
         and ``\\`` are its own quoting, and a newline would start a shell line that runs
         and ends the ``#SBATCH`` block). Names get SLURM's own characters; paths anything
         but those."""
-        names = (("--job-name", self.job_name), ("--partition", self.partition),
-                 ("--account", self.account))  # fmt: skip
+        names = (
+            ("--job-name", self.job_name),
+            ("--partition", self.partition),
+            ("--account", self.account),
+        )
         for flag, value in names:
             if bad := _NAME_BAD.search(value):
                 raise SlurmError(
