@@ -22,7 +22,6 @@ from meshrun.launch.local import (
     LaunchSpec,
     build_torchrun_args,
     default_nproc_per_node,
-    find_free_port,
     launch_local,
     start_line,
 )
@@ -32,6 +31,7 @@ from meshrun.launch.summary import (
     order_failures,
     summarize_failures,
 )
+from meshrun.runtime.ports import free_port
 
 SCRIPTS = Path(__file__).parent / "scripts"
 
@@ -108,7 +108,7 @@ def test_bad_spec_names_the_field(kwargs: dict[str, Any], message: str) -> None:
 
 @pytest.mark.timeout(60)  # a hang guard: torch's first import alone can take 10 s here
 def test_helpers() -> None:
-    assert 0 < find_free_port() < 65536
+    assert 0 < free_port() < 65536
     assert default_nproc_per_node() >= 1
     spec = LaunchSpec(nproc_per_node=2, script="t.py", config_path="runs/x/config.toml")
     assert start_line(spec, 29513, "1") == (
