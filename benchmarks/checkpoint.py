@@ -86,9 +86,14 @@ def fsync_write(path: Path, data: bytes | None = None, nbytes: int = 0) -> None:
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-    )  # fmt: skip
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     root = Path(args.dir)
     cfg = meshrun.Config()
     cfg.job.run_dir, cfg.job.device, cfg.metrics.progress = str(root / "run"), "cpu", False

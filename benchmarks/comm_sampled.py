@@ -87,9 +87,25 @@ def worker(a: argparse.Namespace) -> None:
 
 
 def start(a: argparse.Namespace, run_dir: Path, layout: str) -> list[dict[str, Any]]:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "2", __file__, "--worker", layout, "--run-dir", str(run_dir), "--steps",
-           str(a.steps), "--size", a.size, "--corpus-bytes", str(a.corpus_bytes)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        __file__,
+        "--worker",
+        layout,
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        str(a.steps),
+        "--size",
+        a.size,
+        "--corpus-bytes",
+        str(a.corpus_bytes),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "MESHRUN_CONFIG"}
     env.setdefault("OMP_NUM_THREADS", "1")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -109,22 +125,28 @@ def cost(rows: list[dict[str, Any]], default_every: int) -> dict[str, Any]:
     extra = statistics.median(p[0] for p in pairs)
     plain = statistics.median(p[1] for p in pairs)
     spread = sorted(p[0] for p in pairs)
-    return {"pairs": len(pairs), "extra_per_sample_s": extra, "plain_step_s": plain,
-            "extra_quartiles_s": [spread[len(spread) // 4], spread[3 * len(spread) // 4]],
-            "overhead_at_default": extra / (default_every * plain)}  # fmt: skip
+    return {
+        "pairs": len(pairs),
+        "extra_per_sample_s": extra,
+        "plain_step_s": plain,
+        "extra_quartiles_s": [spread[len(spread) // 4], spread[3 * len(spread) // 4]],
+        "overhead_at_default": extra / (default_every * plain),
+    }
 
 
 def compare(rows: list[dict[str, Any]], profiled: dict[str, Any]) -> dict[str, Any]:
     hook = {r["step"]: r for r in rows if "comm_exposed_s" in r}
     both = [(hook[int(k)], v) for k, v in profiled.items() if int(k) in hook and int(k) > 1]
     diff = [p["comm_exposed_s"] - h["comm_exposed_s"] for h, p in both]
-    return {"steps": len(both),
-            "hook_exposed_ms": statistics.median(h["comm_exposed_s"] for h, _ in both) * 1e3,
-            "profiler_exposed_ms": statistics.median(p["comm_exposed_s"] for _, p in both) * 1e3,
-            "hook_comm_ms": statistics.median(h["comm_s"] for h, _ in both) * 1e3,
-            "profiler_comm_ms": statistics.median(p["comm_s"] for _, p in both) * 1e3,
-            "diff_median_ms": statistics.median(diff) * 1e3,
-            "diff_abs_max_ms": max(abs(d) for d in diff) * 1e3}  # fmt: skip
+    return {
+        "steps": len(both),
+        "hook_exposed_ms": statistics.median(h["comm_exposed_s"] for h, _ in both) * 1e3,
+        "profiler_exposed_ms": statistics.median(p["comm_exposed_s"] for _, p in both) * 1e3,
+        "hook_comm_ms": statistics.median(h["comm_s"] for h, _ in both) * 1e3,
+        "profiler_comm_ms": statistics.median(p["comm_s"] for _, p in both) * 1e3,
+        "diff_median_ms": statistics.median(diff) * 1e3,
+        "diff_abs_max_ms": max(abs(d) for d in diff) * 1e3,
+    }
 
 
 def main() -> None:
@@ -155,20 +177,24 @@ def main() -> None:
         )
     result["load_after"] = os.getloadavg()[0]
     c = result["zero3_cost"]
-    print(f"ZeRO-3, {c['pairs']} pairs: a sample costs {1e3 * c['extra_per_sample_s']:.2f} ms "
-          f"(quartiles {1e3 * c['extra_quartiles_s'][0]:.2f} .. {1e3 * c['extra_quartiles_s'][1]:.2f})"
-          f" on a {1e3 * c['plain_step_s']:.1f} ms step: {100 * c['overhead_at_default']:.2f}% "
-          f"at comm_sample_every={default_every}")  # fmt: skip
+    print(
+        f"ZeRO-3, {c['pairs']} pairs: a sample costs {1e3 * c['extra_per_sample_s']:.2f} ms "
+        f"(quartiles {1e3 * c['extra_quartiles_s'][0]:.2f} .. {1e3 * c['extra_quartiles_s'][1]:.2f})"
+        f" on a {1e3 * c['plain_step_s']:.1f} ms step: {100 * c['overhead_at_default']:.2f}% "
+        f"at comm_sample_every={default_every}"
+    )
     k = result["zero3_calls"]
     print(
         f"  of which profiler start {1e3 * k['start_s']:.2f} ms, stop + analysis "
         f"{1e3 * k['stop_s']:.2f} ms (medians, rank 0)"
     )
     d = result["ddp_hook_vs_profiler"]
-    print(f"DDP, {d['steps']} steps: exposed hook {d['hook_exposed_ms']:.2f} ms vs profiler "
-          f"{d['profiler_exposed_ms']:.2f} ms (median diff {d['diff_median_ms']:+.2f}, max |diff| "
-          f"{d['diff_abs_max_ms']:.2f}); comm_s hook {d['hook_comm_ms']:.2f} vs profiler "
-          f"{d['profiler_comm_ms']:.2f} ms")  # fmt: skip
+    print(
+        f"DDP, {d['steps']} steps: exposed hook {d['hook_exposed_ms']:.2f} ms vs profiler "
+        f"{d['profiler_exposed_ms']:.2f} ms (median diff {d['diff_median_ms']:+.2f}, max |diff| "
+        f"{d['diff_abs_max_ms']:.2f}); comm_s hook {d['hook_comm_ms']:.2f} vs profiler "
+        f"{d['profiler_comm_ms']:.2f} ms"
+    )
     print(f"load average {result['load_before']:.1f} before, {result['load_after']:.1f} after")
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=1))

@@ -53,11 +53,26 @@ def launch(run_dir: Path, steps: int, mode: str, env: dict[str, str], kills: int
     else:
         keys += ["--checkpoint.interval=5"]
         env = {**env, "FT_RESUME": "1"}
-    cmd = [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2", *flags,
-           str(WORKER), f"--job.run_dir={run_dir}", *keys]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshrun",
+        "launch",
+        "--nproc-per-node",
+        "2",
+        *flags,
+        str(WORKER),
+        f"--job.run_dir={run_dir}",
+        *keys,
+    ]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **env},
-                          capture_output=True, text=True, check=False)  # fmt: skip
+    proc = subprocess.run(
+        cmd,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     wall = time.perf_counter() - t0
     if proc.returncode:
         raise SystemExit(f"{mode} run failed:\n{proc.stderr[-3000:]}")
@@ -116,10 +131,14 @@ def overhead(tmp: Path, steps: int, pairs: int) -> dict[str, Any]:
         dp_s.append(a)
         ft_s.append(b)
         ratios.append(b / a)
-    return {"dp_step_s": [round(x, 4) for x in dp_s], "ft_step_s": [round(x, 4) for x in ft_s],
-            "ratios": [round(x, 3) for x in ratios],
-            "ratio_median": round(statistics.median(ratios), 3),
-            "loadavg_before": load_before, "loadavg_after": os.getloadavg()}  # fmt: skip
+    return {
+        "dp_step_s": [round(x, 4) for x in dp_s],
+        "ft_step_s": [round(x, 4) for x in ft_s],
+        "ratios": [round(x, 3) for x in ratios],
+        "ratio_median": round(statistics.median(ratios), 3),
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+    }
 
 
 def main() -> None:
@@ -138,8 +157,10 @@ def main() -> None:
         clean = launch(tmp / f"{mode}-clean", a.steps, mode, env, 0)
         fault = {**env, "FT_KILL_STEPS": f"{group}:" + ",".join(map(str, kills))}
         wall = launch(tmp / f"{mode}-fault", a.steps, mode, fault, a.kills)
-        result[mode] = {"clean_wall_s": round(clean, 2),
-                        **faulty_figures(tmp / f"{mode}-fault", mode, wall, clean, a.kills)}  # fmt: skip
+        result[mode] = {
+            "clean_wall_s": round(clean, 2),
+            **faulty_figures(tmp / f"{mode}-fault", mode, wall, clean, a.kills),
+        }
         print(json.dumps({mode: result[mode]}), flush=True)
     if a.pairs:
         result["overhead"] = overhead(tmp, a.steps, a.pairs)

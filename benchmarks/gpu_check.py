@@ -215,9 +215,13 @@ def launch(cmd: list[str], run_dir: Path, timeout_s: float) -> tuple[int, str, f
     env = {**os.environ, T0_ENV: repr(time.time())}
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        cmd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
         start_new_session=True,
-    )  # fmt: skip
+    )
     try:
         out, _ = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -690,8 +694,13 @@ def main(argv: list[str] | None = None) -> int:
     total = time.perf_counter() - t0
     order = {name: i for i, name in enumerate(CHECKS)}
     results.sort(key=lambda r: order.get(r.name, len(order)))
-    doc = {"device": a.device, "tiny": a.tiny, "nproc": a.nproc, "seconds": total,
-           "checks": [asdict(r) for r in results]}  # fmt: skip
+    doc = {
+        "device": a.device,
+        "tiny": a.tiny,
+        "nproc": a.nproc,
+        "seconds": total,
+        "checks": [asdict(r) for r in results],
+    }
     (a.out / "gpu_check.json").write_text(json.dumps(doc, indent=1))
     (a.out / "gpu_check.md").write_text(markdown(results, a, total))
     for r in results:

@@ -70,8 +70,9 @@ def launch(name: str, models: list[str], steps: int) -> list[Any]:
     world, fields = LAYOUTS[name] if name else (1, {})
     options = OPTIONS.get(name, {})
     d = tempfile.mkdtemp(prefix="meshrun-numerics-")
-    cases = [(m, ln.make_config(f"{d}/{m}", m, fields, world, steps), options.get(m, {}))
-             for m in models]  # fmt: skip
+    cases = [
+        (m, ln.make_config(f"{d}/{m}", m, fields, world, steps), options.get(m, {})) for m in models
+    ]
     ports = [free_port() for _ in cases]
     return run_distributed(run_models, world, cases, ports, timeout=1800)[0]
 
@@ -144,8 +145,12 @@ def main() -> int:
     print("\n".join(table(results, refs, "losses")))
     print("\nThe same for the logged grad_norm (before clipping)")
     print("\n".join(table(results, refs, "grad_norms")))
-    refusals = {(n, m): got["refused"] for n, per in results.items() for m, got in per.items()
-                if "refused" in got}  # fmt: skip
+    refusals = {
+        (n, m): got["refused"]
+        for n, per in results.items()
+        for m, got in per.items()
+        if "refused" in got
+    }
     if refusals:
         print("\nThe refusals in full:")
         for (name, model), reason in refusals.items():
@@ -153,10 +158,14 @@ def main() -> int:
     if args.out:
         args.out.write_text(json.dumps({"refs": refs, "results": results}, indent=1))
     worst = max(
-        (cell(got, refs[m], k)[1] for per in results.values() for m, got in per.items()
-         for k in ("losses", "grad_norms")),
+        (
+            cell(got, refs[m], k)[1]
+            for per in results.values()
+            for m, got in per.items()
+            for k in ("losses", "grad_norms")
+        ),
         default=0.0,
-    )  # fmt: skip
+    )
     return 1 if worst > LIMIT else 0
 
 

@@ -63,9 +63,14 @@ def timed(fn: Callable[[], object], cold: bool) -> float:
 
 def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     os.environ.update(
-        RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1",
-    )  # fmt: skip
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     cfg = meshrun.Config()
     cfg.job.run_dir, cfg.job.device, cfg.metrics.progress = (
         str(Path(args.dir) / "run"),
@@ -132,8 +137,10 @@ def report(
     cache = (
         "page cache dropped before each restore" if args.cold else "shared files in the page cache"
     )
-    print(f"\n{nparams / 1e6:.0f}M parameters + AdamW, {nbytes / 1e6:.0f} MB per rank, {world} ranks, "
-          f"median of {args.repeats} ({cache})")  # fmt: skip
+    print(
+        f"\n{nparams / 1e6:.0f}M parameters + AdamW, {nbytes / 1e6:.0f} MB per rank, {world} ranks, "
+        f"median of {args.repeats} ({cache})"
+    )
     print(f"{'restore':<32}{'seconds':>10}{'vs shared':>11}")
     for k, s in med.items():
         print(f"{k:<32}{s:>10.3f}{med['shared'] / s:>10.1f}x")

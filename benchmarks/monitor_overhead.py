@@ -135,15 +135,37 @@ def analyse_blocks(rows: list[dict[str, Any]], skip_blocks: int) -> dict[str, An
         step_b = statistics.fmean(r["step_time_s"] for r in b)
         loop_a = statistics.fmean(r["loop_s"] for r in a)
         loop_b = statistics.fmean(r["loop_s"] for r in b)
-        pairs.append({"a_ms": step_a * 1e3, "b_ms": step_b * 1e3, "ratio": step_a / step_b,
-                      "loop_extra_share": (loop_a - loop_b) / step_b})  # fmt: skip
+        pairs.append(
+            {
+                "a_ms": step_a * 1e3,
+                "b_ms": step_b * 1e3,
+                "ratio": step_a / step_b,
+                "loop_extra_share": (loop_a - loop_b) / step_b,
+            }
+        )
     return {"pairs": pairs}
 
 
 def start_workers(a: argparse.Namespace, run_dir: Path, mode: str) -> None:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           str(a.nproc), __file__, "--worker", mode, "--run-dir", str(run_dir), "--steps",
-           str(a.steps), "--size", a.size, "--corpus-bytes", str(a.corpus_bytes)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        str(a.nproc),
+        __file__,
+        "--worker",
+        mode,
+        "--run-dir",
+        str(run_dir),
+        "--steps",
+        str(a.steps),
+        "--size",
+        a.size,
+        "--corpus-bytes",
+        str(a.corpus_bytes),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "MESHRUN_CONFIG"}
     env.setdefault("OMP_NUM_THREADS", "1")
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -155,10 +177,12 @@ def start_workers(a: argparse.Namespace, run_dir: Path, mode: str) -> None:
 def run_check(a: argparse.Namespace, root: Path) -> dict[str, Any]:
     start_workers(a, root, "check")
     result: dict[str, Any] = json.loads((root / "check.json").read_text())
-    print(f"straggler check (all-gather + comparison): median {result['check_median_s'] * 1e6:.0f}"
-          f" us per call = {result['check_median_s'] / BLOCK * 1e6:.1f} us per step at "
-          f"straggler_every={BLOCK}; watchdog reset: median {result['beat_median_s'] * 1e6:.1f} us"
-          " per step")  # fmt: skip
+    print(
+        f"straggler check (all-gather + comparison): median {result['check_median_s'] * 1e6:.0f}"
+        f" us per call = {result['check_median_s'] / BLOCK * 1e6:.1f} us per step at "
+        f"straggler_every={BLOCK}; watchdog reset: median {result['beat_median_s'] * 1e6:.1f} us"
+        " per step"
+    )
     return result
 
 
@@ -170,8 +194,10 @@ def run_blocks(a: argparse.Namespace, root: Path) -> dict[str, Any]:
     rows = [r for r in map(json.loads, lines) if "event" not in r]
     result = analyse_blocks(rows, skip_blocks=2)  # the first 40 steps: warm-up
     for i, p in enumerate(result["pairs"]):
-        print(f"blocks {i}: A {p['a_ms']:.2f} ms/step | B {p['b_ms']:.2f} ms/step | A/B "
-              f"{p['ratio']:.4f} | loop_s A-B {100 * p['loop_extra_share']:+.3f}% of the step")  # fmt: skip
+        print(
+            f"blocks {i}: A {p['a_ms']:.2f} ms/step | B {p['b_ms']:.2f} ms/step | A/B "
+            f"{p['ratio']:.4f} | loop_s A-B {100 * p['loop_extra_share']:+.3f}% of the step"
+        )
     result["load_before"] = load
     return result
 
@@ -181,11 +207,24 @@ def run_blocks(a: argparse.Namespace, root: Path) -> dict[str, Any]:
 
 def run_once(run_dir: Path, a: argparse.Namespace, monitor_on: bool) -> dict[str, Any]:
     cmd = [
-        sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", str(a.nproc),
-        "-m", "meshrun.demo", "--size", a.size, "--steps", str(a.steps),
-        "--corpus-bytes", str(a.corpus_bytes), f"--job.run_dir={run_dir}",
-        "--metrics.progress=false", *([] if monitor_on else OFF),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "meshrun",
+        "launch",
+        "--nproc-per-node",
+        str(a.nproc),
+        "-m",
+        "meshrun.demo",
+        "--size",
+        a.size,
+        "--steps",
+        str(a.steps),
+        "--corpus-bytes",
+        str(a.corpus_bytes),
+        f"--job.run_dir={run_dir}",
+        "--metrics.progress=false",
+        *([] if monitor_on else OFF),
+    ]
     env = {k: v for k, v in os.environ.items() if k != "MESHRUN_CONFIG"}
     load = os.getloadavg()[0]
     t0 = time.monotonic()
@@ -210,11 +249,20 @@ def run_pairs(a: argparse.Namespace, root: Path) -> dict[str, Any]:
         off = run_once(root / f"pair{i}-off", a, monitor_on=False)
         ratio = on["median_step_s"] / off["median_step_s"]
         extra = (on["mean_loop_s"] - off["mean_loop_s"]) / off["median_step_s"]
-        pairs.append({"a_ms": on["median_step_s"] * 1e3, "b_ms": off["median_step_s"] * 1e3,
-                      "ratio": ratio, "loop_extra_share": extra})  # fmt: skip
-        print(f"runs {i}: A {on['median_step_s'] * 1e3:.2f} ms/step (load {on['load_before']:.1f})"
-              f" | B {off['median_step_s'] * 1e3:.2f} ms/step (load {off['load_before']:.1f}) | "
-              f"A/B {ratio:.4f} | loop_s A-B {100 * extra:+.3f}% of the step", flush=True)  # fmt: skip
+        pairs.append(
+            {
+                "a_ms": on["median_step_s"] * 1e3,
+                "b_ms": off["median_step_s"] * 1e3,
+                "ratio": ratio,
+                "loop_extra_share": extra,
+            }
+        )
+        print(
+            f"runs {i}: A {on['median_step_s'] * 1e3:.2f} ms/step (load {on['load_before']:.1f})"
+            f" | B {off['median_step_s'] * 1e3:.2f} ms/step (load {off['load_before']:.1f}) | "
+            f"A/B {ratio:.4f} | loop_s A-B {100 * extra:+.3f}% of the step",
+            flush=True,
+        )
     return {"pairs": pairs}
 
 
@@ -250,9 +298,14 @@ def main() -> None:
         result = (run_blocks if a.mode == "blocks" else run_pairs)(a, Path(tmp))
     ratios = [x["ratio"] for x in result["pairs"]]
     extras = [x["loop_extra_share"] for x in result["pairs"]]
-    summary = {"mode": a.mode, "pairs": len(ratios), "ratio_median": statistics.median(ratios),
-               "ratio_min": min(ratios), "ratio_max": max(ratios),
-               "loop_extra_share_median": statistics.median(extras)}  # fmt: skip
+    summary = {
+        "mode": a.mode,
+        "pairs": len(ratios),
+        "ratio_median": statistics.median(ratios),
+        "ratio_min": min(ratios),
+        "ratio_max": max(ratios),
+        "loop_extra_share_median": statistics.median(extras),
+    }
     print(
         f"monitoring on/off ({a.mode}): step-time ratio A/B median {summary['ratio_median']:.4f} "
         f"over {len(ratios)} pairs (min {min(ratios):.4f}, max {max(ratios):.4f}); loop_s A-B: "

@@ -79,8 +79,10 @@ def main() -> None:
                 load = Path("/proc/loadavg").read_text().split()[:3]  # others' jobs share the CPUs
                 print(f"round {i + 1} {name}: {took:.2f} s (loadavg {' '.join(load)})", flush=True)
     for name, values in times.items():
-        print(f"{name}: median {statistics.median(values):.2f} s over {len(values)} runs "
-              f"(min {min(values):.2f}, max {max(values):.2f})")  # fmt: skip
+        print(
+            f"{name}: median {statistics.median(values):.2f} s over {len(values)} runs "
+            f"(min {min(values):.2f}, max {max(values):.2f})"
+        )
 
 
 if __name__ == "__main__":

@@ -38,10 +38,18 @@ def without_secret(where: Path, commits: tuple[str, ...]) -> Path:
     """A copy of this checkout's ``src`` with ``commits`` (newest first) applied in reverse."""
     shutil.copytree(ROOT / "src", where / "src", ignore=shutil.ignore_patterns("__pycache__"))
     for rev in commits:
-        patch = subprocess.run(["git", "-C", str(ROOT), "show", "--format=", rev, "--", "src"],
-                               check=True, capture_output=True).stdout  # fmt: skip
-        subprocess.run(["git", "apply", "-R", "-C1", "-"], cwd=where, input=patch, check=True,
-                       capture_output=True)  # fmt: skip
+        patch = subprocess.run(
+            ["git", "-C", str(ROOT), "show", "--format=", rev, "--", "src"],
+            check=True,
+            capture_output=True,
+        ).stdout
+        subprocess.run(
+            ["git", "apply", "-R", "-C1", "-"],
+            cwd=where,
+            input=patch,
+            check=True,
+            capture_output=True,
+        )
     return where / "src"
 
 
@@ -50,9 +58,19 @@ def one_run(src: Path, nproc: int, tmp: Path, tag: str, timeout: float) -> dict[
     env = {k: v for k, v in os.environ.items() if not k.startswith("MESHRUN_JOB_SECRET")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(src), FIRST_STEP=str(first))
     load = float(Path("/proc/loadavg").read_text().split()[0])
-    argv = [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", str(nproc),
-            str(SCRIPT), f"--job.run_dir={tmp / tag}", "--optim.steps=1",
-            "--data.global_batch=16", "--data.micro_batch=8"]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "meshrun",
+        "launch",
+        "--nproc-per-node",
+        str(nproc),
+        str(SCRIPT),
+        f"--job.run_dir={tmp / tag}",
+        "--optim.steps=1",
+        "--data.global_batch=16",
+        "--data.micro_batch=8",
+    ]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     start = time.time()
     proc = subprocess.run(argv, env=env, capture_output=True, timeout=timeout, check=False)
@@ -75,23 +93,31 @@ def pairs(srcs: dict[str, Path], n: int, nproc: int, timeout: float) -> list[dic
 
 
 def report(rows: list[dict[str, Any]], nproc: int, revs: dict[str, str]) -> None:
-    print(f"launch to the end of the first step | {nproc} processes, OMP_NUM_THREADS=1 | "
-          f"{len(rows)} pairs, alternating | with = {revs['with']}, without = {revs['without']}")  # fmt: skip
-    print("pair | to first step: without s | with s | diff s | CPU s (whole run): without | with"
-          " | load avg")  # fmt: skip
+    print(
+        f"launch to the end of the first step | {nproc} processes, OMP_NUM_THREADS=1 | "
+        f"{len(rows)} pairs, alternating | with = {revs['with']}, without = {revs['without']}"
+    )
+    print(
+        "pair | to first step: without s | with s | diff s | CPU s (whole run): without | with"
+        " | load avg"
+    )
     for i, r in enumerate(rows, 1):
         a, b = r["without"]["first_step_s"], r["with"]["first_step_s"]
         ca, cb = r["without"]["cpu_s"], r["with"]["cpu_s"]
-        print(f"{i:>4} | {a:.3f} | {b:.3f} | {b - a:+.3f} | {ca:.2f} | {cb:.2f} |"
-              f" {r['without']['load']:.1f}")  # fmt: skip
+        print(
+            f"{i:>4} | {a:.3f} | {b:.3f} | {b - a:+.3f} | {ca:.2f} | {cb:.2f} |"
+            f" {r['without']['load']:.1f}"
+        )
     cpu_diff = statistics.median(r["with"]["cpu_s"] - r["without"]["cpu_s"] for r in rows)
     print(f"CPU seconds of launcher + workers: median pair difference {cpu_diff:+.3f} s")
     a = statistics.median(r["without"]["first_step_s"] for r in rows)
     b = statistics.median(r["with"]["first_step_s"] for r in rows)
     diff = statistics.median(r["with"]["first_step_s"] - r["without"]["first_step_s"] for r in rows)
     verdict = "ok" if diff <= TARGET_DIFF_S else "ABOVE TARGET"
-    print(f"medians: without {a:.3f} s, with {b:.3f} s; median pair difference {diff:+.3f} s "
-          f"(target <= +{TARGET_DIFF_S} s: {verdict})")  # fmt: skip
+    print(
+        f"medians: without {a:.3f} s, with {b:.3f} s; median pair difference {diff:+.3f} s "
+        f"(target <= +{TARGET_DIFF_S} s: {verdict})"
+    )
 
 
 def main() -> None:

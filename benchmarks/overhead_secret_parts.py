@@ -33,9 +33,14 @@ def free_port() -> int:
 
 def rendezvous(backend: str, port: int, run_id: str) -> float:
     params = RendezvousParameters(
-        backend=backend, endpoint=f"127.0.0.1:{port}", run_id=run_id, min_nodes=1,
-        max_nodes=1, local_addr="127.0.0.1", is_host="1",
-    )  # fmt: skip
+        backend=backend,
+        endpoint=f"127.0.0.1:{port}",
+        run_id=run_id,
+        min_nodes=1,
+        max_nodes=1,
+        local_addr="127.0.0.1",
+        is_host="1",
+    )
     start = time.perf_counter()
     handler = get_rendezvous_handler(params)
     handler.next_rendezvous()
@@ -77,9 +82,11 @@ def main() -> None:
             for name in order:
                 runs[name].append(variants[name](i, Path(tmp)))
     diffs = [s - q for s, q in zip(runs["signed"], runs["plain"], strict=True)]
-    print(f"secret + store + 1-node rendezvous, {args.rounds} interleaved pairs: median plain "
-          f"{statistics.median(runs['plain']):.4f} s, signed {statistics.median(runs['signed']):.4f}"
-          f" s, median pair difference {statistics.median(diffs):+.4f} s")  # fmt: skip
+    print(
+        f"secret + store + 1-node rendezvous, {args.rounds} interleaved pairs: median plain "
+        f"{statistics.median(runs['plain']):.4f} s, signed {statistics.median(runs['signed']):.4f}"
+        f" s, median pair difference {statistics.median(diffs):+.4f} s"
+    )
 
 
 if __name__ == "__main__":

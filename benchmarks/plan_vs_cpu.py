@@ -144,8 +144,12 @@ def _step(model: Any, opt: Any, x: Any) -> tuple[float, tuple[int, int, int]]:
     loss.backward()
     grads = sum(_local_bytes(p.grad) for p in model.parameters() if p.grad is not None)
     opt.step()
-    optim = sum(_local_bytes(v) for s in opt.state.values() for v in s.values()
-                if torch.is_tensor(v) and v.dim() > 0)  # fmt: skip
+    optim = sum(
+        _local_bytes(v)
+        for s in opt.state.values()
+        for v in s.values()
+        if torch.is_tensor(v) and v.dim() > 0
+    )
     opt.zero_grad(set_to_none=True)
     return time.perf_counter() - start, (params, grads, optim)
 
@@ -159,8 +163,12 @@ def _summary(times: list[float], states: tuple[int, int, int]) -> dict[str, floa
     gathered = [torch.zeros_like(local) for _ in range(dist.get_world_size())]
     dist.all_gather(gathered, local)
     worst = max(gathered, key=lambda t: float(t[1:].sum()))
-    return {"step_s": max(float(t[0]) for t in gathered), "params": float(worst[1]),
-            "grads": float(worst[2]), "optimizer": float(worst[3])}  # fmt: skip
+    return {
+        "step_s": max(float(t[0]) for t in gathered),
+        "params": float(worst[1]),
+        "grads": float(worst[2]),
+        "optimizer": float(worst[3]),
+    }
 
 
 # --- the parent ----------------------------------------------------------------------------
@@ -176,11 +184,17 @@ def predict(name: str, nproc: int, calibration: str) -> dict[str, Any]:
     cfg = demo_config("small")
     with torch.device("meta"):
         meta = GPT(cfg)
-    m = Model(layers=cfg.n_layer, hidden=cfg.d_model, heads=cfg.n_head, vocab=cfg.vocab_size,
-              seq=cfg.seq_len, ffn=cfg.ffn_mult * cfg.d_model,
-              params=sum(p.numel() for p in meta.parameters()),
-              layer_params=sum(p.numel() for p in meta.blocks[0].parameters()),
-              separate_qkv=True)  # fmt: skip
+    m = Model(
+        layers=cfg.n_layer,
+        hidden=cfg.d_model,
+        heads=cfg.n_head,
+        vocab=cfg.vocab_size,
+        seq=cfg.seq_len,
+        ffn=cfg.ffn_mult * cfg.d_model,
+        params=sum(p.numel() for p in meta.parameters()),
+        layer_params=sum(p.numel() for p in meta.blocks[0].parameters()),
+        separate_qkv=True,
+    )
     tp = LAYOUTS[name][1]
     dp = nproc // tp
     rates = read_calibration(calibration)
@@ -192,18 +206,30 @@ def predict(name: str, nproc: int, calibration: str) -> dict[str, Any]:
     before = evaluate(m, lay, t, dataclasses.replace(c, fsdp_unit_overhead=0.0)).time
     assert e.time is not None and before is not None
     mem = e.memory
-    return {"step_s": e.time.total, "params": mem.params, "grads": mem.grads,
-            "optimizer": mem.optimizer, "time": dataclasses.asdict(e.time),
-            "step_s_before": before.total}  # fmt: skip
+    return {
+        "step_s": e.time.total,
+        "params": mem.params,
+        "grads": mem.grads,
+        "optimizer": mem.optimizer,
+        "time": dataclasses.asdict(e.time),
+        "step_s_before": before.total,
+    }
 
 
 def meshrun(*args: str, cwd: str) -> None:
     env = {k: v for k, v in os.environ.items() if k != "MESHRUN_CONFIG"}
-    proc = subprocess.run([sys.executable, "-m", "meshrun", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-m", "meshrun", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if proc.returncode:
-        raise SystemExit(f"meshrun {' '.join(args[:3])} failed:\n{proc.stdout[-3000:]}"
-                         f"\n{proc.stderr[-3000:]}")  # fmt: skip
+        raise SystemExit(
+            f"meshrun {' '.join(args[:3])} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+        )
 
 
 def _states(d: dict[str, Any]) -> float:
@@ -214,29 +240,63 @@ def run_round(a: argparse.Namespace, work: str, r: int) -> dict[str, Any]:
     names = list(LAYOUTS)
     order = names[r % len(names) :] + names[: r % len(names)]  # rotated: A B C D, B C D A, ...
     cal, out = str(Path(work) / f"cal{r}.json"), str(Path(work) / f"round{r}.json")
-    batch = [f"--data.micro_batch={MICRO_BATCH}", f"--data.global_batch={MICRO_BATCH * a.nproc}",
-             f"--job.run_dir={Path(work) / f'round{r}'}", "--metrics.progress=false"]  # fmt: skip
-    meshrun("launch", "--nproc-per-node", str(a.nproc), __file__, "--worker", "--out", out,
-            "--cal", cal, "--steps", str(a.steps), "--skip", str(a.skip), "--seconds",
-            str(a.seconds), "--order", ",".join(order), *batch, cwd=work)  # fmt: skip
+    batch = [
+        f"--data.micro_batch={MICRO_BATCH}",
+        f"--data.global_batch={MICRO_BATCH * a.nproc}",
+        f"--job.run_dir={Path(work) / f'round{r}'}",
+        "--metrics.progress=false",
+    ]
+    meshrun(
+        "launch",
+        "--nproc-per-node",
+        str(a.nproc),
+        __file__,
+        "--worker",
+        "--out",
+        out,
+        "--cal",
+        cal,
+        "--steps",
+        str(a.steps),
+        "--skip",
+        str(a.skip),
+        "--seconds",
+        str(a.seconds),
+        "--order",
+        ",".join(order),
+        *batch,
+        cwd=work,
+    )
     doc = json.loads(Path(out).read_text())
     rows = {}
     for name in names:
         pred, meas = predict(name, a.nproc, cal), doc["measured"][name]
-        rows[name] = {"pred": pred, "meas": meas,
-                      "mem_err": _states(pred) / _states(meas) - 1,
-                      "time_err": pred["step_s"] / meas["step_s"] - 1,
-                      "time_err_before": pred["step_s_before"] / meas["step_s"] - 1}  # fmt: skip
+        rows[name] = {
+            "pred": pred,
+            "meas": meas,
+            "mem_err": _states(pred) / _states(meas) - 1,
+            "time_err": pred["step_s"] / meas["step_s"] - 1,
+            "time_err_before": pred["step_s_before"] / meas["step_s"] - 1,
+        }
     rates = json.loads(Path(cal).read_text())["cluster"]
-    return {"order": order, "load": doc["load"], "threads": doc["threads"], "cluster": rates,
-            "rows": rows}  # fmt: skip
+    return {
+        "order": order,
+        "load": doc["load"],
+        "threads": doc["threads"],
+        "cluster": rates,
+        "rows": rows,
+    }
 
 
 def report(rounds: list[dict[str, Any]], nproc: int) -> dict[str, Any]:
-    print(f"\n{nproc} ranks, {len(rounds)} rounds; load average at the end of each round: "
-          + ", ".join(f"{r['load'][0]:.1f}" for r in rounds))  # fmt: skip
-    print(f"{'layout':>8} {'pred MB':>8} {'meas MB':>8} {'err':>6} | {'pred s':>7} {'meas s':>7}"
-          f" {'med err':>8} {'before':>7} | per-round step-time error")  # fmt: skip
+    print(
+        f"\n{nproc} ranks, {len(rounds)} rounds; load average at the end of each round: "
+        + ", ".join(f"{r['load'][0]:.1f}" for r in rounds)
+    )
+    print(
+        f"{'layout':>8} {'pred MB':>8} {'meas MB':>8} {'err':>6} | {'pred s':>7} {'meas s':>7}"
+        f" {'med err':>8} {'before':>7} | per-round step-time error"
+    )
     summary = {}
     for name in LAYOUTS:
         rows = [r["rows"][name] for r in rounds]
@@ -246,12 +306,21 @@ def report(rounds: list[dict[str, Any]], nproc: int) -> dict[str, Any]:
         errs = [r["time_err"] for r in rows]
         med = statistics.median(errs)
         before = statistics.median(r["time_err_before"] for r in rows)
-        summary[name] = {"pred_mb": pm / 2**20, "meas_mb": mm / 2**20, "mem_err": pm / mm - 1,
-                         "pred_s": ps, "meas_s": ms, "median_time_err": med,
-                         "time_errs": errs, "median_time_err_before": before}  # fmt: skip
-        print(f"{name:>8} {pm / 2**20:>8.2f} {mm / 2**20:>8.2f} {pm / mm - 1:>+6.1%} | "
-              f"{ps:>7.3f} {ms:>7.3f} {med:>+8.1%} {before:>+7.1%} | "
-              + " ".join(f"{e:+.0%}" for e in errs))  # fmt: skip
+        summary[name] = {
+            "pred_mb": pm / 2**20,
+            "meas_mb": mm / 2**20,
+            "mem_err": pm / mm - 1,
+            "pred_s": ps,
+            "meas_s": ms,
+            "median_time_err": med,
+            "time_errs": errs,
+            "median_time_err_before": before,
+        }
+        print(
+            f"{name:>8} {pm / 2**20:>8.2f} {mm / 2**20:>8.2f} {pm / mm - 1:>+6.1%} | "
+            f"{ps:>7.3f} {ms:>7.3f} {med:>+8.1%} {before:>+7.1%} | "
+            + " ".join(f"{e:+.0%}" for e in errs)
+        )
     return summary
 
 
@@ -280,8 +349,14 @@ def main() -> None:
         for r in range(a.rounds):
             rounds.append(run_round(a, work, r))
             row = rounds[-1]["rows"]
-            print(f"round {r + 1}: " + ", ".join(f"{n} {row[n]['pred']['step_s']:.3f}/"
-                  f"{row[n]['meas']['step_s']:.3f} s" for n in LAYOUTS), flush=True)  # fmt: skip
+            print(
+                f"round {r + 1}: "
+                + ", ".join(
+                    f"{n} {row[n]['pred']['step_s']:.3f}/{row[n]['meas']['step_s']:.3f} s"
+                    for n in LAYOUTS
+                ),
+                flush=True,
+            )
     summary = report(rounds, a.nproc)
     if a.json_out:
         Path(a.json_out).write_text(json.dumps({"rounds": rounds, "summary": summary}, indent=1))

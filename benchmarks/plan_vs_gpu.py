@@ -44,8 +44,9 @@ def apply_full_ac(model: GPT) -> None:
         block.forward = lambda x, f=forward: checkpoint(f, x, use_reentrant=False)  # type: ignore[method-assign]
 
 
-def measure(cfg: GPTConfig, ac: bool, micro_batch: int, steps: int, skip: int,
-            device: torch.device) -> tuple[float, float]:  # fmt: skip
+def measure(
+    cfg: GPTConfig, ac: bool, micro_batch: int, steps: int, skip: int, device: torch.device
+) -> tuple[float, float]:
     """(peak bytes, median step seconds) of bf16-autocast training with fused AdamW."""
     torch.manual_seed(0)
     model = GPT(cfg).to(device)
@@ -81,14 +82,31 @@ def predict(cfg: GPTConfig, ac: bool, micro_batch: int, gpu_name: str) -> tuple[
         meta = GPT(cfg)
     params = sum(p.numel() for p in meta.parameters())
     layer = sum(p.numel() for p in meta.blocks[0].parameters())
-    m = Model(layers=cfg.n_layer, hidden=cfg.d_model, heads=cfg.n_head, vocab=cfg.vocab_size,
-              seq=cfg.seq_len, ffn=cfg.ffn_mult * cfg.d_model, params=params,
-              layer_params=layer)  # fmt: skip
+    m = Model(
+        layers=cfg.n_layer,
+        hidden=cfg.d_model,
+        heads=cfg.n_head,
+        vocab=cfg.vocab_size,
+        seq=cfg.seq_len,
+        ffn=cfg.ffn_mult * cfg.d_model,
+        params=params,
+        layer_params=layer,
+    )
     gpu = GPUS[gpu_name]
-    c = Cluster(1, 1, gpu.memory_gb * GB, gpu.bf16_flops, gpu.intra_bw, gpu.inter_bw,
-                allowance_bytes=0.0, fragmentation=0.0, mem_bw=gpu.mem_bw)  # fmt: skip
-    lay = Layout(dp_shard=1, micro_batch=micro_batch,
-                 activation_checkpointing="full" if ac else "none")  # fmt: skip
+    c = Cluster(
+        1,
+        1,
+        gpu.memory_gb * GB,
+        gpu.bf16_flops,
+        gpu.intra_bw,
+        gpu.inter_bw,
+        allowance_bytes=0.0,
+        fragmentation=0.0,
+        mem_bw=gpu.mem_bw,
+    )
+    lay = Layout(
+        dp_shard=1, micro_batch=micro_batch, activation_checkpointing="full" if ac else "none"
+    )
     e = evaluate(m, lay, Training(global_batch=micro_batch), c)
     assert e.time is not None
     return e.memory.total, e.time.total
@@ -98,9 +116,15 @@ def gpu_table_name(device: torch.device) -> str:
     if device.type != "cuda":
         return "h100-sxm"  # a stand-in: the smoke run only exercises the code
     name = torch.cuda.get_device_name(device).lower()
-    for key, entry in (("h200", "h200"), ("h100 pcie", "h100-pcie"), ("h100", "h100-sxm"),
-                       ("b200", "b200"), ("a100", "a100-80gb"), ("l40s", "l40s"),
-                       ("mi300x", "mi300x")):  # fmt: skip
+    for key, entry in (
+        ("h200", "h200"),
+        ("h100 pcie", "h100-pcie"),
+        ("h100", "h100-sxm"),
+        ("b200", "b200"),
+        ("a100", "a100-80gb"),
+        ("l40s", "l40s"),
+        ("mi300x", "mi300x"),
+    ):
         if key in name:
             return entry
     raise SystemExit(f"GPU {name!r} is not in meshrun's table; add it to plan/hardware.py")
@@ -118,13 +142,17 @@ def main() -> None:
     cfg = gpt_1b(a.tiny)
     gpu = gpu_table_name(device)
     print(f"{gpu}, micro-batch {a.micro_batch}, seq {cfg.seq_len}, bf16 autocast, AdamW")
-    print(f"{'AC':>5} {'pred GB':>8} {'meas GB':>8} {'ratio':>6} {'pred s':>8} {'meas s':>8} "
-          f"{'ratio':>6}")  # fmt: skip
+    print(
+        f"{'AC':>5} {'pred GB':>8} {'meas GB':>8} {'ratio':>6} {'pred s':>8} {'meas s':>8} "
+        f"{'ratio':>6}"
+    )
     for ac in (False, True):
         pm, pt = predict(cfg, ac, a.micro_batch, gpu)
         mm, mt = measure(cfg, ac, a.micro_batch, a.steps, a.skip, device)
-        print(f"{'full' if ac else 'none':>5} {pm / GB:>8.2f} {mm / GB:>8.2f} {mm / pm:>6.2f} "
-              f"{pt:>8.3f} {mt:>8.3f} {mt / pt:>6.2f}")  # fmt: skip
+        print(
+            f"{'full' if ac else 'none':>5} {pm / GB:>8.2f} {mm / GB:>8.2f} {mm / pm:>6.2f} "
+            f"{pt:>8.3f} {mt:>8.3f} {mt / pt:>6.2f}"
+        )
 
 
 if __name__ == "__main__":

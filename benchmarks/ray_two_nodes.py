@@ -45,9 +45,13 @@ def base_env(tmp: Path, token: Path, veth: bool = False) -> dict[str, str]:
     if veth:  # across the namespaces: Gloo on the veth, not loopback
         env["GLOO_SOCKET_IFNAME"] = netns.IFNAME
     return {
-        **env, "OMP_NUM_THREADS": "1", "RAY_TMPDIR": str(tmp), "RAY_AUTH_MODE": "token",
-        "RAY_AUTH_TOKEN_PATH": str(token), "RAY_USAGE_STATS_ENABLED": "0",
-    }  # fmt: skip
+        **env,
+        "OMP_NUM_THREADS": "1",
+        "RAY_TMPDIR": str(tmp),
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN_PATH": str(token),
+        "RAY_USAGE_STATS_ENABLED": "0",
+    }
 
 
 def timed(argv: list[str], env: dict[str, str], log: Path) -> tuple[float, float]:
@@ -70,8 +74,11 @@ def losses(run_dir: Path) -> tuple[dict[int, float], list[tuple[int, float]], fl
 def report(name: str, run_dir: Path, start: float, took: float, ref: dict[int, float]) -> None:
     _, steps, first = losses(run_dir)
     same = all(loss == ref[step] for step, loss in steps) and len(steps) == len(ref)
-    print(f"{name:<44} first step {first - start:6.1f} s | total {took:6.1f} s | "
-          f"losses bitwise equal to torchrun: {same}", flush=True)  # fmt: skip
+    print(
+        f"{name:<44} first step {first - start:6.1f} s | total {took:6.1f} s | "
+        f"losses bitwise equal to torchrun: {same}",
+        flush=True,
+    )
 
 
 def local_runtime(work: Path, token: Path, steps: list[str], ref: dict[int, float]) -> None:
@@ -126,8 +133,11 @@ def main() -> None:
     argv = [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2", *DEMO, *steps]
     start, took = timed([*argv, f"--job.run_dir={run_dir}"], base_env(work, token), work / "t.log")
     ref, _, first = losses(run_dir)
-    print(f"{'meshrun launch --nproc-per-node 2':<44} first step {first - start:6.1f} s | "
-          f"total {took:6.1f} s", flush=True)  # fmt: skip
+    print(
+        f"{'meshrun launch --nproc-per-node 2':<44} first step {first - start:6.1f} s | "
+        f"total {took:6.1f} s",
+        flush=True,
+    )
     local_runtime(work, token, steps, ref)
     two_nodes(work, token, steps, ref)
     print(f"(logs and run directories under {work})")

@@ -134,9 +134,15 @@ def block_pairs(rows: list[tuple[int, float]], steps: int) -> list[dict[str, flo
 def worker(a: argparse.Namespace) -> None:
     import meshrun
 
-    argv = [f"--job.run_dir={a.run_dir}", f"--optim.steps={2 * a.steps * a.pairs}",
-            "--metrics.progress=false", "--data.global_batch=16", "--data.micro_batch=8",
-            "--checkpoint.on_signal=false", "--monitor.straggler_every=0"]  # fmt: skip
+    argv = [
+        f"--job.run_dir={a.run_dir}",
+        f"--optim.steps={2 * a.steps * a.pairs}",
+        "--metrics.progress=false",
+        "--data.global_batch=16",
+        "--data.micro_batch=8",
+        "--checkpoint.on_signal=false",
+        "--monitor.straggler_every=0",
+    ]
     run = meshrun.init(argv=argv)
     result = {"exchange": bench_exchange(a, run.device), "steps": bench_steps(a, run)}
     result["exchanges"] = run.loop.monitor.agreement.exchanges
@@ -178,9 +184,21 @@ def main() -> None:
         worker(a)
         return
     with tempfile.TemporaryDirectory() as tmp:
-        cmd = [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2", __file__,
-               "--worker", f"--run-dir={tmp}", f"--calls={a.calls}", f"--steps={a.steps}",
-               f"--pairs={a.pairs}", f"--size={a.size}"]  # fmt: skip
+        cmd = [
+            sys.executable,
+            "-m",
+            "meshrun",
+            "launch",
+            "--nproc-per-node",
+            "2",
+            __file__,
+            "--worker",
+            f"--run-dir={tmp}",
+            f"--calls={a.calls}",
+            f"--steps={a.steps}",
+            f"--pairs={a.pairs}",
+            f"--size={a.size}",
+        ]
         env = {**os.environ, "OMP_NUM_THREADS": "1"}
         proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=1800)
         if proc.returncode != 0:

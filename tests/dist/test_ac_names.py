@@ -162,8 +162,10 @@ def test_ac_keeps_names_and_warns_alike_under_every_layout() -> None:
     assert diff <= 1e-4, diff
     why = "no repeated blocks found in LSTMLM: {}activation checkpointing wraps nothing"
     for r in results:
-        assert r["ddp"] == [f"{why.format('')}; pass run.parallelize(model, spec=ModelSpec(blocks="
-                            "'path.to.blocks')) or wrap=..."]  # fmt: skip
+        assert r["ddp"] == [
+            f"{why.format('')}; pass run.parallelize(model, spec=ModelSpec(blocks="
+            "'path.to.blocks')) or wrap=..."
+        ]
         assert len(r["zero3"]) == 1 and r["zero3"][0].startswith(
             why.format(
                 "FSDP2 shards the whole model as one unit (all its parameters gathered) and "

@@ -27,12 +27,14 @@ def exchange(rank: int, world_size: int) -> list[dict[str, Any]]:
     for i, loss in enumerate(LOSSES[rank], start=1):
         step[0] = i
         got = a.exchange(i, loss=loss, grad_sq=GRAD_SQ[rank] if i == 1 else None)
-        out.append({
-            "loss": got.loss,
-            "grad_norm": got.grad_norm,
-            "counts": {s.name: got.count(s) for s in Slot if s not in VALUES},
-            "bad": got.nonfinite_ranks,
-        })  # fmt: skip
+        out.append(
+            {
+                "loss": got.loss,
+                "grad_norm": got.grad_norm,
+                "counts": {s.name: got.count(s) for s in Slot if s not in VALUES},
+                "bad": got.nonfinite_ranks,
+            }
+        )
     out.append({"exchanges": a.exchanges})
     dist.destroy_process_group()
     return out

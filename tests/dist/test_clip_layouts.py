@@ -71,8 +71,11 @@ def norms_case(rank: int, fields: dict[str, Any], name: str) -> dict[str, float]
     params = list(model.parameters())
     share = torch.tensor(grad_sq_share(params, holders=dist.get_world_size()), dtype=torch.float64)
     dist.all_reduce(share)
-    return {"grad_norm": grad_norm(params), "share": math.sqrt(float(share)),
-            "exact": _exact_norm(model)}  # fmt: skip
+    return {
+        "grad_norm": grad_norm(params),
+        "share": math.sqrt(float(share)),
+        "exact": _exact_norm(model),
+    }
 
 
 def norms_cases(rank: int, world_size: int, cases: dict[str, Any]) -> dict[str, Any]:

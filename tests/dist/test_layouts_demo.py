@@ -42,14 +42,24 @@ def demo(run_dir: Path, nproc: int, *overrides: str) -> tuple[str, list[float], 
     env["OMP_NUM_THREADS"] = "1"
     demo = ["-m", "meshrun.demo", "--steps", str(STEPS), "--size", "tiny", *CORPUS]
     proc = subprocess.run(
-        [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", str(nproc), *demo,
-         *BATCH, *overrides, f"--job.run_dir={run_dir}"],
+        [
+            sys.executable,
+            "-m",
+            "meshrun",
+            "launch",
+            "--nproc-per-node",
+            str(nproc),
+            *demo,
+            *BATCH,
+            *overrides,
+            f"--job.run_dir={run_dir}",
+        ],
         cwd=run_dir.parent,
         env=env,
         capture_output=True,
         text=True,
         timeout=300,
-    )  # fmt: skip
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-4000:]
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]

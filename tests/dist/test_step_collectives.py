@@ -159,8 +159,10 @@ def test_one_collective_per_step_from_meshrun(tmp_path: Path) -> None:
         ordinary = [s for s in range(2, STEPS + 1) if s not in saves and not r["committed"][s]]
         print("per step:", {s: len(c) for s, c in r["per_step"].items()})
         print("by call site:", collections.Counter(c for s in ordinary for c in r["per_step"][s]))
-        print(f"ordinary steps {ordinary}; save steps {sorted(saves)}; committed at",
-              [s for s, c in r["committed"].items() if c])  # fmt: skip
+        print(
+            f"ordinary steps {ordinary}; save steps {sorted(saves)}; committed at",
+            [s for s, c in r["committed"].items() if c],
+        )
         assert len(ordinary) >= STEPS // 2, r["committed"]
         # The windows are the steps': each interval save starts (its directory is prepared,
         # a collective) in the window of the step it saves, not in the next one.

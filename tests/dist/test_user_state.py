@@ -68,8 +68,14 @@ def start(cfg: meshrun.Config) -> tuple[Any, nn.Module, torch.optim.Optimizer, A
     return run, model, opt, loader, warnings
 
 
-def train(run: Any, model: nn.Module, opt: torch.optim.Optimizer, loader: Any,
-          sched: Any = None, each: Any = None) -> list[float]:  # fmt: skip
+def train(
+    run: Any,
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    loader: Any,
+    sched: Any = None,
+    each: Any = None,
+) -> list[float]:
     """The user's loop; returns the LR of every step (each(): after the user's own step)."""
     lrs = []
     for batch in run.steps(loader):
@@ -160,7 +166,10 @@ def test_per_rank_objects_come_back_on_their_rank_and_refused_on_another_world(
         assert torch.equal(t, first[rank]["final"][0]) and n == first[rank]["final"][1]
         assert n == -1 + 2 * 10 * (rank + 1)  # this rank's own, not the other's
     [one] = run_distributed(per_rank_run, 1, tmp_path, STEPS + 2)
-    assert "saved on 2 ranks (dp 2), this run has 1 (dp 1): per-rank objects ['hidden']" in one["error"]
+    assert (
+        "saved on 2 ranks (dp 2), this run has 1 (dp 1): per-rank objects ['hidden']"
+        in one["error"]
+    )
 
 
 def draws(rank: int, world: int, run_dir: Path, tp: int, resume: str) -> dict[str, Any]:

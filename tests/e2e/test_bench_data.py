@@ -19,14 +19,32 @@ pytestmark = pytest.mark.timeout(180)
 
 def meshrun(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "MESHRUN_CONFIG"}
-    return subprocess.run([sys.executable, "-m", "meshrun", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=150)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "meshrun", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=150,
+    )
 
 
 def test_bench_data_reports_samples_per_rank(tmp_path: Path) -> None:
     tokens = prepare_demo_tokens(tmp_path / "cache", 300_000)
-    out = meshrun("bench", "data", str(tokens), "--seq-len", "64", "--micro-batch", "4",
-                  "--nproc-per-node", "2", "--batches", "20", cwd=tmp_path)  # fmt: skip
+    out = meshrun(
+        "bench",
+        "data",
+        str(tokens),
+        "--seq-len",
+        "64",
+        "--micro-batch",
+        "4",
+        "--nproc-per-node",
+        "2",
+        "--batches",
+        "20",
+        cwd=tmp_path,
+    )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
     print(out.stdout)
     assert "seq_len 64, micro-batch 4, 0 workers per rank, 2 ranks" in out.stdout

@@ -66,8 +66,17 @@ def test_small_dev_shm_fails_locally_and_across_the_launch(tmp_path: Path) -> No
     assert shm["detail"].startswith("16 MiB, below the 1024 MiB")
     assert "--shm-size" in shm["fix"] and "emptyDir" in shm["fix"]
     # The same through a real launch: every rank checks, the job exits non-zero.
-    argv = [*MESHRUN, "launch", "--doctor", "--nproc-per-node", "2", "--set",
-            "data.num_workers=2", "--set", f"job.run_dir={tmp_path / 'run'}"]  # fmt: skip
+    argv = [
+        *MESHRUN,
+        "launch",
+        "--doctor",
+        "--nproc-per-node",
+        "2",
+        "--set",
+        "data.num_workers=2",
+        "--set",
+        f"job.run_dir={tmp_path / 'run'}",
+    ]
     r = _run(_small_shm(argv), tmp_path)
     out = r.stdout + r.stderr
     assert r.returncode != 0, out
@@ -106,8 +115,15 @@ def test_unreachable_master_fails_within_seconds() -> None:
 @pytest.mark.timeout(180)
 def test_healthy_launch_passes_with_all_reduce_and_clock_skew(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    argv = [*MESHRUN, "launch", "--doctor", "--nproc-per-node", "2",
-            "--set", f"job.run_dir={run_dir}"]  # fmt: skip
+    argv = [
+        *MESHRUN,
+        "launch",
+        "--doctor",
+        "--nproc-per-node",
+        "2",
+        "--set",
+        f"job.run_dir={run_dir}",
+    ]
     r = _run(argv, tmp_path)
     out = r.stdout + r.stderr
     assert r.returncode == 0, out
@@ -136,12 +152,33 @@ def test_two_hosts_launch_doctor_reports_every_node(tmp_path: Path) -> None:
     with netns.hosts(2) as net:
         try:
             for i in (1, 0):  # the non-host first: it waits for the store
-                argv = [*MESHRUN, "launch", "--doctor", "--nnodes", "2", "--node-rank", str(i),
-                        "--rdzv-endpoint", f"{net.address(0)}:29541", "--nproc-per-node", "1",
-                        "--join-timeout", "120", "--set", f"job.run_dir={run_dir}"]  # fmt: skip
-                procs.append(subprocess.Popen(net.argv(i, argv), stdout=subprocess.PIPE,
-                                              stderr=subprocess.STDOUT, text=True, env=env,
-                                              cwd=tmp_path))  # fmt: skip
+                argv = [
+                    *MESHRUN,
+                    "launch",
+                    "--doctor",
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    str(i),
+                    "--rdzv-endpoint",
+                    f"{net.address(0)}:29541",
+                    "--nproc-per-node",
+                    "1",
+                    "--join-timeout",
+                    "120",
+                    "--set",
+                    f"job.run_dir={run_dir}",
+                ]
+                procs.append(
+                    subprocess.Popen(
+                        net.argv(i, argv),
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        text=True,
+                        env=env,
+                        cwd=tmp_path,
+                    )
+                )
             outs = [p.communicate(timeout=180)[0] for p in procs]
         finally:
             for p in procs:

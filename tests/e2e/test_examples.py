@@ -19,8 +19,13 @@ pytestmark = pytest.mark.slow
 def sh(
     args: list[str], timeout: float = 150, cwd: Path = ROOT, env: dict[str, str] | None = None
 ) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "EXAMPLE_TIMEOUT_S": "60", "COLUMNS": "100",
-           **(env or {})}  # fmt: skip
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "EXAMPLE_TIMEOUT_S": "60",
+        "COLUMNS": "100",
+        **(env or {}),
+    }
     return subprocess.run(
         args, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout, check=False
     )
@@ -138,8 +143,9 @@ def test_ddp_plain_does_not_depend_on_the_interpreter_teardown(tmp_path: Path) -
     (tmp_path / "sitecustomize.py").write_text(ABORT_AT_TEARDOWN)  # loaded by each worker
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
     env = {"PYTHONPATH": str(tmp_path)}
-    p = sh([*torchrun, "--standalone", str(ROOT / "examples" / "ddp_plain.py")], cwd=tmp_path,
-           env=env)  # fmt: skip
+    p = sh(
+        [*torchrun, "--standalone", str(ROOT / "examples" / "ddp_plain.py")], cwd=tmp_path, env=env
+    )
     assert_ok(p)
     assert "ok: 2 replicas identical" in p.stdout
 

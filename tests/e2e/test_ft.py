@@ -56,12 +56,28 @@ def _launch(
 ) -> str:
     ft = FT_KEYS if "--replica-groups" in flags else []
     base = [] if "--nproc-per-node" in flags else ["--nproc-per-node", "2"]
-    cmd = [sys.executable, "-m", "meshrun", "launch", *base, *flags, str(WORKER),
-           f"--job.run_dir={run_dir}", f"--optim.steps={steps}", *KEYS, *ft, *more]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "meshrun",
+        "launch",
+        *base,
+        *flags,
+        str(WORKER),
+        f"--job.run_dir={run_dir}",
+        f"--optim.steps={steps}",
+        *KEYS,
+        *ft,
+        *more,
+    ]
     proc = subprocess.run(
-        cmd, env={**os.environ, "OMP_NUM_THREADS": "1", **env}, capture_output=True,
-        text=True, timeout=timeout, check=False,
-    )  # fmt: skip
+        cmd,
+        env={**os.environ, "OMP_NUM_THREADS": "1", **env},
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
     tail = proc.stderr[-4000:]
     assert proc.returncode == 0, tail
     return proc.stderr
@@ -95,8 +111,13 @@ def _check_samples(run_dir: Path, groups: list[Path]) -> int:
     data position ended) was trained exactly once in a committed step, over every rank of
     every group and every process of each, and nothing else was; ``consumed`` is the sum of
     the samples the survivor's committed steps trained. Returns ``consumed``."""
-    trained = [i for g in groups for path in sorted(g.glob("samples.rank*.jsonl"))
-               for row in _rows(path) for i in row["indices"]]  # type: ignore[attr-defined]  # fmt: skip
+    trained = [
+        i
+        for g in groups
+        for path in sorted(g.glob("samples.rank*.jsonl"))
+        for row in _rows(path)
+        for i in row["indices"]
+    ]  # type: ignore[attr-defined]
     return _check_trained_once(groups, trained)
 
 
@@ -176,8 +197,11 @@ def _check_survived(run_dir: Path, kills: int, ranks: int = 1, steps: int = STEP
     assert _checksum(survivor)["checksum"] == _checksum(healed)["checksum"]
     assert _checksum(survivor)["consumed"] == _checksum(healed)["consumed"]
     assert len(_events(survivor, "ft_uncommitted")) >= kills  # the step each kill broke
-    alone = [r for r in _rows(survivor / "metrics.jsonl")
-             if r.get("live_groups") == 1 and "event" not in r]  # fmt: skip
+    alone = [
+        r
+        for r in _rows(survivor / "metrics.jsonl")
+        if r.get("live_groups") == 1 and "event" not in r
+    ]
     assert alone, "the survivor committed no step while the other group was down"
     # Shrink: a step with one group live trained (and moved the position by) its share only.
     assert {int(r["samples"]) for r in alone} == {8}  # type: ignore[call-overload]
@@ -222,5 +246,6 @@ def test_a_death_inside_the_all_reduce_leaves_that_step_uncommitted(tmp_path: Pa
 @pytest.mark.timeout(900)
 def test_two_groups_of_zero3_survive_repeated_kills_healing_shard_by_shard(tmp_path: Path) -> None:
     """2 groups x 2 processes, ZeRO-3 (FSDP2) inside each, KILLS kills: rank r heals from rank r."""
-    _repeated_kills(tmp_path, ["--nproc-per-node", "4"], "--parallel.zero=3", "--data.micro_batch=4",
-                ranks=2)  # fmt: skip
+    _repeated_kills(
+        tmp_path, ["--nproc-per-node", "4"], "--parallel.zero=3", "--data.micro_batch=4", ranks=2
+    )

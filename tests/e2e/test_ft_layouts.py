@@ -58,8 +58,10 @@ def _stage_records(group: Path) -> list[dict[str, object]]:
     """Rank 0's records of committed steps, after checking that rank 1 recorded the same
     steps with the same indices (one pipeline, or one TP pair, reads one batch)."""
     first, second = (_rows(group / f"samples.rank{r}.jsonl") for r in (0, 1))
-    keys = [[(row["step"], tuple(row["indices"])) for row in rows]  # type: ignore[arg-type]
-            for rows in (first, second)]  # fmt: skip
+    keys = [
+        [(row["step"], tuple(row["indices"])) for row in rows]  # type: ignore[arg-type]
+        for rows in (first, second)
+    ]
     assert Counter(keys[0]) == Counter(keys[1]), group
     return first
 
@@ -104,8 +106,9 @@ def _kill_one_of_two(run_dir: Path, kill: int, *keys: str) -> None:
             assert out["pid"] in _pids(group) and out["step"] == STEPS
             assert out["consumed"] == _checksum(survivor)["consumed"]
     first = {int(line.split()[1]) for line in (survivor / "pids.txt").read_text().splitlines()}
-    assert {json.loads((survivor / f"checksum.rank{r}.json").read_text())["pid"]
-            for r in (0, 1)} == first  # fmt: skip
+    assert {
+        json.loads((survivor / f"checksum.rank{r}.json").read_text())["pid"] for r in (0, 1)
+    } == first
     assert _rank_sums(survivor) == _rank_sums(healed)
     heals = _events(healed, "ft_heal")
     assert len(heals) == 1 and heals[0]["source"] == "group 0", heals
@@ -115,8 +118,11 @@ def _kill_one_of_two(run_dir: Path, kill: int, *keys: str) -> None:
         assert "healed from group 0" in (healed / "logs" / f"rank{r}.log").read_text()
     broken = [int(e["step"]) for e in _events(survivor, "ft_uncommitted")]  # type: ignore[call-overload]
     assert broken[0] == kill, broken
-    alone = [r for r in _rows(survivor / "metrics.jsonl")
-             if r.get("live_groups") == 1 and "event" not in r]  # fmt: skip
+    alone = [
+        r
+        for r in _rows(survivor / "metrics.jsonl")
+        if r.get("live_groups") == 1 and "event" not in r
+    ]
     assert alone and {int(r["samples"]) for r in alone} == {8}  # type: ignore[call-overload]
     assert _check_pp_samples([survivor, healed]) == 16 * STEPS - 8 * len(alone)
 
@@ -136,8 +142,9 @@ def test_tensor_parallel_inside_replica_groups_trains_what_plain_tp_x_fsdp_train
 ) -> None:
     monkeypatch.setattr(test_ft, "WORKER", PP_WORKER)
     _launch(tmp_path / "tp", PP, {}, 280, "--parallel.tp=2", "--parallel.zero=3", steps=STEPS)
-    _launch(tmp_path / "ft", [*PP, "--replica-groups", "2"], {}, 280, "--parallel.tp=2",
-            steps=STEPS)  # fmt: skip
+    _launch(
+        tmp_path / "ft", [*PP, "--replica-groups", "2"], {}, 280, "--parallel.tp=2", steps=STEPS
+    )
     groups = [tmp_path / "ft" / f"group{g}" for g in (0, 1)]
     _assert_like_plain(tmp_path / "tp", groups, STEPS)  # TP 2 x FSDP2 2 on 4 processes
     assert _rank_sums(groups[0]) == _rank_sums(groups[1])

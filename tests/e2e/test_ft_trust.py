@@ -39,9 +39,21 @@ PAUSE = 5
 
 
 def _command(run_dir: Path) -> list[str]:
-    return [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2",
-            "--replica-groups", "2", str(WORKER), f"--job.run_dir={run_dir}",
-            f"--optim.steps={STEPS}", *KEYS, *FT_KEYS]  # fmt: skip
+    return [
+        sys.executable,
+        "-m",
+        "meshrun",
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--replica-groups",
+        "2",
+        str(WORKER),
+        f"--job.run_dir={run_dir}",
+        f"--optim.steps={STEPS}",
+        *KEYS,
+        *FT_KEYS,
+    ]
 
 
 def _env(**more: str) -> dict[str, str]:
@@ -52,8 +64,9 @@ def _wait_for(what: str, ready: Any, proc: subprocess.Popen[bytes], log: Path) -
     deadline = time.monotonic() + 300
     while not (found := ready()):
         if proc.poll() is not None or time.monotonic() > deadline:
-            raise AssertionError(f"{what}: never came (launch rc {proc.poll()})\n"
-                                 + log.read_text()[-3000:])  # fmt: skip
+            raise AssertionError(
+                f"{what}: never came (launch rc {proc.poll()})\n" + log.read_text()[-3000:]
+            )
         time.sleep(0.1)
     return found
 
@@ -75,10 +88,14 @@ class Stranger:
     def _ask(self) -> None:
         try:
             self.quorum = self.client.quorum(
-                replica_id="stranger_0", timeout=timedelta(seconds=200),
-                address="http://127.0.0.1:1", store_address="127.0.0.1:1", step=100000,
-                world_size=1, shrink_only=False,
-            )  # fmt: skip
+                replica_id="stranger_0",
+                timeout=timedelta(seconds=200),
+                address="http://127.0.0.1:1",
+                store_address="127.0.0.1:1",
+                step=100000,
+                world_size=1,
+                shrink_only=False,
+            )
         except BaseException as err:  # the test reports it
             self.error = err
         self.answered.set()
@@ -104,24 +121,34 @@ def _stranger_waits(lighthouse: str) -> bool:
 def test_a_stranger_quorum_request_is_refused_and_both_groups_train_to_the_end(
     tmp_path: Path,
 ) -> None:
-    plain = subprocess.run(_command(tmp_path / "plain"), env=_env(), capture_output=True,
-                           text=True, timeout=300, check=False)  # fmt: skip
+    plain = subprocess.run(
+        _command(tmp_path / "plain"),
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert plain.returncode == 0, plain.stderr[-3000:]
 
     run_dir, log = tmp_path / "attacked", tmp_path / "attacked.log"
     with open(log, "wb") as out:
-        proc = subprocess.Popen(_command(run_dir), env=_env(FT_PAUSE_AT=str(PAUSE)),
-                                stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen(
+            _command(run_dir),
+            env=_env(FT_PAUSE_AT=str(PAUSE)),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
     try:
         with sockets.Watch(proc.pid, every_s=0.5) as watch:
             lighthouse = _wait_for("the lighthouse line", lambda: _lighthouse(log), proc, log)
             for g in (0, 1):
-                _wait_for(f"group {g} paused", (run_dir / f"group{g}" / "paused.rank0").exists,
-                          proc, log)  # fmt: skip
+                _wait_for(
+                    f"group {g} paused", (run_dir / f"group{g}" / "paused.rank0").exists, proc, log
+                )
             watch.seen |= sockets.listeners(proc.pid)  # every server is up while they wait
             stranger = Stranger(lighthouse)
-            _wait_for("the stranger's request held", lambda: _stranger_waits(lighthouse),
-                      proc, log)  # fmt: skip
+            _wait_for("the stranger's request held", lambda: _stranger_waits(lighthouse), proc, log)
             (run_dir / "go").write_text("1")
             assert proc.wait(timeout=400) == 0, log.read_text()[-4000:]
     finally:
@@ -172,20 +199,48 @@ def test_groups_on_two_hosts_listen_on_their_address_only(
     with nodes(2) as cluster:
         lighthouse = f"{cluster.net.address(0)}:29510"
         keeper = subprocess.Popen(
-            cluster.net.argv(0, [sys.executable, "-m", "meshrun", "lighthouse", "--bind",
-                                 lighthouse, "--heartbeat-timeout-ms", "1000",
-                                 "--join-timeout-ms", "1000"]),
-            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )  # fmt: skip
+            cluster.net.argv(
+                0,
+                [
+                    sys.executable,
+                    "-m",
+                    "meshrun",
+                    "lighthouse",
+                    "--bind",
+                    lighthouse,
+                    "--heartbeat-timeout-ms",
+                    "1000",
+                    "--join-timeout-ms",
+                    "1000",
+                ],
+            ),
+            env=_env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         watches = {"lighthouse": sockets.Watch(keeper.pid, every_s=0.5).__enter__()}
         for g in (0, 1):
             endpoint = f"{cluster.net.address(g)}:29500"
-            cluster.start(g, "--nnodes", "1", "--node-rank", "0", "--rdzv-endpoint", endpoint,
-                          "--nproc-per-node", "1", str(WORKER),
-                          f"--job.run_dir={tmp_path / f'group{g}'}", f"--optim.steps={STEPS}",
-                          *KEYS, *FT_KEYS, "--fault_tolerance.replica_groups=2",
-                          f"--fault_tolerance.group_index={g}",
-                          f"--fault_tolerance.lighthouse={lighthouse}")  # fmt: skip
+            cluster.start(
+                g,
+                "--nnodes",
+                "1",
+                "--node-rank",
+                "0",
+                "--rdzv-endpoint",
+                endpoint,
+                "--nproc-per-node",
+                "1",
+                str(WORKER),
+                f"--job.run_dir={tmp_path / f'group{g}'}",
+                f"--optim.steps={STEPS}",
+                *KEYS,
+                *FT_KEYS,
+                "--fault_tolerance.replica_groups=2",
+                f"--fault_tolerance.group_index={g}",
+                f"--fault_tolerance.lighthouse={lighthouse}",
+            )
             watches[g] = sockets.Watch(cluster.procs[g].pid, every_s=0.5).__enter__()
         outs = [cluster.wait(g, 400) for g in (0, 1)]
         keeper.terminate()

@@ -86,8 +86,11 @@ def _kill(pids: Iterable[int]) -> None:
 def _start_fake(mode: str) -> tuple[subprocess.Popen[str], str, list[int]]:
     proc = subprocess.Popen(
         [sys.executable, "-c", FAKE_LAUNCHER, mode],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     assert proc.stdout is not None
     fields = proc.stdout.readline().split()
     assert fields[:1] == ["token"], proc.communicate(timeout=30)
@@ -145,13 +148,25 @@ def test_a_normal_exit_leaves_no_guard_and_a_reused_pid_is_never_signalled() -> 
 
 def _launch(tmp_path: Path, flags: list[str], script: str, *keys: str) -> subprocess.Popen[str]:
     argv = [
-        sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2", *flags,
-        str(SCRIPTS / script), f"--job.run_dir={tmp_path / 'run'}", *keys,
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "meshrun",
+        "launch",
+        "--nproc-per-node",
+        "2",
+        *flags,
+        str(SCRIPTS / script),
+        f"--job.run_dir={tmp_path / 'run'}",
+        *keys,
+    ]
     return subprocess.Popen(
-        argv, env={**os.environ, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
+        argv,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
 
 
 def _ready_pids(proc: subprocess.Popen[str], pattern: str) -> tuple[list[int], str]:

@@ -19,9 +19,16 @@ SCRIPTS = Path(__file__).parent / "scripts"
 
 def _launch(tmp_path: Path, script: str, *flags: str) -> list[str]:
     return [
-        sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2", *flags,
-        str(SCRIPTS / script), f"--job.run_dir={tmp_path / 'run'}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "meshrun",
+        "launch",
+        "--nproc-per-node",
+        "2",
+        *flags,
+        str(SCRIPTS / script),
+        f"--job.run_dir={tmp_path / 'run'}",
+    ]
 
 
 @pytest.mark.timeout(180)
@@ -29,8 +36,12 @@ def test_each_restart_is_announced_with_the_rank_that_failed(tmp_path: Path) -> 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "FAIL_ATTEMPTS": "2"}
     proc = subprocess.run(
         _launch(tmp_path, "fail_first_attempts.py", "--max-restarts", "3"),
-        env=env, capture_output=True, text=True, timeout=170, check=False,
-    )  # fmt: skip
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=170,
+        check=False,
+    )
     print(proc.stderr[-3000:])
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = re.findall(r"^meshrun launch: worker group failed .*$", proc.stderr, re.M)
@@ -46,8 +57,11 @@ def test_sigterm_ends_the_launch_within_30_s_when_workers_ignore_it(tmp_path: Pa
     proc = subprocess.Popen(
         _launch(tmp_path, "ignore_sigterm.py"),
         env={**os.environ, "OMP_NUM_THREADS": "1"},
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-    )  # fmt: skip
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        start_new_session=True,
+    )
     assert proc.stdout is not None
     pids: list[int] = []
     try:

@@ -27,13 +27,27 @@ def _launch(tmp: Path, secret_file: Path, **env: str) -> subprocess.CompletedPro
     script = tmp / "show.py"
     script.write_text(SCRIPT)
     base = {k: v for k, v in os.environ.items() if not k.startswith("MESHRUN_JOB_SECRET")}
-    argv = [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "1",
-            "--secret-file", str(secret_file), "--set", f"job.run_dir={tmp / 'run'}",
-            str(script)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "meshrun",
+        "launch",
+        "--nproc-per-node",
+        "1",
+        "--secret-file",
+        str(secret_file),
+        "--set",
+        f"job.run_dir={tmp / 'run'}",
+        str(script),
+    ]
     return subprocess.run(
-        argv, capture_output=True, text=True, timeout=200, cwd=tmp,
+        argv,
+        capture_output=True,
+        text=True,
+        timeout=200,
+        cwd=tmp,
         env={**base, "OMP_NUM_THREADS": "1", "OUT": str(tmp / "seen"), **env},
-    )  # fmt: skip
+    )
 
 
 def test_the_worker_gets_the_key_of_the_secret_file(tmp_path: Path) -> None:

@@ -25,12 +25,24 @@ def parked_job(tmp_path: Path) -> Iterator[subprocess.Popen[str]]:
     """The pipeline job, its last stage parked in its loss function at step 3 (see the script);
     stopped and cleaned up at the end, also when the test fails."""
     cmd = [
-        sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2", str(WORKER),
-        f"--job.run_dir={tmp_path / 'run'}", "--job.device=cpu", "--metrics.progress=false",
-        "--data.global_batch=8", "--data.micro_batch=8", "--optim.steps=1000",
-        "--parallel.pp=2", "--parallel.pp_microbatches=2", "--parallel.pp_schedule=1f1b",
+        sys.executable,
+        "-m",
+        "meshrun",
+        "launch",
+        "--nproc-per-node",
+        "2",
+        str(WORKER),
+        f"--job.run_dir={tmp_path / 'run'}",
+        "--job.device=cpu",
+        "--metrics.progress=false",
+        "--data.global_batch=8",
+        "--data.micro_batch=8",
+        "--optim.steps=1000",
+        "--parallel.pp=2",
+        "--parallel.pp_microbatches=2",
+        "--parallel.pp_schedule=1f1b",
         f"--monitor.step_timeout_s={TIMEOUT_S}",
-    ]  # fmt: skip
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TEST_PARK_AT": "3"}
     proc = subprocess.Popen(
         cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

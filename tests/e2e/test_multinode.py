@@ -123,10 +123,22 @@ def test_two_hosts_of_two_processes_train_like_one_host_of_four(tmp_path: Path) 
     assert "2 nodes joined [node0, node1]; versions and config agree" in other_out
 
     ref = subprocess.run(
-        [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "4", *demo,
-         f"--job.run_dir={single}"],
-        env=_env(), capture_output=True, text=True, timeout=150, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "meshrun",
+            "launch",
+            "--nproc-per-node",
+            "4",
+            *demo,
+            f"--job.run_dir={single}",
+        ],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=150,
+        check=False,
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     rows_multi, rows_single = _steps(multi), _steps(single)
     assert [r["step"] for r in rows_multi] == [1, 2, 3, 4, 5, 6]
@@ -218,9 +230,13 @@ def test_elastic_job_continues_on_two_nodes_after_one_is_killed(tmp_path: Path) 
     script = str(SCRIPTS / "slow_resumable.py")
     run_dir = tmp_path / "elastic"
     train = [
-        script, f"--job.run_dir={run_dir}", "--optim.steps=24", "--checkpoint.interval=3",
-        "--data.global_batch=24", "--data.micro_batch=4",
-    ]  # fmt: skip
+        script,
+        f"--job.run_dir={run_dir}",
+        "--optim.steps=24",
+        "--checkpoint.interval=3",
+        "--data.global_batch=24",
+        "--data.micro_batch=4",
+    ]
     with nodes(3) as cluster:
         for i in (0, 1, 2):
             args = _launch_args(cluster.endpoint, "2:3", 0, "--max-restarts", "2")
@@ -268,10 +284,14 @@ def test_a_host_cut_off_from_the_network_exits(tmp_path: Path, how: str) -> None
     join_s, step_timeout_s = 20, 5
     run_dir = tmp_path / "cut"
     train = [
-        str(SCRIPTS / "slow_resumable.py"), f"--job.run_dir={run_dir}", "--optim.steps=400",
-        "--checkpoint.interval=5", "--data.global_batch=8", "--data.micro_batch=4",
+        str(SCRIPTS / "slow_resumable.py"),
+        f"--job.run_dir={run_dir}",
+        "--optim.steps=400",
+        "--checkpoint.interval=5",
+        "--data.global_batch=8",
+        "--data.micro_batch=4",
         f"--monitor.step_timeout_s={step_timeout_s}",
-    ]  # fmt: skip
+    ]
     with nodes(2) as cluster:
         for i in (1, 0):  # the non-host first: it waits for the store, then joins
             args = _launch_args(cluster.endpoint, "1:2", 0, "--max-restarts", "3")

@@ -31,8 +31,13 @@ def _free_port() -> int:
 @pytest.mark.parametrize("entry", ["excepthook", "main"])
 def test_the_survivor_of_a_killed_peer_prints_one_line(tmp_path: Path, entry: str) -> None:
     base = {k: v for k, v in os.environ.items() if not k.startswith(("MESHRUN_", "PET_"))}
-    base |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": "2",
-             "RUN_DIR": str(tmp_path), "OMP_NUM_THREADS": "1"}  # fmt: skip
+    base |= {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(_free_port()),
+        "WORLD_SIZE": "2",
+        "RUN_DIR": str(tmp_path),
+        "OMP_NUM_THREADS": "1",
+    }
     argv = [sys.executable, str(SCRIPT), entry]
     pipes = {"stdout": subprocess.PIPE, "stderr": subprocess.PIPE, "text": True}
     env = [{**base, "RANK": str(r), "LOCAL_RANK": str(r)} for r in (0, 1)]

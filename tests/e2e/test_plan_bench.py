@@ -17,14 +17,33 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
 def meshrun(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k != "MESHRUN_CONFIG"}
-    return subprocess.run([sys.executable, "-m", "meshrun", *args], cwd=cwd, env=env,
-                          capture_output=True, text=True, timeout=200)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "meshrun", *args],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
 
 
 def test_bench_writes_a_calibration_that_plan_reads(tmp_path: Path) -> None:
-    bench = meshrun("bench", "all", "--pairs", "--nproc-per-node", "3", "--max-mb", "0.25",
-                    "--seconds", "0.05", "--pair-mb", "0.25", "--out", "cal.json",
-                    cwd=tmp_path)  # fmt: skip
+    bench = meshrun(
+        "bench",
+        "all",
+        "--pairs",
+        "--nproc-per-node",
+        "3",
+        "--max-mb",
+        "0.25",
+        "--seconds",
+        "0.05",
+        "--pair-mb",
+        "0.25",
+        "--out",
+        "cal.json",
+        cwd=tmp_path,
+    )
     assert bench.returncode == 0, bench.stdout[-2000:] + bench.stderr[-2000:]
     doc = json.loads((tmp_path / "cal.json").read_text())
     _check_pairs(doc["measured"]["pairs"], bench.stdout)
@@ -50,9 +69,27 @@ def test_bench_writes_a_calibration_that_plan_reads(tmp_path: Path) -> None:
     assert rates["fsdp_unit_overhead"] == fsdp["fsdp_unit_overhead"] >= 0
     assert "per unit collective" in bench.stdout
     print("calibration:", {k: f"{v:.3g}" for k, v in rates.items()})
-    plan = meshrun("plan", "--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "256",
-                   "--seq", "128", "--gpus-per-node", "3", "--global-batch", "48",
-                   "--calibration", "cal.json", "--json", cwd=tmp_path)  # fmt: skip
+    plan = meshrun(
+        "plan",
+        "--layers",
+        "4",
+        "--hidden",
+        "256",
+        "--heads",
+        "4",
+        "--vocab",
+        "256",
+        "--seq",
+        "128",
+        "--gpus-per-node",
+        "3",
+        "--global-batch",
+        "48",
+        "--calibration",
+        "cal.json",
+        "--json",
+        cwd=tmp_path,
+    )
     assert plan.returncode == 0, plan.stderr
     result = json.loads(plan.stdout)
     assert result["cluster"]["peak_flops"] == rates["peak_flops"]

@@ -37,9 +37,13 @@ def launch(script: str, run_dir: Path, *args: str) -> str:
     cmd = [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2"]
     p = subprocess.run(
         [*cmd, str(EXAMPLES / script), f"--job.run_dir={run_dir}", *args],
-        capture_output=True, text=True, timeout=LAUNCH_S, check=False, cwd=run_dir.parent,
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_S,
+        check=False,
+        cwd=run_dir.parent,
         env={**os.environ, "OMP_NUM_THREADS": "1", "COLUMNS": "100"},
-    )  # fmt: skip
+    )
     out = p.stdout + p.stderr
     assert p.returncode == 0, f"exit {p.returncode}\n{out[-4000:]}"
     return out
@@ -139,8 +143,16 @@ def check_hf_export(checkpoint: Path, out: Path, trained_loss: float) -> None:
 @pytest.mark.timeout(LAUNCH_S + 60)
 def test_nanogpt_style_with_its_own_parser_under_zero1(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = ["--optim.steps=6", "--eval_interval", "3", "--parallel.zero=1", "--n_layer", "1",
-            "--data.micro_batch=4", "--eval_iters=2"]  # fmt: skip
+    args = [
+        "--optim.steps=6",
+        "--eval_interval",
+        "3",
+        "--parallel.zero=1",
+        "--n_layer",
+        "1",
+        "--data.micro_batch=4",
+        "--eval_iters=2",
+    ]
     out = launch("nanogpt_style.py", run_dir, *args)
     evals = [float(v) for v in re.findall(r"step (?:0|3|6): val loss ([0-9.]+)", out)]
     assert len(evals) == 3, out[-3000:]

@@ -21,17 +21,31 @@ SCRIPTS = Path(__file__).parent / "scripts" / "porting"
 
 def _run(tmp_path: Path, *argv: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MESHRUN_", "PET_"))}
-    done = subprocess.run([sys.executable, *argv], cwd=tmp_path, capture_output=True, text=True,
-                          env={**env, "OMP_NUM_THREADS": "1"}, timeout=200)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, *argv],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        timeout=200,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     return done
 
 
 def test_the_plain_loop_keeps_its_flags_schedule_and_epochs(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    out = _run(tmp_path, str(SCRIPTS / "plain_loop.py"), f"--job.run_dir={run_dir}",
-               "--data.micro_batch=4", "--optim.grad_clip=0.25", "--lr", "0.4",
-               "--epochs", "2").stdout  # fmt: skip
+    out = _run(
+        tmp_path,
+        str(SCRIPTS / "plain_loop.py"),
+        f"--job.run_dir={run_dir}",
+        "--data.micro_batch=4",
+        "--optim.grad_clip=0.25",
+        "--lr",
+        "0.4",
+        "--epochs",
+        "2",
+    ).stdout
     # 64 samples / global batch 4 = 16 steps an epoch; StepLR halves the LR after each.
     assert "step 16 lr 0.2000" in out and "step 32 lr 0.1000" in out
     assert "epoch 1 val" in out and "epoch 2 val" in out
@@ -40,8 +54,13 @@ def test_the_plain_loop_keeps_its_flags_schedule_and_epochs(tmp_path: Path) -> N
 
 def test_the_accelerate_shape_trains_evaluates_and_resumes(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    args = [str(SCRIPTS / "accelerate_style.py"), f"--job.run_dir={run_dir}",
-            "--data.micro_batch=4", "--data.global_batch=8", "--checkpoint.interval=3"]  # fmt: skip
+    args = [
+        str(SCRIPTS / "accelerate_style.py"),
+        f"--job.run_dir={run_dir}",
+        "--data.micro_batch=4",
+        "--data.global_batch=8",
+        "--checkpoint.interval=3",
+    ]
     out = _run(tmp_path, *args, "--optim.steps=3").stdout
     assert "step 3: perplexity" in out
     again = _run(tmp_path, *args, "--optim.steps=6")  # a restart continues at step 3
@@ -49,10 +68,22 @@ def test_the_accelerate_shape_trains_evaluates_and_resumes(tmp_path: Path) -> No
 
 
 def test_the_trainer_class_gets_its_dotted_flags_after_the_separator(tmp_path: Path) -> None:
-    done = _run(tmp_path, "-m", "meshrun", "launch", "--nproc-per-node", "2",
-                str(SCRIPTS / "trainer_class.py"), f"--job.run_dir={tmp_path / 'run'}",
-                "--data.micro_batch=2", "--data.global_batch=8", "--optim.lr=0.001", "--",
-                "--model.width=8", "--trainer.max_iters=4")  # fmt: skip
+    done = _run(
+        tmp_path,
+        "-m",
+        "meshrun",
+        "launch",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPTS / "trainer_class.py"),
+        f"--job.run_dir={tmp_path / 'run'}",
+        "--data.micro_batch=2",
+        "--data.global_batch=8",
+        "--optim.lr=0.001",
+        "--",
+        "--model.width=8",
+        "--trainer.max_iters=4",
+    )
     (seen,) = [json.loads(s) for s in done.stdout.splitlines() if s.startswith('{"iters"')]
     assert seen == {"iters": [1, 2, 3, 4], "max_iters": 4, "width": 8, "lr": 0.001}
     assert "global batch 8 = micro 2 x accum 2 x dp 2" in done.stderr

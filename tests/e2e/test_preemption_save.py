@@ -21,11 +21,24 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.timeout(150)
 def test_signal_saves_and_exits_0_without_an_interval_or_resume(tmp_path: Path) -> None:
     script = ROOT / "tests" / "e2e" / "scripts" / "preempt_self_at_step3.py"
-    args = ["launch", "--nproc-per-node", "2", str(script), "--checkpoint.interval=0",
-            "--optim.steps=50", f"--job.run_dir={tmp_path}"]  # fmt: skip
+    args = [
+        "launch",
+        "--nproc-per-node",
+        "2",
+        str(script),
+        "--checkpoint.interval=0",
+        "--optim.steps=50",
+        f"--job.run_dir={tmp_path}",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run([sys.executable, "-m", "meshrun", *args], env=env, capture_output=True,
-                       text=True, timeout=140, check=False)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-m", "meshrun", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=140,
+        check=False,
+    )
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-3000:]
     assert "preempted (SIGUSR1)" in out, out[-3000:]
@@ -41,8 +54,23 @@ def test_signal_saves_and_exits_0_without_an_interval_or_resume(tmp_path: Path) 
 def test_slurm_submit_warns_only_when_the_signal_would_not_save(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flags: list[str], warned: bool
 ) -> None:
-    rc = main(["slurm", "submit", "--dry-run", "--nodes", "1", "--time", "30", "-m",
-               "meshrun.demo", "--steps", "5", f"--job.run_dir={tmp_path}/run", *flags])  # fmt: skip
+    rc = main(
+        [
+            "slurm",
+            "submit",
+            "--dry-run",
+            "--nodes",
+            "1",
+            "--time",
+            "30",
+            "-m",
+            "meshrun.demo",
+            "--steps",
+            "5",
+            f"--job.run_dir={tmp_path}/run",
+            *flags,
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 0, err
     assert ("checkpoint.on_signal = false" in err) is warned, err

@@ -77,9 +77,14 @@ class Namespace:
         """``argv`` inside the namespace, its output kept in ``log`` (and returned)."""
         with open(log, "w") as out:
             proc = subprocess.run(
-                ["ip", "netns", "exec", self.name, *argv], env=self.env, stdout=out,
-                stderr=subprocess.STDOUT, text=True, timeout=timeout, check=False,
-            )  # fmt: skip
+                ["ip", "netns", "exec", self.name, *argv],
+                env=self.env,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                text=True,
+                timeout=timeout,
+                check=False,
+            )
         return subprocess.CompletedProcess(proc.args, proc.returncode, log.read_text(), "")
 
     def pids(self) -> list[int]:

@@ -55,9 +55,13 @@ def kill_in(net: netns.Hosts, i: int) -> None:
 def run_in(net: netns.Hosts, i: int, argv: list[str], env: dict[str, str], log: Path) -> str:
     with open(log, "w") as out:
         proc = subprocess.run(
-            net.argv(i, argv), env=env, stdout=out, stderr=subprocess.STDOUT, timeout=840,
+            net.argv(i, argv),
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            timeout=840,
             check=False,
-        )  # fmt: skip
+        )
     text = log.read_text()
     assert proc.returncode == 0, text[-4000:]
     return text

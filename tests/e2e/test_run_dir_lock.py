@@ -29,11 +29,21 @@ SCRIPT = Path(__file__).parent / "scripts" / "train_until_go.py"
 
 def _argv(run_dir: Path, steps: int) -> list[str]:
     return [
-        sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2", str(SCRIPT),
-        f"--job.run_dir={run_dir}", f"--optim.steps={steps}", "--checkpoint.interval=3",
-        "--data.global_batch=8", "--data.micro_batch=4", "--metrics.progress=false",
+        sys.executable,
+        "-m",
+        "meshrun",
+        "launch",
+        "--nproc-per-node",
+        "2",
+        str(SCRIPT),
+        f"--job.run_dir={run_dir}",
+        f"--optim.steps={steps}",
+        "--checkpoint.interval=3",
+        "--data.global_batch=8",
+        "--data.micro_batch=4",
+        "--metrics.progress=false",
         "--job.timeout_s=60",
-    ]  # fmt: skip
+    ]
 
 
 def _env(tmp: Path, pause_at: int) -> dict[str, str]:
@@ -59,9 +69,13 @@ def test_a_second_job_on_a_busy_run_dir_is_refused_and_the_first_is_unaffected(
 ) -> None:
     run = tmp_path / "run"
     first = subprocess.Popen(
-        _argv(run, 6), env=_env(tmp_path, 3), text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        _argv(run, 6),
+        env=_env(tmp_path, 3),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         _wait_for(tmp_path / "paused", first)
         config = (run / "config.toml").read_bytes()
@@ -90,8 +104,9 @@ def test_a_second_job_on_a_busy_run_dir_is_refused_and_the_first_is_unaffected(
     steps = [json.loads(x)["step"] for x in metrics.splitlines() if '"loss"' in x]
     assert steps == [1, 2, 3, 4, 5, 6]
     assert sorted(p.name for p in (run / "checkpoints").iterdir() if p.name.startswith("step")) == [
-        "step_00000003", "step_00000006",
-    ]  # fmt: skip
+        "step_00000003",
+        "step_00000006",
+    ]
     assert (run / "meshrun.lock").read_text() == ""  # released: the next job takes it quietly
 
 
@@ -111,9 +126,13 @@ def _plain_torchrun(run: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
 def test_the_lock_of_a_killed_job_is_taken_over_with_a_line(tmp_path: Path) -> None:
     run = tmp_path / "run"
     first = subprocess.Popen(
-        _argv(run, 6), env=_env(tmp_path, 1), text=True,
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-    )  # fmt: skip
+        _argv(run, 6),
+        env=_env(tmp_path, 1),
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
     try:
         _wait_for(tmp_path / "paused", first)
         held = json.loads((run / "meshrun.lock").read_text())

@@ -29,10 +29,19 @@ pytestmark = [pytest.mark.slow]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMIUM_FLAGS = [
-    "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-    "--disable-background-networking", "--disable-component-update", "--disable-sync",
-    "--enable-logging=stderr", "--v=0", "--virtual-time-budget=5000", "--dump-dom",
-]  # fmt: skip
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--enable-logging=stderr",
+    "--v=0",
+    "--virtual-time-budget=5000",
+    "--dump-dom",
+]
 BROKEN_PAGE = """<!DOCTYPE html><html><head><script>console.error("boom-control");</script>
 </head><body><img src="data:image/png;base64,AAAA"><script>notDefined();</script>
 <script>window.addEventListener('load', function () { var i = document.images[0];
@@ -94,12 +103,26 @@ def test_scale_test_and_report_on_demo_runs_render_in_chromium(
 ) -> None:
     out = tmp_path / "scale"
     proc = meshrun(
-        "scale-test", "--nproc", "1,2", "--steps", "6", "--out", str(out),
-        "-m", "meshrun.demo", "--size", "tiny", "--corpus-bytes", "300000",
-        "--monitor.straggler_every=2", "--checkpoint.interval=3", "--metrics.progress=false",
+        "scale-test",
+        "--nproc",
+        "1,2",
+        "--steps",
+        "6",
+        "--out",
+        str(out),
+        "-m",
+        "meshrun.demo",
+        "--size",
+        "tiny",
+        "--corpus-bytes",
+        "300000",
+        "--monitor.straggler_every=2",
+        "--checkpoint.interval=3",
+        "--metrics.progress=false",
         "--metrics.peak_flops=1e11",  # CPU: no datasheet peak, so give one for MFU
-        cwd=tmp_path, timeout=380,
-    )  # fmt: skip
+        cwd=tmp_path,
+        timeout=380,
+    )
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-5000:]}"
     print(proc.stdout)
     assert "strong scaling: the global batch is 32 in every run" in proc.stdout
@@ -116,8 +139,13 @@ def test_scale_test_and_report_on_demo_runs_render_in_chromium(
     assert single.returncode == 0, single.stderr[-3000:]
     pngs = sorted((run_dir / "report").glob("*.png"))
     assert [p.name for p in pngs] == [
-        "breakdown.png", "goodput.png", "loss.png", "memory.png", "ranks.png", "throughput.png"
-    ]  # fmt: skip
+        "breakdown.png",
+        "goodput.png",
+        "loss.png",
+        "memory.png",
+        "ranks.png",
+        "throughput.png",
+    ]
     assert all(p.stat().st_size > 5000 for p in pngs)
 
     if CHROMIUM is None:

@@ -21,8 +21,14 @@ OWN = ["--trainer.batch_size=4", "--model.n_layer", "3"]
 def _launch(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MESHRUN_", "PET_"))}
     argv = [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2", *args]
-    return subprocess.run(argv, cwd=tmp_path, env={**env, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=200)  # fmt: skip
+    return subprocess.run(
+        argv,
+        cwd=tmp_path,
+        env={**env, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
 
 
 def test_launch_passes_the_scripts_dotted_flags_after_the_separator(tmp_path: Path) -> None:

@@ -43,8 +43,14 @@ def test_two_hosts_with_their_own_run_dirs_stop_before_step_1(tmp_path: Path) ->
             launch += ["--nproc-per-node", "1", *demo]
             own_disk = ["unshare", "--mount", "--propagation", "private", "sh", "-c", BIND]
             argv = net.argv(i, [*own_disk, str(local[i]), str(run_dir), *launch])
-            procs.append((i, subprocess.Popen(argv, stdout=subprocess.PIPE, text=True,
-                                              stderr=subprocess.STDOUT, env=env)))  # fmt: skip
+            procs.append(
+                (
+                    i,
+                    subprocess.Popen(
+                        argv, stdout=subprocess.PIPE, text=True, stderr=subprocess.STDOUT, env=env
+                    ),
+                )
+            )
         outs = {}
         try:
             for i, proc in procs:

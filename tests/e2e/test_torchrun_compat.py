@@ -41,12 +41,14 @@ def _free_port() -> int:
 def _run(argv: list[str], cwd: Path, stdout_file: Path | None = None) -> tuple[int, str, str]:
     """Run ``argv``; stdout to ``stdout_file`` (a plain file, as `> file`) or a pipe."""
     if stdout_file is None:
-        done = subprocess.run(argv, cwd=cwd, env=_env(), capture_output=True, text=True,
-                              timeout=RUN_TIMEOUT_S)  # fmt: skip
+        done = subprocess.run(
+            argv, cwd=cwd, env=_env(), capture_output=True, text=True, timeout=RUN_TIMEOUT_S
+        )
         return done.returncode, done.stdout, done.stderr
     with stdout_file.open("wb") as out:
-        done = subprocess.run(argv, cwd=cwd, env=_env(), stdout=out, stderr=subprocess.PIPE,
-                              timeout=RUN_TIMEOUT_S)  # fmt: skip
+        done = subprocess.run(
+            argv, cwd=cwd, env=_env(), stdout=out, stderr=subprocess.PIPE, timeout=RUN_TIMEOUT_S
+        )
     return done.returncode, stdout_file.read_text(), done.stderr.decode(errors="replace")
 
 
@@ -88,12 +90,24 @@ def test_torchruns_other_flags_reach_the_agent_with_torchruns_meaning(tmp_path: 
     the same stdout (rank 1 filtered out, the role renamed, the script run as a program)."""
 
     def flags(log_dir: Path) -> list[str]:
-        return ["--standalone", "--nproc_per_node=2", "--monitor_interval=0.2",
-                "--start_method=spawn", "--role=trainer", "--local_ranks_filter=0",
-                "--signals_to_handle=SIGTERM,SIGINT", "--shutdown_timeout=5", "--max_restarts=0",
-                "--rdzv_id=compat", f"--log_dir={log_dir}", "--local_addr=127.0.0.1",
-                "--duplicate_stdout_filters=says", "--no_python", sys.executable,
-                str(SCRIPT)]  # fmt: skip
+        return [
+            "--standalone",
+            "--nproc_per_node=2",
+            "--monitor_interval=0.2",
+            "--start_method=spawn",
+            "--role=trainer",
+            "--local_ranks_filter=0",
+            "--signals_to_handle=SIGTERM,SIGINT",
+            "--shutdown_timeout=5",
+            "--max_restarts=0",
+            "--rdzv_id=compat",
+            f"--log_dir={log_dir}",
+            "--local_addr=127.0.0.1",
+            "--duplicate_stdout_filters=says",
+            "--no_python",
+            sys.executable,
+            str(SCRIPT),
+        ]
 
     rc_t, out_t, err_t = _run([*TORCHRUN, *flags(tmp_path / "t")], tmp_path)
     assert rc_t == 0, err_t[-3000:]
@@ -117,8 +131,14 @@ def test_torchruns_other_flags_reach_the_agent_with_torchruns_meaning(tmp_path: 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
 def test_torchruns_static_multinode_line_on_one_host_works_as_in_torchrun(tmp_path: Path) -> None:
     port = _free_port()
-    flags = ["--nnodes=1", "--node_rank=0", "--master_addr=127.0.0.1", f"--master_port={port}",
-             "--nproc_per_node=2", str(SCRIPT)]  # fmt: skip
+    flags = [
+        "--nnodes=1",
+        "--node_rank=0",
+        "--master_addr=127.0.0.1",
+        f"--master_port={port}",
+        "--nproc_per_node=2",
+        str(SCRIPT),
+    ]
     rc_m, out_m, err_m = _run([*MESHRUN, "--set", f"job.run_dir={tmp_path}", *flags], tmp_path)
     assert rc_m == 0, err_m[-3000:]
     assert f"rendezvous static 127.0.0.1:{port}" in err_m  # torchrun's static backend
@@ -137,8 +157,16 @@ def test_nproc_per_node_auto_and_cpu_count_cpu_cores_as_torchrun(tmp_path: Path)
     n = len(cores)
     taskset = ["taskset", "-c", ",".join(map(str, cores))]
     for word, tee in (("auto", ["--tee", "3"]), ("cpu", [])):
-        argv = [*taskset, *MESHRUN, "--nproc-per-node", word, *tee,
-                "--set", f"job.run_dir={tmp_path / word}", str(SCRIPT)]  # fmt: skip
+        argv = [
+            *taskset,
+            *MESHRUN,
+            "--nproc-per-node",
+            word,
+            *tee,
+            "--set",
+            f"job.run_dir={tmp_path / word}",
+            str(SCRIPT),
+        ]
         rc, out, err = _run(argv, tmp_path)
         assert rc == 0, err[-3000:]
         assert f"meshrun launch: --nproc-per-node {word}: {n} processes" in err
@@ -153,8 +181,9 @@ def _kill_hosts(net: netns.Hosts, procs: list[subprocess.Popen[str]]) -> None:
     its own, so killing the launcher's process group is not enough)."""
     for i, proc in zip((1, 0), procs, strict=False):
         if proc.poll() is None:
-            found = subprocess.run(["ip", "netns", "pids", net.names[i]], capture_output=True,
-                                   text=True).stdout.split()  # fmt: skip
+            found = subprocess.run(
+                ["ip", "netns", "pids", net.names[i]], capture_output=True, text=True
+            ).stdout.split()
             for pid in [proc.pid, *map(int, found)]:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -170,13 +199,29 @@ def test_static_rendezvous_on_two_hosts_gives_each_node_its_rank(tmp_path: Path)
     with netns.hosts(2) as net:
         try:
             for i in (1, 0):  # the non-master first: it waits for the master's store
-                argv = [*MESHRUN, "--nnodes=2", f"--node_rank={i}",
-                        f"--master_addr={net.address(0)}", "--master_port=29561",
-                        "--nproc_per_node=1", "--join-timeout", "90",
-                        "--set", f"job.run_dir={tmp_path}", str(SCRIPT)]  # fmt: skip
-                procs.append(subprocess.Popen(net.argv(i, argv), stdout=subprocess.PIPE,
-                                              stderr=subprocess.PIPE, text=True, env=_env(),
-                                              start_new_session=True))  # fmt: skip
+                argv = [
+                    *MESHRUN,
+                    "--nnodes=2",
+                    f"--node_rank={i}",
+                    f"--master_addr={net.address(0)}",
+                    "--master_port=29561",
+                    "--nproc_per_node=1",
+                    "--join-timeout",
+                    "90",
+                    "--set",
+                    f"job.run_dir={tmp_path}",
+                    str(SCRIPT),
+                ]
+                procs.append(
+                    subprocess.Popen(
+                        net.argv(i, argv),
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.PIPE,
+                        text=True,
+                        env=_env(),
+                        start_new_session=True,
+                    )
+                )
             outs = [p.communicate(timeout=RUN_TIMEOUT_S) for p in procs]
         finally:
             _kill_hosts(net, procs)

@@ -42,8 +42,14 @@ def _free_port() -> int:
 def _launch(argv: list[str], cwd: Path, env: dict[str, str]) -> str:
     """``meshrun ARGV`` (argv[0] == "meshrun") in this interpreter; its stderr."""
     assert argv[0] == "meshrun", argv
-    done = subprocess.run([sys.executable, "-m", "meshrun", *argv[1:]], cwd=cwd, env=_env(env),
-                          capture_output=True, text=True, timeout=RUN_TIMEOUT_S)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "meshrun", *argv[1:]],
+        cwd=cwd,
+        env=_env(env),
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
     assert done.returncode == 0, done.stderr[-4000:]
     return done.stderr
 
@@ -75,22 +81,36 @@ def test_a_trainjob_pod_trains_as_meshrun_launch_does(
     command: str, plain_losses: list[float], tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "trainjob"
-    job = K8sJob(name="tj", image="img", module=DEMO[1], script_args=[*DEMO[2:], "--run-dir",
-                 str(run_dir)], nodes="1", nproc_per_node=2, max_restarts=0)  # fmt: skip
+    job = K8sJob(
+        name="tj",
+        image="img",
+        module=DEMO[1],
+        script_args=[*DEMO[2:], "--run-dir", str(run_dir)],
+        nodes="1",
+        nproc_per_node=2,
+        max_restarts=0,
+    )
     trainer = render_trainjob(job)["spec"]["trainer"]
     port = _free_port()
     # What the torch plugin sets from the TrainJob (here PET_MASTER_ADDR is loopback, not
     # pod 0's DNS name <name>-node-0-0.<name>, and the port a free one, not 29500).
-    pet = {"PET_NNODES": str(trainer["numNodes"]), "PET_NODE_RANK": "0",
-           "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
-           "PET_MASTER_ADDR": "127.0.0.1", "PET_MASTER_PORT": str(port)}  # fmt: skip
+    pet = {
+        "PET_NNODES": str(trainer["numNodes"]),
+        "PET_NODE_RANK": "0",
+        "PET_NPROC_PER_NODE": str(trainer["numProcPerNode"]),
+        "PET_MASTER_ADDR": "127.0.0.1",
+        "PET_MASTER_PORT": str(port),
+    }
     if command == "rendered":
         argv = [_kubelet_expand(arg, pet) for arg in trainer["command"]]
     else:
         argv = ["meshrun", "launch", *DEMO, "--run-dir", str(run_dir)]
     err = _launch(argv, tmp_path, pet)
-    for note in ("--nnodes 1 from PET_NNODES", "--nproc-per-node 2 from PET_NPROC_PER_NODE",
-                 "--node-rank 0 from PET_NODE_RANK"):  # fmt: skip
+    for note in (
+        "--nnodes 1 from PET_NNODES",
+        "--nproc-per-node 2 from PET_NPROC_PER_NODE",
+        "--node-rank 0 from PET_NODE_RANK",
+    ):
         assert f"meshrun launch: {note} (torchrun's environment default)" in err
     backend = "" if command == "rendered" else "static "
     assert f"rendezvous {backend}127.0.0.1:{port}" in err

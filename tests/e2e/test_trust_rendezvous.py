@@ -43,16 +43,37 @@ class Job:
         self.paused, self.go = tmp / f"{name}.paused", tmp / f"{name}.go"
         self.lines: list[str] = []
         self._new_line = threading.Condition()
-        argv = [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2", *extra,
-                str(SCRIPT), f"--job.run_dir={self.run_dir}", f"--optim.steps={STEPS}",
-                "--data.global_batch=16", "--data.micro_batch=8"]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "meshrun",
+            "launch",
+            "--nproc-per-node",
+            "2",
+            *extra,
+            str(SCRIPT),
+            f"--job.run_dir={self.run_dir}",
+            f"--optim.steps={STEPS}",
+            "--data.global_batch=16",
+            "--data.micro_batch=8",
+        ]
         base = {k: v for k, v in os.environ.items() if not k.startswith("MESHRUN_JOB_SECRET")}
-        env = {**base, "OMP_NUM_THREADS": "1", "PAUSE_AT": str(PAUSE_AT),
-               "PAUSED": str(self.paused), "GO": str(self.go), **(env or {})}  # fmt: skip
+        env = {
+            **base,
+            "OMP_NUM_THREADS": "1",
+            "PAUSE_AT": str(PAUSE_AT),
+            "PAUSED": str(self.paused),
+            "GO": str(self.go),
+            **(env or {}),
+        }
         self.proc = subprocess.Popen(
-            argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+            argv,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
             start_new_session=True,
-        )  # fmt: skip
+        )
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:
@@ -189,23 +210,62 @@ def test_strangers_without_the_secret_are_refused_and_the_job_trains_on(tmp_path
         job.wait_paused()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MESHRUN_JOB_SECRET": OTHER_SECRET}
         # A plain torchrun agent that would have joined (and restarted) the job before.
-        strangers.append(subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1:2",
-             "--nproc-per-node", "1", "--rdzv-backend", "c10d", "--rdzv-endpoint",
-             f"{host}:{port}", "--rdzv-id", "meshrun", "--rdzv-conf", "is_host=0",
-             "--max-restarts", "0", str(SCRIPT)],
-            env={**env, "PAUSE_AT": "0", "PAUSED": "x", "GO": "x"}, text=True,
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True,
-        ))  # fmt: skip
+        strangers.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "torch.distributed.run",
+                    "--nnodes",
+                    "1:2",
+                    "--nproc-per-node",
+                    "1",
+                    "--rdzv-backend",
+                    "c10d",
+                    "--rdzv-endpoint",
+                    f"{host}:{port}",
+                    "--rdzv-id",
+                    "meshrun",
+                    "--rdzv-conf",
+                    "is_host=0",
+                    "--max-restarts",
+                    "0",
+                    str(SCRIPT),
+                ],
+                env={**env, "PAUSE_AT": "0", "PAUSED": "x", "GO": "x"},
+                text=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
         job.wait_for_line(r"refused a rendezvous join without this job's secret", 90)
         kill_tree(strangers[0])
         # meshrun launch with another secret, as a second node of the job.
         stranger = subprocess.run(
-            [sys.executable, "-m", "meshrun", "launch", "--nnodes", "1:2", "--nproc-per-node",
-             "1", "--rdzv-endpoint", f"{host}:{port}", "--rdzv-conf", "is_host=0",
-             "--join-timeout", "30", str(SCRIPT), f"--job.run_dir={tmp_path / 'stranger'}"],
-            env=env, text=True, capture_output=True, timeout=120,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "meshrun",
+                "launch",
+                "--nnodes",
+                "1:2",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-endpoint",
+                f"{host}:{port}",
+                "--rdzv-conf",
+                "is_host=0",
+                "--join-timeout",
+                "30",
+                str(SCRIPT),
+                f"--job.run_dir={tmp_path / 'stranger'}",
+            ],
+            env=env,
+            text=True,
+            capture_output=True,
+            timeout=120,
+        )
         assert stranger.returncode != 0, stranger.stderr[-3000:]
         assert "refused by the rendezvous store" in stranger.stderr, stranger.stderr[-3000:]
         assert "not signed with this node's job secret" in stranger.stderr
@@ -251,11 +311,22 @@ def test_two_hosts_with_one_secret_train_and_listen_on_their_address(
         assert {s.address for s in watch.seen} <= {addresses[i], "127.0.0.1"}
     assert any(s.address == addresses[0] for s in watches[0].seen)  # the store was seen
     ref = subprocess.run(
-        [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "4", *demo,
-         f"--job.run_dir={single}"],
-        env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-        timeout=200, check=False,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "meshrun",
+            "launch",
+            "--nproc-per-node",
+            "4",
+            *demo,
+            f"--job.run_dir={single}",
+        ],
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=200,
+        check=False,
+    )
     assert ref.returncode == 0, ref.stderr[-3000:]
     multi_losses = [(r["step"], r["loss"]) for r in _steps(multi)]
     assert multi_losses == [(r["step"], r["loss"]) for r in _steps(single)]  # bitwise

@@ -207,13 +207,25 @@ def test_launch_flags_are_launch_keys_in_the_resolved_config() -> None:
 
     from meshrun.cli.main import apply_launch_flags, launch_flag_overrides
 
-    a = argparse.Namespace(nproc_per_node=3, nnodes="2", rdzv_endpoint="10.0.0.1:29500",
-                           node_rank=1, join_timeout=60.0, max_restarts=None)  # fmt: skip
+    a = argparse.Namespace(
+        nproc_per_node=3,
+        nnodes="2",
+        rdzv_endpoint="10.0.0.1:29500",
+        node_rank=1,
+        join_timeout=60.0,
+        max_restarts=None,
+    )
     assert ("--join-timeout", "launch.join_timeout_s", "60.0") in launch_flag_overrides(a)
     cfg = load_config(None, [("launch.max_restarts", "2")])
     apply_launch_flags(cfg, a)
-    assert cfg.launch == LaunchConfig(nproc_per_node=3, nnodes="2", max_restarts=2, node_rank=1,
-                                      rdzv_endpoint="10.0.0.1:29500", join_timeout_s=60.0)  # fmt: skip
+    assert cfg.launch == LaunchConfig(
+        nproc_per_node=3,
+        nnodes="2",
+        max_restarts=2,
+        node_rank=1,
+        rdzv_endpoint="10.0.0.1:29500",
+        join_timeout_s=60.0,
+    )
 
 
 def test_a_launch_spec_is_the_configs_launch_section_plus_what_to_run() -> None:

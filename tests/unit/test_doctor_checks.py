@@ -135,8 +135,7 @@ def test_disk_thresholds_and_estimate(tmp_path: Path) -> None:
 
 
 def _report(host: str, node_rank: int, checks: list[Check]) -> dict[str, object]:
-    return {"rank": node_rank, "node_rank": node_rank, "host": host,
-            "checks": dc.as_dicts(checks)}  # fmt: skip
+    return {"rank": node_rank, "node_rank": node_rank, "host": host, "checks": dc.as_dicts(checks)}
 
 
 def test_merge_collapses_agreeing_nodes_and_fails_on_version_mismatch() -> None:

@@ -65,8 +65,13 @@ def test_ids_verify_with_the_job_key_only_and_keep_torchfts_order() -> None:
 
 
 def _result(ids: list[str], **more: Any) -> SimpleNamespace:
-    base = {"quorum_id": 3, "store_address": "127.0.0.1:5000", "heal": False,
-            "recover_src_replica_rank": None, "recover_src_manager_address": ""}  # fmt: skip
+    base = {
+        "quorum_id": 3,
+        "store_address": "127.0.0.1:5000",
+        "heal": False,
+        "recover_src_replica_rank": None,
+        "recover_src_manager_address": "",
+    }
     return SimpleNamespace(replica_ids=ids, **{**base, **more})
 
 
@@ -91,10 +96,20 @@ def _train_state() -> dict[str, Any]:
     model(torch.ones(3, 4)).sum().backward()
     opt.step()
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.5)
-    return {"user": {"default": {"source": "group 0", "step": 7, "models": [model.state_dict()],
-                                 "optimizer": opt.state_dict(), "schedulers": [sched.state_dict()],
-                                 "scaler": None, "sampler": {"consumed": 112, "epoch": 0}}},
-            "torchft": {"step": 7, "batches_committed": 14}}  # fmt: skip
+    return {
+        "user": {
+            "default": {
+                "source": "group 0",
+                "step": 7,
+                "models": [model.state_dict()],
+                "optimizer": opt.state_dict(),
+                "schedulers": [sched.state_dict()],
+                "scaler": None,
+                "sampler": {"consumed": 112, "epoch": 0},
+            }
+        },
+        "torchft": {"step": 7, "batches_committed": 14},
+    }
 
 
 @pytest.fixture
@@ -187,28 +202,42 @@ def test_a_crafted_heal_answer_runs_nothing(tmp_path: Path, signed: bool) -> Non
 def test_groups_refuse_the_quorum_a_stranger_entered_and_get_one_without_it() -> None:
     from torchft._torchft import LighthouseClient, LighthouseServer, ManagerServer
 
-    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=500,
-                                  heartbeat_timeout_ms=1000)  # fmt: skip
+    lighthouse = LighthouseServer(
+        bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=500, heartbeat_timeout_ms=1000
+    )
     address = f"http://127.0.0.1:{lighthouse.address().rsplit(':', 1)[1]}"
-    members = [Member(g, f"http://127.0.0.1:{free_port('127.0.0.1')}", f"127.0.0.1:{5000 + g}")
-               for g in range(2)]  # fmt: skip
+    members = [
+        Member(g, f"http://127.0.0.1:{free_port('127.0.0.1')}", f"127.0.0.1:{5000 + g}")
+        for g in range(2)
+    ]
     servers = [
         ManagerServer(
-            replica_id=f"{replica_id(KEY, m)}:uuid{m.group}", lighthouse_addr=address,
-            hostname="127.0.0.1", bind=m.manager.removeprefix("http://"), store_addr=m.store,
-            world_size=1, heartbeat_interval=timedelta(milliseconds=100), connect_timeout=T,
+            replica_id=f"{replica_id(KEY, m)}:uuid{m.group}",
+            lighthouse_addr=address,
+            hostname="127.0.0.1",
+            bind=m.manager.removeprefix("http://"),
+            store_addr=m.store,
+            world_size=1,
+            heartbeat_interval=timedelta(milliseconds=100),
+            connect_timeout=T,
             quorum_retries=0,
         )
         for m in members
-    ]  # fmt: skip
+    ]
     stranger = LighthouseClient(address, connect_timeout=T)
     seen: dict[Any, Any] = {}
     answered = threading.Event()
 
     def ask_as_stranger() -> None:
-        seen["stranger"] = stranger.quorum(replica_id="stranger_0", timeout=T, step=100000,
-                                           address="http://127.0.0.1:1", world_size=1,
-                                           store_address="127.0.0.1:1", shrink_only=False)  # fmt: skip
+        seen["stranger"] = stranger.quorum(
+            replica_id="stranger_0",
+            timeout=T,
+            step=100000,
+            address="http://127.0.0.1:1",
+            world_size=1,
+            store_address="127.0.0.1:1",
+            shrink_only=False,
+        )
         answered.set()
 
     def beat() -> None:  # a live stranger heartbeats until it is answered
@@ -242,8 +271,15 @@ def _ask(server: Any, g: int, seen: dict[Any, Any]) -> None:
 
     refused: list[str] = []
     client = CheckedClient(ManagerClient(server.address(), connect_timeout=T), KEY, refused)
-    result = client._quorum(group_rank=0, step=5, checkpoint_metadata="", shrink_only=False,
-                            timeout=timedelta(seconds=30), init_sync=False, commit_failures=0)  # fmt: skip
+    result = client._quorum(
+        group_rank=0,
+        step=5,
+        checkpoint_metadata="",
+        shrink_only=False,
+        timeout=timedelta(seconds=30),
+        init_sync=False,
+        commit_failures=0,
+    )
     seen[g] = (result, refused)
 
 

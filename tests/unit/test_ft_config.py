@@ -31,15 +31,19 @@ def test_off_by_default_and_a_majority_quorum() -> None:
 @pytest.mark.parametrize(
     ("args", "words"),
     [
-        (["--fault_tolerance.group_index=2", "--fault_tolerance.replica_groups=2"],
-         ["fault_tolerance.group_index = 2", "[0, 2)"]),
-        (["--fault_tolerance.replica_groups=2", "--fault_tolerance.min_replicas=3"],
-         ["fault_tolerance.min_replicas = 3", "0 for a majority"]),
+        (
+            ["--fault_tolerance.group_index=2", "--fault_tolerance.replica_groups=2"],
+            ["fault_tolerance.group_index = 2", "[0, 2)"],
+        ),
+        (
+            ["--fault_tolerance.replica_groups=2", "--fault_tolerance.min_replicas=3"],
+            ["fault_tolerance.min_replicas = 3", "0 for a majority"],
+        ),
         (["--fault_tolerance.replica_groups=0"], ["fault_tolerance.replica_groups", ">= 1"]),
         (["--fault_tolerance.lighthouse=nohost"], ["fault_tolerance.lighthouse", "HOST:PORT"]),
         (["--fault_tolerance.missing_group=grow"], ["fault_tolerance.missing_group", "shrink"]),
     ],
-)  # fmt: skip
+)
 def test_bad_values_name_the_key_and_the_fix(args: list[str], words: list[str]) -> None:
     with pytest.raises(ConfigError) as err:
         _cfg(*args)
@@ -73,9 +77,13 @@ def test_live_groups_cover_the_order_once_whatever_the_quorums() -> None:
     participant indices as torchft ranks them), a step that does not commit, groups that
     rejoin and heal from a peer's sampler state. Every position is read exactly once, in order."""
     groups, dp, batch, n = 3, 2, 24, 1000
-    samplers = {(g, r): ResumableSampler(n, rank=g * dp + r, world_size=groups * dp,
-                                         global_batch=batch, seed=7)
-                for g in range(groups) for r in range(dp)}  # fmt: skip
+    samplers = {
+        (g, r): ResumableSampler(
+            n, rank=g * dp + r, world_size=groups * dp, global_batch=batch, seed=7
+        )
+        for g in range(groups)
+        for r in range(dp)
+    }
     plan = [(0, 1, 2), (0, 2), (2,), (0, 2), (0, 1, 2), (1, 2), (0, 1, 2)]
     trained: list[int] = []
     for k, live in enumerate(plan):

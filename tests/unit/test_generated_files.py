@@ -37,10 +37,14 @@ NASTY = [
 
 @pytest.mark.parametrize(
     ("flag", "value", "char"),
-    [("--partition", "gpu\n#!/bin/sh", "'\\n'"), ("--account", "a;b", "';'"),
-     ("--job-name", "x y", "' '"), ("--output", "/tmp/o\necho hi", "'\\n'"),
-     ("--output", "/tmp/a #b", "' '")],
-)  # fmt: skip
+    [
+        ("--partition", "gpu\n#!/bin/sh", "'\\n'"),
+        ("--account", "a;b", "';'"),
+        ("--job-name", "x y", "' '"),
+        ("--output", "/tmp/o\necho hi", "'\\n'"),
+        ("--output", "/tmp/a #b", "' '"),
+    ],
+)
 def test_sbatch_header_values_are_refused_naming_the_flag_and_character(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], flag: str, value: str, char: str
 ) -> None:
@@ -70,19 +74,28 @@ def test_sbatch_script_passes_arguments_and_config_through_as_typed(
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     record = tmp_path / "argv.json"
-    _fake(bin_dir, "srun", f"exec python3 -c 'import json,sys; json.dump(sys.argv[1:], "
-          f"open(\"{record}\", \"w\"))' \"$@\"")  # fmt: skip
+    _fake(
+        bin_dir,
+        "srun",
+        f'exec python3 -c \'import json,sys; json.dump(sys.argv[1:], open("{record}", "w"))\' "$@"',
+    )
     spec = SubmitSpec(
-        target="/opt/t.py", script_args=NASTY, sets=["job.name=x'; touch PWNED4; '"],
-        output_dir=str(tmp_path / "out"), workdir=str(tmp_path), python="/venv/py",
-        launcher=launcher, config_toml='[job]\nname = "$(touch PWNED5)"\n',
+        target="/opt/t.py",
+        script_args=NASTY,
+        sets=["job.name=x'; touch PWNED4; '"],
+        output_dir=str(tmp_path / "out"),
+        workdir=str(tmp_path),
+        python="/venv/py",
+        launcher=launcher,
+        config_toml='[job]\nname = "$(touch PWNED5)"\n',
         config_path=str(tmp_path / "cfg" / "config.toml"),
-    )  # fmt: skip
+    )
     script = tmp_path / "job.sbatch"
     script.write_text(render_sbatch(spec))
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7"}
-    r = subprocess.run(["bash", str(script)], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=30)  # fmt: skip
+    r = subprocess.run(
+        ["bash", str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=30
+    )
     assert r.returncode == 0, r.stderr
     argv = json.loads(record.read_text())
     assert argv[-len(NASTY) :] == NASTY
@@ -129,8 +142,14 @@ def _containers(tree: Any) -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_k8s_manifests_escape_dollar_in_args_and_env_for_every_kind(kind: str) -> None:
-    job = K8sJob(name="demo", image="img:1", script="/app/train.py", script_args=NASTY,
-                 nodes="2", env={"NOTE": "$(HOME) and $$ and $"})  # fmt: skip
+    job = K8sJob(
+        name="demo",
+        image="img:1",
+        script="/app/train.py",
+        script_args=NASTY,
+        nodes="2",
+        env={"NOTE": "$(HOME) and $$ and $"},
+    )
     docs = list(yaml.safe_load_all(dump_documents(render(job, kind))))
     containers = _containers(docs)
     assert containers, docs
@@ -157,12 +176,14 @@ def test_kubelet_expand_follows_kubernetes() -> None:
 
 @pytest.mark.parametrize(
     ("line", "expected"),
-    [("-V", "'-V' is not a host (a host or user starting with '-' would be an option to ssh)"),
-     ("-oProxyCommand=sh", "would be an option to ssh"),
-     ("me@-oProxyCommand=sh", "would be an option to ssh"),
-     ("node1\x1b[2J slots=2", "holds control characters"),
-     ("node\x00x", "holds control characters")],
-)  # fmt: skip
+    [
+        ("-V", "'-V' is not a host (a host or user starting with '-' would be an option to ssh)"),
+        ("-oProxyCommand=sh", "would be an option to ssh"),
+        ("me@-oProxyCommand=sh", "would be an option to ssh"),
+        ("node1\x1b[2J slots=2", "holds control characters"),
+        ("node\x00x", "holds control characters"),
+    ],
+)
 def test_hostfile_hosts_that_ssh_would_read_as_options_are_refused(
     line: str, expected: str
 ) -> None:
@@ -174,5 +195,7 @@ def test_hostfile_hosts_that_ssh_would_read_as_options_are_refused(
 def test_hostfile_ordinary_hosts_still_parse() -> None:
     hosts = parse_hostfile_text("a-1.example\tslots=2\nuser_x@10.0.0.2:2222\nn-3")
     assert [(h.host, h.user, h.port, h.slots) for h in hosts] == [
-        ("a-1.example", None, None, 2), ("10.0.0.2", "user_x", 2222, None), ("n-3", None, None, None),
-    ]  # fmt: skip
+        ("a-1.example", None, None, 2),
+        ("10.0.0.2", "user_x", 2222, None),
+        ("n-3", None, None, None),
+    ]

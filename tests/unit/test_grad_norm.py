@@ -86,7 +86,8 @@ def test_the_step_line_and_metrics_jsonl_carry_grad_norm(tmp_path: Path) -> None
     assert line.startswith("step  3/10 | loss 2.5000 | grad_norm 0.8125 | lr 1.00e-03 |")
     assert "grad_norm" not in Status(3, 10, 2.5, 1e-3, 0.1, 80.0, None, 1.0).plain_line()
     with MetricsLogger(tmp_path, is_main=True, total_steps=2, progress=False) as m:
-        m.log_step(1, loss=2.0, lr=1e-3, step_time_s=0.1, samples=8, tokens=None,
-                   extra={"grad_norm": 0.5})  # fmt: skip
+        m.log_step(
+            1, loss=2.0, lr=1e-3, step_time_s=0.1, samples=8, tokens=None, extra={"grad_norm": 0.5}
+        )
     row = json.loads((tmp_path / METRICS_FILE).read_text().splitlines()[0])
     assert row["grad_norm"] == 0.5

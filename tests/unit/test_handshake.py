@@ -118,18 +118,24 @@ class Nodes:
         self.port = free_port()
         self.target, self.timeout_s = target, timeout_s
         self.host_store = TCPStore(
-            "127.0.0.1", self.port, is_master=True, multi_tenant=True, wait_for_workers=False,
+            "127.0.0.1",
+            self.port,
+            is_master=True,
+            multi_tenant=True,
+            wait_for_workers=False,
             timeout=timedelta(seconds=30),
-        )  # fmt: skip
+        )
         self.results: dict[int, Any] = {}
         self.said: dict[int, list[str]] = {}
 
     def start(
         self, i: int, info: NodeInfo, *, is_host: bool = False, secret: JobSecret = SECRET
     ) -> threading.Thread:
-        store = self.host_store if is_host else TCPStore(
-            "127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=30)
-        )  # fmt: skip
+        store = (
+            self.host_store
+            if is_host
+            else TCPStore("127.0.0.1", self.port, is_master=False, timeout=timedelta(seconds=30))
+        )
         self.said[i] = []
         hs = Handshake(
             store, "job", info, self.target, is_host, self.timeout_s, self.said[i].append, secret

@@ -26,8 +26,16 @@ RENDER = ["k8s", "render", "--image", "img:1", "--nodes", "2", "--name", "gpt"]
 
 
 def job(**changes: Any) -> K8sJob:
-    return K8sJob(**{"name": "gpt", "image": "img:1", "script": "train.py", "nodes": "2",
-                     "env": {"A": "1"}, **changes})  # fmt: skip
+    return K8sJob(
+        **{
+            "name": "gpt",
+            "image": "img:1",
+            "script": "train.py",
+            "nodes": "2",
+            "env": {"A": "1"},
+            **changes,
+        }
+    )
 
 
 def containers(doc: Any) -> list[Doc]:
@@ -52,8 +60,9 @@ def secret_env(box: Doc) -> Doc:
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_pod_reads_the_secret_from_one_kubernetes_secret(kind: str) -> None:
     for secret_name, expected in (("", "gpt-job-secret"), ("team-key", "team-key")):
-        docs = render(job(secret_name=secret_name, nodes="2" if kind == "trainjob" else "2:3"),
-                      kind)  # fmt: skip
+        docs = render(
+            job(secret_name=secret_name, nodes="2" if kind == "trainjob" else "2:3"), kind
+        )
         boxes = [box for doc in docs for box in containers(doc)]
         assert boxes, kind
         for box in boxes:

@@ -249,8 +249,14 @@ def test_plain_lines_to_a_pipe_need_no_rich_and_the_summary_still_prints(tmp_pat
     import sys
 
     env = {k: v for k, v in os.environ.items() if k not in ("FORCE_COLOR", "TTY_COMPATIBLE")}
-    p = subprocess.run([sys.executable, "-c", PLAIN_CHILD], capture_output=True, text=True,
-                       env=env, timeout=120, check=True)  # fmt: skip
+    p = subprocess.run(
+        [sys.executable, "-c", PLAIN_CHILD],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=True,
+    )
     assert "rich imported before the summary: False" in p.stderr
     lines = p.stdout.splitlines()
     assert (

@@ -108,12 +108,17 @@ def fr_dump(seq: int, op: str = "gloo:all_reduce") -> str:
                 "1": {"last_enqueued_collective": "3", "last_completed_collective": "3"},
             },
             "entries": [
-                {"pg_id": 0, "process_group": ["0", "default_pg"], "collective_seq_id": s,
-                 "profiling_name": "gloo:all_gather" if s < seq else op, "is_p2p": False}
+                {
+                    "pg_id": 0,
+                    "process_group": ["0", "default_pg"],
+                    "collective_seq_id": s,
+                    "profiling_name": "gloo:all_gather" if s < seq else op,
+                    "is_p2p": False,
+                }
                 for s in range(max(1, seq - 2), seq + 1)
             ],
         }
-    )  # fmt: skip
+    )
 
 
 def test_positions_come_from_the_last_enqueued_collective_per_group() -> None:
@@ -139,8 +144,12 @@ def test_hang_report_includes_the_flight_recorder_positions(tmp_path: Path) -> N
     info = json.loads(head)
     assert "groups" in info["collectives"], info  # read for real (no group here: empty)
     for rank, seq in ((0, 42), (1, 41)):
-        info |= {"rank": rank, "collectives": {"groups": {"0": Position(seq, "gloo:all_reduce",
-                 "default_pg").to_json()}}}  # fmt: skip
+        info |= {
+            "rank": rank,
+            "collectives": {
+                "groups": {"0": Position(seq, "gloo:all_reduce", "default_pg").to_json()}
+            },
+        }
         (tmp_path / "hang" / f"rank{rank}.txt").write_text(json.dumps(info) + "\n" + stacks)
     report = hang_report(tmp_path, since=0.0)
     assert report is not None

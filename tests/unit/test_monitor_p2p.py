@@ -28,8 +28,10 @@ def test_the_gloo_recorder_records_no_p2p_but_counts_it_in_pg_status() -> None:
     dump = json.loads(text)
     entries = dump["entries"]
     assert [e["profiling_name"] for e in entries] == [
-        "gloo:all_reduce", "gloo:broadcast", "gloo:all_reduce"
-    ]  # fmt: skip
+        "gloo:all_reduce",
+        "gloo:broadcast",
+        "gloo:all_reduce",
+    ]
     assert not any(e["is_p2p"] for e in entries)  # 3 isend/irecv + a batch: nothing recorded
     assert dump["pg_status"]["0"]["last_enqueued_collective"] == "8"  # 3 + 3 + 2 sends/recvs
     # So the position is the newest recorded collective, not pg_status's counter.

@@ -16,9 +16,14 @@ def log_three_steps(run_dir: Path, is_main: bool) -> None:
     ) as m:
         for step in (1, 2, 3):
             m.log_step(
-                step, loss=4.0 - step, lr=0.1, step_time_s=0.5, samples=8, tokens=64,
+                step,
+                loss=4.0 - step,
+                lr=0.1,
+                step_time_s=0.5,
+                samples=8,
+                tokens=64,
                 extra={"comm_exposed_s": 0.01 * step, "data_wait_s": float("nan")},
-            )  # fmt: skip
+            )
 
 
 def test_scalars_are_written_once_and_read_back(tmp_path: Path) -> None:

@@ -48,7 +48,12 @@ def test_variants_pair_each_stage_with_the_peers_that_have_it() -> None:
     peers = load_peers()
     keys = peers.variants(["meshrun", "accelerate", "deepspeed"], [0, 1, 3])
     assert keys == [
-        (0, "meshrun"), (0, "accelerate"), (0, "deepspeed"),
-        (1, "meshrun"), (1, "deepspeed"),  # Accelerate has no ZeRO-1 of its own
-        (3, "meshrun"), (3, "accelerate"), (3, "deepspeed"),
-    ]  # fmt: skip
+        (0, "meshrun"),
+        (0, "accelerate"),
+        (0, "deepspeed"),
+        (1, "meshrun"),
+        (1, "deepspeed"),  # Accelerate has no ZeRO-1 of its own
+        (3, "meshrun"),
+        (3, "accelerate"),
+        (3, "deepspeed"),
+    ]

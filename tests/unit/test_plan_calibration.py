@@ -80,8 +80,23 @@ def test_plan_uses_the_calibration_and_flags_win(
 ) -> None:
     path = tmp_path / "cal.json"
     write_calibration(str(path), MEASURED, 2, SimpleNamespace(type="cpu"))
-    shape = ["--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "256", "--seq", "128",
-             "--gpus-per-node", "2", "--global-batch", "16", "--json"]  # fmt: skip
+    shape = [
+        "--layers",
+        "4",
+        "--hidden",
+        "256",
+        "--heads",
+        "4",
+        "--vocab",
+        "256",
+        "--seq",
+        "128",
+        "--gpus-per-node",
+        "2",
+        "--global-batch",
+        "16",
+        "--json",
+    ]
     assert main(["plan", *shape, "--calibration", str(path), "--overlap", "0"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["cluster"]["peak_flops"] == 40e9 and doc["cluster"]["compute_efficiency"] == 0.5
@@ -100,9 +115,27 @@ def test_plan_reads_the_measured_tp_dispatch_cost(
     for per_layer in (0.0, 1e-3):  # 0 (nothing measured above the all-reduces) is allowed
         tp = {"tp_layer_overhead": per_layer, "tp_stack_s": 1e-2, "local_stack_s": 1e-3}
         write_calibration(str(path), {**MEASURED, "tp": tp}, 2, SimpleNamespace(type="cpu"))
-        shape = ["--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "256",
-                 "--seq", "128", "--gpus-per-node", "2", "--global-batch", "16", "--json",
-                 "--top", "0", "--layout", "tp=2,micro_batch=8"]  # fmt: skip
+        shape = [
+            "--layers",
+            "4",
+            "--hidden",
+            "256",
+            "--heads",
+            "4",
+            "--vocab",
+            "256",
+            "--seq",
+            "128",
+            "--gpus-per-node",
+            "2",
+            "--global-batch",
+            "16",
+            "--json",
+            "--top",
+            "0",
+            "--layout",
+            "tp=2,micro_batch=8",
+        ]
         assert main(["plan", *shape, "--calibration", str(path)]) == 0
         lay = json.loads(capsys.readouterr().out)["layouts"][0]
         # 4 TP linear layers per block (fused qkv, plain MLP) x 4 blocks x 2 micro-batches
@@ -115,8 +148,25 @@ def test_plan_reads_the_measured_fsdp_unit_cost(
     path = tmp_path / "cal.json"
     fsdp = {"fsdp_unit_overhead": 4e-3, "fsdp_stack_s": 0.2, "local_stack_s": 0.1}
     write_calibration(str(path), {**MEASURED, "fsdp": fsdp}, 2, SimpleNamespace(type="cpu"))
-    shape = ["--layers", "4", "--hidden", "256", "--heads", "4", "--vocab", "256", "--seq",
-             "128", "--gpus-per-node", "2", "--global-batch", "32", "--json", "--top", "0"]  # fmt: skip
+    shape = [
+        "--layers",
+        "4",
+        "--hidden",
+        "256",
+        "--heads",
+        "4",
+        "--vocab",
+        "256",
+        "--seq",
+        "128",
+        "--gpus-per-node",
+        "2",
+        "--global-batch",
+        "32",
+        "--json",
+        "--top",
+        "0",
+    ]
     for layout, calls in (("zero=3", 18 + 5), ("zero=2", 10 + 5), ("zero=0", 0)):
         lay_arg = ["--layout", f"dp_shard=2,{layout},micro_batch=8"]
         assert main(["plan", *shape, *lay_arg, "--calibration", str(path)]) == 0

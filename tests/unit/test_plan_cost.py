@@ -164,8 +164,19 @@ def test_alpha_beta_adds_the_ring_steps_latency() -> None:
     # Thakur et al. 2005: ring all-reduce 2(n-1) steps, reduce-scatter / all-gather n-1.
     assert all_reduce_time(8, 1e9, 1e9, latency=1e-5) == pytest.approx(2 * 7 / 8 + 14e-5)
     assert gather_time(8, 1e9, 1e9, latency=1e-5) == pytest.approx(7 / 8 + 7e-5)
-    c = Cluster(2, 8, 80 * GB, 1e15, 400e9, 50e9, comm_efficiency=1.0, intra_latency=2e-6,
-                inter_latency=9e-6, all_gather_ratio=0.5, reduce_scatter_ratio=0.25)  # fmt: skip
+    c = Cluster(
+        2,
+        8,
+        80 * GB,
+        1e15,
+        400e9,
+        50e9,
+        comm_efficiency=1.0,
+        intra_latency=2e-6,
+        inter_latency=9e-6,
+        all_gather_ratio=0.5,
+        reduce_scatter_ratio=0.25,
+    )
     inside, across = group_link(c, 8, 1), group_link(c, 2, 8)
     assert (inside.latency, across.latency) == (2e-6, 9e-6)
     assert (inside.ag_bw, inside.rs_bw) == (200e9, 100e9)
@@ -250,8 +261,9 @@ def test_tp_counts_separate_qkv_all_reduces_and_dtensor_dispatch() -> None:
     slow = step_time(separate, lay, t, replace(c, tp_layer_overhead=2e-3), 2)
     assert slow.tp_overhead == pytest.approx(2e-3 * 6 * 4 * 2)
     assert slow.total == pytest.approx(more.total + slow.tp_overhead)
-    no_tp = step_time(separate, Layout(dp_shard=2, micro_batch=8), t,
-                      replace(c, tp_layer_overhead=2e-3), 1)  # fmt: skip
+    no_tp = step_time(
+        separate, Layout(dp_shard=2, micro_batch=8), t, replace(c, tp_layer_overhead=2e-3), 1
+    )
     assert no_tp.tp_overhead == 0.0 and no_tp.tp_comm == 0.0
 
 

@@ -120,8 +120,14 @@ def test_a_factory_in_a_file_with_kwargs_is_inferred_with_its_sources(
     capsys: pytest.CaptureFixture[str], model_file: Path
 ) -> None:
     path_before = list(sys.path)
-    code, out, err = plan(capsys, "--model", f"{model_file}:build", "--model-kwargs",
-                          '{"n_layer": 3, "n_embd": 96, "n_head": 6}', "--json")  # fmt: skip
+    code, out, err = plan(
+        capsys,
+        "--model",
+        f"{model_file}:build",
+        "--model-kwargs",
+        '{"n_layer": 3, "n_embd": 96, "n_head": 6}',
+        "--json",
+    )
     assert code == 0, err
     assert sys.path == path_before and "model" not in sys.modules  # nothing left behind
     doc = json.loads(out)
@@ -135,13 +141,25 @@ def test_a_factory_in_a_file_with_kwargs_is_inferred_with_its_sources(
         sys.modules.pop("model", None)
     assert doc["params"] == doc["model"]["params"] == exact
     shape = doc["model"]["shape"]
-    assert shape == {"layers": 3, "hidden": 96, "heads": 6, "kv_heads": 6, "ffn": 384,
-                     "vocab": 512, "seq": 64, "tied": True, "mlp": "plain",
-                     "separate_qkv": False}  # fmt: skip
+    assert shape == {
+        "layers": 3,
+        "hidden": 96,
+        "heads": 6,
+        "kv_heads": 6,
+        "ffn": 384,
+        "vocab": 512,
+        "seq": 64,
+        "tied": True,
+        "mlp": "plain",
+        "separate_qkv": False,
+    }
     sources = doc["model"]["sources"]
     assert sources["layers"] == "transformer.h (3 x Block)"
     assert (sources["hidden"], sources["heads"], sources["seq"]) == (
-        "config.n_embd", "config.n_head", "config.block_size")  # fmt: skip
+        "config.n_embd",
+        "config.n_head",
+        "config.block_size",
+    )
     assert sources["tied"] == "transformer.wte.weight = lm_head.weight"
     assert sources["ffn"].startswith("transformer.h.0.mlp.c_proj")
     # The human-readable lines go to stderr under --json, stdout otherwise.
@@ -186,9 +204,18 @@ def test_a_shape_flag_that_changes_the_model_drops_the_exact_counts(
 
 @pytest.mark.parametrize(
     ("n", "text"),
-    [(950, "950"), (106_816, "107K"), (220_544, "221K"), (999_600, "1.0M"), (9_960_000, "10M"),
-     (3_311_872, "3.3M"), (6_738_415_616, "6.7B"), (70_553_706_496, "71B"), (1.2e12, "1.2T")],
-)  # fmt: skip
+    [
+        (950, "950"),
+        (106_816, "107K"),
+        (220_544, "221K"),
+        (999_600, "1.0M"),
+        (9_960_000, "10M"),
+        (3_311_872, "3.3M"),
+        (6_738_415_616, "6.7B"),
+        (70_553_706_496, "71B"),
+        (1.2e12, "1.2T"),
+    ],
+)
 def test_parameter_counts_are_formatted_for_people(n: float, text: str) -> None:
     assert format_count(n) == text
 
@@ -199,16 +226,30 @@ def test_parameter_counts_are_formatted_for_people(n: float, text: str) -> None:
 def tiny_llama() -> Any:
     from transformers import LlamaConfig
 
-    return LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-                       num_key_value_heads=2, intermediate_size=128, vocab_size=256,
-                       max_position_embeddings=512)  # fmt: skip
+    return LlamaConfig(
+        num_hidden_layers=2,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=128,
+        vocab_size=256,
+        max_position_embeddings=512,
+    )
 
 
 def tiny_gpt2(**extra: Any) -> Any:
     from transformers import GPT2Config
 
-    return GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=256, n_positions=128,
-                      bos_token_id=0, eos_token_id=0, **extra)  # fmt: skip
+    return GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=256,
+        n_positions=128,
+        bos_token_id=0,
+        eos_token_id=0,
+        **extra,
+    )
 
 
 def test_a_llama_config_directory_gives_its_gqa_shape_and_exact_count(
@@ -247,12 +288,25 @@ def test_a_gpt2_config_file_reads_gpt2_names_and_the_tied_head(
     assert code == 0, err
     model = json.loads(out)["model"]
     assert model["params"] == counted(GPT2LMHeadModel(tiny_gpt2(n_inner=192)))
-    assert model["shape"] == {"layers": 2, "hidden": 64, "heads": 4, "kv_heads": 4, "ffn": 192,
-                              "vocab": 256, "seq": 128, "tied": True, "mlp": "plain",
-                              "separate_qkv": False}  # fmt: skip
+    assert model["shape"] == {
+        "layers": 2,
+        "hidden": 64,
+        "heads": 4,
+        "kv_heads": 4,
+        "ffn": 192,
+        "vocab": 256,
+        "seq": 128,
+        "tied": True,
+        "mlp": "plain",
+        "separate_qkv": False,
+    }
     src = model["sources"]
     assert (src["hidden"], src["heads"], src["ffn"], src["seq"]) == (
-        "config.n_embd", "config.n_head", "config.n_inner", "config.n_positions")  # fmt: skip
+        "config.n_embd",
+        "config.n_head",
+        "config.n_inner",
+        "config.n_positions",
+    )
     assert src["tied"] == "transformer.wte.weight = lm_head.weight"
     assert src["separate_qkv"] == "transformer.h.0: attn.c_attn"  # Conv1D, fused
 
@@ -261,12 +315,19 @@ def test_model_kwargs_override_config_json_fields(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     tiny_llama().to_json_file(tmp_path / "config.json")
-    code, out, err = plan(capsys, "--model", str(tmp_path / "config.json"), "--model-kwargs",
-                          '{"num_hidden_layers": 5}', "--json")  # fmt: skip
+    code, out, err = plan(
+        capsys,
+        "--model",
+        str(tmp_path / "config.json"),
+        "--model-kwargs",
+        '{"num_hidden_layers": 5}',
+        "--json",
+    )
     assert code == 0, err
     assert json.loads(out)["model"]["shape"]["layers"] == 5
-    code, _, err = plan(capsys, "--model", str(tmp_path / "config.json"), "--model-kwargs",
-                        '{"num_layers": 5}')  # fmt: skip
+    code, _, err = plan(
+        capsys, "--model", str(tmp_path / "config.json"), "--model-kwargs", '{"num_layers": 5}'
+    )
     assert code == 2
     assert "num_layers is not a field of a 'llama' config" in err
     assert "did you mean" in err and "num_hidden_layers" in err
@@ -281,51 +342,88 @@ def write(tmp_path: Path, name: str, text: str) -> str:
 
 
 ERRORS: dict[str, tuple[Any, list[str]]] = {
-    "no such file": (lambda d: ["--model", f"{d}/nope.py:build"],
-                     ["nope.py:build", "does not exist", "path/to/model.py:factory"]),
-    "no factory name": (lambda d: ["--model", f"{d}/model.py"],
-                        ["model.py:FACTORY"]),
-    "misspelt factory": (lambda d: ["--model", f"{d}/model.py:biuld"],
-                         ["no callable 'biuld'", "callables defined there: GPT, GPTConfig, "
-                          "broken, build, not_a_module"]),
-    "bad JSON": (lambda d: ["--model", f"{d}/model.py:build", "--model-kwargs", "{n_layer: 2}"],
-                 ["--model-kwargs '{n_layer: 2}' is not valid JSON", '{"n_layer": 4']),
-    "JSON not an object": (lambda d: ["--model", f"{d}/model.py:build", "--model-kwargs", "[2]"],
-                           ["--model-kwargs '[2]' is a JSON list", "object"]),
-    "missing argument": (lambda d: ["--model", f"{d}/model.py:build"],
-                         ["build(n_layer, n_embd=64, n_head=4) cannot be called without "
-                          "--model-kwargs", """--model-kwargs '{"n_layer": ...}'"""]),
-    "unknown argument": (lambda d: ["--model", f"{d}/model.py:build", "--model-kwargs",
-                                    '{"n_layer": 2, "layers": 2}'],
-                         ["got an unexpected keyword argument 'layers'"]),
-    "factory raises": (lambda d: ["--model", f"{d}/model.py:broken"],
-                       ["broken() raised ValueError: n_embd must be divisible by n_head",
-                        "fix the factory"]),
-    "not a module": (lambda d: ["--model", f"{d}/model.py:not_a_module"],
-                     ["returned a dict, not a torch.nn.Module"]),
-    "import fails": (lambda d: ["--model", write(d, "bad.py", "import no_such_pkg_xyz\n") +
-                                ":build"],
-                     ["cannot import", "No module named 'no_such_pkg_xyz'"]),
-    "script at import": (lambda d: ["--model", write(d, "train.py", "import sys\n"
-                                    "sys.exit(2)  # as argparse does on bad arguments\n") +
-                                    ":build"],
-                         ["exited (SystemExit 2)", "if __name__ == '__main__':"]),
-    "kwargs alone": (lambda d: ["--layers", "2", "--model-kwargs", "{}"],
-                     ["--model-kwargs '{}'", "add --model"]),
-    "not a model form": (lambda d: ["--model", "just_a_name"],
-                         ["expected path/to/model.py:factory, pkg.module:factory, a config.json"]),
-    "no such module": (lambda d: ["--model", "no_such_pkg_xyz.models:build"],
-                       ["cannot import no_such_pkg_xyz.models", "give its path"]),
-    "config without model_type": (lambda d: ["--model", write(d, "c.json", '{"n_layer": 2}')],
-                                  ["has no \"model_type\"", "save_pretrained"]),
-    "config not JSON": (lambda d: ["--model", write(d, "d.json", "{")],
-                        ["cannot read", "as JSON"]),
-    "directory without config": (lambda d: ["--model", str(d)],
-                                 ["the directory has no config.json"]),
-    "unknown architecture": (lambda d: ["--model", write(d, "e.json", '{"model_type": "zzz"}')],
-                             ["model_type 'zzz' is unknown to transformers", "--model "
-                              "path/to/modeling.py:factory"]),
-}  # fmt: skip
+    "no such file": (
+        lambda d: ["--model", f"{d}/nope.py:build"],
+        ["nope.py:build", "does not exist", "path/to/model.py:factory"],
+    ),
+    "no factory name": (lambda d: ["--model", f"{d}/model.py"], ["model.py:FACTORY"]),
+    "misspelt factory": (
+        lambda d: ["--model", f"{d}/model.py:biuld"],
+        [
+            "no callable 'biuld'",
+            "callables defined there: GPT, GPTConfig, broken, build, not_a_module",
+        ],
+    ),
+    "bad JSON": (
+        lambda d: ["--model", f"{d}/model.py:build", "--model-kwargs", "{n_layer: 2}"],
+        ["--model-kwargs '{n_layer: 2}' is not valid JSON", '{"n_layer": 4'],
+    ),
+    "JSON not an object": (
+        lambda d: ["--model", f"{d}/model.py:build", "--model-kwargs", "[2]"],
+        ["--model-kwargs '[2]' is a JSON list", "object"],
+    ),
+    "missing argument": (
+        lambda d: ["--model", f"{d}/model.py:build"],
+        [
+            "build(n_layer, n_embd=64, n_head=4) cannot be called without --model-kwargs",
+            """--model-kwargs '{"n_layer": ...}'""",
+        ],
+    ),
+    "unknown argument": (
+        lambda d: [
+            "--model",
+            f"{d}/model.py:build",
+            "--model-kwargs",
+            '{"n_layer": 2, "layers": 2}',
+        ],
+        ["got an unexpected keyword argument 'layers'"],
+    ),
+    "factory raises": (
+        lambda d: ["--model", f"{d}/model.py:broken"],
+        ["broken() raised ValueError: n_embd must be divisible by n_head", "fix the factory"],
+    ),
+    "not a module": (
+        lambda d: ["--model", f"{d}/model.py:not_a_module"],
+        ["returned a dict, not a torch.nn.Module"],
+    ),
+    "import fails": (
+        lambda d: ["--model", write(d, "bad.py", "import no_such_pkg_xyz\n") + ":build"],
+        ["cannot import", "No module named 'no_such_pkg_xyz'"],
+    ),
+    "script at import": (
+        lambda d: [
+            "--model",
+            write(d, "train.py", "import sys\nsys.exit(2)  # as argparse does on bad arguments\n")
+            + ":build",
+        ],
+        ["exited (SystemExit 2)", "if __name__ == '__main__':"],
+    ),
+    "kwargs alone": (
+        lambda d: ["--layers", "2", "--model-kwargs", "{}"],
+        ["--model-kwargs '{}'", "add --model"],
+    ),
+    "not a model form": (
+        lambda d: ["--model", "just_a_name"],
+        ["expected path/to/model.py:factory, pkg.module:factory, a config.json"],
+    ),
+    "no such module": (
+        lambda d: ["--model", "no_such_pkg_xyz.models:build"],
+        ["cannot import no_such_pkg_xyz.models", "give its path"],
+    ),
+    "config without model_type": (
+        lambda d: ["--model", write(d, "c.json", '{"n_layer": 2}')],
+        ['has no "model_type"', "save_pretrained"],
+    ),
+    "config not JSON": (lambda d: ["--model", write(d, "d.json", "{")], ["cannot read", "as JSON"]),
+    "directory without config": (
+        lambda d: ["--model", str(d)],
+        ["the directory has no config.json"],
+    ),
+    "unknown architecture": (
+        lambda d: ["--model", write(d, "e.json", '{"model_type": "zzz"}')],
+        ["model_type 'zzz' is unknown to transformers", "--model path/to/modeling.py:factory"],
+    ),
+}
 
 
 @pytest.mark.parametrize("case", list(ERRORS))
@@ -346,8 +444,9 @@ def test_a_config_of_an_architecture_with_no_causal_lm_is_refused(
 ) -> None:
     from transformers import ViTConfig
 
-    ViTConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
-              intermediate_size=128).to_json_file(tmp_path / "vit.json")  # fmt: skip
+    ViTConfig(
+        num_hidden_layers=2, hidden_size=64, num_attention_heads=4, intermediate_size=128
+    ).to_json_file(tmp_path / "vit.json")
     code, _, err = plan(capsys, "--model", str(tmp_path / "vit.json"))
     assert code == 2 and err.count("\n") == 1
     assert "model_type 'vit' has no causal language model in transformers" in err
@@ -365,8 +464,14 @@ def test_the_planner_finds_the_blocks_heads_and_ties_the_layouts_find() -> None:
     from meshrun.parallel.structure import find_structure
     from meshrun.plan.inspect_model import inspect_module
 
-    models = [NanoGPT(), tiny_llama(), tiny_llama(num_key_value_heads=1), tiny_qwen2(),
-              tiny_gpt2(), GPT(demo_config("tiny"))]  # fmt: skip
+    models = [
+        NanoGPT(),
+        tiny_llama(),
+        tiny_llama(num_key_value_heads=1),
+        tiny_qwen2(),
+        tiny_gpt2(),
+        GPT(demo_config("tiny")),
+    ]
     for model in models:
         planner, layouts = (
             inspect_module(model, getattr(model, "config", None)),
@@ -374,10 +479,13 @@ def test_the_planner_finds_the_blocks_heads_and_ties_the_layouts_find() -> None:
         )
         name = type(model).__name__
         assert planner.sources["layers"] == (
-            f"{layouts.blocks_fqn} ({layouts.n_blocks} x {layouts.block_class})"), name  # fmt: skip
+            f"{layouts.blocks_fqn} ({layouts.n_blocks} x {layouts.block_class})"
+        ), name
         assert planner.layers == layouts.n_blocks, name
         heads = planner.shape["heads"]
         assert (heads, planner.shape.get("kv_heads", heads)) == (
-            layouts.num_heads, layouts.num_kv_heads), name  # fmt: skip
+            layouts.num_heads,
+            layouts.num_kv_heads,
+        ), name
         assert tuple(planner.tied) == layouts.tied, name
         assert (planner.separate_qkv is False) == bool(layouts.fused_qkv), name

@@ -13,8 +13,22 @@ from meshrun.plan.plot import node_counts, scaling
 
 pytest.importorskip("matplotlib")
 
-SHAPE = ["--layers", "24", "--hidden", "2048", "--heads", "16", "--vocab", "50257", "--seq",
-         "2048", "--global-batch", "256", "--gpu", "a100-80gb"]  # fmt: skip
+SHAPE = [
+    "--layers",
+    "24",
+    "--hidden",
+    "2048",
+    "--heads",
+    "16",
+    "--vocab",
+    "50257",
+    "--seq",
+    "2048",
+    "--global-batch",
+    "256",
+    "--gpu",
+    "a100-80gb",
+]
 
 
 def test_plot_writes_a_png_of_the_layouts_and_the_scaling(

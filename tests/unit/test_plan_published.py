@@ -26,10 +26,42 @@ def _mpt(hidden: int, layers: int, heads: int) -> list[str]:
     return [*(x for k, v in shape.items() for x in (f"--{k}", str(v))), "--mlp", "plain"]
 
 
-_LLAMA3_8B = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--kv-heads", "8",
-              "--ffn", "14336", "--vocab", "128256", "--seq", "8192", "--mlp", "gated"]  # fmt: skip
-_LLAMA3_70B = ["--layers", "80", "--hidden", "8192", "--heads", "64", "--kv-heads", "8",
-               "--ffn", "28672", "--vocab", "128256", "--seq", "8192", "--mlp", "gated"]  # fmt: skip
+_LLAMA3_8B = [
+    "--layers",
+    "32",
+    "--hidden",
+    "4096",
+    "--heads",
+    "32",
+    "--kv-heads",
+    "8",
+    "--ffn",
+    "14336",
+    "--vocab",
+    "128256",
+    "--seq",
+    "8192",
+    "--mlp",
+    "gated",
+]
+_LLAMA3_70B = [
+    "--layers",
+    "80",
+    "--hidden",
+    "8192",
+    "--heads",
+    "64",
+    "--kv-heads",
+    "8",
+    "--ffn",
+    "28672",
+    "--vocab",
+    "128256",
+    "--seq",
+    "8192",
+    "--mlp",
+    "gated",
+]
 
 
 @dataclass(frozen=True)
@@ -128,8 +160,21 @@ ROWS = [
 
 def predicted_per_gpu(row: Row, capsys: pytest.CaptureFixture[str]) -> float:
     """What `meshrun plan --layout ... --json` predicts, tokens/s per GPU."""
-    argv = ["plan", *row.shape, "--global-batch", str(row.global_batch), "--precision", "bf16",
-            "--gpu", "h100-sxm", "--nodes", str(row.gpus // 8), "--layout", row.layout, "--json"]  # fmt: skip
+    argv = [
+        "plan",
+        *row.shape,
+        "--global-batch",
+        str(row.global_batch),
+        "--precision",
+        "bf16",
+        "--gpu",
+        "h100-sxm",
+        "--nodes",
+        str(row.gpus // 8),
+        "--layout",
+        row.layout,
+        "--json",
+    ]
     capsys.readouterr()
     assert main(argv) == 0
     (layout,) = json.loads(capsys.readouterr().out)["layouts"]

@@ -18,8 +18,18 @@ from meshrun.plan import Cluster, Layout, Model, PlanError, Training, get_gpu, s
 from meshrun.plan.cost import GB
 from meshrun.plan.search import evaluate_one, parse_layout
 
-GPT_7B = ["--layers", "32", "--hidden", "4096", "--heads", "32", "--vocab", "50257",
-          "--seq", "2048"]  # fmt: skip
+GPT_7B = [
+    "--layers",
+    "32",
+    "--hidden",
+    "4096",
+    "--heads",
+    "32",
+    "--vocab",
+    "50257",
+    "--seq",
+    "2048",
+]
 
 
 def h100_cluster(nodes: int) -> Cluster:
@@ -67,8 +77,9 @@ def test_json_schema_of_a_1024_gpu_search_and_the_work_it_does(
     monkeypatch.setattr(module, "layout_problem", counted("checked", module.layout_problem))
     monkeypatch.setattr(module, "evaluate", counted("evaluated", module.evaluate))
     start = time.perf_counter()
-    code, out, _ = plan(capsys, *GPT_7B, "--nodes", "128", "--gpu", "h100", "--global-batch",
-                        "1024", "--json")  # fmt: skip
+    code, out, _ = plan(
+        capsys, *GPT_7B, "--nodes", "128", "--gpu", "h100", "--global-batch", "1024", "--json"
+    )
     print(f"meshrun plan, 1024 GPUs: {time.perf_counter() - start:.2f} s, {calls}")  # shown only
     assert code == 0
     doc = json.loads(out)
@@ -76,8 +87,19 @@ def test_json_schema_of_a_1024_gpu_search_and_the_work_it_does(
     assert len(doc["layouts"]) == 5 and doc["evaluated"] > 1000
     assert calls == {"checked": 9540, "evaluated": doc["evaluated"]}
     first = doc["layouts"][0]
-    for key in ("dp_replicate", "dp_shard", "tp", "pp", "zero", "micro_batch",
-                "activation_checkpointing", "fits", "step_time_s", "tokens_per_s", "mfu"):  # fmt: skip
+    for key in (
+        "dp_replicate",
+        "dp_shard",
+        "tp",
+        "pp",
+        "zero",
+        "micro_batch",
+        "activation_checkpointing",
+        "fits",
+        "step_time_s",
+        "tokens_per_s",
+        "mfu",
+    ):
         assert key in first, key
     assert set(first["memory_gb"]) >= {"params", "grads", "optimizer", "activations", "total"}
     assert first["dp_replicate"] * first["dp_shard"] * first["tp"] * first["pp"] == 1024
@@ -114,8 +136,9 @@ def test_an_incomplete_or_inconsistent_model_is_rejected(
 ) -> None:
     code, _, err = plan(capsys, "--layers", "2", "--hidden", "64")
     assert code == 2 and "--heads, --vocab, --seq" in err
-    code, _, err = plan(capsys, "--layers", "2", "--hidden", "65", "--heads", "2", "--vocab",
-                        "10", "--seq", "8")  # fmt: skip
+    code, _, err = plan(
+        capsys, "--layers", "2", "--hidden", "65", "--heads", "2", "--vocab", "10", "--seq", "8"
+    )
     assert code == 2 and "not divisible by --heads 2" in err
     code, _, err = plan(capsys, "--params", "1e9", "--layers", "2")
     assert code == 2 and "--params" in err
@@ -134,8 +157,20 @@ def test_layout_mode_evaluates_exactly_the_given_layout() -> None:
 
 
 def test_nothing_fits_says_what_would(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, _ = plan(capsys, "--params", "20e9", "--nodes", "1", "--gpus-per-node", "2",
-                        "--gpu", "a100-40gb", "--global-batch", "64", "--json")  # fmt: skip
+    code, out, _ = plan(
+        capsys,
+        "--params",
+        "20e9",
+        "--nodes",
+        "1",
+        "--gpus-per-node",
+        "2",
+        "--gpu",
+        "a100-40gb",
+        "--global-batch",
+        "64",
+        "--json",
+    )
     assert code == 0
     doc = json.loads(out)
     assert not any(lay["fits"] for lay in doc["layouts"])
@@ -152,8 +187,19 @@ def test_emit_config_writes_a_config_that_loads_and_names_missing_keys(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     path = tmp_path / "plan.toml"
-    code, out, err = plan(capsys, *GPT_7B, "--nodes", "2", "--global-batch", "256",
-                          "--ac", "full", "--emit-config", str(path), "--json")  # fmt: skip
+    code, out, err = plan(
+        capsys,
+        *GPT_7B,
+        "--nodes",
+        "2",
+        "--global-batch",
+        "256",
+        "--ac",
+        "full",
+        "--emit-config",
+        str(path),
+        "--json",
+    )
     assert code == 0
     best = json.loads(out)["layouts"][0]
     assert best["activation_checkpointing"] == "full"
@@ -164,8 +210,19 @@ def test_emit_config_writes_a_config_that_loads_and_names_missing_keys(
     assert cfg.parallel.activation_checkpoint == 1  # full recomputation = every block
     assert f"wrote {path}" in err
     # Selective recomputation has no meshrun key: said aloud, never dropped silently.
-    code, out, err = plan(capsys, *GPT_7B, "--nodes", "2", "--global-batch", "256",
-                          "--ac", "selective", "--emit-config", str(path), "--json")  # fmt: skip
+    code, out, err = plan(
+        capsys,
+        *GPT_7B,
+        "--nodes",
+        "2",
+        "--global-batch",
+        "256",
+        "--ac",
+        "selective",
+        "--emit-config",
+        str(path),
+        "--json",
+    )
     assert code == 0 and json.loads(out)["layouts"][0]["activation_checkpointing"] == "selective"
     assert "not in meshrun's config yet, set it in your script: " in err
     assert "selective_recomputation = attention" in err
@@ -176,8 +233,18 @@ def test_emit_config_of_a_pipeline_maps_accumulation_to_pipeline_chunks(
     capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
     path = tmp_path / "pp.toml"
-    code, _, err = plan(capsys, *GPT_7B, "--nodes", "2", "--global-batch", "256",
-                        "--layout", "tp=4,pp=4,zero=0,micro_batch=2", "--emit-config", str(path))  # fmt: skip
+    code, _, err = plan(
+        capsys,
+        *GPT_7B,
+        "--nodes",
+        "2",
+        "--global-batch",
+        "256",
+        "--layout",
+        "tp=4,pp=4,zero=0,micro_batch=2",
+        "--emit-config",
+        str(path),
+    )
     assert code == 0, err
     cfg = load_config(path)
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp_shard) == (4, 4, 1)
@@ -196,8 +263,16 @@ def test_model_factory_is_counted_on_the_meta_device(
     from meshrun.demo.model import GPT, demo_config
 
     exact = sum(p.numel() for p in GPT(demo_config("small")).parameters())
-    code, out, err = plan(capsys, "--model", "planned_model:build", "--gpus-per-node", "2",
-                          "--global-batch", "32", "--json")  # fmt: skip
+    code, out, err = plan(
+        capsys,
+        "--model",
+        "planned_model:build",
+        "--gpus-per-node",
+        "2",
+        "--global-batch",
+        "32",
+        "--json",
+    )
     assert code == 0, err
     assert json.loads(out)["params"] == exact
     sys.modules.pop("planned_model", None)
@@ -219,14 +294,21 @@ def test_per_rank_parameters_match_meshrun_fsdp2_x_tp2_on_the_demo(
     from meshrun.plan.model_source import build_model
 
     found = inspect_module(build_model("tiny_demo:build", {}).model)
-    m = Model(layers=found.layers, params=found.params, layer_params=found.layer_params,
-              **{k: v for k, v in found.shape.items() if k != "layers"})  # fmt: skip
+    m = Model(
+        layers=found.layers,
+        params=found.params,
+        layer_params=found.layer_params,
+        **{k: v for k, v in found.shape.items() if k != "layers"},
+    )
     t = Training(global_batch=8, precision="fp32")
     c = Cluster(1, 4, 80 * GB, 1e12, 1e10, 1e10)
     mem = memory(m, Layout(dp_shard=2, tp=2, zero=3, micro_batch=1), t, c, microbatches=4)
     mib = 2**20
     assert f"{found.params * 4 / mib:.2f}" == "0.51"
     assert f"{mem.params / mib:.2f}" == "0.16"
-    assert mem.params == pytest.approx((found.layers * found.layer_params / 2 + (
-        found.params - found.layers * found.layer_params)) / 2 * 4)  # fmt: skip
+    assert mem.params == pytest.approx(
+        (found.layers * found.layer_params / 2 + (found.params - found.layers * found.layer_params))
+        / 2
+        * 4
+    )
     sys.modules.pop("tiny_demo", None)

@@ -46,9 +46,14 @@ class TransformerLM(nn.Transformer):
 
     def __init__(self, chain: bool = False, vocab: int = 40, d: int = 16) -> None:
         super().__init__(
-            d_model=d, nhead=2, dim_feedforward=32, num_encoder_layers=2, num_decoder_layers=1,
-            dropout=0.0, batch_first=True,
-        )  # fmt: skip
+            d_model=d,
+            nhead=2,
+            dim_feedforward=32,
+            num_encoder_layers=2,
+            num_decoder_layers=1,
+            dropout=0.0,
+            batch_first=True,
+        )
         self.pos_encoder = PositionalEncoding(d)
         self.input_emb = nn.Embedding(vocab, d)
         self.d = d

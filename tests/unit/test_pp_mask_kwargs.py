@@ -23,15 +23,26 @@ POS = torch.arange(4).unsqueeze(0)
 
 @deprecate_kwarg("past_key_values", "9.0.0", new_name="cache")
 @deprecate_kwarg("cache_position", "9.0.0")
-def renamed(config: Any, inputs_embeds: torch.Tensor, attention_mask: Any, cache: Any = None,
-            position_ids: Any = None, past_key_values: Any = None,
-            cache_position: Any = None) -> dict[str, Any]:  # fmt: skip
+def renamed(
+    config: Any,
+    inputs_embeds: torch.Tensor,
+    attention_mask: Any,
+    cache: Any = None,
+    position_ids: Any = None,
+    past_key_values: Any = None,
+    cache_position: Any = None,
+) -> dict[str, Any]:
     return {"cache": cache, "position_ids": position_ids, "cache_position": cache_position}
 
 
-def older(config: Any, inputs_embeds: torch.Tensor, attention_mask: Any,
-          cache_position: torch.Tensor, past_key_values: Any,
-          position_ids: Any = None) -> dict[str, Any]:  # fmt: skip
+def older(
+    config: Any,
+    inputs_embeds: torch.Tensor,
+    attention_mask: Any,
+    cache_position: torch.Tensor,
+    past_key_values: Any,
+    position_ids: Any = None,
+) -> dict[str, Any]:
     return {"cache_position": cache_position, "position_ids": position_ids}
 
 
@@ -52,8 +63,9 @@ def test_required_arguments_are_still_given() -> None:
     "fn", [masking_utils.create_causal_mask, masking_utils.create_sliding_window_causal_mask]
 )
 def test_the_installed_masking_functions_give_no_future_warning(fn: Any) -> None:
-    config = LlamaConfig(hidden_size=8, num_attention_heads=2, num_hidden_layers=1,
-                         sliding_window=2, vocab_size=16)  # fmt: skip
+    config = LlamaConfig(
+        hidden_size=8, num_attention_heads=2, num_hidden_layers=1, sliding_window=2, vocab_size=16
+    )
     config._attn_implementation = "sdpa"
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)

@@ -22,17 +22,39 @@ T0 = 1_000_000.0
 
 
 def step_row(step: int, t: float, step_time: float = STEP_S, loss: float | None = 2.0) -> dict:
-    parts = {"data_wait_s": 0.01, "forward_s": 0.02, "backward_s": 0.04, "sync_s": 0.005,
-             "optimizer_s": 0.01, "loop_s": 0.005}  # fmt: skip
-    return {"step": step, "time": t, "loss": loss, "lr": 1e-3, "step_time_s": step_time,
-            "samples_per_s": 32 / step_time, "tokens_per_s": 1024 / step_time,
-            "mem_rss_mb": 100.0 + step, **parts}  # fmt: skip
+    parts = {
+        "data_wait_s": 0.01,
+        "forward_s": 0.02,
+        "backward_s": 0.04,
+        "sync_s": 0.005,
+        "optimizer_s": 0.01,
+        "loop_s": 0.005,
+    }
+    return {
+        "step": step,
+        "time": t,
+        "loss": loss,
+        "lr": 1e-3,
+        "step_time_s": step_time,
+        "samples_per_s": 32 / step_time,
+        "tokens_per_s": 1024 / step_time,
+        "mem_rss_mb": 100.0 + step,
+        **parts,
+    }
 
 
 def start(t: float, world: int = 2, global_batch: int = 32) -> dict:
-    return {"event": "start", "time": t, "world_size": world, "dp": world,
-            "global_batch": global_batch, "micro_batch": 8, "accum": 1, "device": "cpu",
-            "host": "h"}  # fmt: skip
+    return {
+        "event": "start",
+        "time": t,
+        "world_size": world,
+        "dp": world,
+        "global_batch": global_batch,
+        "micro_batch": 8,
+        "accum": 1,
+        "device": "cpu",
+        "host": "h",
+    }
 
 
 def write_run(path: Path, records: list[dict[str, Any]], tail: str = "") -> Path:
@@ -58,12 +80,31 @@ def restarted_run(path: Path) -> Path:
         if s == 4:
             recs.append({"event": "checkpoint", "time": t, "after_step": 4, "blocked_s": 0.9})
         if s == 6:
-            ranks = [{"rank": r, "host": "h", "step_time_s": 0.1, "data_wait_s": 0.01,
-                      "own_s": 0.05 + 0.05 * r, "data_wait_share": 0.1} for r in range(2)]  # fmt: skip
+            ranks = [
+                {
+                    "rank": r,
+                    "host": "h",
+                    "step_time_s": 0.1,
+                    "data_wait_s": 0.01,
+                    "own_s": 0.05 + 0.05 * r,
+                    "data_wait_share": 0.1,
+                }
+                for r in range(2)
+            ]
             recs.append({"event": "ranks", "time": t, "step": 6, "steps": 6, "ranks": ranks})
-            recs.append({"event": "straggler", "time": t, "rank": 1, "host": "h", "step": 6,
-                         "component": "own_s", "value_s": 0.1, "median_s": 0.05,
-                         "slower_by": 2.0})  # fmt: skip
+            recs.append(
+                {
+                    "event": "straggler",
+                    "time": t,
+                    "rank": 1,
+                    "host": "h",
+                    "step": 6,
+                    "component": "own_s",
+                    "value_s": 0.1,
+                    "median_s": 0.05,
+                    "slower_by": 2.0,
+                }
+            )
     t += 10.0  # the crash and the restart
     recs += [start(t), {"event": "resume", "time": t + 1, "from_step": 4}]
     t += 1.0
@@ -99,8 +140,10 @@ def test_restarted_run_figures_and_goodput_add_up(tmp_path: Path) -> None:
 def test_scaling_strong_weak_and_mixed(tmp_path: Path) -> None:
     def run(name: str, world: int, gb: int, step_s: float) -> Any:
         recs = [start(T0, world, gb)]
-        recs += [{**step_row(s, T0 + s * step_s, step_s), "samples_per_s": gb / step_s}
-                 for s in range(1, 5)]  # fmt: skip
+        recs += [
+            {**step_row(s, T0 + s * step_s, step_s), "samples_per_s": gb / step_s}
+            for s in range(1, 5)
+        ]
         return analyse(load_run(write_run(tmp_path / name, recs)))
 
     strong = scaling([run("a", 1, 32, 0.4), run("b", 2, 32, 0.25), run("c", 4, 32, 0.2)])
@@ -138,8 +181,14 @@ def test_report_cli_writes_html_with_every_png_embedded(tmp_path: Path, capsys: 
     out = capsys.readouterr().out
     assert "goodput" in out and "1 restart(s)" in out and "1 straggler flag(s)" in out
     pngs = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
-    assert pngs == ["breakdown.png", "goodput.png", "loss.png", "memory.png", "ranks.png",
-                    "throughput.png"]  # fmt: skip
+    assert pngs == [
+        "breakdown.png",
+        "goodput.png",
+        "loss.png",
+        "memory.png",
+        "ranks.png",
+        "throughput.png",
+    ]
     html = (tmp_path / "out" / "report.html").read_text()
     images = re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
     assert len(images) == len(pngs) and all(len(i) > 1000 for i in images)

@@ -29,23 +29,41 @@ def ft_run(path: Path) -> Path:
     for s in range(1, 4):
         t += STEP_S
         recs.append(ft_row(s, t))
-    recs.append({"event": "ft_uncommitted", "time": t + LOST_S, "step": 4, "live_groups": 2,
-                 "error": "RuntimeError: Connection reset by peer"})  # fmt: skip
-    recs.append({"event": "ft_groups", "time": t + 0.5, "step": 3, "live_groups": 1,
-                 "change": "left"})  # fmt: skip
+    recs.append(
+        {
+            "event": "ft_uncommitted",
+            "time": t + LOST_S,
+            "step": 4,
+            "live_groups": 2,
+            "error": "RuntimeError: Connection reset by peer",
+        }
+    )
+    recs.append(
+        {"event": "ft_groups", "time": t + 0.5, "step": 3, "live_groups": 1, "change": "left"}
+    )
     t += 0.7
     recs.append(ft_row(4, t, 0.7, live=1))
     for s in (5, 6):
         t += STEP_S
         recs.append(ft_row(s, t, live=1))
     recs.append({"event": "ft_groups", "time": t, "step": 6, "live_groups": 2, "change": "joined"})
-    recs.append({"event": "ft_heal", "time": t, "step": 6, "bytes": 123456, "seconds": 0.25,
-                 "source": "group 0", "live_groups": 2})  # fmt: skip
+    recs.append(
+        {
+            "event": "ft_heal",
+            "time": t,
+            "step": 6,
+            "bytes": 123456,
+            "seconds": 0.25,
+            "source": "group 0",
+            "live_groups": 2,
+        }
+    )
     for s in (7, 8):
         t += STEP_S
         recs.append(ft_row(s, t))
-    recs.append({"event": "summary", "time": t + 0.3, "steps": 8.0,
-                 "total_time_s": 7 * STEP_S + 0.7})  # fmt: skip
+    recs.append(
+        {"event": "summary", "time": t + 0.3, "steps": 8.0, "total_time_s": 7 * STEP_S + 0.7}
+    )
     return write_run(path, recs)
 
 
@@ -62,14 +80,24 @@ def test_uncommitted_step_time_is_lost_with_its_own_label(tmp_path: Path) -> Non
     assert math.fsum(parts.values()) == pytest.approx(g.wall_s)
     assert g.useful_s == pytest.approx(8 * STEP_S)
     assert [e["event"] for e in fig.ft_events] == [
-        "ft_uncommitted", "ft_groups", "ft_groups", "ft_heal"
-    ]  # fmt: skip
+        "ft_uncommitted",
+        "ft_groups",
+        "ft_groups",
+        "ft_heal",
+    ]
 
 
 def test_uncommitted_step_after_the_last_line_comes_out_of_outside_time(tmp_path: Path) -> None:
     recs = [start(T0), ft_row(1, T0 + 1.0), ft_row(2, T0 + 1.1)]
-    recs.append({"event": "ft_uncommitted", "time": T0 + 1.6, "step": 3, "live_groups": 2,
-                 "error": "timeout"})  # fmt: skip
+    recs.append(
+        {
+            "event": "ft_uncommitted",
+            "time": T0 + 1.6,
+            "step": 3,
+            "live_groups": 2,
+            "error": "timeout",
+        }
+    )
     g = analyse(load_run(write_run(tmp_path / "end", recs))).goodput
     assert g.uncommitted_s == pytest.approx(0.5)
     assert math.fsum(g.parts().values()) == pytest.approx(g.wall_s)
@@ -104,8 +132,18 @@ def test_a_restarted_group_that_healed_ran_only_the_steps_after_its_heal(tmp_pat
     recs: list[dict[str, Any]] = [start(T0)]
     recs += [ft_row(s, T0 + 1.0 + s * STEP_S) for s in range(1, 5)]
     t = T0 + 10.0
-    recs += [start(t), {"event": "ft_heal", "time": t + 0.5, "step": 7, "bytes": 6940,
-                        "seconds": 0.2, "source": "group 0", "live_groups": 2}]  # fmt: skip
+    recs += [
+        start(t),
+        {
+            "event": "ft_heal",
+            "time": t + 0.5,
+            "step": 7,
+            "bytes": 6940,
+            "seconds": 0.2,
+            "source": "group 0",
+            "live_groups": 2,
+        },
+    ]
     recs += [ft_row(s, t + 0.5 + (s - 7) * STEP_S) for s in range(8, 11)]
     g = analyse(load_run(write_run(tmp_path / "healed", recs))).goodput
     assert g.useful_s == pytest.approx(7 * STEP_S)  # 4 + 3 steps run by this group

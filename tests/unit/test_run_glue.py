@@ -60,9 +60,12 @@ def test_a_strict_argparse_script_runs_after_init(tmp_path: Path) -> None:
     args = ["--optim.steps=3", "--eval-batches", "3", "--optim.lr", "0.5", "--tag=a.b"]
     p = subprocess.run(
         [sys.executable, str(script), *args, f"--job.run_dir={tmp_path}"],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
         env={**os.environ, "OMP_NUM_THREADS": "1"},
-    )  # fmt: skip
+    )
     assert p.returncode == 0, p.stderr[-3000:]
     out = json.loads(p.stdout.strip().splitlines()[-1])
     assert out["argv"] == ["--eval-batches", "3", "--tag=a.b"]

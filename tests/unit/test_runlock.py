@@ -30,8 +30,10 @@ with hold_run_dir(sys.argv[1], sys.argv[2]):
 def holder(run_dir: Path, token: str = "tok-a") -> Iterator[subprocess.Popen[str]]:
     proc = subprocess.Popen(
         [sys.executable, "-c", HOLDER, str(run_dir), token],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-    )  # fmt: skip
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert proc.stdout is not None and proc.stdout.readline() == "held\n"
         yield proc
@@ -83,9 +85,12 @@ def test_rank0_takes_the_lock_until_the_run_closes(tmp_path: Path) -> None:
     runlock.rank0_lock(tmp_path, {"TORCHELASTIC_RUN_ID": "job1"})
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", HOLDER, str(tmp_path), "tok"], input="", text=True,
-            capture_output=True, timeout=30,
-        )  # fmt: skip
+            [sys.executable, "-c", HOLDER, str(tmp_path), "tok"],
+            input="",
+            text=True,
+            capture_output=True,
+            timeout=30,
+        )
         assert proc.returncode != 0 and "is in use by another job" in proc.stderr
     finally:
         runlock.release_rank0(tmp_path)
@@ -100,9 +105,12 @@ def test_rank0_takes_a_free_lock_even_with_its_launchers_token(tmp_path: Path) -
     runlock.rank0_lock(tmp_path, {TOKEN_ENV: "tok-a"})
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", HOLDER, str(tmp_path), "tok-b"], input="", text=True,
-            capture_output=True, timeout=30,
-        )  # fmt: skip
+            [sys.executable, "-c", HOLDER, str(tmp_path), "tok-b"],
+            input="",
+            text=True,
+            capture_output=True,
+            timeout=30,
+        )
         assert proc.returncode != 0 and f"pid {os.getpid()}" in proc.stderr, proc.stderr
     finally:
         runlock.release_rank0(tmp_path)

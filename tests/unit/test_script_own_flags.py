@@ -36,10 +36,12 @@ def test_an_override_cannot_take_the_separator_as_its_value() -> None:
 
 @pytest.mark.parametrize(
     ("flag", "named"),
-    [("--trainer.batch_size=4", "unknown config section 'trainer'"),
-     ("--optm.lr=0.1", "Did you mean 'optim'"),  # a typo of a real section stays an error
-     ("--optim.lrr=0.1", "unknown config key 'optim.lrr'")],
-)  # fmt: skip
+    [
+        ("--trainer.batch_size=4", "unknown config section 'trainer'"),
+        ("--optm.lr=0.1", "Did you mean 'optim'"),  # a typo of a real section stays an error
+        ("--optim.lrr=0.1", "unknown config key 'optim.lrr'"),
+    ],
+)
 def test_an_unknown_dotted_flag_before_the_separator_is_an_error_that_says_where_to_put_it(
     flag: str, named: str
 ) -> None:
@@ -59,11 +61,13 @@ def test_a_toml_key_error_does_not_speak_of_flags(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "argv",
-    [["launch", "train.py", "--", *OWN],
-     ["launch", "--nproc-per-node", "2", "train.py", "--optim.lr=0.5", "--", *OWN],
-     ["slurm", "submit", "train.py", "--", *OWN],
-     ["k8s", "render", "--image", "img", "train.py", "--", *OWN]],
-)  # fmt: skip
+    [
+        ["launch", "train.py", "--", *OWN],
+        ["launch", "--nproc-per-node", "2", "train.py", "--optim.lr=0.5", "--", *OWN],
+        ["slurm", "submit", "train.py", "--", *OWN],
+        ["k8s", "render", "--image", "img", "train.py", "--", *OWN],
+    ],
+)
 def test_the_launchers_keep_the_separator_for_the_workers(argv: list[str]) -> None:
     a = build_parser(argv[0]).parse_args(argv)
     keep_separator(argv, a)
@@ -93,8 +97,14 @@ def test_init_removes_the_separator_and_keeps_what_follows(
 def test_a_plain_python_run_gives_the_script_its_dotted_flags(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MESHRUN_", "PET_"))}
     args = [f"--job.run_dir={tmp_path / 'run'}", "--optim.lr=0.25", "--", *OWN]
-    done = subprocess.run([sys.executable, str(SCRIPT), *args], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=100)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *args],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
     assert done.returncode == 0, done.stderr
     seen = json.loads(done.stdout.strip().splitlines()[-1])
     assert seen["argv"] == OWN

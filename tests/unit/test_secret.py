@@ -148,8 +148,12 @@ def test_a_forged_pickle_is_refused_named_and_replaced_by_the_last_good_state(
     )
     assert bytes(store.get("meshrun.rdzv/job")) == good[1]  # put back
     # Another job's secret, valid JSON, claiming addresses: refused too, the claim sanitized.
-    forged = OTHER.seal("meshrun.rdzv/job", json.dumps({"format": 1, "run_id": "job", "seq": 99,
-                                                         "participants": [["\x1b[2Jevil", 1, 0, 0]]}))  # fmt: skip
+    forged = OTHER.seal(
+        "meshrun.rdzv/job",
+        json.dumps(
+            {"format": 1, "run_id": "job", "seq": 99, "participants": [["\x1b[2Jevil", 1, 0, 0]]}
+        ),
+    )
     store.set("meshrun.rdzv/job", forged)
     assert backend.get_state() is not None
     assert "claims to be from ?[2Jevil" in said[-1]
@@ -187,8 +191,15 @@ def _node(rank: int) -> NodeInfo:
     return NodeInfo(f"node{rank}", rank, 1, "t", "c", "n", "p", "m", "d", token=f"t{rank}")
 
 
-def _run(store: Any, info: NodeInfo, is_host: bool, secret: JobSecret, said: list[str],
-         out: dict[int, Any], timeout_s: float = 10) -> threading.Thread:  # fmt: skip
+def _run(
+    store: Any,
+    info: NodeInfo,
+    is_host: bool,
+    secret: JobSecret,
+    said: list[str],
+    out: dict[int, Any],
+    timeout_s: float = 10,
+) -> threading.Thread:
     hs = Handshake(store, "job", info, JoinTarget(2, 2), is_host, timeout_s, said.append, secret)
 
     def body() -> None:

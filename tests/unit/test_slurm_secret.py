@@ -33,18 +33,30 @@ def _run(tmp: Path, name: str, launcher: str = "meshrun", **env: str) -> tuple[d
     srun = bin_dir / "srun"
     srun.write_text(SRUN)
     srun.chmod(srun.stat().st_mode | stat.S_IXUSR)
-    spec = SubmitSpec(target="/opt/t.py", nodes=2, output_dir=str(tmp / "out"),
-                      workdir=str(tmp), launcher=launcher, config_toml="[job]\n",
-                      config_path=str(tmp / "cfg" / "config.toml"))  # fmt: skip
+    spec = SubmitSpec(
+        target="/opt/t.py",
+        nodes=2,
+        output_dir=str(tmp / "out"),
+        workdir=str(tmp),
+        launcher=launcher,
+        config_toml="[job]\n",
+        config_path=str(tmp / "cfg" / "config.toml"),
+    )
     script = tmp / f"{name}.sbatch"
     script.write_text(render_sbatch(spec))
     base = {k: v for k, v in os.environ.items() if not k.startswith("MESHRUN_JOB_SECRET")}
     record = tmp / f"{name}.json"
-    full = {**base, "PATH": f"{bin_dir}:{base['PATH']}", "SLURM_JOB_ID": "7",
-            "RECORD": str(record), **env}  # fmt: skip
+    full = {
+        **base,
+        "PATH": f"{bin_dir}:{base['PATH']}",
+        "SLURM_JOB_ID": "7",
+        "RECORD": str(record),
+        **env,
+    }
     # -x: bash prints every command it runs, as a user debugging the script would see them.
-    r = subprocess.run(["bash", "-x", str(script)], cwd=tmp, env=full, capture_output=True,
-                       text=True, timeout=30)  # fmt: skip
+    r = subprocess.run(
+        ["bash", "-x", str(script)], cwd=tmp, env=full, capture_output=True, text=True, timeout=30
+    )
     assert r.returncode == 0, r.stderr
     return json.loads(record.read_text()), r.stdout + r.stderr + script.read_text()
 
@@ -73,6 +85,10 @@ def test_a_secret_exported_before_sbatch_is_kept(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("launcher", ["mpirun", "srun"])
 def test_a_direct_launch_makes_no_secret(launcher: str) -> None:
-    spec = SubmitSpec(target="/opt/t.py", launcher=launcher, config_toml="[job]\n",
-                      config_path="/tmp/c/config.toml")  # fmt: skip
+    spec = SubmitSpec(
+        target="/opt/t.py",
+        launcher=launcher,
+        config_toml="[job]\n",
+        config_path="/tmp/c/config.toml",
+    )
     assert SECRET_ENV not in render_sbatch(spec)

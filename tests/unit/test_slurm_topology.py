@@ -186,9 +186,18 @@ def _spec(**kw: object) -> SubmitSpec:
 
 def test_sbatch_script_runs_one_launch_per_node() -> None:
     text = render_sbatch(
-        _spec(nodes=4, nproc_per_node=8, gpus_per_node=8, cpus_per_task=64, partition="gpu",
-              time="1-00:00:00", account="proj", requeue=True, signal_before_s=300)
-    )  # fmt: skip
+        _spec(
+            nodes=4,
+            nproc_per_node=8,
+            gpus_per_node=8,
+            cpus_per_task=64,
+            partition="gpu",
+            time="1-00:00:00",
+            account="proj",
+            requeue=True,
+            signal_before_s=300,
+        )
+    )
     for line in (
         "#SBATCH --nodes=4",
         "#SBATCH --ntasks-per-node=1",
@@ -281,9 +290,16 @@ def test_direct_launchers_refuse_what_only_torchruns_agent_does() -> None:
 
 @pytest.mark.parametrize(
     ("text", "seconds"),
-    [("30", 1800), ("5:30", 330), ("2:00:00", 7200), ("1-12", 129600),
-     ("1-00:30", 88200), ("0-00:00:45", 45), ("UNLIMITED", None)],
-)  # fmt: skip
+    [
+        ("30", 1800),
+        ("5:30", 330),
+        ("2:00:00", 7200),
+        ("1-12", 129600),
+        ("1-00:30", 88200),
+        ("0-00:00:45", 45),
+        ("UNLIMITED", None),
+    ],
+)
 def test_time_formats(text: str, seconds: int | None) -> None:
     assert time_limit_seconds(text) == seconds
 
@@ -309,8 +325,22 @@ def test_bad_submit_flags_are_errors(kw: dict[str, object], expected: str) -> No
 
 
 def test_cli_dry_run_prints_the_script(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["slurm", "submit", "--dry-run", "--nodes", "2", "--time", "30", "-m",
-               "meshrun.demo", "--steps", "5", f"--job.run_dir={tmp_path}/run"])  # fmt: skip
+    rc = main(
+        [
+            "slurm",
+            "submit",
+            "--dry-run",
+            "--nodes",
+            "2",
+            "--time",
+            "30",
+            "-m",
+            "meshrun.demo",
+            "--steps",
+            "5",
+            f"--job.run_dir={tmp_path}/run",
+        ]
+    )
     out = capsys.readouterr()
     assert rc == 0, out.err
     assert out.out.startswith("#!/bin/bash") and "#SBATCH --nodes=2" in out.out

@@ -87,9 +87,13 @@ def test_hf_causal_lm_flops_follow_the_planners_formula() -> None:
     from meshrun.plan.cost import Model, model_flops_per_iteration
 
     config = transformers.LlamaConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2,
-    )  # fmt: skip
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+    )
     model = transformers.LlamaForCausalLM(config)
     flops = hf_causal_lm_flops(model)
     assert flops is not None and flops.per_token is not None and "LlamaForCausalLM" in flops.source

@@ -107,8 +107,13 @@ def test_flag_argv_reproduces_the_command_line() -> None:
 
 
 def test_the_typical_multinode_torchrun_line_is_static_rendezvous_at_the_master() -> None:
-    a = _parse("--nnodes=2", "--node_rank=1", "--master_addr=10.0.0.1", "--master_port=29600",
-               "--nproc_per_node=8")  # fmt: skip
+    a = _parse(
+        "--nnodes=2",
+        "--node_rank=1",
+        "--master_addr=10.0.0.1",
+        "--master_port=29600",
+        "--nproc_per_node=8",
+    )
     r = resolve(a)
     assert r.nproc_per_node == 8 and r.spec["rdzv_backend"] == "static"
     assert r.launch_flags == {"rdzv_endpoint": "10.0.0.1:29600"}
@@ -208,9 +213,12 @@ def test_default_output_is_stdout_untouched_and_stderr_teed() -> None:
 
 @pytest.mark.parametrize(
     ("fields", "tee", "redirects"),
-    [({"tee": "3"}, "3", None), ({"redirects": "1"}, None, "1"),
-     ({"tee": "0:3", "redirects": "2"}, "0:3", "2")],
-)  # fmt: skip
+    [
+        ({"tee": "3"}, "3", None),
+        ({"redirects": "1"}, None, "1"),
+        ({"tee": "0:3", "redirects": "2"}, "0:3", "2"),
+    ],
+)
 def test_users_tee_and_redirects_replace_meshruns(
     fields: dict[str, str], tee: str | None, redirects: str | None
 ) -> None:
@@ -227,8 +235,14 @@ def test_users_log_dir_and_local_addr_win() -> None:
 
 
 def test_static_spec_gives_torchrun_the_node_rank() -> None:
-    spec = LaunchSpec(nproc_per_node=8, script="t.py", nnodes="2", node_rank=1,
-                      rdzv_endpoint="10.0.0.1:29600", rdzv_backend="static")  # fmt: skip
+    spec = LaunchSpec(
+        nproc_per_node=8,
+        script="t.py",
+        nnodes="2",
+        node_rank=1,
+        rdzv_endpoint="10.0.0.1:29600",
+        rdzv_backend="static",
+    )
     args = TORCHRUN.parse_args(build_torchrun_args(spec, port=1))
     assert (args.rdzv_backend, args.rdzv_endpoint, args.node_rank) == (
         "static",
@@ -238,8 +252,12 @@ def test_static_spec_gives_torchrun_the_node_rank() -> None:
 
 
 def test_passed_flags_go_before_the_script() -> None:
-    spec = LaunchSpec(nproc_per_node=2, script="t.py", script_args=["--lr", "1"],
-                      torchrun_args=["--monitor-interval", "0.5", "--no-python"])  # fmt: skip
+    spec = LaunchSpec(
+        nproc_per_node=2,
+        script="t.py",
+        script_args=["--lr", "1"],
+        torchrun_args=["--monitor-interval", "0.5", "--no-python"],
+    )
     args = TORCHRUN.parse_args(build_torchrun_args(spec, port=1))
     assert args.monitor_interval == 0.5 and args.no_python
     assert (args.training_script, args.training_script_args) == ("t.py", ["--lr", "1"])
@@ -273,9 +291,12 @@ def test_a_spec_that_would_give_torchrun_two_values_is_refused(
     ],
 )
 def test_meshrun_launch_refuses_with_exit_2(
-    argv: list[str], message: str, tmp_path: Path, capsys: pytest.CaptureFixture[str],
+    argv: list[str],
+    message: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     monkeypatch.chdir(tmp_path)
     (tmp_path / "train.py").write_text("print('never runs')\n")
     (tmp_path / "hosts.txt").write_text("127.0.0.1\n")
@@ -301,9 +322,15 @@ def test_no_python_takes_a_program_on_path(tmp_path: Path) -> None:
 def test_pet_variables_fill_the_flags_not_given_as_torchrun_reads_them(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    env = {"PET_NPROC_PER_NODE": "4", "PET_NNODES": "2", "PET_NODE_RANK": "1",
-           "PET_MASTER_ADDR": "job-master-0", "PET_MASTER_PORT": "23456",
-           "PET_STANDALONE": "0", "PET_MONITOR_INTERVAL": "0.5"}  # fmt: skip
+    env = {
+        "PET_NPROC_PER_NODE": "4",
+        "PET_NNODES": "2",
+        "PET_NODE_RANK": "1",
+        "PET_MASTER_ADDR": "job-master-0",
+        "PET_MASTER_PORT": "23456",
+        "PET_STANDALONE": "0",
+        "PET_MONITOR_INTERVAL": "0.5",
+    }
     a = _parse("--nnodes", "3")  # a flag wins over its variable
     notes = cli_torchrun.env_defaults(a, env)
     assert (a.nproc_per_node, a.nnodes, a.node_rank, a.master_port) == (4, "3", 1, 23456)
