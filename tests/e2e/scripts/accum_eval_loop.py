@@ -13,8 +13,9 @@ from torch.utils.data import TensorDataset
 import meshrun
 
 EVAL_SLEEP_S = float(sys.argv[1])
-run = meshrun.init(argv=["--data.global_batch=8", "--data.micro_batch=2", "--optim.steps=3",
-                         *sys.argv[2:]])  # fmt: skip
+run = meshrun.init(
+    argv=["--data.global_batch=8", "--data.micro_batch=2", "--optim.steps=3", *sys.argv[2:]]
+)
 torch.manual_seed(0)
 model = run.parallelize(nn.Linear(4, 1))
 opt = torch.optim.SGD(model.parameters(), lr=0.1)

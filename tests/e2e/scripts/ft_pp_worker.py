@@ -86,8 +86,12 @@ def main() -> None:
         if boundary:
             trained = []
     state = run.loop.state.sampler
-    out = {"step": run.step, "checksum": base._checksum(modules), "pid": os.getpid(),
-           "consumed": None if state is None else state.consumed}  # fmt: skip
+    out = {
+        "step": run.step,
+        "checksum": base._checksum(modules),
+        "pid": os.getpid(),
+        "consumed": None if state is None else state.consumed,
+    }
     if pipelined:
         out.update(first_stage=pipe.is_first, last_stage=pipe.is_last)
     (run_dir / f"checksum.rank{run.rank}.json").write_text(json.dumps(out))

@@ -212,8 +212,12 @@ def main() -> None:
         if boundary:
             trained = []  # written, or not committed: the loop reads those positions again
     sampler = run.loop.state.sampler
-    out = {"step": run.step, "checksum": _checksum(model), "pid": os.getpid(),
-           "consumed": None if sampler is None else sampler.consumed}  # fmt: skip
+    out = {
+        "step": run.step,
+        "checksum": _checksum(model),
+        "pid": os.getpid(),
+        "consumed": None if sampler is None else sampler.consumed,
+    }
     (run_dir / f"checksum.rank{run.rank}.json").write_text(json.dumps(out))
 
 
