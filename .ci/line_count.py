@@ -50,7 +50,7 @@ def main(argv: list[str]) -> int:
     now = counts_now()
     try:
         before: Counter[str] | None = counts_at(base)
-    except subprocess.CalledProcessError:
+    except (subprocess.CalledProcessError, OSError):  # no git, no history: counts alone
         before = None
     print(f"lines of Python per package of {PKG}" + (f" (delta against {base})" if before else ""))
     for name in sorted(set(now) | set(before or {})):
