@@ -20,7 +20,6 @@ import argparse
 import json
 import os
 import resource
-import socket
 import statistics
 import tempfile
 import time
@@ -45,6 +44,7 @@ from meshrun.parallel import (
 from meshrun.parallel.report import state_bytes
 from meshrun.runtime.hostmem import set_mmap_threshold
 from meshrun.runtime.mesh import ParallelDims, build_mesh
+from meshrun.runtime.ports import free_port
 
 GLOBAL_BATCH = 8
 LAYOUTS: dict[int, dict[str, dict[str, Any]]] = {
@@ -121,12 +121,6 @@ def worker(rank: int, world: int, port: int, layout: dict[str, Any], args: Any, 
     dist.barrier()
     dist.destroy_process_group()
     os._exit(0)  # a Gloo worker can abort in interpreter teardown (see tests/_dist.py)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def run_once(world: int, layout: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -23,12 +22,7 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 from meshrun.launch.multinode.handshake import publish_attempt
 from meshrun.launch.rdzv_signed import forget_store, listen_store, register
 from meshrun.launch.secret import SECRET_ENV, resolve
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+from meshrun.runtime.ports import free_port
 
 
 def rendezvous(backend: str, port: int, run_id: str) -> float:

@@ -35,6 +35,8 @@ from pathlib import Path
 
 import pytest
 
+from meshrun.runtime.ports import free_port
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scontrol", "sinfo", "squeue")
 FINAL_STATES = {"COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY"}
@@ -115,13 +117,6 @@ class Slurm:
         return "\n".join(parts)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def _node_line(hostname: str) -> str:
     """The node as ``slurmd -C`` sees it (CPUs, sockets, memory), so slurmd registers cleanly."""
     out = subprocess.run(["slurmd", "-C"], capture_output=True, text=True, timeout=30).stdout
@@ -144,8 +139,8 @@ SlurmctldHost={hostname}
 SlurmctldAddr=127.0.0.1
 SlurmUser=root
 SlurmdUser=root
-SlurmctldPort={_free_port()}
-SlurmdPort={_free_port()}
+SlurmctldPort={free_port("")}
+SlurmdPort={free_port("")}
 AuthType=auth/munge
 # cred_expire: SLURM holds a requeued job this long (+1 s) before it may start again
 # (default 120 s); a start before the revoked credential expires fails.

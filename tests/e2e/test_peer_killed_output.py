@@ -15,17 +15,11 @@ from pathlib import Path
 
 import pytest
 
+from meshrun.runtime.ports import free_port
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(180)]
 
 SCRIPT = Path(__file__).parent / "scripts" / "peer_killed.py"
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @pytest.mark.parametrize("entry", ["excepthook", "main"])
@@ -33,7 +27,7 @@ def test_the_survivor_of_a_killed_peer_prints_one_line(tmp_path: Path, entry: st
     base = {k: v for k, v in os.environ.items() if not k.startswith(("MESHRUN_", "PET_"))}
     base |= {
         "MASTER_ADDR": "127.0.0.1",
-        "MASTER_PORT": str(_free_port()),
+        "MASTER_PORT": str(free_port()),
         "WORLD_SIZE": "2",
         "RUN_DIR": str(tmp_path),
         "OMP_NUM_THREADS": "1",

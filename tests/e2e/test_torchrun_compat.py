@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +18,7 @@ import pytest
 import torch
 
 import netns
+from meshrun.runtime.ports import free_port
 
 pytestmark = pytest.mark.slow
 SCRIPT = Path(__file__).parent / "scripts" / "torchrun_compat_print.py"
@@ -30,12 +30,6 @@ TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 def _env() -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "MESHRUN_"))}
     return {**env, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _run(argv: list[str], cwd: Path, stdout_file: Path | None = None) -> tuple[int, str, str]:
@@ -130,7 +124,7 @@ def test_torchruns_other_flags_reach_the_agent_with_torchruns_meaning(tmp_path: 
 
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
 def test_torchruns_static_multinode_line_on_one_host_works_as_in_torchrun(tmp_path: Path) -> None:
-    port = _free_port()
+    port = free_port()
     flags = [
         "--nnodes=1",
         "--node_rank=0",

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 
 from meshrun.launch.k8s.render import K8sJob
 from meshrun.launch.k8s.trainjob import render_trainjob
+from meshrun.runtime.ports import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -31,12 +31,6 @@ DEMO = ["-m", "meshrun.demo", "--size", "tiny", "--steps", "3", "--corpus-bytes"
 def _env(extra: dict[str, str]) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PET_", "MESHRUN_"))}
     return {**env, "OMP_NUM_THREADS": "1", **extra}
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def _launch(argv: list[str], cwd: Path, env: dict[str, str]) -> str:
@@ -91,7 +85,7 @@ def test_a_trainjob_pod_trains_as_meshrun_launch_does(
         max_restarts=0,
     )
     trainer = render_trainjob(job)["spec"]["trainer"]
-    port = _free_port()
+    port = free_port()
     # What the torch plugin sets from the TrainJob (here PET_MASTER_ADDR is loopback, not
     # pod 0's DNS name <name>-node-0-0.<name>, and the port a free one, not 29500).
     pet = {

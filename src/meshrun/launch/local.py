@@ -41,12 +41,11 @@ from meshrun.launch.secret import SECRET_ENV, JobSecret, SecretError, from_env, 
 from meshrun.launch.torchrun_flags import FLAGS
 from meshrun.monitor.watchdog import hang_report, hang_states, watch_for_hangs
 from meshrun.runtime.logs import say_error
-from meshrun.runtime.ports import free_port
+from meshrun.runtime.ports import LOCAL_HOST, free_port
 
 if TYPE_CHECKING:
     from meshrun.launch.replicas import GroupPlan
 
-LOCAL_HOST = "127.0.0.1"
 EXIT_INTERRUPTED = 130
 
 

@@ -26,11 +26,10 @@ from pathlib import Path
 from meshrun.config import CONFIG_ENV, Config, apply_overrides, load_config, validate_for_world
 from meshrun.config import write_config as write_config_file
 from meshrun.launch.secret import SECRET_ENV, resolve
-from meshrun.runtime.ports import free_port
+from meshrun.runtime.ports import LOCAL_HOST, free_port
 
 __all__ = ["GroupPlan", "group_config", "launch_replica_groups", "run_lighthouse"]
 
-LOCAL_HOST = "127.0.0.1"
 
 STOP_GRACE_S = 10.0  # after SIGTERM, how long a group's agent gets before SIGKILL
 
