@@ -61,9 +61,13 @@ def build_cnn() -> nn.Module:
         return nn.Sequential(nn.Conv2d(cin, cout, 3, padding=1), nn.BatchNorm2d(cout), nn.ReLU())
 
     return nn.Sequential(
-        conv(3, 16), nn.MaxPool2d(2), conv(16, 32), nn.AdaptiveAvgPool2d(2), nn.Flatten(),
+        conv(3, 16),
+        nn.MaxPool2d(2),
+        conv(16, 32),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
         nn.Linear(32 * 4, 4),
-    )  # fmt: skip
+    )
 
 
 def loss_of(model: nn.Module, batch: Sample) -> Tensor:

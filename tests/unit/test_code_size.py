@@ -84,3 +84,16 @@ def test_src_formats_every_line() -> None:
         if "fmt: skip" in line or "fmt: off" in line
     ]
     assert skipped == []
+
+
+def test_skipped_formatting_states_its_reason() -> None:
+    """Outside src a ``fmt: skip`` is allowed where the file says why in its docstring (a script
+    a doc quotes as its user wrote it)."""
+    unexplained = []
+    for top in ("tests", "examples", "benchmarks"):
+        for p in sorted((SRC.parents[1] / top).rglob("*.py")):
+            text = p.read_text()
+            head = text.split('"""', 2)[1] if text.startswith('"""') else ""
+            if "fmt: skip" in text.replace(head, "", 1) and "fmt: skip" not in head:
+                unexplained.append(str(p.relative_to(SRC.parents[1])))
+    assert unexplained == [], "a fmt: skip needs its reason in the file's docstring"

@@ -2,7 +2,8 @@
 transformers' run_clm_no_trainer.py): a transformers model called with dict batches, its own
 parameter groups and linear schedule, accumulation, evaluation as a perplexity, a checkpoint
 every N steps and save_pretrained at the end. Ported to meshrun; the doc's diff is taken from
-this file."""
+this file. Lines marked ``fmt: skip`` keep the layout the doc's diff quotes (the user's script
+as written), which the formatter would change."""
 
 import argparse
 import math

@@ -2,7 +2,9 @@
 ``mingpt/trainer.py`` with ``projects/chargpt``): a config tree set by dotted flags
 (``--trainer.max_iters=4``, parsed by the script itself), callbacks on each batch end, the
 optimizer's parameter groups chosen by module name, ``iter_num`` and ``max_iters``. Ported to
-meshrun; the doc's diff is taken from this file. It prints what it ran with as JSON."""
+meshrun; the doc's diff is taken from this file. It prints what it ran with as JSON.
+Lines marked ``fmt: skip`` keep the layout the doc's diff quotes (the user's script as
+written), which the formatter would change."""
 
 import ast
 import json
