@@ -209,6 +209,7 @@ def maybe_apply_ep(
     if dims.ep == 1 or mesh is None:
         return None
     layout = apply_ep(model, build_ep_mesh(dims, device.type), dims.dp, spec)
+    layout.dp_group = mesh.get_group("dp")
     model.__dict__["_meshrun_ep_layout"] = layout
     log.info(describe_ep(model, layout))
     return layout

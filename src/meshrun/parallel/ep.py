@@ -52,6 +52,7 @@ class EPLayout:
     dp: int  # D: every data-parallel rank, the ep ones included
     source: str  # where the declaration came from (for the start-up line)
     containers: list[str] = field(default_factory=list)
+    dp_group: dist.ProcessGroup | None = None  # every dp rank: tokens per expert of the batch
     params: list[nn.Parameter] = field(default_factory=list)  # the experts' (DDP path)
     sync: bool = True  # the accumulation switch (parallel/grads.py set_grad_sync)
     queued: bool = False
