@@ -4,7 +4,8 @@ or is refused before step 1 with the reason.
 Hugging Face Qwen2-MoE (a shared expert besides the routed ones) and Mixtral are built from
 configs and declare their experts themselves (``config.base_model_ep_plan``); the model of our
 own (tests/moe_models.py) declares a ``ModuleList`` of experts with ``ModelSpec(experts=...)``.
-One 2-rank and one 4-rank launch run every layout in sequence, each on a fresh model and mesh:
+One 2-rank and one 4-rank launch run every layout in sequence, each on a fresh model and mesh
+(one with gradient accumulation over 2 micro-batches):
 10 SGD steps (fp32, the same global batch of 8 sequences, clipping at 0.5 so the clip's norm
 must count every rank's experts once), per-step global losses within 1e-5 relative of one
 process and every parameter within 1e-5 of one process's, each rank holding half of the
@@ -24,7 +25,7 @@ from torch import nn
 import moe_models
 from _dist import run_distributed
 from meshrun.config import ConfigError, ParallelConfig, check_layout
-from meshrun.parallel import build_optimizer, clip_grad_norm_, parallelize
+from meshrun.parallel import build_optimizer, clip_grad_norm_, parallelize, set_grad_sync
 from meshrun.parallel.ep import full_state_dict
 from meshrun.parallel.ep_dispatch import tokens_per_expert
 from meshrun.parallel.structure import ModelSpec
@@ -51,6 +52,7 @@ TWO_RANKS: dict[str, Case] = {
     "mixtral ep 2 ZeRO-3": ("mixtral", {"ep": 2, "zero": 3}, {}),
     "own ep 2 DDP": ("own", {"ep": 2, "zero": 0}, OWN),
     "own ep 2 ZeRO-2": ("own", {"ep": 2, "zero": 2}, OWN),
+    "qwen2_moe ep 2 DDP accumulation 2": ("qwen2_moe", {"ep": 2, "zero": 0}, {"accum": 2}),
     "own no spec": ("own", {"ep": 2}, {}),  # refused: nothing declares the experts
     "own 3 experts": ("own3", {"ep": 2}, OWN),  # refused: 3 do not divide by 2
     "mixtral 3 experts": ("mixtral3", {"ep": 2, "zero": 3}, {}),
@@ -117,6 +119,8 @@ def reference(name: str) -> dict[str, Any]:
 
 def train_case(rank: int, case: Case, data: torch.Tensor) -> dict[str, Any]:
     name, fields, options = case
+    options = dict(options)
+    accum = options.pop("accum", 1)
     cfg = ParallelConfig(**fields)
     dims = ParallelDims.from_config(cfg, dist.get_world_size())
     check_layout(cfg, vars(dims))
@@ -129,8 +133,14 @@ def train_case(rank: int, case: Case, data: torch.Tensor) -> dict[str, Any]:
     per_rank = GLOBAL_BATCH // dims.dp
     dp_rank, losses = dims.dp_rank(rank), []
     for step in range(STEPS):
-        loss = moe_models.loss_of(model, data[step, dp_rank * per_rank : (dp_rank + 1) * per_rank])
-        loss.backward()
+        mine = data[step, dp_rank * per_rank : (dp_rank + 1) * per_rank]
+        loss = torch.zeros(())
+        for micro, chunk in enumerate(mine.chunk(accum)):
+            # The experts' reduction (like DDP's) runs on the last micro-batch only.
+            set_grad_sync(model, micro == accum - 1)
+            part = moe_models.loss_of(model, chunk) / accum
+            part.backward()
+            loss = loss + part.detach()
         clip_grad_norm_(list(model.parameters()), CLIP)
         opt.step()
         opt.zero_grad()
