@@ -5,7 +5,8 @@ from step 3 at ``ep = 2`` it repeats steps 4-6 bitwise (losses and final paramet
 at ``ep = 1`` (the experts whole on every rank) the losses stay within 1e-6 relative: the
 experts are saved as one process names them (DTensor ``Shard(0)`` over ep with the global
 shape, or a ModuleList expert under its global index). Qwen2-MoE has fused expert tensors, the
-model of our own a ModuleList of experts. Each step's metrics carry the tokens per expert (the
+model of our own a ModuleList of experts; the Qwen2-MoE checkpoint exported with ``--hf`` loads
+with ``from_pretrained`` into the run's weights. Each step's metrics carry the tokens per expert (the
 whole batch's: 8 sequences x 16 positions x top-2 per layer) and their imbalance.
 """
 
@@ -83,7 +84,7 @@ def metrics_rows(run_dir: Path) -> list[dict[str, Any]]:
     return [r for r in map(json.loads, lines) if "step" in r and "event" not in r]
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(420)
 @pytest.mark.parametrize("kind", ["qwen2_moe", "own"])
 def test_ep_resume_bitwise_and_at_another_ep(tmp_path: Path, kind: str) -> None:
     ckpt = tmp_path / "ckpt"
@@ -97,6 +98,8 @@ def test_ep_resume_bitwise_and_at_another_ep(tmp_path: Path, kind: str) -> None:
         assert all(len(c) == moe_models.EXPERTS for c in per_layer.values())
         assert all(sum(c) == GLOBAL_BATCH * moe_models.SEQ * 2 for c in per_layer.values())
         assert r["moe_imbalance"] >= 1.0
+    if kind == "qwen2_moe":
+        check_hf_export(ckpt, tmp_path / "hf", ref[0]["params"])
     at = str(layout.step_dir(ckpt, SAVE_AT))
     for ep in (2, 1):
         cfg = make_config(tmp_path / f"ep{ep}", tmp_path / f"ckpt{ep}", at, ep)
@@ -115,3 +118,16 @@ def test_ep_resume_bitwise_and_at_another_ep(tmp_path: Path, kind: str) -> None:
             assert all(torch.equal(p_got[k], p_ref[k]) for k in p_ref)
         else:
             assert max(diffs) <= 1e-6
+
+
+def check_hf_export(ckpt: Path, out: Path, params: dict[str, torch.Tensor]) -> None:
+    """``meshrun ckpt export --hf`` of the ep=2 run's last checkpoint loads with
+    ``from_pretrained`` into the run's final weights, experts whole."""
+    from transformers import Qwen2MoeForCausalLM
+
+    from meshrun.checkpoint.export import export_hf
+
+    export_hf(layout.step_dir(ckpt, STEPS), out)
+    loaded = Qwen2MoeForCausalLM.from_pretrained(out).state_dict()
+    assert loaded.keys() == params.keys()
+    assert all(torch.equal(loaded[k], params[k]) for k in params)
