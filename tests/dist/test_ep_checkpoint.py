@@ -1,6 +1,7 @@
 """Expert-parallel runs through ``meshrun.init`` on Gloo: checkpoints, resume, metrics.
 
-A run of 6 steps at ``ep = 2`` (2 ranks, FSDP2 ZeRO-3, AdamW) saves at steps 3 and 6. Resumed
+A run of 6 steps at ``ep = 2`` (2 ranks, FSDP2 ZeRO-3, AdamW; on 4 ranks the experts are also
+FSDP2-sharded over their 2 replicas) saves at steps 3 and 6. Resumed
 from step 3 at ``ep = 2`` it repeats steps 4-6 bitwise (losses and final parameters); resumed
 at ``ep = 1`` (the experts whole on every rank) the losses stay within 1e-6 relative: the
 experts are saved as one process names them (DTensor ``Shard(0)`` over ep with the global
@@ -28,7 +29,7 @@ from _dist import run_distributed
 from meshrun.checkpoint import layout
 from meshrun.parallel.structure import ModelSpec
 
-GLOBAL_BATCH, MICRO, SAVE_AT, STEPS = 8, 4, 3, 6
+GLOBAL_BATCH, SAVE_AT, STEPS = 8, 3, 6
 
 
 class Tokens(Dataset[torch.Tensor]):
@@ -43,10 +44,10 @@ class Tokens(Dataset[torch.Tensor]):
         return self.data[i]
 
 
-def make_config(run_dir: Path, ckpt: Path, resume: str, ep: int) -> meshrun.Config:
+def make_config(run_dir: Path, ckpt: Path, resume: str, ep: int, world: int = 2) -> meshrun.Config:
     cfg = meshrun.Config()
     cfg.job.run_dir, cfg.job.device, cfg.job.timeout_s = str(run_dir), "cpu", 60.0
-    cfg.data.global_batch, cfg.data.micro_batch = GLOBAL_BATCH, MICRO
+    cfg.data.global_batch, cfg.data.micro_batch = GLOBAL_BATCH, GLOBAL_BATCH // world
     cfg.optim.steps, cfg.optim.lr, cfg.optim.warmup_steps = STEPS, 0.01, 0
     cfg.metrics.progress = False
     cfg.checkpoint.dir, cfg.checkpoint.resume = str(ckpt), resume
@@ -85,10 +86,11 @@ def metrics_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize("kind", ["qwen2_moe", "own"])
-def test_ep_resume_bitwise_and_at_another_ep(tmp_path: Path, kind: str) -> None:
+@pytest.mark.parametrize(("kind", "world"), [("qwen2_moe", 2), ("own", 2), ("qwen2_moe", 4)])
+def test_ep_resume_bitwise_and_at_another_ep(tmp_path: Path, kind: str, world: int) -> None:
     ckpt = tmp_path / "ckpt"
-    ref = run_distributed(train, 2, make_config(tmp_path / "ref", ckpt, "never", 2), kind)
+    cfg = make_config(tmp_path / "ref", ckpt, "never", 2, world)
+    ref = run_distributed(train, world, cfg, kind, timeout=200)
     assert [c.step for c in layout.list_checkpoints(ckpt)] == [SAVE_AT, STEPS]
     rows = metrics_rows(tmp_path / "ref")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -98,12 +100,12 @@ def test_ep_resume_bitwise_and_at_another_ep(tmp_path: Path, kind: str) -> None:
         assert all(len(c) == moe_models.EXPERTS for c in per_layer.values())
         assert all(sum(c) == GLOBAL_BATCH * moe_models.SEQ * 2 for c in per_layer.values())
         assert r["moe_imbalance"] >= 1.0
-    if kind == "qwen2_moe":
+    if kind == "qwen2_moe" and world == 2:
         check_hf_export(ckpt, tmp_path / "hf", ref[0]["params"])
     at = str(layout.step_dir(ckpt, SAVE_AT))
     for ep in (2, 1):
-        cfg = make_config(tmp_path / f"ep{ep}", tmp_path / f"ckpt{ep}", at, ep)
-        got = run_distributed(train, 2, cfg, kind)
+        cfg = make_config(tmp_path / f"ep{ep}", tmp_path / f"ckpt{ep}", at, ep, world)
+        got = run_distributed(train, world, cfg, kind, timeout=200)
         assert {g["start"] for g in got} == {SAVE_AT}
         later = {s: ref[0]["losses"][s] for s in range(SAVE_AT + 1, STEPS + 1)}
         diffs = [abs(got[0]["losses"][s] - v) / abs(v) for s, v in later.items()]
@@ -111,7 +113,8 @@ def test_ep_resume_bitwise_and_at_another_ep(tmp_path: Path, kind: str) -> None:
         assert p_got.keys() == p_ref.keys()
         pdiff = max(float((p_got[k] - p_ref[k]).abs().max()) for k in p_ref)
         print(
-            f"{kind}: resumed ep=2 -> ep={ep}: max rel loss diff {max(diffs):.2e}, param {pdiff:.2e}"
+            f"{kind} on {world} ranks: resumed ep=2 -> ep={ep}: max rel loss diff "
+            f"{max(diffs):.2e}, param {pdiff:.2e}"
         )
         if ep == 2:
             assert got[0]["losses"] == later  # bitwise
