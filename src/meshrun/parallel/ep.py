@@ -289,6 +289,7 @@ __all__ = [
     "apply_ep_fsdp",
     "describe_ep",
     "find_experts",
+    "full_state_dict",
     "layout_of",
     "mark_expert_params",
     "prepare_ddp",
