@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshrun.config import ConfigError
 from meshrun.parallel.ep_dispatch import (
@@ -196,8 +197,6 @@ def expert_names(model: nn.Module) -> list[str]:
 def prepare_ddp(model: nn.Module, layout: EPLayout) -> None:
     """Before DDP wraps ``model``: DDP must neither all-reduce the experts' gradients over all
     dp ranks nor broadcast rank 0's experts; they are reduced at the end of each backward."""
-    from torch.nn.parallel import DistributedDataParallel as DDP
-
     DDP._set_params_and_buffers_to_ignore_for_model(model, expert_names(model))
     layout.params = [p for m, _ in ep_containers(model) for p in m.parameters()]
     for _, state in ep_containers(model):
@@ -268,10 +267,14 @@ def mark_expert_params(model: nn.Module) -> None:
             p.meshrun_ep_group = state.group  # type: ignore[attr-defined]
 
 
+def user_module(model: nn.Module) -> nn.Module:
+    """The user's module inside DDP's wrapper (a user's own ``.module`` attribute is not one)."""
+    return model.module if isinstance(model, DDP) else model
+
+
 def layout_of(model: nn.Module) -> EPLayout | None:
     """The expert-parallel layout of a parallelized model (or its DDP wrapper)."""
-    inner = getattr(model, "module", model)
-    found = inner.__dict__.get("_meshrun_ep_layout")
+    found = user_module(model).__dict__.get("_meshrun_ep_layout")
     return found if isinstance(found, EPLayout) else None
 
 
@@ -320,7 +323,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """``model``'s whole state dict as one process holds it: every expert gathered over its ep
     group under its global name and index, DTensors whole. Collective (every rank calls it);
     for a ``--hf`` export or a comparison with one process."""
-    inner = getattr(model, "module", model)
+    inner = user_module(model)
     out = {k: _whole(v).detach().clone() for k, v in inner.state_dict().items()}
     for prefix, mod in inner.named_modules():
         state = mod.__dict__.get("_meshrun_ep")

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshrun.parallel.ep import EPLayout, global_name, layout_of
+from meshrun.parallel.ep import EPLayout, global_name, layout_of, user_module
 from meshrun.parallel.ep_dispatch import EPLayer, ep_state
 from meshrun.parallel.kinds import is_dtensor
 
@@ -34,7 +34,7 @@ def _clean(name: str) -> str:
 
 def _expert_keys(model: nn.Module) -> tuple[dict[str, str], dict[str, EPLayer]]:
     """(local FQN -> global FQN of ModuleList experts, FQN -> layer of fused tensors)."""
-    inner = getattr(model, "module", model)
+    inner = user_module(model)
     renames: dict[str, str] = {}
     fused: dict[str, EPLayer] = {}
     for prefix, mod in inner.named_modules():
