@@ -64,3 +64,41 @@ def test_parallel_dims_is_frozen() -> None:
     dims = ParallelDims(1, 1, 2, 1)
     with pytest.raises(dataclasses.FrozenInstanceError):
         dims.tp = 2  # type: ignore[misc]
+
+
+def test_ep_is_borrowed_from_the_dp_ranks() -> None:
+    dims = ParallelDims.from_config(ParallelConfig(ep=2), 4)
+    assert (dims.dp, dims.ep, dims.world_size) == (4, 2, 4)  # ep does not multiply the world
+    assert dims.describe() == "pp=1 x dp_replicate=1 x dp_shard=4 x tp=1 (ep=2)"
+    assert ParallelDims(1, 1, 4, 1).describe() == "pp=1 x dp_replicate=1 x dp_shard=4 x tp=1"
+
+
+def test_ep_groups_are_consecutive_dp_ranks() -> None:
+    from meshrun.runtime.mesh import ep_rank_grid
+
+    grid = ep_rank_grid(ParallelDims(pp=1, dp_replicate=1, dp_shard=4, tp=1, ep=2))
+    # (pp, ep, ep_replicate, tp): ep groups [0, 1] and [2, 3]; replicas [0, 2] and [1, 3].
+    assert grid[0, :, :, 0].T.tolist() == [[0, 1], [2, 3]]
+    assert grid[0, :, :, 0].tolist() == [[0, 2], [1, 3]]
+    # With tp, the ep group of rank 0 is the dp ranks 0 and 1 at tp coordinate 0: ranks 0, 2.
+    grid = ep_rank_grid(ParallelDims(pp=1, dp_replicate=1, dp_shard=2, tp=2, ep=2))
+    assert grid[0, :, 0, 0].tolist() == [0, 2]
+    assert grid[0, :, 0, 1].tolist() == [1, 3]
+
+
+@pytest.mark.parametrize(
+    ("fields", "world", "match"),
+    [
+        ({"ep": 3}, 4, r"parallel.ep = 3 does not divide .* = 4 .* choose ep in \[1, 2, 4\]"),
+        ({"ep": 2, "zero": 1}, 4, "parallel.ep = 2 with parallel.zero = 1"),
+        ({"ep": 2, "pp": 2}, 4, "parallel.ep = 2 with parallel.pp = 2 is not supported"),
+    ],
+)
+def test_ep_refusals_name_the_key_and_the_allowed_values(
+    fields: dict[str, int], world: int, match: str
+) -> None:
+    from meshrun.config import check_layout, resolve_mesh_dims
+
+    cfg = ParallelConfig(**fields)
+    with pytest.raises(ConfigError, match=match):
+        check_layout(cfg, resolve_mesh_dims(cfg, world))

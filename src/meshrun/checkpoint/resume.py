@@ -29,6 +29,8 @@ from meshrun.checkpoint.state import decode_json, merge_state, restore_rng, spli
 from meshrun.checkpoint.targets import PER_RANK, Targets
 from meshrun.checkpoint.zero1 import is_zero1, zero1_load, zero1_load_template
 from meshrun.config import CheckpointConfig
+from meshrun.parallel.ep import layout_of
+from meshrun.parallel.ep_checkpoint import ep_loaded, ep_state_views
 from meshrun.runtime.schedule import scale_lr
 
 __all__ = ["Resume", "check_per_rank", "choose", "restore_per_rank", "restore_progress"]
@@ -185,10 +187,13 @@ class Resume:
         user = {name: obj.state_dict() for name, obj in self.targets.named.items()}
         if not is_zero1(optimizer):
             msd, osd = get_state_dict(model, optimizer)
-            tensors, _ = split_state({"model": msd, "optim": osd, "user": user})
+            views = ep_state_views(model, msd, osd)  # experts as one process names them
+            tensors, _ = split_state({"model": views[0], "optim": views[1], "user": user})
             check_keys(path, tensors, known=self._other_stages_keys(model, tensors))
             safe_metadata.load(tensors, path)
             full = merge_state(tensors, plain)
+            if views[0] is not msd:  # loaded in place through the views: this rank's names
+                full["model"], full["optim"] = ep_loaded(msd, osd, full["optim"])
             set_state_dict(
                 model, optimizer, model_state_dict=full["model"], optim_state_dict=full["optim"]
             )
@@ -206,9 +211,11 @@ class Resume:
         return full
 
     def _other_stages_keys(self, model: nn.Module, tensors: dict[str, Any]) -> set[str]:
-        """Under pipeline parallelism each rank holds only its stages: the keys of the others
-        (all-gathered) are known to this run, not extra."""
-        if not isinstance(model, PipelineView) or not dist.is_initialized():
+        """Under pipeline parallelism each rank holds only its stages, under expert parallel
+        only its experts: the keys of the others (all-gathered) are known to this run, not
+        extra."""
+        split = isinstance(model, PipelineView) or layout_of(model) is not None
+        if not split or not dist.is_initialized():
             return set()
         from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 

@@ -33,6 +33,7 @@ from meshrun.checkpoint.pipeline import PipelineView, gather_optim_plain, maybe_
 from meshrun.checkpoint.state import encode_tensors, split_state, state_digest
 from meshrun.checkpoint.zero1 import is_zero1, zero1_state_dict
 from meshrun.data.sampler import ResumableSampler
+from meshrun.parallel.ep_checkpoint import ep_state_views
 from meshrun.runtime.state import TrainState
 
 __all__ = ["PER_RANK", "SAMPLER_AT_SAVE", "Stateful", "Targets", "agree_replicated"]
@@ -131,7 +132,8 @@ class Targets:
             tensors.update({"optim": ot} if ot else {})
             plain["optim"] = op
         else:
-            msd, osd = get_state_dict(model, optimizer)
+            # Experts as one process names them (another ep size resumes from them).
+            msd, osd = ep_state_views(model, *get_state_dict(model, optimizer))
             tensors, plain = split_state({"model": msd, "optim": osd, "user": user})
         if isinstance(model, PipelineView) and self.state.pp_group is not None:
             plain["optim"] = gather_optim_plain(plain["optim"], self.state.pp_group)

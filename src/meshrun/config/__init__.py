@@ -37,6 +37,7 @@ from meshrun.config.sections import (
     validate,
 )
 from meshrun.config.world import (
+    check_expert_parallel,
     check_layout,
     check_pipeline,
     dp_size_for_world,
@@ -62,6 +63,7 @@ __all__ = [
     "apply_mapping",
     "apply_overrides",
     "apply_pairs",
+    "check_expert_parallel",
     "check_layout",
     "check_pipeline",
     "check_section",

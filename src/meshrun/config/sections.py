@@ -68,6 +68,14 @@ class ParallelConfig:
     )
     tp: int = setting(1, "Tensor-parallel degree.", min=1)
     pp: int = setting(1, "Pipeline-parallel degree.", min=1)
+    ep: int = setting(
+        1,
+        "Expert-parallel degree for mixture-of-experts models: each MoE layer's experts are "
+        "split over groups of ep consecutive data-parallel ranks, tokens exchanged with "
+        "all_to_all. Borrowed from the data-parallel ranks (does not multiply the world "
+        "size): must divide dp_replicate x dp_shard.",
+        min=1,
+    )
     zero: int = setting(
         0,
         "ZeRO stage: 0 = DDP, 1 = + sharded optimizer state (ZeroRedundancyOptimizer), "

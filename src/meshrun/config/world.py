@@ -129,11 +129,37 @@ def validate_for_world(cfg: Config, world_size: int) -> dict[str, int]:
     return dims
 
 
+def check_expert_parallel(p: ParallelConfig, dp: int, shown: str) -> None:
+    """Expert parallel borrows ``ep`` of the data-parallel ranks: it must divide them, and it
+    does not run under ZeRO-1 or a pipeline (checks that need the model run in parallelize)."""
+    if dp % p.ep:
+        allowed = [d for d in range(1, dp + 1) if dp % d == 0]
+        raise ConfigError(
+            f"parallel.ep = {p.ep} does not divide the data-parallel size dp_replicate x "
+            f"dp_shard = {dp} (mesh {shown}): the experts are split over groups of ep "
+            f"data-parallel ranks; choose ep in {allowed}"
+        )
+    if p.zero == 1:
+        raise ConfigError(
+            f"parallel.ep = {p.ep} with parallel.zero = 1: ZeroRedundancyOptimizer broadcasts "
+            "each parameter from one data-parallel rank to all, but the ranks of an ep group "
+            "hold different experts; set parallel.zero=0 (DDP) or 2/3 (FSDP2)"
+        )
+    if p.pp > 1:
+        raise ConfigError(
+            f"parallel.ep = {p.ep} with parallel.pp = {p.pp} is not supported: expert "
+            "parallel composes with DDP, FSDP2 and tensor parallel (docs/parallel.md, "
+            "'Expert parallel'); set parallel.pp=1 or parallel.ep=1"
+        )
+
+
 def check_layout(p: ParallelConfig, dims: Mapping[str, int]) -> None:
     """Combinations of degrees and ZeRO stage that no PyTorch tool runs; each error names the
     dims. (Checks that need the model, such as tp dividing the heads, run in parallelize.)"""
-    shown = " x ".join(f"{k}={v}" for k, v in dims.items())
+    shown = " x ".join(f"{k}={v}" for k, v in dims.items() if k != "ep" or v > 1)
     dp = dims["dp_replicate"] * dims["dp_shard"]
+    if p.ep > 1:
+        check_expert_parallel(p, dp, shown)
     if p.zero > 0 and dims["dp_shard"] == 1:
         raise ConfigError(
             f"parallel.zero = {p.zero} shards over the dp_shard dim, but the mesh {shown} has "

@@ -2,14 +2,18 @@
 
 ``parallelize`` owns the order, as torchtitan does:
 
+0. expert parallel (``apply_ep``, ``parallel.ep`` > 1): each MoE layer keeps this rank's
+   experts and exchanges tokens with ``all_to_all`` over groups of ep data-parallel ranks
+   (parallel/ep.py); the tensor-parallel plan then leaves the experts out;
 1. tensor parallel (``apply_tp``) over the ``tp`` dim: parameters become DTensors (with
    ``loss_parallel`` the head too, its logits sharded over the vocabulary:
    :func:`maybe_loss_parallel` is the context the loss and its backward run in);
 2. activation checkpointing of every k-th block (``apply_ac``);
 3. ``torch.compile`` of each block in place (``apply_compile``, ``parallel.compile``);
-4. data parallelism last, over the ``dp`` dims: FSDP2 (``zero`` 2/3, HSDP when dp_replicate > 1)
-   with its mixed-precision policy, or DDP (``zero`` 0/1; stage 1 shards the optimizer state
-   in ``build_optimizer``) with its gradient-compression hook; under DDP a non-fp32
+4. data parallelism last, over the ``dp`` dims: FSDP2 (``zero`` 2/3, HSDP when dp_replicate > 1;
+   each expert container first, its own unit over ``ep_replicate``) with its mixed-precision policy, or DDP (``zero`` 0/1; stage 1 shards the optimizer state
+   in ``build_optimizer``; the experts left out and reduced over ``ep_replicate`` at the end of
+   the backward) with its gradient-compression hook; under DDP a non-fp32
    ``param_dtype`` runs the forward under autocast (``apply_autocast``).
 
 fp16 needs a loss scaler: :func:`build_grad_scaler` (used by ``run.backward`` and
@@ -35,11 +39,20 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshrun._lazy import lazy_exports
-from meshrun.config import ConfigError, ParallelConfig, check_layout
+from meshrun.config import ConfigError, ParallelConfig, check_expert_parallel, check_layout
 from meshrun.parallel.ac import apply_ac
 from meshrun.parallel.comm import apply_comm_hook
 from meshrun.parallel.compile import apply_compile
 from meshrun.parallel.ddp import apply_ddp, apply_replicate
+from meshrun.parallel.ep import (
+    EPLayout,
+    apply_ep,
+    apply_ep_fsdp,
+    describe_ep,
+    mark_expert_params,
+    prepare_ddp,
+    without_experts,
+)
 from meshrun.parallel.fsdp import WrapPredicate, apply_fsdp, has_meta_params, is_block, materialize
 from meshrun.parallel.grads import clip_grad_norm_, set_grad_sync
 from meshrun.parallel.norms import maybe_sync_batchnorm
@@ -47,13 +60,14 @@ from meshrun.parallel.precision import apply_autocast, build_grad_scaler, build_
 from meshrun.parallel.report import describe_layout
 from meshrun.parallel.structure import ModelSpec, ModelStructure, find_structure
 from meshrun.parallel.zero import build_optimizer, check_optimizer
-from meshrun.runtime.mesh import ParallelDims, fsdp_mesh, tp_mesh
+from meshrun.runtime.mesh import ParallelDims, build_ep_mesh, fsdp_mesh, tp_mesh
 
 __all__ = [
     "apply_ac",
     "apply_comm_hook",
     "apply_compile",
     "apply_ddp",
+    "apply_ep",
     "apply_fsdp",
     "apply_tp",
     "build_grad_scaler",
@@ -150,8 +164,8 @@ def parallelize(
     the whole mesh). ``wrap(name, module)`` chooses FSDP's and AC's units (default: the
     structure's blocks). ``comm_hook_wrap(hook)`` wraps DDP's comm hook (monitor/comm.py).
     """
-    dims = ParallelDims.from_mesh(mesh)
-    check_whole_model_layout(cfg, dims)
+    dims = dataclasses.replace(ParallelDims.from_mesh(mesh), ep=cfg.ep)
+    check_whole_model_layout(cfg, dims, mesh)
     zero = data_parallel_stage(cfg, dims)
     check_offload(cfg, device)
     mp_policy = build_mp_policy(cfg, zero)  # checked before anything changes
@@ -162,17 +176,43 @@ def parallelize(
     if not meta:
         model = model.to(device)
     model = maybe_sync_batchnorm(model, mesh, cfg, device, broadcasts_buffers=zero < 2)
+    ep = maybe_apply_ep(model, mesh, dims, device, spec)
+    if ep is not None:  # the experts are split by expert: the TP plan leaves them out
+        structure = dataclasses.replace(
+            structure, tp_plan=without_experts(model, structure.tp_plan)
+        )
     if mesh is not None:
         maybe_apply_tp(model, mesh, dims, cfg, tp_plan, parallelize_fn, structure)
-    apply_block_layouts(model, mesh, cfg, dims, zero, mp_policy, wrap)
+    apply_block_layouts(model, mesh, cfg, dims, zero, mp_policy, wrap, ep)
     if meta:
         materialize(model, device)
     log.info(describe_layout(model, mesh, cfg, zero))
     if zero < 2:
         apply_autocast(model, cfg, device)
-    if mesh is None or zero >= 2 or dims.dp == 1:
-        return model
-    return _ddp(model, mesh, cfg, device, dims, zero, comm_hook_wrap)
+    out = model
+    if mesh is not None and zero < 2 and dims.dp > 1:
+        out = _ddp(model, mesh, cfg, device, dims, zero, comm_hook_wrap)
+    if ep is not None:
+        mark_expert_params(model)
+    return out
+
+
+def maybe_apply_ep(
+    model: nn.Module,
+    mesh: DeviceMesh | None,
+    dims: ParallelDims,
+    device: torch.device,
+    spec: ModelSpec | None,
+) -> EPLayout | None:
+    """Expert parallel when ``parallel.ep`` > 1 (parallel/ep.py), else nothing. The layout is
+    kept on the model for the gradient switch and the checkpoints."""
+    if dims.ep == 1 or mesh is None:
+        return None
+    layout = apply_ep(model, build_ep_mesh(dims, device.type), dims.dp, spec)
+    layout.dp_group = mesh.get_group("dp")
+    model.__dict__["_meshrun_ep_layout"] = layout
+    log.info(describe_ep(model, layout))
+    return layout
 
 
 def apply_block_layouts(
@@ -183,15 +223,19 @@ def apply_block_layouts(
     zero: int,
     mp_policy: MixedPrecisionPolicy | None,
     wrap: WrapPredicate,
+    ep: EPLayout | None = None,
 ) -> None:
     """What :func:`parallelize` applies per block, in its order: activation checkpointing,
-    ``torch.compile``, then FSDP2 (zero 2/3) with each block its own unit."""
+    ``torch.compile``, then FSDP2 (zero 2/3) with each block its own unit (each expert
+    container of ``ep`` before them, over its replicas)."""
     if cfg.activation_checkpoint:
         n = apply_ac(model, cfg.activation_checkpoint, wrap)
         log.info("activation checkpointing: %d blocks (every %d)", n, cfg.activation_checkpoint)
     if cfg.compile:
         log.info("torch.compile: %d blocks", apply_compile(model, wrap))
     if mesh is not None and zero >= 2:
+        if ep is not None:
+            apply_ep_fsdp(model, ep, zero, mp_policy)
         _shard(model, mesh, cfg, zero, mp_policy, wrap)
         log.info(
             "FSDP2 ZeRO-%d over %s (params %s, reduce %s)",
@@ -208,6 +252,9 @@ def _ddp(
     zero: int,
     comm_hook_wrap: Callable[[Any], Any] | None,
 ) -> nn.Module:
+    layout = model.__dict__.get("_meshrun_ep_layout")
+    if isinstance(layout, EPLayout):
+        prepare_ddp(model, layout)
     ddp = apply_ddp(model, mesh, cfg, device)
     log.info(
         "DDP%s over %d ranks (bucket_cap_mb=%s, static_graph=%s, comm hook %s)",
@@ -217,9 +264,19 @@ def _ddp(
     return ddp
 
 
-def check_whole_model_layout(cfg: ParallelConfig, dims: ParallelDims) -> None:
+def check_whole_model_layout(
+    cfg: ParallelConfig, dims: ParallelDims, mesh: DeviceMesh | None = None
+) -> None:
     """What :func:`parallelize` refuses before anything changes: a pipelined mesh (driven by
-    its schedule instead) and loss parallel without a tp dim."""
+    its schedule instead), loss parallel without a tp dim, and an ``ep`` the data-parallel
+    ranks cannot hold."""
+    if cfg.ep > 1:
+        if mesh is None:
+            raise ConfigError(
+                f"parallel.ep = {cfg.ep} splits the experts over data-parallel ranks, but this "
+                "process runs alone (no process group); launch more ranks or set parallel.ep=1"
+            )
+        check_expert_parallel(cfg, dims.dp, dims.describe())
     if dims.pp > 1:
         raise ConfigError(
             f"parallel.pp = {dims.pp}: a pipelined model is driven by its schedule, not called "

@@ -12,7 +12,7 @@ then over the pipeline stages, and the coefficient ``min(1, max_norm / (norm + 1
 float64 number, applied to each gradient in its own dtype. Placements: ``Shard`` (FSDP2, TP,
 HSDP's shard dim) and FSDP2's strided shard over a TP shard count as sharding; ``Replicate``
 (HSDP's replicate dim, DDP-style replication of a stage) does not; a ``Partial`` gradient is
-reduced first. A pipeline's second copy of a tied parameter (parallel/pp/tied.py) is counted
+reduced first; an expert parameter (``parallel.ep``) is also cut over its ep group. A pipeline's second copy of a tied parameter (parallel/pp/tied.py) is counted
 once, as one process counts the one tensor.
 """
 
@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from meshrun.parallel.ep import set_ep_grad_sync
 from meshrun.parallel.kinds import is_dtensor, is_fsdp_module
 
 # Elements per float64 chunk of a large gradient: a 2**24-element piece costs 128 MiB in
@@ -40,6 +41,7 @@ def set_grad_sync(model: nn.Module, enabled: bool) -> None:
     a switch (set before the forward, so the step loop sets it before each micro-batch). Under
     FSDP2 the same switch is ``set_requires_gradient_sync``: gradients accumulate unsharded
     and are reduce-scattered once, on the boundary micro-step."""
+    set_ep_grad_sync(model, enabled)
     if isinstance(model, DDP):
         model.require_backward_grad_sync = enabled
     elif is_fsdp_module(model):
@@ -72,8 +74,20 @@ def _parts(params: Sequence[torch.Tensor]) -> list[_Part]:
 
 
 def _local_grad(p: torch.Tensor) -> tuple[tuple[dist.ProcessGroup, ...], int, Tensor | None]:
-    """(groups of the sharding dims, pieces, local gradient) of one parameter. A plain alias of
-    a DTensor parameter (a pipeline under ZeRO-1, ``meshrun_view_of``) is cut like it."""
+    """(groups of the sharding dims, pieces, local gradient) of one parameter. An expert
+    parameter (parallel/ep.py) is also cut over its ep group: each ep rank holds other
+    experts."""
+    groups, pieces, local = _mesh_grad(p)
+    ep_group = getattr(p, "meshrun_ep_group", None)
+    if ep_group is None:
+        return groups, pieces, local
+    return (*groups, ep_group), pieces * dist.get_world_size(ep_group), local
+
+
+def _mesh_grad(p: torch.Tensor) -> tuple[tuple[dist.ProcessGroup, ...], int, Tensor | None]:
+    """(groups of the sharding mesh dims, pieces, local gradient) of one parameter. A plain
+    alias of a DTensor parameter (a pipeline under ZeRO-1, ``meshrun_view_of``) is cut like
+    it."""
     grad, src = p.grad, getattr(p, "meshrun_view_of", p)
     spec = grad if is_dtensor(grad) else src if is_dtensor(src) else None
     if spec is None:

@@ -34,6 +34,20 @@ KV_HEAD_ATTRS = ("n_kv_head", "n_kv_heads", "num_kv_heads", "num_key_value_heads
 
 
 @dataclass(frozen=True)
+class ExpertsDecl:
+    """Where the experts of a mixture-of-experts model are (``ModelSpec(experts=...)``; a plain
+    string is the ``pattern``). ``pattern``: an fnmatch pattern over module FQNs, e.g.
+    ``"blocks.*.moe.experts"``; each match is an expert container called as ``experts(hidden
+    [N, H], top_k_index [N, K], top_k_weights [N, K]) -> [N, H]`` (the routing stays in the
+    user's block). Its tensors with E on ``expert_dim`` are split over ``parallel.ep``, or its
+    ``nn.ModuleList`` of E experts is sliced; ``num_experts_attr`` holds E (set to E / ep)."""
+
+    pattern: str
+    num_experts_attr: str = "num_experts"
+    expert_dim: int = 0
+
+
+@dataclass(frozen=True)
 class ModelSpec:
     """What a user may tell meshrun about a model (docs/parallel.md, "Your model's structure").
 
@@ -45,7 +59,9 @@ class ModelSpec:
     ``num_kv_heads``: the attention head counts, for the tensor-parallel checks. ``before`` /
     ``after``: FQNs of the modules that run before the blocks (embeddings first) and after
     them (final norm, head), in forward order, where the order they are registered in is not
-    the forward's (``nn.Transformer`` registers ``encoder`` before a subclass's embedding)."""
+    the forward's (``nn.Transformer`` registers ``encoder`` before a subclass's embedding).
+    ``experts``: the expert containers of a mixture-of-experts model (:class:`ExpertsDecl`, or
+    its pattern), for ``parallel.ep``."""
 
     blocks: str | None = None
     split_points: tuple[str, ...] = ()
@@ -55,6 +71,7 @@ class ModelSpec:
     tied: tuple[tuple[str, str], ...] | None = None
     num_heads: int | None = None
     num_kv_heads: int | None = None
+    experts: str | ExpertsDecl | None = None
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,17 @@ layer) stays inside a node, then ``dp_shard`` (FSDP's all-gathers), while ``dp_r
 the mesh would otherwise have no data-parallel dim. Data loading and loss reduction use the
 flattened ``dp`` view (dp_replicate x dp_shard); FSDP shards over ``dp_shard`` (HSDP: the 2-D
 ``(dp_replicate, dp_shard)`` sub-mesh); tensor parallel uses ``tp``.
+
+``ep`` (expert parallel) is no dim of this mesh: it borrows groups of ``ep`` consecutive
+data-parallel ranks (a dp index ``i`` is in ep group ``i // ep``). :func:`build_ep_mesh` builds
+the second mesh its layers, gradients and checkpoints use.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshrun.config import ParallelConfig, resolve_mesh_dims
@@ -26,11 +31,12 @@ class ParallelDims:
     dp_replicate: int
     dp_shard: int
     tp: int
+    ep: int = 1  # expert parallel: borrowed from the dp ranks, not a mesh dim
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
         """Resolve ``dp_shard=-1`` and check the product against the world (ConfigError)."""
-        return cls(**resolve_mesh_dims(cfg, world_size))
+        return cls(**resolve_mesh_dims(cfg, world_size), ep=cfg.ep)
 
     @classmethod
     def from_mesh(cls, mesh: DeviceMesh | None) -> ParallelDims:
@@ -60,8 +66,10 @@ class ParallelDims:
         return (rank // self.tp) % self.dp
 
     def describe(self) -> str:
-        """``pp=1 x dp_replicate=1 x dp_shard=2 x tp=2``: every dim, for messages and logs."""
-        return " x ".join(f"{n}={getattr(self, n)}" for n in MESH_DIMS)
+        """``pp=1 x dp_replicate=1 x dp_shard=2 x tp=2``: every dim, for messages and logs
+        (and `` (ep=2)`` when expert parallel borrows from the dp ranks)."""
+        shown = " x ".join(f"{n}={getattr(self, n)}" for n in MESH_DIMS)
+        return shown + (f" (ep={self.ep})" if self.ep > 1 else "")
 
 
 def mesh_dims(dims: ParallelDims) -> dict[str, int]:
@@ -103,3 +111,24 @@ def tp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     if "tp" not in names:
         raise ValueError(f"mesh {names} has no tp dim")
     return mesh["tp"]
+
+
+EP_DIMS = ("pp", "ep", "ep_replicate", "tp")
+
+
+def ep_rank_grid(dims: ParallelDims) -> torch.Tensor:
+    """The world's ranks as ``(pp, ep, ep_replicate, tp)``: dp index ``r * ep + e`` is ep rank
+    ``e`` of ep group ``r``, so an ep group is ``ep`` consecutive dp ranks (on one node where
+    the dp ranks are) and ``ep_replicate`` joins the dp/ep ranks that hold the same experts."""
+    if dims.dp % dims.ep:
+        raise ValueError(f"ep={dims.ep} does not divide the data-parallel size {dims.dp}")
+    grid = torch.arange(dims.world_size).reshape(dims.pp, dims.dp // dims.ep, dims.ep, dims.tp)
+    return grid.permute(0, 2, 1, 3)
+
+
+def build_ep_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """The expert-parallel mesh ``(pp, ep, ep_replicate, tp)`` over the same ranks as the
+    named mesh (a collective: every rank calls it). ``mesh["ep"]`` dispatches tokens,
+    ``mesh["ep_replicate"]`` reduces the experts' gradients, ``mesh["ep", "ep_replicate"]``
+    holds the expert tensors of a checkpoint (``Shard(0)`` on both: ep first)."""
+    return DeviceMesh(device_type, ep_rank_grid(dims), mesh_dim_names=EP_DIMS)

@@ -28,6 +28,7 @@ from meshrun.data.loader import WaitClock
 from meshrun.data.permutation import mix_seed
 from meshrun.data.sampler import ResumableSampler
 from meshrun.monitor import MetricsLogger, StepMonitor, memory_stats
+from meshrun.monitor.moe import moe_metrics
 from meshrun.monitor.throughput import resolve_tokens_per_sample
 from meshrun.parallel import set_grad_sync
 from meshrun.parallel.grads import clip_grads_, grad_norm, grad_sq_share
@@ -400,6 +401,8 @@ class StepLoop:
             and (self.global_batch if samples is None else samples) * self._tokens_per_sample,
             extra={
                 **(memory_stats(self.device) | self.monitor.host.sample() if logged else {}),
+                # Tokens per expert since the last logged step (a collective on every rank).
+                **(moe_metrics(self.state.models) if logged else {}),
                 **wait,
                 # The clip's norm (without clipping it is not taken: docs/monitor.md).
                 **({"grad_norm": self.grad_norm} if self.grad_clip > 0 else {}),

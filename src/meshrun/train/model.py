@@ -16,6 +16,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from meshrun.config import ConfigError
 from meshrun.monitor.mfu import ModelFlops, constant_per_token, model_flops, start_mfu
 from meshrun.parallel import build_grad_scaler, build_optimizer, parallelize, parallelize_pipeline
+from meshrun.parallel.ep import layout_of
 from meshrun.parallel.pp.kind import is_pipeline
 from meshrun.train.base import RunFields
 
@@ -126,6 +127,12 @@ class ModelMethods(RunFields):
         it holds. Call it on every rank; returns ``meshrun.hf.load.load_pretrained``'s report."""
         from meshrun.hf.load import load_pretrained  # the safetensors side: only when used
 
+        if not is_pipeline(model) and layout_of(cast(nn.Module, model)) is not None:
+            raise ConfigError(
+                f"run.load_pretrained: parallel.ep = {self.config.parallel.ep} is not supported "
+                "yet (each rank would have to read its own experts); load the weights before "
+                "run.parallelize (e.g. from_pretrained), which then keeps each rank's experts"
+            )
         return load_pretrained(model, directory, device=self.device)
 
     def set_flops_per_token(self, flops_per_token: float) -> None:

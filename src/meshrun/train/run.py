@@ -57,7 +57,7 @@ class Run(ModelMethods, DataMethods, LoopMethods, EvalMethods):
         self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
         # First, before any effect: every value check (also of attributes set after the
         # Config was built), the mesh dims and every world-size check, as the launcher did.
-        self.dims = ParallelDims(**validate_for_world(cfg, env.world_size))
+        self.dims = ParallelDims(**validate_for_world(cfg, env.world_size), ep=cfg.parallel.ep)
         # Without a launcher's resolved config an unset global batch is the resumed
         # checkpoint's, else derived from this world; from here on everything (loop, sampler,
         # checkpoints, LR) sees the number.
