@@ -162,6 +162,10 @@ def parallelize(
     if not meta:
         model = model.to(device)
     model = maybe_sync_batchnorm(model, mesh, cfg, device, broadcasts_buffers=zero < 2)
+    if mesh is not None and dims.cp > 1:  # before FSDP2/DDP: its pre-hook runs first
+        from meshrun.parallel.cp import apply_cp
+
+        log.info("context parallel over %d ranks: %s", dims.cp, apply_cp(model, mesh, structure))
     if mesh is not None:
         maybe_apply_tp(model, mesh, dims, cfg, tp_plan, parallelize_fn, structure)
     apply_block_layouts(model, mesh, cfg, dims, zero, mp_policy, wrap)
@@ -170,7 +174,7 @@ def parallelize(
     log.info(describe_layout(model, mesh, cfg, zero))
     if zero < 2:
         apply_autocast(model, cfg, device)
-    if mesh is None or zero >= 2 or dims.dp == 1:
+    if mesh is None or zero >= 2 or dims.dp * dims.cp == 1:
         return model
     return _ddp(model, mesh, cfg, device, dims, zero, comm_hook_wrap)
 
@@ -211,7 +215,8 @@ def _ddp(
     ddp = apply_ddp(model, mesh, cfg, device)
     log.info(
         "DDP%s over %d ranks (bucket_cap_mb=%s, static_graph=%s, comm hook %s)",
-        *(" + ZeRO-1" if zero == 1 else "", dims.dp, cfg.bucket_cap_mb, cfg.static_graph),
+        *(" + ZeRO-1" if zero == 1 else "", dims.dp * dims.cp, cfg.bucket_cap_mb),
+        cfg.static_graph,
         apply_comm_hook(ddp, cfg, comm_hook_wrap),
     )
     return ddp

@@ -1,0 +1,197 @@
+"""Context parallel (``parallel.cp``) through the user's loop on Gloo, in real processes: cp = 2
+trains a Hugging Face Llama built from a config and the demo GPT exactly like one process with
+the same global batch (the logged per-step losses and, with SGD, the parameters after the
+steps), and so does cp 2 x dp_shard 2 (ZeRO-3) on 4 ranks. The loop is the plain one: the
+batches of ``run.steps`` are each rank's slice of the sequence, and the model numbers it from
+its global place (parallel/cp.py). The sequence length, 14, divides by cp but not by
+2 x heads. The demo's targets have ignored (-100) positions, all in the first rank's slice, so
+its loss is ``sequence_cross_entropy`` (the plain per-rank mean would weight the slices
+wrongly). What context parallel cannot run is refused before step 1, with the reason.
+
+The reference runs in the test process, with no process group, on the samples one rank with
+the global batch reads (the sampler's order depends only on the seed).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset
+
+import meshrun
+from _dist import run_distributed
+from meshrun.demo.model import GPT, GPTConfig
+
+pytestmark = pytest.mark.slow
+
+SEQ = 14  # divides by cp = 2, not by 2 x heads (8 for the Llama, 4 for the GPT)
+VOCAB = 64
+GLOBAL_BATCH = 4
+STEPS = 4
+LR = 0.5
+TOL = 1e-5
+IGNORED = 5  # the demo's first targets are -100: all on cp rank 0's slice of 7
+
+Params = dict[str, Tensor]
+
+
+class Windows(Dataset[tuple[Tensor, Tensor]]):
+    """64 fixed random token windows: inputs and next-token targets, both [SEQ]."""
+
+    def __init__(self, seq: int = SEQ, ignored: int = 0) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.data = torch.randint(0, VOCAB, (64, seq + 1), generator=g)
+        self.ignored = ignored
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        x, y = self.data[i, :-1], self.data[i, 1:].clone()
+        y[: self.ignored] = -100
+        return x, y
+
+
+def llama(heads: int = 4, kv_heads: int = 2) -> nn.Module:
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32 if heads != 3 else 48,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+        dtype=torch.float32,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)  # the same weights in every process
+        return AutoModelForCausalLM.from_config(config)
+
+
+def gpt() -> nn.Module:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        return GPT(GPTConfig(vocab_size=VOCAB, seq_len=32, n_layer=2, n_head=2, d_model=32))
+
+
+MODELS: dict[str, Callable[[], nn.Module]] = {"llama": llama, "gpt": gpt}
+
+
+def step_loss(name: str, model: nn.Module, x: Tensor, y: Tensor, mesh: Any) -> Tensor:
+    """The user's loss: the Llama's plain mean (every slice counts the same targets), the
+    GPT's over the whole sequences (its ignored targets sit in one slice)."""
+    if name == "llama":
+        return F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
+    from meshrun.parallel.cp import sequence_cross_entropy
+
+    return sequence_cross_entropy(model(x), y, mesh)
+
+
+def full_params(model: nn.Module) -> Params:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+        for k, v in model.named_parameters()
+    }
+
+
+def make_config(run_dir: Path, micro_batch: int, **parallel: int) -> meshrun.Config:
+    cfg = meshrun.Config()
+    cfg.job.run_dir, cfg.job.device, cfg.job.timeout_s = str(run_dir), "cpu", 60.0
+    cfg.data.global_batch, cfg.data.micro_batch = GLOBAL_BATCH, micro_batch
+    cfg.optim.steps, cfg.optim.lr = STEPS, LR
+    cfg.metrics.progress = False
+    for key, value in parallel.items():
+        setattr(cfg.parallel, key, value)
+    return cfg
+
+
+def train(rank: int, world_size: int, cfg: meshrun.Config, name: str) -> dict[str, Any]:
+    """The user's loop under meshrun; runs in each spawned rank."""
+    run = meshrun.init(cfg, argv=[])
+    model = run.parallelize(MODELS[name]())
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    shapes, values = set(), []
+    data = Windows(ignored=IGNORED if name == "gpt" else 0)
+    for x, y in run.steps(run.dataloader(data)):
+        shapes.add(tuple(x.shape))
+        loss = step_loss(name, model, x, y, run.mesh)
+        values.append(loss.item())
+        run.backward(loss)
+        run.optimizer_step(optimizer)
+    result = {"params": full_params(run.unwrap(model)), "shapes": shapes, "values": values}
+    run.close()
+    return result
+
+
+def reference(name: str) -> tuple[list[float], Params]:
+    """One process, the global batch, no process group: per-step losses, final parameters."""
+    data = Windows(ignored=IGNORED if name == "gpt" else 0)
+    seed = meshrun.Config().job.seed
+    sampler = meshrun.ResumableSampler(
+        len(data), rank=0, world_size=1, global_batch=GLOBAL_BATCH, seed=seed
+    )
+    model = MODELS[name]()
+    initial = full_params(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    losses = []
+    for x, y in itertools.islice(DataLoader(data, GLOBAL_BATCH, sampler=sampler), STEPS):
+        loss = step_loss(name, model, x, y, None)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    final = full_params(model)
+    assert max(float((final[k] - initial[k]).abs().max()) for k in final) > 1e-2  # it trains
+    return losses, final
+
+
+def logged_losses(run_dir: Path) -> list[float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "step" in r and "event" not in r]
+    assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
+    return [r["loss"] for r in steps]
+
+
+def check(name: str, results: list[dict[str, Any]], run_dir: Path, slice_shape: tuple) -> None:
+    ref_losses, ref_params = reference(name)
+    logged = logged_losses(run_dir)
+    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(logged, ref_losses, strict=True))
+    param_diff = max(
+        float((r["params"][k] - ref_params[k]).abs().max()) for r in results for k in ref_params
+    )
+    print(f"{name}: max rel loss diff {loss_diff:.2g}, max |param diff| {param_diff:.2g}")
+    assert loss_diff <= TOL, (logged, ref_losses)
+    assert param_diff <= TOL
+    for r in results:
+        assert r["shapes"] == {slice_shape}  # each rank saw its slice, not the whole sequence
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", ["llama", "gpt"])
+def test_cp2_trains_like_one_process(name: str, tmp_path: Path) -> None:
+    # DDP (zero 0) over dp x cp = 1 x 2; micro-batch 2, accumulation 2.
+    cfg = make_config(tmp_path / "run", micro_batch=2, cp=2)
+    results = run_distributed(train, 2, cfg, name, timeout=150)
+    check(name, results, tmp_path / "run", (2, SEQ // 2))
+    if name == "gpt":  # sequence_cross_entropy's value is the whole sequences' on both ranks
+        assert results[0]["values"] == pytest.approx(results[1]["values"], rel=1e-6)
+
+
+@pytest.mark.timeout(240)
+def test_cp2_dp_shard2_zero3_trains_like_one_process(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path / "run", micro_batch=2, cp=2, dp_shard=2, zero=3)
+    results = run_distributed(train, 4, cfg, "llama", timeout=210)
+    check("llama", results, tmp_path / "run", (2, SEQ // 2))
