@@ -6,7 +6,8 @@ batches of ``run.steps`` are each rank's slice of the sequence, and the model nu
 its global place (parallel/cp.py). The sequence length, 14, divides by cp but not by
 2 x heads. The demo's targets have ignored (-100) positions, all in the first rank's slice, so
 its loss is ``sequence_cross_entropy`` (the plain per-rank mean would weight the slices
-wrongly). What context parallel cannot run is refused before step 1, with the reason.
+wrongly). What context parallel cannot run is refused before step 1 (or, for a batch, before
+its forward), with the reason, on every rank alike.
 
 The reference runs in the test process, with no process group, on the samples one rank with
 the global batch reads (the sampler's order depends only on the seed).
@@ -195,3 +196,80 @@ def test_cp2_dp_shard2_zero3_trains_like_one_process(tmp_path: Path) -> None:
     cfg = make_config(tmp_path / "run", micro_batch=2, cp=2, dp_shard=2, zero=3)
     results = run_distributed(train, 4, cfg, "llama", timeout=210)
     check("llama", results, tmp_path / "run", (2, SEQ // 2))
+
+
+class NoPositions(nn.Module):
+    """Attention through the ``sdpa`` seam, but a forward that cannot take global positions."""
+
+    n_head = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(VOCAB, 8)
+        self.sdpa = F.scaled_dot_product_attention
+
+    def forward(self, idx: Tensor) -> Tensor:
+        h = self.emb(idx).view(*idx.shape, 2, 4).transpose(1, 2)
+        return self.sdpa(h, h, h, is_causal=True)
+
+
+def hf_model(kind: str) -> nn.Module:
+    import transformers as tf
+
+    small = {"vocab_size": VOCAB, "hidden_size": 32}
+    if kind == "bloom":  # ALiBi, its own attention code: no AttentionInterface
+        return tf.BloomForCausalLM(tf.BloomConfig(**small, n_layer=1, n_head=2))
+    config = tf.MistralConfig(
+        **small,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4,
+    )
+    return tf.MistralForCausalLM(config)
+
+
+def refusals(rank: int, world_size: int, cfg: meshrun.Config) -> dict[str, str]:
+    """Each refusal's message, on every rank (all raise together: no rank is left waiting)."""
+    from meshrun.config import ConfigError
+
+    run = meshrun.init(cfg, argv=[])
+    out: dict[str, str] = {}
+
+    def refused(name: str, fn: Callable[[], object]) -> None:
+        with pytest.raises(ConfigError) as info:
+            fn()
+        out[name] = str(info.value)
+
+    refused("heads", lambda: run.parallelize(llama(heads=3, kv_heads=3)))
+    refused("bloom", lambda: run.parallelize(hf_model("bloom")))
+    refused("sliding", lambda: run.parallelize(hf_model("mistral")))
+    refused("plain", lambda: run.parallelize(nn.Sequential(nn.Embedding(VOCAB, 8))))
+    refused("positions", lambda: run.parallelize(NoPositions()))
+    model = run.unwrap(run.parallelize(llama()))
+    x = torch.randint(0, VOCAB, (2, SEQ // 2))
+    mask = torch.ones_like(x)
+    mask[1, -1] = rank  # padding on rank 0's slice only
+    refused("padding", lambda: model(x, attention_mask=mask))
+    refused("labels", lambda: model(x, labels=x))
+    refused("length", lambda: next(iter(run.steps(run.dataloader(Windows(seq=SEQ + 1))))))
+    run.close()
+    return out
+
+
+@pytest.mark.timeout(120)
+def test_what_cp_cannot_run_is_refused_with_the_reason(tmp_path: Path) -> None:
+    cfg = make_config(tmp_path / "run", micro_batch=2, cp=2)
+    results = run_distributed(refusals, 2, cfg, timeout=100)
+    assert results[0] == results[1]
+    got = results[0]
+    print(json.dumps(got, indent=1))
+    assert "each cp rank whole attention heads, but the model has 3 heads" in got["heads"]
+    assert "BloomForCausalLM's attention does not go through" in got["bloom"]
+    assert "full causal attention only; MistralForCausalLM has sliding-window" in got["sliding"]
+    assert "is neither a transformers model nor has modules" in got["plain"]
+    assert "NoPositions.forward takes no position_ids" in got["positions"]
+    assert "without a mask (no padding, no packing)" in got["padding"]
+    assert "labels= makes the model shift the targets inside each rank's slice" in got["labels"]
+    assert "sequence length 15 does not divide by parallel.cp = 2" in got["length"]
