@@ -1,5 +1,5 @@
 """Context parallel (``parallel.cp``) through the user's loop on Gloo, in real processes: cp = 2
-trains a Hugging Face Llama built from a config and the demo GPT exactly like one process with
+trains a Hugging Face Llama and a Qwen2 (one key/value head) built from configs and the demo GPT exactly like one process with
 the same global batch (the logged per-step losses and, with SGD, the parameters after the
 steps), and so does cp 2 x dp_shard 2 (ZeRO-3) on 4 ranks. The loop is the plain one: the
 batches of ``run.steps`` are each rank's slice of the sequence, and the model numbers it from
@@ -80,19 +80,38 @@ def llama(heads: int = 4, kv_heads: int = 2) -> nn.Module:
         return AutoModelForCausalLM.from_config(config)
 
 
+def qwen2() -> nn.Module:
+    from transformers import AutoModelForCausalLM, Qwen2Config
+
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,  # one kv head: repeated to 2 before the exchange
+        max_position_embeddings=64,
+        attn_implementation="sdpa",
+        dtype=torch.float32,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(7)
+        return AutoModelForCausalLM.from_config(config)
+
+
 def gpt() -> nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(7)
         return GPT(GPTConfig(vocab_size=VOCAB, seq_len=32, n_layer=2, n_head=2, d_model=32))
 
 
-MODELS: dict[str, Callable[[], nn.Module]] = {"llama": llama, "gpt": gpt}
+MODELS: dict[str, Callable[[], nn.Module]] = {"llama": llama, "qwen2": qwen2, "gpt": gpt}
 
 
 def step_loss(name: str, model: nn.Module, x: Tensor, y: Tensor, mesh: Any) -> Tensor:
     """The user's loss: the Llama's plain mean (every slice counts the same targets), the
     GPT's over the whole sequences (its ignored targets sit in one slice)."""
-    if name == "llama":
+    if name != "gpt":
         return F.cross_entropy(model(x).logits.flatten(0, 1), y.flatten())
     from meshrun.parallel.cp import sequence_cross_entropy
 
@@ -181,7 +200,7 @@ def check(name: str, results: list[dict[str, Any]], run_dir: Path, slice_shape: 
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("name", ["llama", "gpt"])
+@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt"])
 def test_cp2_trains_like_one_process(name: str, tmp_path: Path) -> None:
     # DDP (zero 0) over dp x cp = 1 x 2; micro-batch 2, accumulation 2.
     cfg = make_config(tmp_path / "run", micro_batch=2, cp=2)
