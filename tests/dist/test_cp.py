@@ -1,13 +1,15 @@
 """Context parallel (``parallel.cp``) through the user's loop on Gloo, in real processes: cp = 2
-trains a Hugging Face Llama and a Qwen2 (one key/value head) built from configs and the demo GPT exactly like one process with
-the same global batch (the logged per-step losses and, with SGD, the parameters after the
-steps), and so does cp 2 x dp_shard 2 (ZeRO-3) on 4 ranks. The loop is the plain one: the
-batches of ``run.steps`` are each rank's slice of the sequence, and the model numbers it from
-its global place (parallel/cp.py). The sequence length, 14, divides by cp but not by
-2 x heads. The demo's targets have ignored (-100) positions, all in the first rank's slice, so
-its loss is ``sequence_cross_entropy`` (the plain per-rank mean would weight the slices
-wrongly). What context parallel cannot run is refused before step 1 (or, for a batch, before
-its forward), with the reason, on every rank alike.
+trains a Hugging Face Llama and a Qwen2 (one key/value head) built from configs and the demo
+GPT exactly like one process with the same global batch (the logged per-step losses and
+gradient norms, with SGD the parameters after the steps, the held-out loss of
+``run.evaluate``), and so does cp 2 with data parallel 2 on 4 ranks: ZeRO-3 over
+dp_shard x cp, HSDP, DDP. The loop is the plain one: the batches of ``run.steps`` are each
+rank's slice of the sequence, and the model numbers it from its global place
+(parallel/cp.py). The sequence length, 14, divides by cp but not by 2 x heads. The demo's
+targets have ignored (-100) positions, all in the first rank's slice, so its loss is
+``sequence_cross_entropy`` (the plain per-rank mean would weight the slices wrongly). What
+context parallel cannot run is refused before step 1 (or, for a batch, before its forward),
+with the reason, on every rank alike.
 
 The reference runs in the test process, with no process group, on the samples one rank with
 the global batch reads (the sampler's order depends only on the seed).
@@ -40,6 +42,7 @@ STEPS = 4
 LR = 0.5
 TOL = 1e-5
 IGNORED = 5  # the demo's first targets are -100: all on cp rank 0's slice of 7
+CLIP = 0.2  # the clip uses the norm of the whole gradient: compared too
 
 Params = dict[str, Tensor]
 
@@ -47,9 +50,9 @@ Params = dict[str, Tensor]
 class Windows(Dataset[tuple[Tensor, Tensor]]):
     """64 fixed random token windows: inputs and next-token targets, both [SEQ]."""
 
-    def __init__(self, seq: int = SEQ, ignored: int = 0) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.data = torch.randint(0, VOCAB, (64, seq + 1), generator=g)
+    def __init__(self, seq: int = SEQ, ignored: int = 0, n: int = 64, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, VOCAB, (n, seq + 1), generator=g)
         self.ignored = ignored
 
     def __len__(self) -> int:
@@ -131,7 +134,7 @@ def make_config(run_dir: Path, micro_batch: int, **parallel: int) -> meshrun.Con
     cfg = meshrun.Config()
     cfg.job.run_dir, cfg.job.device, cfg.job.timeout_s = str(run_dir), "cpu", 60.0
     cfg.data.global_batch, cfg.data.micro_batch = GLOBAL_BATCH, micro_batch
-    cfg.optim.steps, cfg.optim.lr = STEPS, LR
+    cfg.optim.steps, cfg.optim.lr, cfg.optim.grad_clip = STEPS, LR, CLIP
     cfg.metrics.progress = False
     for key, value in parallel.items():
         setattr(cfg.parallel, key, value)
@@ -151,13 +154,21 @@ def train(rank: int, world_size: int, cfg: meshrun.Config, name: str) -> dict[st
         values.append(loss.item())
         run.backward(loss)
         run.optimizer_step(optimizer)
-    result = {"params": full_params(run.unwrap(model)), "shapes": shapes, "values": values}
+    val = run.dataloader(held_out(name), mode="eval")  # run.evaluate slices its batches too
+    evaluated = run.evaluate(model, val, lambda m, b: step_loss(name, m, *b, run.mesh))
+    params = full_params(run.unwrap(model))
+    result = {"params": params, "shapes": shapes, "values": values, "eval": evaluated}
     run.close()
     return result
 
 
-def reference(name: str) -> tuple[list[float], Params]:
-    """One process, the global batch, no process group: per-step losses, final parameters."""
+def held_out(name: str) -> Windows:
+    return Windows(ignored=IGNORED if name == "gpt" else 0, n=8, seed=1)
+
+
+def reference(name: str) -> tuple[list[float], list[float], Params, float]:
+    """One process, the global batch, no process group: per-step losses and gradient norms,
+    final parameters, the held-out loss after the steps."""
     data = Windows(ignored=IGNORED if name == "gpt" else 0)
     seed = meshrun.Config().job.seed
     sampler = meshrun.ResumableSampler(
@@ -166,34 +177,48 @@ def reference(name: str) -> tuple[list[float], Params]:
     model = MODELS[name]()
     initial = full_params(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    losses = []
+    losses, norms = [], []
     for x, y in itertools.islice(DataLoader(data, GLOBAL_BATCH, sampler=sampler), STEPS):
         loss = step_loss(name, model, x, y, None)
         loss.backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)))
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         losses.append(loss.item())
     final = full_params(model)
     assert max(float((final[k] - initial[k]).abs().max()) for k in final) > 1e-2  # it trains
-    return losses, final
+    x, y = held_out(name).data[:, :-1], held_out(name).data[:, 1:].clone()
+    y[:, : held_out(name).ignored] = -100
+    with torch.no_grad():
+        evaluated = float(step_loss(name, model, x, y, None))
+    return losses, norms, final, evaluated
 
 
-def logged_losses(run_dir: Path) -> list[float]:
+def logged(run_dir: Path, key: str) -> list[float]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "step" in r and "event" not in r]
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
-    return [r["loss"] for r in steps]
+    return [r[key] for r in steps]
+
+
+def rel_diff(got: list[float], want: list[float]) -> float:
+    return max(abs(a - b) / abs(b) for a, b in zip(got, want, strict=True))
 
 
 def check(name: str, results: list[dict[str, Any]], run_dir: Path, slice_shape: tuple) -> None:
-    ref_losses, ref_params = reference(name)
-    logged = logged_losses(run_dir)
-    loss_diff = max(abs(a - b) / abs(b) for a, b in zip(logged, ref_losses, strict=True))
+    ref_losses, ref_norms, ref_params, ref_eval = reference(name)
+    loss_diff = rel_diff(logged(run_dir, "loss"), ref_losses)
+    norm_diff = rel_diff(logged(run_dir, "grad_norm"), ref_norms)
+    eval_diff = rel_diff([r["eval"] for r in results], [ref_eval] * len(results))
     param_diff = max(
         float((r["params"][k] - ref_params[k]).abs().max()) for r in results for k in ref_params
     )
-    print(f"{name}: max rel loss diff {loss_diff:.2g}, max |param diff| {param_diff:.2g}")
-    assert loss_diff <= TOL, (logged, ref_losses)
+    print(
+        f"{name}: max rel diff loss {loss_diff:.2g}, grad norm {norm_diff:.2g} (norms "
+        f"{[round(n, 3) for n in ref_norms]}, clip {CLIP}), held-out loss {eval_diff:.2g}; "
+        f"max |param diff| {param_diff:.2g}"
+    )
+    assert max(loss_diff, norm_diff, eval_diff) <= TOL, (loss_diff, norm_diff, eval_diff)
     assert param_diff <= TOL
     for r in results:
         assert r["shapes"] == {slice_shape}  # each rank saw its slice, not the whole sequence
@@ -210,9 +235,17 @@ def test_cp2_trains_like_one_process(name: str, tmp_path: Path) -> None:
         assert results[0]["values"] == pytest.approx(results[1]["values"], rel=1e-6)
 
 
+LAYOUTS_ON_4 = {
+    "dp_shard2_zero3": {"dp_shard": 2, "zero": 3},  # FSDP2 over dp_shard_cp (4 ranks)
+    "hsdp_dp_replicate2_zero3": {"dp_replicate": 2, "dp_shard": 1, "zero": 3},
+    "dp_shard2_ddp": {"dp_shard": 2, "zero": 0},  # DDP over dp_cp (4 ranks)
+}
+
+
 @pytest.mark.timeout(240)
-def test_cp2_dp_shard2_zero3_trains_like_one_process(tmp_path: Path) -> None:
-    cfg = make_config(tmp_path / "run", micro_batch=2, cp=2, dp_shard=2, zero=3)
+@pytest.mark.parametrize("layout", list(LAYOUTS_ON_4))
+def test_cp2_with_data_parallel_2_trains_like_one_process(layout: str, tmp_path: Path) -> None:
+    cfg = make_config(tmp_path / "run", micro_batch=2, cp=2, **LAYOUTS_ON_4[layout])
     results = run_distributed(train, 4, cfg, "llama", timeout=210)
     check("llama", results, tmp_path / "run", (2, SEQ // 2))
 
