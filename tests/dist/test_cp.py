@@ -225,10 +225,15 @@ def check(name: str, results: list[dict[str, Any]], run_dir: Path, slice_shape: 
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("name", ["llama", "qwen2", "gpt"])
-def test_cp2_trains_like_one_process(name: str, tmp_path: Path) -> None:
-    # DDP (zero 0) over dp x cp = 1 x 2; micro-batch 2, accumulation 2.
-    cfg = make_config(tmp_path / "run", micro_batch=2, cp=2)
+@pytest.mark.parametrize(
+    ("name", "extra"),
+    [("llama", {}), ("qwen2", {}), ("gpt", {}), ("llama", {"activation_checkpoint": 1})],
+    ids=["llama", "qwen2", "gpt", "llama_ac"],
+)
+def test_cp2_trains_like_one_process(name: str, extra: dict[str, int], tmp_path: Path) -> None:
+    # DDP (zero 0) over dp x cp = 1 x 2; micro-batch 2, accumulation 2. With activation
+    # checkpointing the backward recomputes each block, its all-to-alls included.
+    cfg = make_config(tmp_path / "run", micro_batch=2, cp=2, **extra)
     results = run_distributed(train, 2, cfg, name, timeout=150)
     check(name, results, tmp_path / "run", (2, SEQ // 2))
     if name == "gpt":  # sequence_cross_entropy's value is the whole sequences' on both ranks
