@@ -10,6 +10,7 @@ only the slices its layout gives it. The layout is a choice of overrides, the lo
     meshrun launch --nproc-per-node 2 examples/hf_causal_lm.py --parallel.zero=3         # ZeRO-3
     meshrun launch --nproc-per-node 2 examples/hf_causal_lm.py --parallel.tp=2           # TP
     meshrun launch --nproc-per-node 2 examples/hf_causal_lm.py --parallel.pp=2           # PP
+    meshrun launch --nproc-per-node 2 examples/hf_causal_lm.py --parallel.cp=2           # CP
     meshrun launch --nproc-per-node 2 examples/hf_causal_lm.py --init DIR --parallel.zero=3
 
 At the end the run saves a checkpoint (its path is printed); export it as a directory that

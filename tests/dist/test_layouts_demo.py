@@ -103,6 +103,8 @@ PIPELINE = "pipeline: 1 stage(s) on this rank of 2, schedule 1f1b"
 # over the dp = 2 ranks that each hold the whole parameters)
 LAYOUTS = {
     "zero1": (2, ["--parallel.zero=1"], "ZeRO-1", 1.0),
+    # Context parallel: each rank its half of every window, attention by all-to-all.
+    "cp2": (2, ["--parallel.cp=2"], "context parallel over 2 ranks: 2 attention modules", 2.0),
     "pp2_zero0": (4, ["--parallel.pp=2", "--parallel.zero=0"], PIPELINE, 2.0),
     "pp2_zero1": (4, ["--parallel.pp=2", "--parallel.zero=1"], PIPELINE, 1.0),
     "pp2_zero3": (4, ["--parallel.pp=2", "--parallel.zero=3"], PIPELINE, 2.0),

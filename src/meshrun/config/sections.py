@@ -55,7 +55,7 @@ class JobConfig:
 
 @dataclass
 class ParallelConfig:
-    """The parallel layout: one named DeviceMesh (pp, dp_replicate, dp_shard, tp)."""
+    """The parallel layout: one named DeviceMesh (pp, dp_replicate, dp_shard, cp, tp)."""
 
     SECTION: ClassVar[str] = "parallel"  # the [section] of the TOML file
 
@@ -67,6 +67,12 @@ class ParallelConfig:
         -1, "Sharded data-parallel degree; -1 = what is left of the world.", min=-1
     )
     tp: int = setting(1, "Tensor-parallel degree.", min=1)
+    cp: int = setting(
+        1,
+        "Context-parallel degree: each sample's sequence split over cp ranks, which read the "
+        "same batch (docs/parallel.md, Context parallel).",
+        min=1,
+    )
     pp: int = setting(1, "Pipeline-parallel degree.", min=1)
     ep: int = setting(
         1,

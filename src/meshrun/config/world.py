@@ -14,26 +14,37 @@ from meshrun.config.sections import Config, DataConfig, ParallelConfig, validate
 
 def resolve_mesh_dims(p: ParallelConfig, world_size: int) -> dict[str, int]:
     """Fill in ``dp_shard = -1`` and check that the mesh product equals the world size."""
-    fixed = p.dp_replicate * p.tp * p.pp
+    fixed = p.dp_replicate * p.tp * p.pp * p.cp
     dp_shard = p.dp_shard
     if dp_shard == -1:
         if world_size % fixed:
+            names, values = "dp_replicate x tp x pp", f"{p.dp_replicate} x {p.tp} x {p.pp}"
+            if p.cp > 1:
+                names, values = f"{names} x cp", f"{values} x {p.cp}"
             raise ConfigError(
-                f"parallel: dp_replicate x tp x pp = {p.dp_replicate} x {p.tp} x {p.pp} = {fixed} "
-                f"does not divide the world size {world_size}; choose degrees whose product divides it"
+                f"parallel: {names} = {values} = {fixed} does not divide the world size "
+                f"{world_size}; choose degrees whose product divides it"
             )
         dp_shard = world_size // fixed
     elif dp_shard == 0:
         raise ConfigError("parallel.dp_shard = 0 is not allowed: use -1 (the rest) or >= 1")
-    dims = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": dp_shard, "tp": p.tp}
-    product = p.pp * p.dp_replicate * dp_shard * p.tp
+    dims = {"pp": p.pp, "dp_replicate": p.dp_replicate, "dp_shard": dp_shard}
+    if p.cp > 1:  # only when used: the mesh order, between dp_shard and tp
+        dims["cp"] = p.cp
+    dims["tp"] = p.tp
+    product = p.pp * p.dp_replicate * dp_shard * p.cp * p.tp
     if product != world_size:
-        shown = " x ".join(f"{k}={v}" for k, v in dims.items())
+        shown = show_dims(dims)
         raise ConfigError(
             f"parallel: mesh {shown} = {product} processes, but the world size is {world_size}; "
             f"set parallel.dp_shard=-1 or change the degrees so that the product is {world_size}"
         )
     return dims
+
+
+def show_dims(dims: Mapping[str, int]) -> str:
+    """``pp=1 x dp_replicate=1 x dp_shard=2 x tp=1``: every dim, ``cp`` only when it is > 1."""
+    return " x ".join(f"{k}={v}" for k, v in dims.items() if k != "cp" or v > 1)
 
 
 def effective_global_batch(data: DataConfig, dp_size: int) -> int:
@@ -151,21 +162,31 @@ def check_expert_parallel(p: ParallelConfig, dp: int, shown: str) -> None:
             "parallel composes with DDP, FSDP2 and tensor parallel (docs/parallel.md, "
             "'Expert parallel'); set parallel.pp=1 or parallel.ep=1"
         )
+    if p.cp > 1:
+        raise ConfigError(
+            f"parallel.ep = {p.ep} with parallel.cp = {p.cp} is not supported: expert groups "
+            "are consecutive data-parallel ranks, and the cp ranks of one data-parallel rank "
+            "share its batch; set parallel.cp=1 or parallel.ep=1"
+        )
 
 
 def check_layout(p: ParallelConfig, dims: Mapping[str, int]) -> None:
     """Combinations of degrees and ZeRO stage that no PyTorch tool runs; each error names the
     dims. (Checks that need the model, such as tp dividing the heads, run in parallelize.)"""
-    shown = " x ".join(f"{k}={v}" for k, v in dims.items() if k != "ep" or v > 1)
+    shown = show_dims(dims)
     dp = dims["dp_replicate"] * dims["dp_shard"]
     if p.ep > 1:
         check_expert_parallel(p, dp, shown)
-    if p.zero > 0 and dims["dp_shard"] == 1:
+    # FSDP2 under cp shards over the flattened (dp_shard, cp) dims: cp ranks hold the same
+    # parameters, so they can share their shards (docs/parallel.md, Context parallel).
+    if p.zero > 0 and dims["dp_shard"] * dims.get("cp", 1) == 1:
         raise ConfigError(
             f"parallel.zero = {p.zero} shards over the dp_shard dim, but the mesh {shown} has "
             "dp_shard=1: nothing to shard over; set parallel.zero=0, or parallel.dp_shard > 1 "
             "(e.g. dp_shard=-1 with fewer dp_replicate/tp/pp)"
         )
+    if p.cp > 1:
+        check_context_parallel(p, shown)
     # DDP and ZeroRedundancyOptimizer do not take tensor-parallel DTensor parameters: with tp,
     # data parallelism is FSDP2 (zero = 0 runs as ZeRO-3 with a warning, in parallelize).
     if p.tp > 1 and dp > 1 and (p.zero == 1 or dims["dp_shard"] == 1):
@@ -186,3 +207,21 @@ def check_layout(p: ParallelConfig, dims: Mapping[str, int]) -> None:
             f"parallel.loss_parallel = true splits the logits over the tp dim, but the mesh "
             f"{shown} has tp=1; set parallel.tp > 1 or parallel.loss_parallel=false"
         )
+
+
+def check_context_parallel(p: ParallelConfig, shown: str) -> None:
+    """What context parallel (``parallel.cp > 1``) does not compose with yet. (Checks that need
+    the model, its heads and its attention, run in parallelize; the sequence length in the
+    step loop.)"""
+    others = [
+        (p.pp > 1, f"parallel.pp = {p.pp}", "parallel.pp=1"),
+        (p.tp > 1, f"parallel.tp = {p.tp}", "parallel.tp=1"),
+        (p.zero == 1, "parallel.zero = 1 (ZeroRedundancyOptimizer)", "parallel.zero=0, 2 or 3"),
+    ]
+    for refused, what, fix in others:
+        if refused:
+            raise ConfigError(
+                f"parallel.cp = {p.cp} with {what} (mesh {shown}) is not supported: context "
+                f"parallel composes with DDP (zero 0) and FSDP2 (zero 2/3) only; set {fix} or "
+                "parallel.cp=1"
+            )

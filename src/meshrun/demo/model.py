@@ -66,7 +66,12 @@ def demo_config(size: str = "small") -> GPTConfig:
 
 
 class Attention(nn.Module):
-    """Causal multi-head self-attention with separate q/k/v/proj layers (see module docstring)."""
+    """Causal multi-head self-attention with separate q/k/v/proj layers (see module docstring).
+
+    ``sdpa`` is the seam context parallel replaces (meshrun/parallel/cp.py): it is called as
+    ``F.scaled_dot_product_attention`` and must attend over the whole sequence."""
+
+    sdpa = staticmethod(F.scaled_dot_product_attention)
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -87,7 +92,7 @@ class Attention(nn.Module):
         k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         p = self.dropout if self.training else 0.0
-        y = F.scaled_dot_product_attention(q, k, v, dropout_p=p, is_causal=True)
+        y = self.sdpa(q, k, v, dropout_p=p, is_causal=True)
         y = y.transpose(1, 2).reshape(B, T, -1)  # back to (B, T, H_local * hd)
         return self.resid_drop(self.proj(y))
 
@@ -154,14 +159,18 @@ class GPT(nn.Module):
             if isinstance(module, nn.LayerNorm):
                 module.reset_parameters()
 
-    def forward(self, idx: Tensor, targets: Tensor | None = None) -> Tensor:
-        """Logits (B, T, vocab_size) for ``idx`` (B, T), or the mean cross-entropy vs ``targets``."""
+    def forward(
+        self, idx: Tensor, targets: Tensor | None = None, position_ids: Tensor | None = None
+    ) -> Tensor:
+        """Logits (B, T, vocab_size) for ``idx`` (B, T), or the mean cross-entropy vs ``targets``.
+        ``position_ids`` (1 or B, T): the tokens' places when ``idx`` is a slice of a longer
+        sequence (context parallel); default ``0 .. T-1``."""
         n_pos = idx.shape[1]
         if n_pos > self.cfg.seq_len:
             raise ValueError(
                 f"sequence length {n_pos} exceeds GPTConfig.seq_len={self.cfg.seq_len}"
             )
-        pos = torch.arange(n_pos, device=idx.device)
+        pos = torch.arange(n_pos, device=idx.device) if position_ids is None else position_ids
         x = self.drop(self.tok_emb(idx) + self.pos_emb(pos))
         for block in self.blocks:
             x = block(x)

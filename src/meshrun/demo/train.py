@@ -37,6 +37,7 @@ import meshrun
 from meshrun.data import TokenDataset
 from meshrun.demo.corpus import demo_tokens_dir, prepare_demo_tokens
 from meshrun.demo.model import GPT, GPTConfig, demo_config
+from meshrun.parallel.cp import cp_group, shard_sequence
 from meshrun.parallel.pp.pipeline import Pipeline
 from meshrun.plan.cost import Model, model_flops_per_iteration
 
@@ -120,15 +121,19 @@ def evaluate(
     """Exact mean loss over the validation windows: each window once across ranks."""
     totals = torch.zeros(2, device=run.device)  # [sum of losses, count]
     set_training(model, False)
+    cp = cp_group(run.mesh)  # parallel.cp > 1: this rank's slice of each sequence, as run.steps
     for batch in run.dataloader(val, mode="eval"):
         x, y = batch["input"].to(run.device), batch["target"].to(run.device)
+        if cp is not None:
+            x, y = shard_sequence((x, y), cp)
         loss = forward_loss(run, model, x, y)
         if loss is not None:  # under pp only the last stage's ranks have it
             totals[0] += loss * x.shape[0]
             totals[1] += x.shape[0]
     set_training(model, True)
     # Over every rank, once at the end: data-parallel ranks hold different windows, the
-    # pipeline's other stages zeros, and tp ranks equal sums (the ratio cancels them).
+    # pipeline's other stages zeros, tp ranks equal sums (the ratio cancels them), and cp
+    # ranks their slices' means (the same number of targets each: their mean is the window's).
     if dist.is_initialized():
         dist.all_reduce(totals)
     return float(totals[0] / totals[1])

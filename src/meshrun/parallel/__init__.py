@@ -181,6 +181,10 @@ def parallelize(
         structure = dataclasses.replace(
             structure, tp_plan=without_experts(model, structure.tp_plan)
         )
+    if mesh is not None and dims.cp > 1:  # before FSDP2/DDP: its pre-hook runs first
+        from meshrun.parallel.cp import apply_cp
+
+        log.info("context parallel over %d ranks: %s", dims.cp, apply_cp(model, mesh, structure))
     if mesh is not None:
         maybe_apply_tp(model, mesh, dims, cfg, tp_plan, parallelize_fn, structure)
     apply_block_layouts(model, mesh, cfg, dims, zero, mp_policy, wrap, ep)
@@ -190,7 +194,7 @@ def parallelize(
     if zero < 2:
         apply_autocast(model, cfg, device)
     out = model
-    if mesh is not None and zero < 2 and dims.dp > 1:
+    if mesh is not None and zero < 2 and dims.dp * dims.cp > 1:
         out = _ddp(model, mesh, cfg, device, dims, zero, comm_hook_wrap)
     if ep is not None:
         mark_expert_params(model)
@@ -258,7 +262,8 @@ def _ddp(
     ddp = apply_ddp(model, mesh, cfg, device)
     log.info(
         "DDP%s over %d ranks (bucket_cap_mb=%s, static_graph=%s, comm hook %s)",
-        *(" + ZeRO-1" if zero == 1 else "", dims.dp, cfg.bucket_cap_mb, cfg.static_graph),
+        *(" + ZeRO-1" if zero == 1 else "", dims.dp * dims.cp, cfg.bucket_cap_mb),
+        cfg.static_graph,
         apply_comm_hook(ddp, cfg, comm_hook_wrap),
     )
     return ddp

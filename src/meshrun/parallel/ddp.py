@@ -8,14 +8,16 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from meshrun.config import ParallelConfig
+from meshrun.runtime.mesh import dp_cp_group_name
 
 
 def apply_ddp(model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, device: torch.device) -> DDP:
-    """Wrap ``model`` (already on ``device``) in DDP over the mesh's ``dp`` dimension."""
+    """Wrap ``model`` (already on ``device``) in DDP over the mesh's ``dp`` dimension (``dp_cp``
+    under context parallel: each cp rank's gradient is its slice's, averaged with the others)."""
     return DDP(
         model,
         device_ids=[device.index] if device.type == "cuda" else None,
-        process_group=mesh.get_group("dp"),
+        process_group=mesh.get_group(dp_cp_group_name(mesh)),
         bucket_cap_mb=cfg.bucket_cap_mb,
         gradient_as_bucket_view=cfg.gradient_as_bucket_view,
         static_graph=cfg.static_graph,

@@ -40,12 +40,12 @@ def describe_layout(
     """A few lines for the start-up log (rank 0 prints them)."""
     dims = ParallelDims.from_mesh(mesh)
     local, whole = local_param_bytes(model)
-    sharded_optim = zero >= 1 and dims.dp > 1
+    sharded_optim = zero >= 1 and dims.dp * dims.cp > 1
     lines = [
         layout_header(dims, cfg, zero),
         f"this rank holds {local / 2**20:.2f} MiB of {whole / 2**20:.2f} MiB parameters, "
         "as many gradient bytes (gradients are laid out like the parameters), optimizer state "
-        + (f"~1/{dims.dp}" if sharded_optim else "for all its parameters"),
+        + (f"~1/{dims.dp * dims.cp}" if sharded_optim else "for all its parameters"),
     ]
     if mesh is not None:
         lines += ["rank groups: " + " | ".join(rank_groups(mesh))]
@@ -67,21 +67,23 @@ def _dims_text(dims: ParallelDims, zero: int) -> str:
     # the mesh bookkeeping does, would say the model is sharded.
     if zero >= 2 or dims.dp == 1 or dims.dp_replicate > 1:
         return dims.describe()
-    return f"pp={dims.pp} x dp={dims.dp} (replicated) x tp={dims.tp}"
+    cp = f" x cp={dims.cp}" if dims.cp > 1 else ""
+    return f"pp={dims.pp} x dp={dims.dp} (replicated){cp} x tp={dims.tp}"
 
 
 def _technique(dims: ParallelDims, zero: int) -> str:
-    """What each data-parallel rank holds, in words."""
-    if dims.dp == 1:
+    """What each data-parallel rank holds, in words (under cp, DDP and FSDP2 span dp x cp)."""
+    n = dims.dp * dims.cp
+    if n == 1:
         return ""
     return {
-        0: f" = DDP over {dims.dp} ranks: each holds a whole replica (parameters, gradients, "
+        0: f" = DDP over {n} ranks: each holds a whole replica (parameters, gradients, "
         "optimizer state)",
-        1: f" = DDP + ZeRO-1 over {dims.dp} ranks: parameters and gradients replicated, "
+        1: f" = DDP + ZeRO-1 over {n} ranks: parameters and gradients replicated, "
         "optimizer state sharded",
-        2: f" = FSDP2 over {dims.dp} ranks: parameters, gradients and optimizer state sharded "
+        2: f" = FSDP2 over {n} ranks: parameters, gradients and optimizer state sharded "
         "(parameters stay gathered from forward to backward)",
-        3: f" = FSDP2 over {dims.dp} ranks: parameters, gradients and optimizer state sharded",
+        3: f" = FSDP2 over {n} ranks: parameters, gradients and optimizer state sharded",
     }.get(zero, "")
 
 

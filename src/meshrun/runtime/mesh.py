@@ -1,12 +1,16 @@
 """ParallelDims: the validated degrees of the layout, and the one named DeviceMesh built from them.
 
-The mesh dims are ``pp, dp_replicate, dp_shard, tp`` (outermost first). Ranks are numbered node
-by node, so the innermost dim holds neighbouring ranks: ``tp`` (the chattiest, an all-reduce per
-layer) stays inside a node, then ``dp_shard`` (FSDP's all-gathers), while ``dp_replicate`` and
-``pp`` may cross nodes. Only dims of size > 1 enter the mesh, plus ``dp_shard`` of size 1 when
-the mesh would otherwise have no data-parallel dim. Data loading and loss reduction use the
-flattened ``dp`` view (dp_replicate x dp_shard); FSDP shards over ``dp_shard`` (HSDP: the 2-D
-``(dp_replicate, dp_shard)`` sub-mesh); tensor parallel uses ``tp``.
+The mesh dims are ``pp, dp_replicate, dp_shard, cp, tp`` (outermost first). Ranks are numbered
+node by node, so the innermost dim holds neighbouring ranks: ``tp`` (the chattiest, an all-reduce
+per layer) stays inside a node, then ``cp`` (two all-to-alls per attention layer), then
+``dp_shard`` (FSDP's all-gathers), while ``dp_replicate`` and ``pp`` may cross nodes. Only dims of
+size > 1 enter the mesh, plus ``dp_shard`` of size 1 when the mesh would otherwise have no
+data-parallel dim. Data loading uses the flattened ``dp`` view (dp_replicate x dp_shard): the cp
+ranks of one dp rank read the same batch, each its own slice of the sequence. FSDP shards over
+``dp_shard`` (HSDP: the 2-D ``(dp_replicate, dp_shard)`` sub-mesh), under cp over the flattened
+``dp_shard_cp`` (cp ranks hold the same parameters), and DDP and the loss reduce over ``dp_cp``
+(dp x cp): each cp rank's loss is its slice's mean, so their mean is the sequence's;
+tensor parallel uses ``tp``.
 
 ``ep`` (expert parallel) is no dim of this mesh: it borrows groups of ``ep`` consecutive
 data-parallel ranks (a dp index ``i`` is in ep group ``i // ep``). :func:`build_ep_mesh` builds
@@ -21,8 +25,9 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from meshrun.config import ParallelConfig, resolve_mesh_dims
+from meshrun.config.world import show_dims
 
-MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -32,6 +37,7 @@ class ParallelDims:
     dp_shard: int
     tp: int
     ep: int = 1  # expert parallel: borrowed from the dp ranks, not a mesh dim
+    cp: int = 1  # last, with a default: the positional (pp, dp_replicate, dp_shard, tp) holds
 
     @classmethod
     def from_config(cls, cfg: ParallelConfig, world_size: int) -> ParallelDims:
@@ -51,7 +57,7 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_replicate * self.dp_shard * self.tp
+        return self.pp * self.dp_replicate * self.dp_shard * self.cp * self.tp
 
     @property
     def dp(self) -> int:
@@ -63,20 +69,21 @@ class ParallelDims:
 
     def dp_rank(self, rank: int) -> int:
         """This rank's index among the data-parallel ranks (row-major mesh layout)."""
-        return (rank // self.tp) % self.dp
+        return (rank // (self.tp * self.cp)) % self.dp
 
     def describe(self) -> str:
-        """``pp=1 x dp_replicate=1 x dp_shard=2 x tp=2``: every dim, for messages and logs
-        (and `` (ep=2)`` when expert parallel borrows from the dp ranks)."""
-        shown = " x ".join(f"{n}={getattr(self, n)}" for n in MESH_DIMS)
+        """``pp=1 x dp_replicate=1 x dp_shard=2 x tp=2``: every dim (``cp`` only when > 1), for
+        messages and logs (and `` (ep=2)`` when expert parallel borrows from the dp ranks)."""
+        shown = show_dims({n: getattr(self, n) for n in MESH_DIMS})
         return shown + (f" (ep={self.ep})" if self.ep > 1 else "")
 
 
 def mesh_dims(dims: ParallelDims) -> dict[str, int]:
     """The dims that enter the mesh, outermost first (see the module docstring)."""
     active = dims.active()
-    if not {"dp_replicate", "dp_shard"} & set(active):
-        # Keep one data-parallel dim (of size 1) so that the ``dp`` view always exists.
+    if not {"dp_replicate", "dp_shard"} & set(active) or ("cp" in active and dims.dp_shard == 1):
+        # Keep one data-parallel dim (of size 1) so that the ``dp`` view always exists, and
+        # dp_shard under cp: FSDP2 shards over the flattened (dp_shard, cp).
         active = {n: getattr(dims, n) for n in MESH_DIMS if n in active or n == "dp_shard"}
     return active
 
@@ -91,7 +98,16 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     mesh = init_device_mesh(device_type, tuple(active.values()), mesh_dim_names=names)
     dp_names = tuple(n for n in names if n.startswith("dp_"))
     mesh[dp_names]._flatten("dp")  # the view data loading and loss reduction use
+    if dims.cp > 1:  # FSDP2's shards and DDP's (and the loss's) reduction span the cp ranks
+        mesh["dp_shard", "cp"]._flatten("dp_shard_cp")
+        mesh[tuple([*dp_names, "cp"])]._flatten("dp_cp")
     return mesh
+
+
+def dp_cp_group_name(mesh: DeviceMesh) -> str:
+    """The dim gradients and losses are averaged over: ``dp_cp`` under context parallel (each
+    cp rank's loss is the mean over its slice of the sequence), else ``dp``."""
+    return "dp_cp" if "cp" in (mesh.mesh_dim_names or ()) else "dp"
 
 
 def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -99,8 +115,11 @@ def fsdp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     names = mesh.mesh_dim_names or ()
     if names == ("dp",):
         return mesh
+    shard = "dp_shard_cp" if "cp" in names else "dp_shard"  # cp ranks share the shards
     if "dp_replicate" in names and "dp_shard" in names:
-        return mesh["dp_replicate", "dp_shard"]
+        return mesh["dp_replicate", shard]
+    if "cp" in names:
+        return mesh[shard]
     if "dp_shard" not in names:
         raise ValueError(f"mesh {names} has no dp_shard dim to shard over")
     return mesh["dp_shard"]

@@ -22,8 +22,8 @@ from torch import nn
 
 from meshrun.parallel.kinds import is_dtensor
 from meshrun.parallel.pp.kind import is_pipeline
+from meshrun.runtime.mesh import dp_cp_group_name
 from meshrun.train.base import RunFields
-from meshrun.train.loop import to_device
 
 if TYPE_CHECKING:  # parallel/pp*.py load only when a pipeline is built
     from meshrun.parallel import Pipeline
@@ -63,7 +63,8 @@ class EvalMethods(RunFields):
                 if counted:
                     totals += self._sum_and_count(loss, _batch_size(batch))
         if self.mesh is not None:
-            dist.all_reduce(totals, group=self.mesh.get_group("dp"))
+            # Under cp each rank's loss is its slice's: the mean is over dp x cp.
+            dist.all_reduce(totals, group=self.mesh.get_group(dp_cp_group_name(self.mesh)))
         if totals[1] == 0:
             raise ValueError("run.evaluate: no rank had a batch to evaluate (empty batches)")
         mean, seconds = float(totals[0] / totals[1]), time.perf_counter() - t0
@@ -118,7 +119,7 @@ class EvalMethods(RunFields):
                     f"micro-batch samples; dp = {self.dp_size})"
                 )
             if batch is not None:
-                last = to_device(batch, self.device)
+                last = self.loop.place(batch)  # on the device; under cp, this rank's slice
             yield last, batch is not None
 
     def _any_rank(self, flags: torch.Tensor) -> torch.Tensor:

@@ -31,6 +31,7 @@ from meshrun.monitor import MetricsLogger, StepMonitor, memory_stats
 from meshrun.monitor.moe import moe_metrics
 from meshrun.monitor.throughput import resolve_tokens_per_sample
 from meshrun.parallel import set_grad_sync
+from meshrun.parallel.cp import shard_sequence
 from meshrun.parallel.grads import clip_grads_, grad_norm, grad_sq_share
 from meshrun.parallel.kinds import is_dtensor
 from meshrun.parallel.report import log_state_table
@@ -93,6 +94,8 @@ class StepLoop:
     seed: int = 0
     dp_coord: int = 0
     _rng_placed: bool = False
+    # parallel.cp > 1: each batch is cut to this rank's slice of the sequence (parallel/cp.py).
+    cp_group: ProcessGroup | None = None
 
     # Keyword-only, each a part the loop drives, passed once by train/startup.build_loop: a
     # bundle object would only rename them (PLR0913 counts them all).
@@ -213,7 +216,7 @@ class StepLoop:
         for m in self.state.models:
             set_grad_sync(m, self._boundary)
         before = self._boundary_calls
-        batch = to_device(batch, self.device)
+        batch = self.place(batch)
         self.monitor.batch_ready()
         yield batch
         if self._boundary and self._boundary_calls == before:
@@ -224,6 +227,11 @@ class StepLoop:
         self.state.micro = 0 if self._boundary else self.state.micro + 1
         if self.on_step_end is not None:
             self.on_step_end()
+
+    def place(self, batch: Any) -> Any:
+        """``batch`` on the device, and under context parallel this rank's slice of it."""
+        batch = to_device(batch, self.device)
+        return batch if self.cp_group is None else shard_sequence(batch, self.cp_group)
 
     def _inspect_first(self, batch: Any, tokens_per_sample: int | None) -> None:
         t = _first_tensor(batch)

@@ -36,6 +36,7 @@ from meshrun.config import (
     validate_for_world,
 )
 from meshrun.monitor import MetricsLogger
+from meshrun.parallel.cp import cp_group
 from meshrun.runtime.agreement import StepAgreement
 from meshrun.runtime.cluster import ClusterEnv
 from meshrun.runtime.hostmem import set_mmap_threshold
@@ -253,6 +254,7 @@ def build_loop(
         replicas=replicas,
     )
     loop.seed, loop.dp_coord = cfg.job.seed, _dp_coord(cfg, mesh, device)
+    loop.cp_group = cp_group(mesh)
     return loop
 
 
