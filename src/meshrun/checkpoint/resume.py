@@ -156,8 +156,7 @@ class Resume:
         names = saved.get("per_rank", [])
         check_per_rank(self.targets, names, old, (f.world, f.dp), path.name)
         full = self._load_tensors(path, model, optimizer, saved["plain"])
-        for name, obj in self.targets.named.items():
-            obj.load_state_dict(full["user"][name])
+        self.targets.load_user(full["user"])
         self._restore_rest(path, saved, manifest)
         if lr_factor != 1.0:
             self._rescale_lr(optimizer, lr_factor)
@@ -182,7 +181,7 @@ class Resume:
 
         from meshrun.checkpoint import safe_metadata  # DCP's pickle read restricted
 
-        user = {name: obj.state_dict() for name, obj in self.targets.named.items()}
+        user = self.targets.user_template()
         if not is_zero1(optimizer):
             msd, osd = get_state_dict(model, optimizer)
             tensors, _ = split_state({"model": msd, "optim": osd, "user": user})
