@@ -344,7 +344,10 @@ class StepLoop:
             self._apply_update(optimizer, self.grad_norm)
         samples = self.diloco.samples(self.global_batch)
         lr = self._advance(optimizer, t0, samples)
+        step = self.state.step
         outer = self.diloco.after_step()
+        if self.state.step != step:  # healed at the sync: the step is the peer's
+            self.monitor.agreement.moved_to(self.state.step)
         ft: dict[str, float | str] = {"live_groups": self.replicas.live_groups}
         if outer is not None:
             ft |= {"outer_fragment": outer.fragment, "committed": outer.committed}
