@@ -10,10 +10,11 @@ processes, the worker of tests/e2e/test_ft.py (2 groups x 1 rank).
   (Nesterov, lr 0.7, momentum 0.9) the run differs from it (not the same optimiser).
 - One group killed mid-window: the survivor syncs alone (min_replicas = 1), the restarted
   group heals from it at the next sync it reaches, and both end on the same weights, bit for
-  bit (the last step is a sync).
+  bit (the last step is a sync); also with ZeRO-3 in 2-process groups, rank by rank.
 - Streaming DiLoCo (2 fragments, H = 6) stopped after step 12 and resumed from its step-10
   checkpoint (mid-window: one step into fragment 1's window) logs the same losses, bit for
-  bit, and ends on the same weights as the run that went through.
+  bit, and ends on the same weights as the run that went through (ZeRO-3's DTensor state:
+  under MESHRUN_HEAVY_TESTS / make test-heavy).
 """
 
 from __future__ import annotations
@@ -72,15 +73,27 @@ def test_sync_every_1_is_plain_data_parallelism_and_h3_is_not(tmp_path: Path) ->
             assert worst > 1e-3  # another optimiser: the losses part ways
 
 
+# Inside each group: one process (DDP), or two under ZeRO-3 (FSDP2: DTensor parameters,
+# each rank syncing and healing its shard with rank r of the other group).
+LAYOUTS = {
+    "ddp": ([], []),
+    "zero3": (["--nproc-per-node", "4"], ["--parallel.zero=3", "--data.micro_batch=4"]),
+}
+
+
 @pytest.mark.timeout(300)
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
 def test_a_group_killed_mid_window_heals_at_the_next_sync_and_the_job_finishes(
-    tmp_path: Path,
+    tmp_path: Path, layout: str
 ) -> None:
+    procs, keys = LAYOUTS[layout]
+    ranks = 2 if procs else 1
     env = {"FT_KILL_STEPS": "1:7", "FT_HOLD_AT": str(STEPS - 3)}
-    flags = [*GROUPS, "--max-restarts", "2"]
-    _launch(tmp_path, flags, env, 280, "--fault_tolerance.diloco_sync_every=3", steps=STEPS)
+    flags = [*procs, *GROUPS, "--max-restarts", "2"]
+    h3 = "--fault_tolerance.diloco_sync_every=3"
+    _launch(tmp_path, flags, env, 280, h3, *keys, steps=STEPS)
     survivor, healed = tmp_path / "group0", tmp_path / "group1"
-    assert len(_pids(survivor)) == 1 and len(_pids(healed)) == 2
+    assert len(_pids(survivor)) == ranks and len(_pids(healed)) == 2 * ranks
     heals = _events(healed, "ft_heal")
     assert len(heals) == 1 and heals[0]["source"] == "group 0", heals
     # At a sync: the restarted group trains alone until its first one, and heals there.
@@ -89,22 +102,31 @@ def test_a_group_killed_mid_window_heals_at_the_next_sync_and_the_job_finishes(
     alone = [int(r["step"]) for r in rows if r.get("live_groups") == 1 and r.get("committed")]  # type: ignore[call-overload]
     assert alone, "the survivor synced no outer step alone while the other group was down"
     assert sorted(_losses(survivor)) == list(range(1, STEPS + 1))
-    mine, theirs = _checksum(survivor), _checksum(healed)
-    assert mine["step"] == theirs["step"] == STEPS
-    assert mine["checksum"] == theirs["checksum"] and mine["consumed"] == theirs["consumed"]
+    for r in range(ranks):  # rank by rank: each its shard under ZeRO-3
+        mine, theirs = (
+            json.loads((g / f"checksum.rank{r}.json").read_text()) for g in (survivor, healed)
+        )
+        assert mine["step"] == theirs["step"] == STEPS
+        assert mine["checksum"] == theirs["checksum"] and mine["consumed"] == theirs["consumed"]
 
 
-@pytest.mark.timeout(300)
-def test_a_resume_mid_window_is_bitwise(tmp_path: Path) -> None:
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize(
+    "layout",
+    ["ddp", pytest.param("zero3", marks=pytest.mark.heavy)],  # 3 launches of 4
+)
+def test_a_resume_mid_window_is_bitwise(tmp_path: Path, layout: str) -> None:
+    procs, keys = LAYOUTS[layout]
     streaming = [
+        *keys,
         "--fault_tolerance.diloco_sync_every=6",
         "--fault_tolerance.diloco_fragments=2",
         "--checkpoint.interval=5",
     ]
-    resume = {"FT_RESUME": "1"}
-    _launch(tmp_path / "through", GROUPS, resume, 120, *streaming, steps=14)
-    _launch(tmp_path / "stopped", GROUPS, resume, 120, *streaming, steps=12)
-    _launch(tmp_path / "stopped", GROUPS, resume, 120, *streaming, steps=14)
+    resume, flags = {"FT_RESUME": "1"}, [*procs, *GROUPS]
+    _launch(tmp_path / "through", flags, resume, 120, *streaming, steps=14)
+    _launch(tmp_path / "stopped", flags, resume, 120, *streaming, steps=12)
+    _launch(tmp_path / "stopped", flags, resume, 120, *streaming, steps=14)
     for group in ("group0", "group1"):
         stopped, through = tmp_path / "stopped" / group, tmp_path / "through" / group
         assert [e["from_step"] for e in _events(stopped, "resume")] == [10]
@@ -114,4 +136,8 @@ def test_a_resume_mid_window_is_bitwise(tmp_path: Path) -> None:
         assert (saved["local_step"], saved["outer_step"]) == (1, 3)
         again, first = _losses(stopped), _losses(through)
         assert [again[s] for s in range(11, 15)] == [first[s] for s in range(11, 15)]
-        assert _checksum(stopped)["checksum"] == _checksum(through)["checksum"]
+        for r in range(2 if procs else 1):
+            sums = [
+                json.loads((d / f"checksum.rank{r}.json").read_text()) for d in (stopped, through)
+            ]
+            assert sums[0]["checksum"] == sums[1]["checksum"]
