@@ -138,11 +138,11 @@ class DiLoCoSync:
         """After the inner step (counted, even if skipped): torchft's post-hook, which every
         H / fragments steps takes the quorum and syncs a fragment."""
         self._manager.committed = None
-        fragment = self._diloco._current_fragment()
         self._diloco._step_post_hook(self._optimizer, (), {})
         committed = self._manager.committed
         if committed is None:
             return None
+        fragment = self._manager.synced_step % len(self._fragments)
         if not committed:
             self.replicas.metrics.log_event(
                 "ft_uncommitted",
@@ -210,11 +210,13 @@ class _QuorumThroughGroup:
     def __init__(self, replicas: ReplicaGroup) -> None:
         self._replicas = replicas
         self.committed: bool | None = None
+        self.synced_step = 0  # torchft's step of the last sync (after a heal: the peer's)
 
     def start_quorum(self, *args: Any, **kwargs: Any) -> None:
         self._replicas.start_step()
 
     def should_commit(self, *args: Any, **kwargs: Any) -> bool:
+        self.synced_step = self._replicas.manager.current_step()
         self.committed = bool(self._replicas.manager.should_commit(*args, **kwargs))
         return self.committed
 
