@@ -181,7 +181,7 @@ class Resume:
 
         from meshrun.checkpoint import safe_metadata  # DCP's pickle read restricted
 
-        user = self.targets.user_template()
+        user = self.targets.user_template(plain.get("user", {}))
         if not is_zero1(optimizer):
             msd, osd = get_state_dict(model, optimizer)
             tensors, _ = split_state({"model": msd, "optim": osd, "user": user})

@@ -158,15 +158,20 @@ class Targets:
         }
         return tensors, plain
 
-    def user_template(self) -> dict[str, Any]:
-        """The user objects' and meshrun's own states, which a load fills in place."""
-        objects = {**self.named, **self.internal}
-        return {name: obj.state_dict() for name, obj in objects.items()}
+    def user_template(self, saved: Mapping[str, Any]) -> dict[str, Any]:
+        """The user objects' states, and meshrun's own that the checkpoint holds (``saved``:
+        its plain ``user`` part; e.g. DiLoCo switched on at this resume starts afresh), which
+        a load fills in place."""
+        return {name: obj.state_dict() for name, obj in self._user_objects(saved).items()}
 
     def load_user(self, user: Mapping[str, Any]) -> None:
-        """Give each object by name (and meshrun's own) its loaded state."""
-        for name, obj in {**self.named, **self.internal}.items():
+        """Give each object by name (and meshrun's own, when saved) its loaded state."""
+        for name, obj in self._user_objects(user).items():
             obj.load_state_dict(user[name])
+
+    def _user_objects(self, saved: Mapping[str, Any]) -> dict[str, Stateful]:
+        mine = {name: obj for name, obj in self.internal.items() if name in saved}
+        return {**self.named, **mine}
 
     def _warn_unregistered(self, optimizer: torch.optim.Optimizer) -> None:
         driven = hasattr(optimizer.step, "_wrapped_by_lr_sched")

@@ -27,7 +27,6 @@ pseudo-gradient is its peer's, counted twice in that average).
 from __future__ import annotations
 
 import itertools
-import logging
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -37,11 +36,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from meshrun.config.fault_tolerance import FaultToleranceConfig
-from meshrun.ft.replica import ReplicaGroup
+from meshrun.ft.replica import ReplicaGroup, _one_line
 
 __all__ = ["DiLoCoSync", "OuterOutcome", "split_fragments"]
-
-log = logging.getLogger("meshrun")
 
 
 @dataclass(frozen=True)
@@ -72,10 +69,6 @@ class DiLoCoSync:
         # False until the synchronised weights are this run's: a fresh run takes them at its
         # first step (after run.resume's init_from or anything else the script loaded).
         self._synced = False
-
-    @property
-    def attached(self) -> bool:
-        return self._diloco is not None
 
     def attach(self, models: Sequence[nn.Module], optimizer: torch.optim.Optimizer) -> None:
         """Build torchft's DiLoCo over ``models``' parameters with ``optimizer`` as the inner
@@ -279,10 +272,3 @@ def _like(param: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _one_line(err: BaseException | None) -> str:
-    if err is None:
-        return ""
-    inner = getattr(err, "original_exception", err)
-    return f"{type(inner).__name__}: {' '.join(str(inner).split())}"[:300]

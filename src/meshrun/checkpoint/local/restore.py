@@ -53,8 +53,8 @@ def load_shard(targets: Targets, tensors: dict[str, Any], meta: dict[str, Any], 
     model, optimizer = targets.resolve()
     if meta["layout"] != layout_text(model):
         raise CheckpointError(f"{name}: written under layout {meta['layout']}, not this run's")
-    user = targets.user_template()
     plain = meta["plain"]
+    user = targets.user_template(plain.get("user", {}))
     if not is_zero1(optimizer):
         msd, osd = get_state_dict(model, optimizer)
         template, _ = split_state({"model": msd, "optim": osd, "user": user})
