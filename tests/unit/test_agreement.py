@@ -38,3 +38,12 @@ def test_reading_another_step_and_providing_the_loss_are_errors() -> None:
         a.agreed(2)
     with pytest.raises(ValueError, match="agreement slot LOSS: only flag slots"):
         a.provide(Slot.LOSS, lambda: True)
+
+
+def test_a_heal_inside_the_step_moves_the_agreement_to_the_step_it_continues_at() -> None:
+    a = StepAgreement(torch.device("cpu"), distributed=False)
+    a.exchange(4, loss=1.5)
+    a.moved_to(15)  # a DiLoCo sync healed the group to its peer's step 15
+    assert a.agreed(15).loss == 1.5
+    with pytest.raises(RuntimeError, match="step 4"):
+        a.agreed(4)

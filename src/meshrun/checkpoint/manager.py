@@ -105,6 +105,11 @@ class Checkpointer:
         self.targets.register(model, optimizer, loader, named, per_rank)
         self.install_signal_handlers()
 
+    def register_internal(self, name: str, obj: Stateful) -> None:
+        """meshrun's own state laid out like the model (``Targets.internal``), saved and
+        resumed with it."""
+        self.targets.internal[name] = obj
+
     def install_signal_handlers(self) -> None:
         """SIGTERM/SIGUSR1 only set a flag; the ranks agree on it at the next step boundary."""
         self.preemption.install()

@@ -158,8 +158,7 @@ class Resume:
         names = saved.get("per_rank", [])
         check_per_rank(self.targets, names, old, (f.world, f.dp), path.name)
         full = self._load_tensors(path, model, optimizer, saved["plain"])
-        for name, obj in self.targets.named.items():
-            obj.load_state_dict(full["user"][name])
+        self.targets.load_user(full["user"])
         self._restore_rest(path, saved, manifest)
         if lr_factor != 1.0:
             self._rescale_lr(optimizer, lr_factor)
@@ -184,7 +183,7 @@ class Resume:
 
         from meshrun.checkpoint import safe_metadata  # DCP's pickle read restricted
 
-        user = {name: obj.state_dict() for name, obj in self.targets.named.items()}
+        user = self.targets.user_template(plain.get("user", {}))
         if not is_zero1(optimizer):
             msd, osd = get_state_dict(model, optimizer)
             views = ep_state_views(model, msd, osd)  # experts as one process names them

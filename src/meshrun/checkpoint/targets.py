@@ -59,6 +59,10 @@ class Targets:
         self.sampler: ResumableSampler | None = None
         self.named: dict[str, Stateful] = {}  # replicated: one copy saved, checked at save
         self.per_rank: dict[str, Stateful] = {}  # saved and restored by each rank
+        # meshrun's own state laid out like the model (DiLoCo's synchronised weights and
+        # outer optimizer): saved with the user objects through DCP, a DTensor by its shards,
+        # so not checked for equality across ranks.
+        self.internal: dict[str, Stateful] = {}
         # The replicated objects' digests as of the last collect(), for agree_replicated.
         self.digests: dict[str, int] = {}
 
@@ -126,6 +130,7 @@ class Targets:
         self._warn_unregistered(optimizer)
         user = {name: obj.state_dict() for name, obj in self.named.items()}
         self.digests = {name: state_digest(user[name]) for name in sorted(user)}
+        user |= {name: obj.state_dict() for name, obj in self.internal.items()}
         if is_zero1(optimizer):  # each rank gives the optimizer state it owns (zero1.py)
             ot, op = zero1_state_dict(model, optimizer)
             tensors, plain = split_state({"model": get_model_state_dict(model), "user": user})
@@ -154,6 +159,21 @@ class Targets:
             for name, obj in self.per_rank.items()
         }
         return tensors, plain
+
+    def user_template(self, saved: Mapping[str, Any]) -> dict[str, Any]:
+        """The user objects' states, and meshrun's own that the checkpoint holds (``saved``:
+        its plain ``user`` part; e.g. DiLoCo switched on at this resume starts afresh), which
+        a load fills in place."""
+        return {name: obj.state_dict() for name, obj in self._user_objects(saved).items()}
+
+    def load_user(self, user: Mapping[str, Any]) -> None:
+        """Give each object by name (and meshrun's own, when saved) its loaded state."""
+        for name, obj in self._user_objects(user).items():
+            obj.load_state_dict(user[name])
+
+    def _user_objects(self, saved: Mapping[str, Any]) -> dict[str, Stateful]:
+        mine = {name: obj for name, obj in self.internal.items() if name in saved}
+        return {**self.named, **mine}
 
     def _warn_unregistered(self, optimizer: torch.optim.Optimizer) -> None:
         driven = hasattr(optimizer.step, "_wrapped_by_lr_sched")

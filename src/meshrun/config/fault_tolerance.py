@@ -13,7 +13,7 @@ from typing import ClassVar, Literal
 
 from meshrun.config.fields import ConfigError, check_section, setting
 
-__all__ = ["FaultToleranceConfig", "check_lighthouse"]
+__all__ = ["FaultToleranceConfig", "check_diloco", "check_diloco_groups", "check_lighthouse"]
 
 
 @dataclass
@@ -38,6 +38,7 @@ class FaultToleranceConfig:
             )
         if self.lighthouse:
             check_lighthouse(self.lighthouse)
+        check_diloco(self)
 
     replica_groups: int = setting(
         1, "Replica groups (each its own torchrun job, healed live by its peers); 1 = off.", min=1
@@ -67,6 +68,34 @@ class FaultToleranceConfig:
         "metrics log live_groups and the samples trained.",
     )
 
+    diloco_sync_every: int = setting(
+        0,
+        "DiLoCo: inner steps each group takes alone between outer steps (H); 0 = off (every "
+        "step averages the gradients across groups). Needs replica_groups > 1.",
+        min=0,
+    )
+    diloco_outer_lr: float = setting(
+        0.7, "DiLoCo: the outer SGD's learning rate (> 0), applied to the averaged pseudo-gradient."
+    )
+    diloco_outer_momentum: float = setting(0.9, "DiLoCo: the outer SGD's momentum, in [0, 1).")
+    diloco_nesterov: bool = setting(
+        True, "DiLoCo: Nesterov momentum in the outer SGD (needs diloco_outer_momentum > 0)."
+    )
+    diloco_fragments: int = setting(
+        1,
+        "Streaming DiLoCo: the model split into this many fragments, each synced in turn every "
+        "diloco_sync_every / diloco_fragments steps; 1 = the whole model at once.",
+        min=1,
+    )
+    diloco_quantize: bool = setting(
+        False, "DiLoCo: quantize the outer all-reduce (not available: see docs/fault_tolerance.md)."
+    )
+
+    @property
+    def diloco(self) -> bool:
+        """Whether the groups run DiLoCo (inner steps alone, an outer step every H)."""
+        return self.diloco_sync_every > 0
+
     @property
     def enabled(self) -> bool:
         return self.replica_groups > 1
@@ -87,3 +116,58 @@ def check_lighthouse(text: str) -> tuple[str, int]:
             "e.g. 10.0.0.1:29510"
         )
     return host, port
+
+
+def check_diloco(ft: FaultToleranceConfig) -> None:
+    """The ``diloco_*`` keys against each other (the group count is checked with the world:
+    :func:`check_diloco_groups`, since ``meshrun launch --replica-groups`` sets it later)."""
+    h, n = ft.diloco_sync_every, ft.diloco_fragments
+    if ft.diloco_outer_lr <= 0:
+        raise ConfigError(
+            f"fault_tolerance.diloco_outer_lr = {ft.diloco_outer_lr} is not allowed: the outer "
+            "SGD's learning rate must be > 0 (the papers use 0.7; 1.0 with momentum 0 is "
+            "plain averaging of the groups' weights)"
+        )
+    if not 0 <= ft.diloco_outer_momentum < 1:
+        raise ConfigError(
+            f"fault_tolerance.diloco_outer_momentum = {ft.diloco_outer_momentum} is not allowed: "
+            "it must be in [0, 1) (the papers use 0.9)"
+        )
+    if ft.diloco_nesterov and ft.diloco_outer_momentum == 0:
+        raise ConfigError(
+            "fault_tolerance.diloco_nesterov = true with diloco_outer_momentum = 0: Nesterov "
+            "needs momentum (torch's SGD refuses it); set diloco_nesterov = false, or a "
+            "momentum in (0, 1)"
+        )
+    if ft.diloco_quantize:
+        raise ConfigError(
+            "fault_tolerance.diloco_quantize = true is not available: torchft 0.2.0 quantizes "
+            "with Triton kernels on CUDA tensors, while meshrun's cross-group process group is "
+            "Gloo on CPU tensors (without Triton torchft would send float32 anyway); set "
+            "diloco_quantize = false"
+        )
+    if n > 1 and h == 0:
+        raise ConfigError(
+            f"fault_tolerance.diloco_fragments = {n} needs DiLoCo: set "
+            "fault_tolerance.diloco_sync_every > 0 (e.g. a multiple of the fragments), or "
+            "diloco_fragments = 1"
+        )
+    if h and (h < n or h % n):
+        raise ConfigError(
+            f"fault_tolerance.diloco_fragments = {n} does not divide diloco_sync_every = {h}: "
+            "streaming DiLoCo syncs one fragment every sync_every / fragments steps, so "
+            f"sync_every must be a multiple of fragments; use e.g. diloco_sync_every = "
+            f"{max(n, h - h % n)} or a divisor of {h} as diloco_fragments"
+        )
+
+
+def check_diloco_groups(ft: FaultToleranceConfig) -> None:
+    """DiLoCo averages across replica groups: with one group there is nothing to average."""
+    if ft.diloco and ft.replica_groups < 2:
+        raise ConfigError(
+            f"fault_tolerance.diloco_sync_every = {ft.diloco_sync_every} needs replica groups, "
+            f"but fault_tolerance.replica_groups = {ft.replica_groups}: DiLoCo's outer step "
+            "averages what each group learned alone, and one group has no one to average "
+            "with (its outer step would only rescale its own update); start 2 or more groups "
+            "(meshrun launch --replica-groups N), or set diloco_sync_every = 0"
+        )

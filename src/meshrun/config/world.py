@@ -8,6 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+from meshrun.config.fault_tolerance import check_diloco_groups
 from meshrun.config.fields import ConfigError
 from meshrun.config.sections import Config, DataConfig, ParallelConfig, validate
 
@@ -127,6 +128,7 @@ def validate_for_world(cfg: Config, world_size: int) -> dict[str, int]:
     global batch is shared by every group's data-parallel ranks. An unset global batch (0) is
     checked as micro_batch x data-parallel size; :func:`resolve_global_batch` fills it in."""
     validate(cfg)
+    check_diloco_groups(cfg.fault_tolerance)
     dims = resolve_mesh_dims(cfg.parallel, world_size)
     check_layout(cfg.parallel, dims)
     dp = dims["dp_replicate"] * dims["dp_shard"]

@@ -89,6 +89,9 @@ class ReplicaGroup:
         self.data_moved = False
         self._sampler: ResumableSampler | None = None  # the one whose share we set per step
         self._dp_rank = 0  # this rank's index among its group's data-parallel ranks
+        # Under DiLoCo torchft's step counter counts outer synchronisations, restored with
+        # DiLoCo's state (ft/diloco.py), not set from the run's steps.
+        self.outer_steps = False
 
     # --- the step -------------------------------------------------------------------------
 
@@ -123,7 +126,7 @@ class ReplicaGroup:
         counts from 0: left so, groups that resumed different steps (each group has its own
         checkpoints) would all claim step 0 and none would heal, training on apart. The
         lighthouse heals the groups behind the highest step from a group at it."""
-        if self.manager.current_step() != self.state.step:
+        if not self.outer_steps and self.manager.current_step() != self.state.step:
             self.manager.load_state_dict(
                 {"step": self.state.step, "batches_committed": self.manager.batches_committed()}
             )

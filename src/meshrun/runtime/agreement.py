@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import IntEnum
 
 import torch
@@ -138,6 +138,13 @@ class StepAgreement:
                 "run.optimizer_step; read it after that call, on every rank"
             )
         return self.last
+
+    def moved_to(self, step: int) -> None:
+        """The run's step jumped inside this step (a replica group healed from a peer at a
+        DiLoCo sync, on every rank of the group alike): what the ranks agreed on holds for
+        the step it continues at, where the checkpoints read it."""
+        if self.last is not None:
+            self.last = replace(self.last, step=step)
 
     def _pack(self, loss: float | None) -> torch.Tensor:
         buf = torch.zeros(len(Slot) + self.world, dtype=torch.float64)

@@ -39,6 +39,7 @@ from meshrun.runtime.agreement import StepAgreement
 from meshrun.runtime.state import TrainState
 
 if TYPE_CHECKING:  # built by startup.build_loop only under fault_tolerance.replica_groups > 1
+    from meshrun.ft.diloco import DiLoCoSync
     from meshrun.ft.replica import ReplicaGroup
 
 log = logging.getLogger("meshrun")
@@ -96,6 +97,9 @@ class StepLoop:
     _rng_placed: bool = False
     # parallel.cp > 1: each batch is cut to this rank's slice of the sequence (parallel/cp.py).
     cp_group: ProcessGroup | None = None
+    # fault_tolerance.diloco_sync_every > 0 (set by startup.build_loop): each group steps
+    # alone and syncs with the others every H steps (ft/diloco.py), no per-step quorum.
+    diloco: DiLoCoSync | None = None
 
     # Keyword-only, each a part the loop drives, passed once by train/startup.build_loop: a
     # bundle object would only rename them (PLR0913 counts them all).
@@ -285,12 +289,14 @@ class StepLoop:
         # Every rank learns whether any rank's loss is NaN/Inf; all skip (or stop) together.
         # The clip's gradient norm rides in the same collective (a share per rank:
         # parallel/grads.py); under replica groups it is taken after their average instead.
-        clip = self.grad_clip > 0 and self.replicas is None
+        clip = self.grad_clip > 0 and (self.replicas is None or self.diloco is not None)
         share = self._grad_sq(optimizer) if clip else None
         guard = self.monitor.guard(self._loss_sum, self.accum, self.state.step + 1, share)
         if share is not None:
             self.grad_norm = self.monitor.agreement.agreed(self.state.step + 1).grad_norm
         t0 = time.perf_counter()
+        if self.diloco is not None:
+            return self._diloco_step(optimizer, guard.loss, guard.finite, t0)
         if self.replicas is not None:
             return self._replicated_step(optimizer, guard.loss, guard.finite, t0)
         if guard.finite:
@@ -333,6 +339,30 @@ class StepLoop:
         self._maybe_start_quorum()
         return True
 
+    def _diloco_step(
+        self, optimizer: torch.optim.Optimizer, loss: float, finite: bool, t0: float
+    ) -> bool:
+        """The boundary under DiLoCo: the group's own (inner) step, as without replica groups,
+        counted even when skipped, then torchft's outer synchronisation every H / fragments
+        steps (it may heal this group: the step and data position are then its peer's)."""
+        assert self.diloco is not None and self.replicas is not None
+        self.diloco.attach(self.state.models, optimizer)
+        self.replicas.apply_pending_optimizer(optimizer)
+        self.diloco.before_update()
+        if finite:
+            self._apply_update(optimizer, self.grad_norm)
+        samples = self.diloco.samples(self.global_batch)
+        lr = self._advance(optimizer, t0, samples)
+        step = self.state.step
+        outer = self.diloco.after_step()
+        if self.state.step != step:  # healed at the sync: the step is the peer's
+            self.monitor.agreement.moved_to(self.state.step)
+        ft: dict[str, float | str] = {"live_groups": self.replicas.live_groups}
+        if outer is not None:
+            ft |= {"outer_fragment": outer.fragment, "committed": outer.committed}
+        self._record(lr, loss, samples, ft)
+        return True
+
     def _advance(
         self, optimizer: torch.optim.Optimizer, t0: float, samples: int | None = None
     ) -> float:
@@ -352,7 +382,8 @@ class StepLoop:
         return lr
 
     def _maybe_start_quorum(self) -> None:
-        if self.replicas is not None and self.state.step < self._target:
+        """The next step's quorum; under DiLoCo torchft asks for one at each sync instead."""
+        if self.replicas is not None and self.diloco is None and self.state.step < self._target:
             self.replicas.start_step()
 
     def _grad_sq(self, optimizer: torch.optim.Optimizer) -> Callable[[], float]:

@@ -84,6 +84,8 @@ class Run(ModelMethods, DataMethods, LoopMethods, EvalMethods):
         )
         facts = checkpoint_facts(cfg, self.run_dir, self.accum, self.device)
         self.checkpointer = Checkpointer(cfg.checkpoint, facts, self.state, self.metrics, agreement)
+        if self.loop.diloco is not None:  # the synchronised weights, the outer optimizer
+            self.checkpointer.register_internal("meshrun_diloco", self.loop.diloco)
         self._closed = False
         if self.is_main:
             write_config(cfg, self.run_dir / "config.toml")

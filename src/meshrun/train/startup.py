@@ -253,6 +253,10 @@ def build_loop(
         agreement=agreement,
         replicas=replicas,
     )
+    if replicas is not None and cfg.fault_tolerance.diloco:
+        from meshrun.ft.diloco import DiLoCoSync
+
+        loop.diloco = DiLoCoSync(cfg.fault_tolerance, replicas)
     loop.seed, loop.dp_coord = cfg.job.seed, _dp_coord(cfg, mesh, device)
     loop.cp_group = cp_group(mesh)
     return loop

@@ -106,6 +106,9 @@ class LoopMethods(RunFields):
             scaler = cast(Stateful, self.state.scaler)  # its scale must survive restarts
             named = {**named, "grad_scaler": scaler}
         self.checkpointer.register(model, optimizer, loader, named, per_rank)
+        if self.loop.diloco is not None:  # its state is loaded with the checkpoint's
+            models = self.state.models or [cast(nn.Module, model)]
+            self.loop.diloco.attach(models, optimizer)
         step = self.checkpointer.resume()
         if step:
             self.metrics.log_event("resume", from_step=step)  # later steps are redone

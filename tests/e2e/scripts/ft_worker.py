@@ -14,6 +14,7 @@ processes act; a marker file keeps a restarted worker from repeating a kill it a
 - FT_KILL_IN_ALLREDUCE="G:S": group G's rank 0 dies at step S's cross-group all-reduce,
   after its peers are in it (they see the connection reset mid-collective).
 - FT_RESUME=1: register model, optimizer and loader with run.resume (shared checkpoints).
+- FT_OPTIM=sgd: plain SGD instead of AdamW, and targets a quarter the size (losses near 1).
 - FT_SLEEP_S: seconds to sleep each step (room for the faults to land mid-run).
 - FT_HOLD_AT=S, FT_ALONE=K: the groups without faults take at most K steps alone, then ask for
   the step's quorum again until the missing group is back in it; from step S on they take no
@@ -169,10 +170,14 @@ def main() -> None:
     ft = run.config.fault_tolerance
     x = torch.randn(4096, 16, generator=torch.Generator().manual_seed(0))
     y = x @ torch.randn(16, 1, generator=torch.Generator().manual_seed(1))
+    if os.environ.get("FT_OPTIM") == "sgd":  # losses near 1, where float32 rounds at 1e-7
+        y = y / 4
     data = TensorDataset(x, y, torch.arange(len(x)))  # the index: which samples were trained
     model = run.parallelize(nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1)))
     if run.config.parallel.zero == 1:  # ZeRO-1: the state sharded over the group's ranks
         opt = run.optimizer(model, torch.optim.AdamW, lr=1e-2)
+    elif os.environ.get("FT_OPTIM") == "sgd":  # DiLoCo's sync_every=1 equivalence (test_ft_diloco)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
     else:
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     # run.sampler reads this group's share of the global batch (meshrun.ft.data_share).

@@ -53,8 +53,8 @@ def load_shard(targets: Targets, tensors: dict[str, Any], meta: dict[str, Any], 
     model, optimizer = targets.resolve()
     if meta["layout"] != layout_text(model):
         raise CheckpointError(f"{name}: written under layout {meta['layout']}, not this run's")
-    user = {n: obj.state_dict() for n, obj in targets.named.items()}
     plain = meta["plain"]
+    user = targets.user_template(plain.get("user", {}))
     if not is_zero1(optimizer):
         msd, osd = get_state_dict(model, optimizer)
         template, _ = split_state({"model": msd, "optim": osd, "user": user})
@@ -71,8 +71,7 @@ def load_shard(targets: Targets, tensors: dict[str, Any], meta: dict[str, Any], 
         set_model_state_dict(model, full["model"])
         stage = isinstance(model, PipelineView)
         zero1_load(model, optimizer, owned, plain["optim"], partial=stage)
-    for n, obj in targets.named.items():
-        obj.load_state_dict(full["user"][n])
+    targets.load_user(full["user"])
     restore_progress(targets, meta, name)
     restore_rng(meta["rng"])
     return int(meta["step"])
