@@ -167,7 +167,9 @@ def case_diloco(net: netns.Hosts, tmp: Path, a: argparse.Namespace, h: int) -> d
     lighthouse on host 0, DiLoCo every ``h`` steps; host 0's group's figures."""
     lighthouse = f"{net.address(0)}:{LIGHTHOUSE_PORT}"
     house = subprocess.Popen(
-        net.argv(0, [PY, "-m", "meshrun", "lighthouse", "--bind", lighthouse]),
+        net.argv(
+            0, [PY, "-m", "meshrun", "lighthouse", "--bind", lighthouse, "--min-replicas", "2"]
+        ),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
         env=_env(),

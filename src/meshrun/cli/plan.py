@@ -340,7 +340,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
         print_table(plan, cluster, a.top)
         for line in advice:
             print(f"nothing fits; {line}" if line is advice[0] else f"  - {line}")
-        print("\n".join(links[0]) if links is not None else "", end="\n" if links else "")
+        if links is not None:
+            print("\n".join(links[0]))
     if a.plot:
         _plot(a.plot, plan, model, training, cluster, micro, recompute, a.json)
     return _maybe_emit(a, plan, training)
