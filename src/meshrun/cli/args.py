@@ -43,6 +43,19 @@ def add_target(
     )
 
 
+def add_network_flags(p: argparse._ActionsContainer) -> None:
+    """``--interface`` and ``--join-timeout``: how a multi-node job reaches its peers (``meshrun
+    launch`` and ``meshrun bench``; both become ``[launch]`` keys through the same overrides)."""
+    p.add_argument(
+        "--interface", help="multi-node: network interface (default: the route to the endpoint)"
+    )
+    p.add_argument(
+        "--join-timeout",
+        type=float,
+        help="multi-node: seconds to wait for all nodes to join (default 300)",
+    )
+
+
 def keep_separator(argv: Sequence[str], a: argparse.Namespace) -> None:
     """Give back the ``--`` argparse drops right after TARGET (``train.py -- --x=1``): it is
     the script's separator (everything after it is the script's own, docs/porting.md), and

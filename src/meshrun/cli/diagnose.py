@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from meshrun.cli.args import Subparsers, add_command, add_set, add_target
+from meshrun.cli.args import Subparsers, add_command, add_network_flags, add_set, add_target
 from meshrun.diagnose import doctor_checks as dc
 from meshrun.diagnose.doctor import WORKER_MODULE, DoctorOptions, exit_code, local_checks, render
 
@@ -31,20 +31,16 @@ BENCH_WORKER = "meshrun.diagnose.bench_worker"
 
 
 def cmd_bench(a: argparse.Namespace) -> int:
-    from meshrun.config import Config, ConfigError, write_config
+    from meshrun.config import ConfigError
     from meshrun.diagnose.bench_request import BenchRequest
-    from meshrun.launch.local import LaunchSpec, default_nproc_per_node, launch_local
+    from meshrun.launch.local import default_nproc_per_node, launch_local
 
     nproc = a.nproc_per_node or default_nproc_per_node()
-    if nproc < 2 and a.kind in ("comm", "all"):
+    cfg, nodes = _bench_config(a, nproc)
+    if nproc * nodes < 2 and a.kind in ("comm", "all"):
         raise ConfigError(f"--nproc-per-node {nproc}: bench comm needs at least 2 processes")
     if a.max_mb <= 0:
         raise ConfigError(f"--max-mb {a.max_mb}: must be > 0")
-    cfg = Config()
-    cfg.job.name, cfg.job.run_dir = "bench", a.run_dir
-    cfg.data.micro_batch, cfg.data.global_batch = 1, nproc
-    cfg.metrics.progress = False
-    config_path = write_config(cfg, Path(a.run_dir) / "config.toml")
     request = BenchRequest(
         out=str(Path(a.out).resolve()),
         kind=a.kind,
@@ -53,18 +49,51 @@ def cmd_bench(a: argparse.Namespace) -> int:
         seconds=a.seconds,
         pairs=getattr(a, "pairs", False),
         pair_mb=getattr(a, "pair_mb", 4.0),
+        nodes=nodes,
     )
-    spec = LaunchSpec(
+    code = launch_local(_bench_spec(cfg, nproc, request, a.run_dir))
+    if code == 0 and (nodes == 1 or cfg.launch.node_rank == 0):
+        print(f"wrote {a.out}; use it with `meshrun plan --calibration {a.out} ...`")
+    return code
+
+
+def _bench_config(a: argparse.Namespace, nproc: int) -> tuple[Any, int]:
+    """The bench job's config, with the multi-node flags applied as ``meshrun launch`` applies
+    them (the same ``[launch]`` keys and checks), and its node count (fixed: the collectives'
+    sizes and the calibration are per world)."""
+    from meshrun.cli.torchrun import apply_launch_flags
+    from meshrun.config import Config, ConfigError, nnodes_range
+
+    cfg = Config()
+    cfg.job.name, cfg.job.run_dir = "bench", a.run_dir
+    cfg.metrics.progress = False
+    apply_launch_flags(cfg, a)
+    low, high = nnodes_range(cfg.launch.nnodes)
+    if low != high:
+        raise ConfigError(
+            f"--nnodes {cfg.launch.nnodes}: meshrun bench measures one world; give a node "
+            "count N, not MIN:MAX"
+        )
+    cfg.data.micro_batch, cfg.data.global_batch = 1, nproc * high
+    return cfg, high
+
+
+def _bench_spec(cfg: Any, nproc: int, request: Any, run_dir: str) -> Any:
+    from meshrun.config import write_config
+    from meshrun.launch.local import LaunchSpec
+    from meshrun.launch.multinode.nodes import shared_digest, shared_settings
+
+    config_path = write_config(cfg, Path(run_dir) / "config.toml")
+    return LaunchSpec.of(
+        cfg.launch,
         nproc_per_node=nproc,
         module=BENCH_WORKER,
         script_args=request.to_argv(),
+        config_digest=shared_digest(cfg),  # the nodes' handshake compares it
+        shared_config=shared_settings(cfg),
         config_path=str(config_path),
-        run_dir=a.run_dir,
+        run_dir=run_dir,
     )
-    code = launch_local(spec)
-    if code == 0:
-        print(f"wrote {a.out}; use it with `meshrun plan --calibration {a.out} ...`")
-    return code
 
 
 def add_bench_parser(sub: Subparsers) -> None:
@@ -102,7 +131,11 @@ def add_bench_parser(sub: Subparsers) -> None:
 
 
 def _add_calibration_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--nproc-per-node", type=int, help="processes (default: GPUs, else 2)")
+    from meshrun.cli.torchrun import add_node_arguments
+
+    p.add_argument(
+        "--nproc-per-node", type=int, help="processes on this node (default: GPUs, else 2)"
+    )
     p.add_argument("--out", default="calibration.json", help="calibration file (merged into)")
     p.add_argument("--max-mb", type=float, default=16.0, help="largest message, MiB (16)")
     p.add_argument(
@@ -113,6 +146,7 @@ def _add_calibration_options(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seconds", type=float, default=0.3, help="time per measurement (0.3)")
     p.add_argument("--run-dir", default="runs/bench", help="logs and config (runs/bench)")
+    add_network_flags(add_node_arguments(p))
 
 
 # --- meshrun doctor --------------------------------------------------------------------------

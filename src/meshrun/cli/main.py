@@ -16,12 +16,13 @@ from pathlib import Path
 from typing import Any
 
 from meshrun import __version__
-from meshrun.cli.args import Subparsers, add_set, add_target, keep_separator
+from meshrun.cli.args import Subparsers, add_network_flags, add_set, add_target, keep_separator
 from meshrun.cli.out import quiet_on_broken_pipe
+from meshrun.cli.torchrun import apply_launch_flags as apply_launch_flags
+from meshrun.cli.torchrun import launch_flag_overrides as launch_flag_overrides
 from meshrun.config import (
     Config,
     ConfigError,
-    apply_overrides,
     dp_size_for_world,
     load_config,
     nnodes_range,
@@ -218,44 +219,6 @@ def _maybe_from_slurm(cfg: Config, a: argparse.Namespace) -> None:
     apply_to_launch(a, cfg.launch, os.environ)
 
 
-# `meshrun launch` flags that override [launch] keys of the same name (flag given = wins).
-LAUNCH_FLAGS = (
-    "nproc_per_node",
-    "nnodes",
-    "node_rank",
-    "rdzv_endpoint",
-    "rdzv_id",
-    "rdzv_conf",
-    "max_restarts",
-    "interface",
-    ("join_timeout", "join_timeout_s"),
-)
-
-
-def launch_flag_overrides(a: argparse.Namespace) -> list[tuple[str, str, str]]:
-    """The ``meshrun launch`` flags given, as ``(flag, section.key, text)`` overrides."""
-    found = []
-    for entry in LAUNCH_FLAGS:
-        dest, key = entry if isinstance(entry, tuple) else (entry, entry)
-        value = getattr(a, dest, None)
-        if value is not None:
-            found.append((f"--{dest.replace('_', '-')}", f"launch.{key}", str(value)))
-    return found
-
-
-def apply_launch_flags(cfg: Config, a: argparse.Namespace, topology: bool = True) -> None:
-    """Flags over config keys, as ``--launch.KEY=VALUE`` overrides whose errors name the flag
-    (each key gets the check it gets in a file), then (``topology``) the multi-node checks
-    that need more than one key (before anything starts)."""
-    from meshrun.launch.multinode import nodes as multinode
-
-    for flag, key, text in launch_flag_overrides(a):
-        apply_overrides(cfg, [(key, text)], source=f"{flag} {text}")
-    if not topology:
-        return
-    multinode.validate(multinode.Rendezvous.of(cfg.launch))
-
-
 def cmd_demo(a: argparse.Namespace) -> int:
     overrides, _ = split_overrides(a.overrides)
     extra = [("job.run_dir", a.run_dir)]
@@ -337,14 +300,7 @@ def _add_launch(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "Arguments after the script go to it; --section.key=value among them override the "
         "config, which is validated before any process starts.",
     )
-    p.add_argument(
-        "--interface", help="multi-node: network interface (default: the route to the endpoint)"
-    )
-    p.add_argument(
-        "--join-timeout",
-        type=float,
-        help="multi-node: seconds to wait for all nodes to join (default 300)",
-    )
+    add_network_flags(p)
     p.add_argument(
         "--hostfile",
         metavar="FILE",

@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from meshrun.cli import plan_links
 from meshrun.plan.cost import GB, Cluster, Estimate, Model, Recompute, Training
 from meshrun.plan.errors import PlanError
 from meshrun.plan.hardware import GB_S, GPUS, TERA, get_gpu
@@ -317,7 +318,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
     if a.global_batch < 1:
         raise PlanError(f"--global-batch {a.global_batch} is not allowed: must be >= 1")
     training = Training(a.global_batch, a.precision, a.optimizer, a.attention == "fused")
-    cluster = _cluster(a)
+    cluster = plan_links.apply_link_flags(a, _cluster(a))
     start = time.perf_counter()
     micro, recompute = _int_list(a.micro_batch, "--micro-batch"), _recompute_list(a.ac)
     if a.layout:
@@ -325,17 +326,22 @@ def cmd_plan(a: argparse.Namespace) -> int:
     else:
         plan = search(model, training, cluster, micro, recompute)
     advice = [] if plan.fitting else what_would_fit(model, training, cluster, plan)
+    links = plan_links.links_report(a, model, training, cluster, plan.fitting[:1])  # --diloco
     elapsed = time.perf_counter() - start
     if a.json:
         doc = plan_json(plan, cluster, training, a.top, advice)
         doc["search_s"] = round(elapsed, 4)
         if inferred is not None:
             doc["model"] = inferred.json
+        if links is not None:
+            doc["slow_links"] = links[1]
         print(json.dumps(doc, indent=2))
     else:
         print_table(plan, cluster, a.top)
         for line in advice:
             print(f"nothing fits; {line}" if line is advice[0] else f"  - {line}")
+        if links is not None:
+            print("\n".join(links[0]))
     if a.plot:
         _plot(a.plot, plan, model, training, cluster, micro, recompute, a.json)
     return _maybe_emit(a, plan, training)
@@ -427,6 +433,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="activation checkpointing modes to consider (none,selective,full)",
     )
     _add_cluster_args(p)
+    plan_links.add_arguments(p)
     o = p.add_argument_group("output")
     o.add_argument(
         "--layout",

@@ -10,7 +10,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from meshrun.config import ConfigError
+from meshrun.config import Config, ConfigError, apply_overrides
 from meshrun.launch.torchrun_flags import (
     BACKENDS,
     FLAGS,
@@ -35,19 +35,37 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     add_replica_arguments(p)
     for flag in FLAGS:
-        if flag.type is None:
-            group.add_argument(
-                *flag.options, dest=flag.dest, action="store_true", default=None, help=flag.help
-            )
-        else:
-            group.add_argument(
-                *flag.options,
-                dest=flag.dest,
-                type=flag.type,
-                choices=flag.choices,
-                metavar=None if flag.choices else METAVARS.get(flag.dest, "NAME"),
-                help=flag.help,
-            )
+        _add_flag(group, flag)
+
+
+# The torchrun flags that place one node in a multi-node job (``meshrun bench`` takes them too).
+NODE_FLAGS = ("nnodes", "node_rank", "rdzv_endpoint", "rdzv_id")
+
+
+def add_node_arguments(p: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """The table's :data:`NODE_FLAGS`, spelled and checked as on ``meshrun launch`` (unset:
+    None); :func:`apply_launch_flags` turns them into ``[launch]`` keys."""
+    group = p.add_argument_group("multi-node (as meshrun launch; docs/launch.md)")
+    for flag in FLAGS:
+        if flag.dest in NODE_FLAGS:
+            _add_flag(group, flag)
+    return group
+
+
+def _add_flag(group: Any, flag: Flag) -> None:
+    if flag.type is None:
+        group.add_argument(
+            *flag.options, dest=flag.dest, action="store_true", default=None, help=flag.help
+        )
+        return
+    group.add_argument(
+        *flag.options,
+        dest=flag.dest,
+        type=flag.type,
+        choices=flag.choices,
+        metavar=None if flag.choices else METAVARS.get(flag.dest, "NAME"),
+        help=flag.help,
+    )
 
 
 def add_replica_arguments(p: argparse.ArgumentParser) -> None:
@@ -248,3 +266,41 @@ def hostfile_refusal(a: argparse.Namespace) -> str | None:
         f"{', '.join(lost)} cannot go with --hostfile yet: the hosts' launches would not get "
         "them. Drop them, or run meshrun launch on each host with them"
     )
+
+
+# `meshrun launch` flags that override [launch] keys of the same name (flag given = wins).
+LAUNCH_FLAGS = (
+    "nproc_per_node",
+    "nnodes",
+    "node_rank",
+    "rdzv_endpoint",
+    "rdzv_id",
+    "rdzv_conf",
+    "max_restarts",
+    "interface",
+    ("join_timeout", "join_timeout_s"),
+)
+
+
+def launch_flag_overrides(a: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """The ``meshrun launch`` flags given, as ``(flag, section.key, text)`` overrides."""
+    found = []
+    for entry in LAUNCH_FLAGS:
+        dest, key = entry if isinstance(entry, tuple) else (entry, entry)
+        value = getattr(a, dest, None)
+        if value is not None:
+            found.append((f"--{dest.replace('_', '-')}", f"launch.{key}", str(value)))
+    return found
+
+
+def apply_launch_flags(cfg: Config, a: argparse.Namespace, topology: bool = True) -> None:
+    """Flags over config keys, as ``--launch.KEY=VALUE`` overrides whose errors name the flag
+    (each key gets the check it gets in a file), then (``topology``) the multi-node checks
+    that need more than one key (before anything starts)."""
+    from meshrun.launch.multinode import nodes as multinode
+
+    for flag, key, text in launch_flag_overrides(a):
+        apply_overrides(cfg, [(key, text)], source=f"{flag} {text}")
+    if not topology:
+        return
+    multinode.validate(multinode.Rendezvous.of(cfg.launch))

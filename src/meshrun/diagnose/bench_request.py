@@ -25,6 +25,7 @@ class BenchRequest:
     seconds: float = 0.3
     pairs: bool = False
     pair_mb: float = 4.0
+    nodes: int = 1  # > 1: the collectives cross the nodes' link (calibration.py's comm_inter)
 
     def to_argv(self) -> list[str]:
         return [json.dumps(asdict(self))]

@@ -65,6 +65,27 @@ def fit_collectives(rows: Sequence[dict[str, Any]], n: int) -> dict[str, float]:
     return out
 
 
+def sustained_bw(rows: Sequence[dict[str, Any]], n: int, op: str = "all_reduce") -> float:
+    """``op``'s bus bandwidth from its largest message and one 16x smaller (two sweep sizes
+    down): the extra bytes over the extra time, what the link sustains once a message is past
+    any burst. A shaped link (tc tbf, a cloud NIC's rate limit) passes the sweep's small
+    messages at line rate from its bucket, so they do not lie on the large ones' alpha-beta
+    line and a fit over all sizes overstates the rate (measured over 100 Mb/s tbf: 107-114
+    Mb/s fitted). The 16x lever keeps a stall in the smaller message's few calls from moving
+    the slope much (between neighbours, 4x apart, one run read 123 Mb/s). One size only, or
+    no growth: the largest message's bus bandwidth."""
+    mine = sorted((r for r in rows if r["op"] == op and r["time_s"] > 0), key=lambda r: r["bytes"])
+    if not mine:
+        raise ValueError(f"sustained_bw: no {op} rows")
+    big = mine[-1]
+    lever = [r for r in mine if r["bytes"] * 16 <= big["bytes"]] or mine[:1]
+    small = lever[-1]
+    extra_t, extra_b = big["time_s"] - small["time_s"], big["bytes"] - small["bytes"]
+    if extra_t <= 0 or extra_b <= 0:
+        return float(big["busbw"])
+    return extra_b * BUS_FACTOR[op](n) / extra_t
+
+
 def message_sizes(max_bytes: int, min_bytes: int = 4096) -> list[int]:
     """Powers of 4 from ``min_bytes`` up to ``max_bytes`` (inclusive of the last power)."""
     sizes, size = [], min_bytes
@@ -123,19 +144,7 @@ def calibration(results: dict[str, Any], world: int, device: Any) -> dict[str, A
         for key in ("mem_bw", "optimizer_bw"):
             if key in c:
                 cluster[key] = c[key]
-    if "comm" in results:
-        fit = fit_collectives(results["comm"], world)
-        # One node measured: the fitted all-reduce bus bandwidth and latency stand for both
-        # links; all-gather and reduce-scatter keep their own rates as ratios to it.
-        cluster["intra_bw"] = cluster["inter_bw"] = fit["all_reduce"]
-        cluster["intra_latency"] = cluster["inter_latency"] = fit["latency"]
-        for op in ("all_gather", "reduce_scatter"):
-            if op in fit:
-                cluster[f"{op}_ratio"] = fit[op] / fit["all_reduce"]
-        cluster["comm_efficiency"] = 1.0
-        if device.type == "cpu":
-            # Gloo runs collectives on the same cores as the math: nothing hides.
-            cluster["overlap"] = 0.0
+    cluster.update(_comm_rates(results, world, device))
     if "tp" in results and device.type == "cpu":
         # On a CPU DTensor's dispatch takes the cores the math needs; a GPU's host runs ahead
         # of its kernels, so there it stays in `measured` only (the planner's default is 0).
@@ -148,6 +157,33 @@ def calibration(results: dict[str, Any], world: int, device: Any) -> dict[str, A
     return cluster
 
 
+def _comm_rates(results: dict[str, Any], world: int, device: Any) -> dict[str, float]:
+    """The link rates: one node's collectives (``comm``), then a run across nodes
+    (``comm_inter``), whose all-reduce ring crosses the nodes' link, the slowest of its hops:
+    its sustained rate is the inter-node one, and one node's run, if any, keeps ``intra_*``."""
+    rates: dict[str, float] = {}
+    if "comm" in results:
+        fit = fit_collectives(results["comm"], world)
+        # One node measured: the fitted all-reduce bus bandwidth and latency stand for both
+        # links; all-gather and reduce-scatter keep their own rates as ratios to it.
+        rates["intra_bw"] = rates["inter_bw"] = fit["all_reduce"]
+        rates["intra_latency"] = rates["inter_latency"] = fit["latency"]
+        for op in ("all_gather", "reduce_scatter"):
+            if op in fit:
+                rates[f"{op}_ratio"] = fit[op] / fit["all_reduce"]
+    if "comm_inter" in results:
+        inter = results["comm_inter"]
+        fit = fit_collectives(inter["rows"], inter["world"])
+        rates["inter_bw"] = sustained_bw(inter["rows"], inter["world"])
+        rates["inter_latency"] = fit["latency"]
+    if rates:
+        rates["comm_efficiency"] = 1.0
+        if device.type == "cpu":
+            # Gloo runs collectives on the same cores as the math: nothing hides.
+            rates["overlap"] = 0.0
+    return rates
+
+
 def _device_memory(device: Any, world: int) -> float:
     import torch
 
@@ -156,13 +192,16 @@ def _device_memory(device: Any, world: int) -> float:
     return float(os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")) / world
 
 
-def write_calibration(path: str, results: dict[str, Any], world: int, device: Any) -> None:
+def write_calibration(
+    path: str, results: dict[str, Any], world: int, device: Any, nodes: int = 1
+) -> None:
     """Merge ``results`` into the calibration file at ``path`` (written atomically)."""
     p = Path(path)
     doc: dict[str, Any] = json.loads(p.read_text()) if p.is_file() else {}
     measured = {**doc.get("measured", {}), **results}
+    where = f" on {nodes} nodes" if nodes > 1 else ""
     doc = {
-        "source": f"meshrun bench on {world} {device.type} processes",
+        "source": f"meshrun bench on {world} {device.type} processes{where}",
         "cluster": {**doc.get("cluster", {}), **calibration(measured, world, device)},
         "measured": measured,
     }
@@ -200,9 +239,32 @@ def comm_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def inter_record(rows: list[dict[str, Any]], world: int, nodes: int) -> dict[str, Any]:
+    """A run across nodes, as the calibration file keeps it (``measured.comm_inter``): with
+    its world, since one node's run, merged into the same file, has another."""
+    return {"rows": rows, "world": world, "nodes": nodes}
+
+
+def inter_lines(inter: dict[str, Any]) -> list[str]:
+    """The link between the nodes: the all-reduce's sustained bus bandwidth in the units a
+    network is sold in (bits/s), the largest message's, and the fitted latency."""
+    rows, world, nodes = inter["rows"], inter["world"], inter["nodes"]
+    bw, latency = sustained_bw(rows, world), fit_collectives(rows, world)["latency"]
+    largest = max((r for r in rows if r["op"] == "all_reduce"), key=lambda r: r["bytes"])
+    return [
+        f"inter-node link ({nodes} nodes, {world} processes): all_reduce bus bandwidth "
+        f"{bw * 8 / 1e6:.1f} Mb/s ({bw / 1e9:.4f} GB/s) sustained up to the largest "
+        f"message ({largest['busbw'] * 8 / 1e6:.1f} Mb/s at {largest['bytes'] / 2**20:g} "
+        f"MiB), latency {latency * 1e6:.0f} us per ring step (fitted over the sizes)"
+    ]
+
+
 def results_lines(results: dict[str, Any]) -> list[str]:
     """What rank 0 prints of the measurements, in the order they are taken."""
     lines = comm_lines(results["comm"]) if "comm" in results else []
+    if "comm_inter" in results:
+        lines += comm_lines(results["comm_inter"]["rows"])
+        lines += inter_lines(results["comm_inter"])
     if "pairs" in results:
         lines += pairs_report(results["pairs"])
     if "tp" in results:
