@@ -69,8 +69,9 @@ def model_from_spec(
         )
     )
     params, layer_params = _exact_counts(found.shape, flags, found.params, found.layer_params)
+    given: dict[str, Any] = dict(shape)  # ints only: typed Any for Model's other fields
     model = Model(
-        **shape,
+        **given,
         gated_mlp=gated,
         params=params,
         layer_params=layer_params,
