@@ -166,9 +166,9 @@ class Layout:
     activation_checkpointing: Recompute = "none"
     schedule: Schedule = "1f1b"
     vpp: int = 1  # virtual stages per rank (interleaved schedule)
-    # Expert parallel: the routed experts split over ep ranks borrowed from dp_shard x cp (it
-    # does not multiply the world); context parallel: the sequence split over cp ranks, a mesh
-    # dimension between dp_shard and tp.
+    # Expert parallel: the routed experts split over ep ranks borrowed from dp_shard x cp (and
+    # tp, whose ranks run whole experts on their own tokens): it does not multiply the world.
+    # Context parallel: the sequence split over cp ranks, a mesh dimension between dp_shard and tp.
     ep: int = 1
     cp: int = 1
 

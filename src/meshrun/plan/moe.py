@@ -158,6 +158,40 @@ def module_flops(model: Any, config: Any = None) -> tuple[Callable[[int], float]
     return per_token, source
 
 
+def _config_int(values: Mapping[str, Any], *names: str) -> int:
+    hit = _int_field(values, names)
+    return hit[1] if hit else 0
+
+
+def moe_of_module(model: Any, values: Mapping[str, Any], hidden: int, where: str) -> Moe | None:
+    """The planner's :class:`Moe` of a built model: the routing from its config, the routed
+    experts' exact count from its ``experts`` modules, one expert's width from the config
+    (``moe_intermediate_size``, else ``intermediate_size`` as Mixtral and OLMoE name it) or
+    else from that count, the shared experts' from ``shared_expert_intermediate_size`` or
+    ``n_shared_experts`` x the expert width. None for a dense model."""
+    routing = read_routing(values, where)
+    if routing is None:
+        return None
+    counted = count_module(model)
+    if counted.routed == 0:
+        return None
+    per_expert = counted.routed / (counted.routed_layers * routing.experts)
+    ffn = _config_int(values, "moe_intermediate_size", "expert_ffn", "intermediate_size")
+    if not ffn or per_expert not in (2 * hidden * ffn, 3 * hidden * ffn):
+        ffn = round(per_expert / (3 * hidden))  # a gated expert's width from its weights
+    shared = _config_int(values, "shared_expert_intermediate_size") or ffn * _config_int(
+        values, "n_shared_experts", "num_shared_experts"
+    )
+    return Moe(
+        routing.experts,
+        routing.top_k,
+        ffn,
+        shared_ffn=shared,
+        moe_layers=counted.routed_layers,
+        expert_params=counted.routed,
+    )
+
+
 # --- the planner's MoE model ---------------------------------------------------------------
 
 
@@ -245,6 +279,18 @@ def a2a_bytes_per_layer(m: Model, lay: Layout, elem_bytes: int) -> float:
     return tokens * m.hidden * slots * elem_bytes * (lay.ep - 1) / lay.ep
 
 
+def ep_stride(lay: Layout) -> int:
+    """How far apart an ep group's ranks are: consecutive when it spans the tp ranks (ep a
+    multiple of tp: Megatron's EP x ETP=1 layout), else tp apart (within dp_shard x cp)."""
+    return 1 if lay.tp > 1 and lay.ep % lay.tp == 0 else lay.tp
+
+
+def expert_shard(lay: Layout) -> int:
+    """Ranks that hold the same experts: the experts' ZeRO and gradient group. With ETP = 1
+    every tp rank runs its own tokens through whole experts, so it is dp_shard x cp x tp / ep."""
+    return lay.shard * lay.tp // lay.ep
+
+
 def a2a_calls_per_layer(recompute: Recompute) -> int:
     """Dispatch + combine forward, their transposes backward; full recomputation redoes the
     forward's two."""
@@ -262,10 +308,11 @@ def moe_problem(m: Model, lay: Layout) -> str | None:
         )
     if m.moe.experts % lay.ep:
         return f"ep = {lay.ep} does not divide the {m.moe.experts} experts; use a divisor"
-    if lay.shard % lay.ep:
+    if (lay.shard * lay.tp) % lay.ep or (lay.ep % lay.tp and lay.shard % lay.ep):
         return (
-            f"ep = {lay.ep} does not divide dp_shard x cp = {lay.dp_shard} x {lay.cp}: expert "
-            "parallel borrows its ranks from them"
+            f"ep = {lay.ep} must divide dp_shard x cp = {lay.shard} or be a multiple of tp = "
+            f"{lay.tp} dividing dp_shard x cp x tp = {lay.shard * lay.tp}: expert parallel "
+            "borrows its ranks from them (one expert's matmuls are not split by tp)"
         )
     return None
 
@@ -302,7 +349,9 @@ __all__ = [
     "active_params",
     "attention_width",
     "count_module",
+    "ep_stride",
     "expert_params",
+    "expert_shard",
     "flops_per_token",
     "module_flops",
     "moe_flops_per_iteration",
