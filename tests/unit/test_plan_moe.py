@@ -29,6 +29,7 @@ from meshrun.plan.inputs import Moe
 from meshrun.plan.memory import activation_bytes, memory
 from meshrun.plan.moe import (
     a2a_bytes_per_layer,
+    a2a_split,
     active_params,
     count_module,
     expert_params,
@@ -228,6 +229,12 @@ def test_the_all_to_all_volume_and_time_by_hand() -> None:
     # Across nodes (2 GPUs per node): 1 of the 3 others is local, 2/3 of the bytes go at 10 GB/s.
     two_per_node = Cluster(4, 2, 80e9, 1e15, intra_bw=100e9, inter_bw=10e9, comm_efficiency=1.0)
     assert all_to_all_time(two_per_node, 4, 1, 6144) == pytest.approx(6144 * 2 / 3 / 10e9)
+    # ep 4 over 2 nodes: a rank sends 1.5 token copies (2 slots x 3/4); a plain all-to-all
+    # sends 2/3 of them to the other node (1 copy), DeepEP the token once if one of its 2
+    # experts is there: 1 - (1/2)^2 = 3/4 of a copy, every copy over the node's links.
+    copy = 2 * 32 * 64 * 2
+    assert a2a_split(TINY, lay, 2, 2, dedupe=False) == (copy * 0.5, copy * 1.0)
+    assert a2a_split(TINY, lay, 2, 2, dedupe=True) == (copy * 1.5, copy * 0.75)
     # A dense model has no all-to-all; ep on it is refused, as is ep not dividing the experts.
     assert ep_comm(BASE, lay, t, GPU, 1) == 0.0
     assert "mixture-of-experts" in str(layout_problem(BASE, lay, t, GPU))

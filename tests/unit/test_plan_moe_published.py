@@ -56,6 +56,7 @@ class Row:
     global_batch: int
     layout: str
     published: float  # tokens/s per GPU
+    deepep: bool = True  # the source's dispatcher: DeepEP, else the plain all-to-all
 
 
 _PP = "micro_batch=1,ac=none,schedule=interleaved"
@@ -73,6 +74,7 @@ ROWS = [
         2048,
         f"dp_shard=4,zero=1,tp=2,pp=32,ep=8,vpp=3,{_PP}",
         _from_step(24.2),
+        deepep=False,
     ),
     Row(
         "Qwen3-235B EP 8 x FSDP 128",
@@ -113,6 +115,8 @@ def predicted_per_gpu(row: Row, capsys: pytest.CaptureFixture[str]) -> float:
         str(GPUS // 8),
         "--layout",
         row.layout,
+        "--ep-dispatch",
+        "deepep" if row.deepep else "all_to_all",
         "--json",
     ]
     capsys.readouterr()

@@ -326,9 +326,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
     if a.global_batch < 1:
         raise PlanError(f"--global-batch {a.global_batch} is not allowed: must be >= 1")
     fused = a.attention == "fused"
-    training = Training(
-        a.global_batch, a.precision, a.optimizer, fused, cp_attention=a.cp_attention
-    )
+    extra = {"cp_attention": a.cp_attention, "ep_dispatch": a.ep_dispatch}
+    training = Training(a.global_batch, a.precision, a.optimizer, fused, **extra)
     cluster = _cluster(a)
     start = time.perf_counter()
     micro, recompute = _int_list(a.micro_batch, "--micro-batch"), _recompute_list(a.ac)

@@ -41,6 +41,14 @@ def add_moe_args(p: argparse.ArgumentParser) -> None:
         help="expert-parallel sizes to consider, e.g. 1,8 (default for an MoE model: every "
         "divisor of its experts up to 64 that divides dp_shard x cp)",
     )
+    g.add_argument(
+        "--ep-dispatch",
+        choices=["all_to_all", "deepep"],
+        default="all_to_all",
+        dest="ep_dispatch",
+        help="expert parallel's dispatcher: all_to_all (every routed copy sent) or deepep "
+        "(a token sent once per remote node, forwarded over NVLink)",
+    )
     g.add_argument("--cp", default="1", help="context-parallel sizes to consider (1), e.g. 1,2,4")
     g.add_argument(
         "--cp-attention",

@@ -31,8 +31,8 @@ from meshrun.plan.long_seq import attention_flops_per_layer, ring_kv_bytes, ulys
 from meshrun.plan.memory import Memory, memory, rank_params, state_bytes_per_param
 from meshrun.plan.memory import stage_params as stage_params
 from meshrun.plan.moe import (
-    a2a_bytes_per_layer,
     a2a_calls_per_layer,
+    a2a_split,
     ep_stride,
     expert_shard,
     expert_stage_params,
@@ -210,10 +210,17 @@ def step_time(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int)
 
 def ep_comm(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) -> float:
     """Expert parallel: per MoE layer of the stage and micro-batch, dispatch + combine forward
-    and their transposes backward (plan/moe.py), over the ep group (tp ranks apart); not
-    hidden (each waits for the router before it and the experts wait for it)."""
-    nbytes = a2a_bytes_per_layer(m, lay, _act_elem_bytes(t))
-    one = all_to_all_time(c, lay.ep, ep_stride(lay), nbytes)
+    and their transposes backward (plan/moe.py), over the ep group: the bytes to ranks on the
+    node at the intra-node bandwidth, those leaving it at the inter-node one, at once (DeepEP:
+    once per node, :func:`a2a_split`); not hidden (each waits for the router before it and the
+    experts wait for it)."""
+    if lay.ep == 1:
+        return 0.0
+    local = max(1, min(lay.ep, c.gpus_per_node // ep_stride(lay)))  # ep ranks on a node
+    deepep = t.ep_dispatch == "deepep"
+    inside, outside = a2a_split(m, lay, _act_elem_bytes(t), local, deepep)
+    one = max(inside / (c.intra_bw * c.comm_efficiency), outside / (c.inter_bw * c.comm_efficiency))
+    one += (lay.ep - 1) * (c.inter_latency if outside else c.intra_latency)
     layers = math.ceil(moe_layer_count(m) / lay.pp)
     return one * a2a_calls_per_layer(lay.activation_checkpointing) * layers * microbatches
 

@@ -15,6 +15,7 @@ Optimizer = Literal["adam", "adamw", "sgd"]
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["1f1b", "gpipe", "interleaved"]
 CpAttention = Literal["ring", "ulysses"]
+EpDispatch = Literal["all_to_all", "deepep"]
 
 GB = 1e9
 
@@ -108,6 +109,9 @@ class Training:
     # Context parallel's attention (plan/long_seq.py): ring attention passes K/V around the cp
     # ranks (torch's context_parallel, Megatron), Ulysses all-to-alls heads for sequence.
     cp_attention: CpAttention = "ring"
+    # Expert parallel's token dispatcher: a plain all-to-all (torch, Megatron's alltoall), or
+    # DeepEP's, which sends a token once per remote node and forwards it over NVLink.
+    ep_dispatch: EpDispatch = "all_to_all"
 
 
 @dataclass(frozen=True)

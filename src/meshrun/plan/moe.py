@@ -279,6 +279,28 @@ def a2a_bytes_per_layer(m: Model, lay: Layout, elem_bytes: int) -> float:
     return tokens * m.hidden * slots * elem_bytes * (lay.ep - 1) / lay.ep
 
 
+def a2a_split(
+    m: Model, lay: Layout, elem_bytes: int, local: int, dedupe: bool
+) -> tuple[float, float]:
+    """(bytes over the node's links, bytes over the network) one rank sends in one all-to-all,
+    ``local`` of the ep group's ranks on its node. A plain all-to-all sends every routed copy
+    to its rank: (ep-local)/ep of them leave the node. DeepEP (``dedupe``; its README's
+    "NVLink forwarding", DeepSeek-V3 report Sec. 3.2.2) sends a token once to each other node
+    that holds one of its experts, N-1 nodes x (1 - (1-1/N)^slots) of them with balanced
+    routing over N nodes, and forwards it there over NVLink."""
+    total = a2a_bytes_per_layer(m, lay, elem_bytes)
+    if total == 0 or local >= lay.ep:
+        return total, 0.0
+    assert m.moe is not None
+    remote = total * (lay.ep - local) / (lay.ep - 1)
+    if not dedupe:
+        return total - remote, remote
+    nodes, slots = lay.ep // local, m.moe.top_k * m.moe.capacity_factor
+    per_copy = total / (slots * (lay.ep - 1) / lay.ep)  # one token's hidden state
+    network = per_copy * (nodes - 1) * (1.0 - (1.0 - 1.0 / nodes) ** slots)
+    return total, network  # every copy crosses the node's links (forwarded or local)
+
+
 def ep_stride(lay: Layout) -> int:
     """How far apart an ep group's ranks are: consecutive when it spans the tp ranks (ep a
     multiple of tp: Megatron's EP x ETP=1 layout), else tp apart (within dp_shard x cp)."""
@@ -346,6 +368,7 @@ __all__ = [
     "Counted",
     "Routing",
     "a2a_bytes_per_layer",
+    "a2a_split",
     "active_params",
     "attention_width",
     "count_module",
