@@ -14,7 +14,7 @@ from meshrun.plan.cost import GB, Cluster, Estimate, Layout, Model, Recompute, T
 from meshrun.plan.errors import PlanError
 from meshrun.plan.hardware import GPUS
 from meshrun.plan.long_seq import cp_problem
-from meshrun.plan.moe import moe_problem
+from meshrun.plan.moe import ep_stride, moe_problem
 
 __all__ = ["Plan", "PlanError", "evaluate_one", "search", "what_would_fit"]
 
@@ -207,6 +207,8 @@ def evaluate_one(m: Model, lay: Layout, t: Training, c: Cluster) -> Plan:
     e = evaluate(m, lay, t, c)
     if lay.tp > c.gpus_per_node:
         e.notes.append(f"tp = {lay.tp} spans nodes: its all-reduces cross the network")
+    if lay.ep * ep_stride(lay) > c.gpus_per_node:
+        e.notes.append(f"ep = {lay.ep} spans nodes: its all-to-alls cross the network")
     return Plan(m.total_params(), [e], 1)
 
 
