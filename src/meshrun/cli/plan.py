@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from meshrun.cli import plan_links
+from meshrun.cli.plan_moe import add_moe_args, apply_moe_args, columns, parallel_sizes
 from meshrun.plan.cost import GB, Cluster, Estimate, Model, Recompute, Training
 from meshrun.plan.errors import PlanError
 from meshrun.plan.hardware import GB_S, GPUS, TERA, get_gpu
@@ -178,6 +179,8 @@ def estimate_json(e: Estimate) -> dict[str, Any]:
             "optimizer": t.optimizer,
             "tp_overhead": t.tp_overhead,
             "fsdp_overhead": t.fsdp_overhead,
+            "ep_comm": t.ep_comm,
+            "cp_comm": t.cp_comm,
         }
     )
     out["tokens_per_s"] = None if t is None else e.tokens_per_s
@@ -204,6 +207,8 @@ def print_table(plan: Plan, c: Cluster, top: int) -> None:
     from rich.table import Table
 
     timed = plan.estimates[0].time is not None
+    shown = plan.estimates[: top or None]
+    extra = columns(shown)  # ep, cp: only when a layout shown uses them
     table = Table(
         title=f"{format_count(plan.params)} parameters on {c.world} GPUs: "
         f"{len(plan.fitting)} of {plan.evaluated} layouts fit"
@@ -214,6 +219,7 @@ def print_table(plan: Plan, c: Cluster, top: int) -> None:
         "dp_shard",
         "tp",
         "pp",
+        *extra,
         "zero",
         "mb",
         "ac",
@@ -226,12 +232,12 @@ def print_table(plan: Plan, c: Cluster, top: int) -> None:
     if timed:
         for col in ("step s", "comp/comm/bubble s", "tokens/s", "MFU"):
             table.add_column(col, justify="right")
-    for i, e in enumerate(plan.estimates[: top or None], 1):
-        table.add_row(*_row(i, e))
+    for i, e in enumerate(shown, 1):
+        table.add_row(*_row(i, e, extra))
     Console(width=200).print(table)
 
 
-def _row(i: int, e: Estimate) -> list[str]:
+def _row(i: int, e: Estimate, extra: list[str]) -> list[str]:
     lay, g = e.layout, e.memory.as_gb()
     parts = "/".join(
         f"{g[k]:.1f}" for k in ("params", "grads", "optimizer", "activations", "buffers")
@@ -242,6 +248,7 @@ def _row(i: int, e: Estimate) -> list[str]:
         str(lay.dp_shard),
         str(lay.tp),
         str(lay.pp),
+        *(str(getattr(lay, k)) for k in extra),
         str(lay.zero),
         str(lay.micro_batch),
         lay.activation_checkpointing,
@@ -294,6 +301,7 @@ def _config_settings(e: Estimate, t: Training) -> dict[str, Any]:
         out["parallel.activation_checkpoint"] = 1  # every block
     elif lay.activation_checkpointing == "selective":
         out["parallel.selective_recomputation"] = "attention"
+    out.update({f"parallel.{k}": getattr(lay, k) for k in ("ep", "cp") if getattr(lay, k) > 1})
     if lay.tp > 1:
         out["parallel.sequence_parallel"] = True  # the activation model assumes it
     if lay.zero >= 2 and t.precision == "bf16":
@@ -313,18 +321,22 @@ def _config_settings(e: Estimate, t: Training) -> dict[str, Any]:
 
 def cmd_plan(a: argparse.Namespace) -> int:
     model, inferred = _model(a)
+    model = apply_moe_args(a, model)
     if inferred is not None:  # what was read from the model, before the layouts built on it
         print("\n".join(inferred.lines), file=sys.stderr if a.json else sys.stdout)
     if a.global_batch < 1:
         raise PlanError(f"--global-batch {a.global_batch} is not allowed: must be >= 1")
-    training = Training(a.global_batch, a.precision, a.optimizer, a.attention == "fused")
+    fused = a.attention == "fused"
+    extra = {"cp_attention": a.cp_attention, "ep_dispatch": a.ep_dispatch}
+    training = Training(a.global_batch, a.precision, a.optimizer, fused, **extra)
     cluster = plan_links.apply_link_flags(a, _cluster(a))
     start = time.perf_counter()
     micro, recompute = _int_list(a.micro_batch, "--micro-batch"), _recompute_list(a.ac)
     if a.layout:
         plan = evaluate_one(model, parse_layout(a.layout, cluster), training, cluster)
     else:
-        plan = search(model, training, cluster, micro, recompute)
+        eps, cps = parallel_sizes(a.ep, "--ep"), parallel_sizes(a.cp, "--cp") or [1]
+        plan = search(model, training, cluster, micro, recompute, eps, cps)
     advice = [] if plan.fitting else what_would_fit(model, training, cluster, plan)
     links = plan_links.links_report(a, model, training, cluster, plan.fitting[:1])  # --diloco
     elapsed = time.perf_counter() - start
@@ -432,6 +444,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default="none,selective,full",
         help="activation checkpointing modes to consider (none,selective,full)",
     )
+    add_moe_args(p)
     _add_cluster_args(p)
     plan_links.add_arguments(p)
     o = p.add_argument_group("output")

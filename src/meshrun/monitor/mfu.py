@@ -4,6 +4,11 @@ FLOPs (forward + backward), first found of:
 
 - ``metrics.flops_per_sample``: per sample, for any workload (an image, a clip, a sequence);
 - ``run.set_flops_per_token(f)``: per token, for the user's own formula;
+- a mixture-of-experts model (a Hugging Face MoE causal LM, or the user's own model whose
+  config declares ``num_experts`` and ``num_experts_per_tok``/``top_k`` and whose experts sit
+  in modules named ``experts``): per token, 6 x the parameters a token uses (the routed
+  experts at top_k / experts, shared experts and dense layers whole, the input embedding left
+  out) plus the attention scores (``meshrun.plan.moe``, docs/plan.md "Mixture of experts");
 - a Hugging Face causal LM (its class comes from ``transformers``): per token from its config,
   by the planner's formula (6 FLOPs per block weight per token plus the attention scores and the
   output layer: ``meshrun.plan.cost``, docs/plan.md) at the run's tokens per sample.
@@ -31,6 +36,7 @@ __all__ = [
     "gpu_key",
     "hf_causal_lm_flops",
     "model_flops",
+    "moe_flops",
     "peak_flops",
     "start_mfu",
 ]
@@ -66,7 +72,20 @@ def model_flops(model: Any, flops_per_sample: float) -> ModelFlops | None:
         return ModelFlops(
             f"metrics.flops_per_sample = {flops_per_sample:.3g}", per_sample=flops_per_sample
         )
-    return hf_causal_lm_flops(model)
+    return moe_flops(model) or hf_causal_lm_flops(model)
+
+
+def moe_flops(model: Any) -> ModelFlops | None:
+    """Per-token FLOPs of a model that declares experts, counting the active parameters only
+    (``meshrun.plan.moe.module_flops``); None for a dense model."""
+    from meshrun.plan.moe import module_flops
+
+    found = module_flops(model, getattr(model, "config", None) if _is_hf(model) else None)
+    return None if found is None else ModelFlops(found[1], per_token=found[0])
+
+
+def _is_hf(model: Any) -> bool:
+    return type(model).__module__.startswith("transformers.")
 
 
 def _is_hf_causal_lm(model: Any) -> bool:

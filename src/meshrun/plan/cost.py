@@ -27,7 +27,18 @@ from dataclasses import dataclass, field
 from meshrun.plan.inputs import GB as GB
 from meshrun.plan.inputs import Cluster, Layout, Model, Recompute, Training
 from meshrun.plan.inputs import gpt_params as gpt_params
-from meshrun.plan.memory import Memory, memory, stage_params, state_bytes_per_param
+from meshrun.plan.long_seq import attention_flops_per_layer, ring_kv_bytes, ulysses_bytes
+from meshrun.plan.memory import Memory, memory, rank_params, state_bytes_per_param
+from meshrun.plan.memory import stage_params as stage_params
+from meshrun.plan.moe import (
+    a2a_calls_per_layer,
+    a2a_split,
+    ep_stride,
+    expert_shard,
+    expert_stage_params,
+    moe_flops_per_iteration,
+    moe_layer_count,
+)
 
 
 def flops_per_iteration(m: Model, batch: int, recompute: Recompute = "none") -> float:
@@ -36,8 +47,11 @@ def flops_per_iteration(m: Model, batch: int, recompute: Recompute = "none") -> 
     72*B*s*l*h^2*(1 + s/(6h) + V/(16*l*h)) without recomputation, 96*... with full
     recomputation (Narayanan et al. 2021, Eq. 3); selective recomputation redoes only the
     attention scores: 72*B*s*l*h^2*(1 + s/(3h) + V/(16*l*h)) (Korthikanti et al. 2022, Sec. 6).
-    For other shapes the h^2 term is 6 FLOPs per block weight per token (q/kv/out/MLP).
+    For other shapes the h^2 term is 6 FLOPs per block weight per token (q/kv/out/MLP); a
+    mixture of experts counts its active weights (plan/moe.py).
     """
+    if m.moe is not None:
+        return moe_flops_per_iteration(m, batch, recompute)
     b, s, h, l_ = batch, m.seq, m.hidden, m.layers
     linear = 6.0 * b * s * l_ * (m.params_per_layer() - _small_terms(m))
     attention = 12.0 * b * s * s * l_ * h * (2 if recompute == "selective" else 1)
@@ -53,6 +67,8 @@ def logits_flops(m: Model, batch: int, recompute: Recompute = "none") -> float:
 
 def model_flops_per_iteration(m: Model, batch: int) -> float:
     """Model FLOPs (no recomputation counted): the numerator of MFU."""
+    if m.moe is not None:  # active parameters, no capacity padding
+        return moe_flops_per_iteration(m, batch, "none", hardware=False)
     return flops_per_iteration(m, batch, "none")
 
 
@@ -121,6 +137,20 @@ def group_link(c: Cluster, size: int, stride: int) -> Link:
     return Link(size, bw, latency, bw * c.all_gather_ratio, bw * c.reduce_scatter_ratio)
 
 
+def all_to_all_time(c: Cluster, size: int, stride: int, nbytes: float) -> float:
+    """An all-to-all in which a rank sends ``nbytes`` to the other ``size``-1 ranks of a group
+    ``stride`` apart: the part to ranks on its own node at the intra-node bandwidth, the rest
+    at the inter-node one, both at once; size-1 messages of latency."""
+    if size <= 1 or nbytes <= 0:
+        return 0.0
+    local = max(1, min(size, c.gpus_per_node // stride))  # group members on a rank's node
+    remote = (size - local) / (size - 1)
+    inside = nbytes * (1 - remote) / (c.intra_bw * c.comm_efficiency)
+    outside = nbytes * remote / (c.inter_bw * c.comm_efficiency) if remote else 0.0
+    latency = c.inter_latency if remote else c.intra_latency
+    return (size - 1) * latency + max(inside, outside)
+
+
 @dataclass
 class StepTime:
     """Seconds per optimizer step, split the way a profiler would show it."""
@@ -134,10 +164,12 @@ class StepTime:
     optimizer: float = 0.0  # the update: memory-bound, not hidden
     tp_overhead: float = 0.0  # DTensor's dispatch and waiting per TP layer (Cluster's)
     fsdp_overhead: float = 0.0  # FSDP2's hooks and waiting per unit collective (Cluster's)
+    ep_comm: float = 0.0  # expert parallel's all-to-alls (dispatch, combine), not hidden
+    cp_comm: float = 0.0  # context parallel's exposed K/V passes or all-to-alls
 
     @property
     def exposed_comm(self) -> float:
-        return self.dp_exposed + self.tp_comm + self.pp_comm
+        return self.dp_exposed + self.tp_comm + self.pp_comm + self.ep_comm + self.cp_comm
 
     @property
     def total(self) -> float:
@@ -171,7 +203,44 @@ def step_time(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int)
         optimizer_time(m, lay, t, c),
         tp_overhead(m, lay, c, microbatches),
         fsdp_overhead(m, lay, c, microbatches),
+        ep_comm(m, lay, t, c, microbatches),
+        cp_comm(m, lay, t, c, microbatches),
     )
+
+
+def ep_comm(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) -> float:
+    """Expert parallel: per MoE layer of the stage and micro-batch, dispatch + combine forward
+    and their transposes backward (plan/moe.py), over the ep group: the bytes to ranks on the
+    node at the intra-node bandwidth, those leaving it at the inter-node one, at once (DeepEP:
+    once per node, :func:`a2a_split`); not hidden (each waits for the router before it and the
+    experts wait for it)."""
+    if lay.ep == 1:
+        return 0.0
+    local = max(1, min(lay.ep, c.gpus_per_node // ep_stride(lay)))  # ep ranks on a node
+    deepep = t.ep_dispatch == "deepep"
+    inside, outside = a2a_split(m, lay, _act_elem_bytes(t), local, deepep)
+    one = max(inside / (c.intra_bw * c.comm_efficiency), outside / (c.inter_bw * c.comm_efficiency))
+    one += (lay.ep - 1) * (c.inter_latency if outside else c.intra_latency)
+    layers = math.ceil(moe_layer_count(m) / lay.pp)
+    return one * a2a_calls_per_layer(lay.activation_checkpointing) * layers * microbatches
+
+
+def cp_comm(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) -> float:
+    """Context parallel, per layer of the stage and micro-batch (plan/long_seq.py): ring
+    attention's K/V sends to the next rank, less the attention math they overlap with; or
+    Ulysses' all-to-alls, not hidden."""
+    if lay.cp == 1 or not m.has_shape:
+        return 0.0
+    layers = math.ceil(m.layers / lay.pp) * microbatches
+    elem = _act_elem_bytes(t)
+    if t.cp_attention == "ulysses":
+        nbytes, calls = ulysses_bytes(m, lay, elem)
+        return layers * calls * all_to_all_time(c, lay.cp, lay.tp, nbytes / calls)
+    chunk, sends = ring_kv_bytes(m, lay, elem)
+    link = group_link(c, lay.cp, lay.tp)
+    comm = sends * (link.latency + chunk / link.bw)
+    math_time = attention_flops_per_layer(m, lay) / (c.peak_flops * c.compute_efficiency)
+    return layers * max(0.0, comm - math_time)
 
 
 def tp_overhead(m: Model, lay: Layout, c: Cluster, microbatches: int) -> float:
@@ -198,7 +267,7 @@ def fsdp_collectives(m: Model, lay: Layout, microbatches: int) -> tuple[int, int
 def fsdp_overhead(m: Model, lay: Layout, c: Cluster, microbatches: int) -> float:
     """``fsdp_unit_overhead`` per collective FSDP2 issues (:func:`fsdp_collectives`); 0
     below ZeRO-2 or with one shard (FSDP2 then issues no collective)."""
-    if lay.dp_shard == 1:
+    if lay.shard == 1:
         return 0.0
     return c.fsdp_unit_overhead * sum(fsdp_collectives(m, lay, microbatches))
 
@@ -211,7 +280,8 @@ def optimizer_time(m: Model, lay: Layout, t: Training, c: Cluster) -> float:
     bw = c.optimizer_bw or c.mem_bw
     if bw <= 0:
         return 0.0
-    local = stage_params(m, lay, t) / (lay.dp_shard if lay.zero >= 1 else 1)
+    dense, experts = rank_params(m, lay, t)
+    local = dense / lay.shard + experts / expert_shard(lay) if lay.zero >= 1 else dense + experts
     per_param = 28.0 if t.optimizer in ("adam", "adamw") else 20.0
     return local * per_param / bw
 
@@ -240,13 +310,34 @@ def fsdp_units(m: Model, lay: Layout) -> int:
 
 
 def _dp_comm(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) -> float:
-    grad_bytes = stage_params(m, lay, t) * state_bytes_per_param(t)[1]
-    dp_link = group_link(c, lay.dp, lay.tp)
+    """Data-parallel traffic of the non-expert parameters over dp x cp (context-parallel ranks
+    reduce their gradients too), plus the routed experts' over their own smaller group."""
+    grad_bytes = rank_params(m, lay, t)[0] * state_bytes_per_param(t)[1]
+    dp_link = group_link(c, lay.dp * lay.cp, lay.tp)
+    experts = _expert_dp_comm(m, lay, t, c, microbatches)
     if lay.zero <= 1:  # DDP: bucketed all-reduces over the whole data-parallel group
         ddp = dp_link.all_reduce(grad_bytes, ddp_buckets(grad_bytes))
         # ZeRO-1 (ZeroRedundancyOptimizer): then every rank's updated shard is gathered.
-        return ddp + (dp_link.all_gather(grad_bytes) if lay.zero == 1 else 0.0)
-    return _fsdp_comm(m, lay, t, c, microbatches, grad_bytes)
+        return experts + ddp + (dp_link.all_gather(grad_bytes) if lay.zero == 1 else 0.0)
+    return experts + _fsdp_comm(m, lay, t, c, microbatches, grad_bytes)
+
+
+def _expert_dp_comm(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) -> float:
+    """The routed experts' gradients (and ZeRO-3's gathers) over the ranks that hold the same
+    experts (:func:`expert_shard`, about ep apart) and across dp_replicate. ep = dp_shard x cp
+    x tp leaves no group to gather over: expert parallel's saving."""
+    total = rank_params(m, lay, t)[1] * state_bytes_per_param(t)[1]
+    if total <= 0:
+        return 0.0
+    group = group_link(c, expert_shard(lay), lay.ep)
+    replicas = group_link(c, lay.dp_replicate, lay.tp * lay.shard)
+    if lay.zero <= 1:
+        time = group.all_reduce(total, ddp_buckets(total))
+        return time + (group.all_gather(total) if lay.zero == 1 else 0.0)
+    calls, units = fsdp_collectives(m, lay, microbatches)
+    gathered = microbatches * total * (2.0 if lay.zero >= 3 else 1.0)
+    time = group.all_gather(gathered, calls) + group.reduce_scatter(total, units)
+    return time + replicas.all_reduce(total / expert_shard(lay), units)
 
 
 def _fsdp_comm(
@@ -257,21 +348,23 @@ def _fsdp_comm(
     (gradient sync only on the boundary micro-batch), across replicas (HSDP) an all-reduce of
     the shard; plus FSDP2's copy-in/copy-out of each gathered and reduced buffer."""
     calls, units = fsdp_collectives(m, lay, microbatches)
-    shard = group_link(c, lay.dp_shard, lay.tp)
+    shard = group_link(c, lay.shard, lay.tp)
     blocks = _block_params(m, lay) * state_bytes_per_param(t)[1]  # the root is not regathered
     gathered = microbatches * (total + (blocks if lay.zero >= 3 else 0.0))
     time = shard.all_gather(gathered, calls) + shard.reduce_scatter(total, units)
-    replicas = group_link(c, lay.dp_replicate, lay.tp * lay.dp_shard)
-    time += replicas.all_reduce(total / lay.dp_shard, units)
+    replicas = group_link(c, lay.dp_replicate, lay.tp * lay.shard)
+    time += replicas.all_reduce(total / lay.shard, units)
     if c.mem_bw > 0:  # copy-in (shard or whole) and copy-out (whole or shard), read + write
-        time += 2.0 * (1.0 + 1.0 / lay.dp_shard) * (gathered + total) / c.mem_bw
+        time += 2.0 * (1.0 + 1.0 / lay.shard) * (gathered + total) / c.mem_bw
     return time
 
 
 def _block_params(m: Model, lay: Layout) -> float:
+    """The non-expert parameters of the stage's blocks on one GPU."""
     if not m.has_shape:
-        return stage_params(m, lay)
-    return math.ceil(m.layers / lay.pp) * m.params_per_layer() / lay.tp
+        return rank_params(m, lay)[0]
+    blocks = math.ceil(m.layers / lay.pp) * m.params_per_layer() - expert_stage_params(m, lay)
+    return blocks / lay.tp
 
 
 def _tp_comm(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) -> float:
@@ -281,7 +374,7 @@ def _tp_comm(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) 
     their input gradients one by one: 2 more all-reduces of the same size in backward."""
     if lay.tp == 1 or not m.has_shape:
         return 0.0
-    act = m.seq * lay.micro_batch * m.hidden * _act_elem_bytes(t)
+    act = m.seq * lay.micro_batch * m.hidden * _act_elem_bytes(t) / lay.cp
     link = group_link(c, lay.tp, 1)
     if t.sequence_parallel:
         one = link.all_gather(act) + link.reduce_scatter(act)
@@ -297,8 +390,8 @@ def _pp_comm(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) 
     every stage boundary it crosses (v times per rank when interleaved); not hidden."""
     if lay.pp == 1 or not m.has_shape:
         return 0.0
-    act = m.seq * lay.micro_batch * m.hidden * _act_elem_bytes(t) / lay.tp
-    link = group_link(c, 2, lay.tp * lay.dp)  # neighbouring stages are dp*tp ranks apart
+    act = m.seq * lay.micro_batch * m.hidden * _act_elem_bytes(t) / (lay.tp * lay.cp)
+    link = group_link(c, 2, lay.tp * lay.cp * lay.dp)  # neighbouring stages: a stage apart
     return 2.0 * (link.latency + act / link.bw) * lay.vpp * microbatches
 
 

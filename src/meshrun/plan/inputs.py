@@ -14,11 +14,30 @@ Precision = Literal["bf16", "fp16", "fp32"]
 Optimizer = Literal["adam", "adamw", "sgd"]
 Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["1f1b", "gpipe", "interleaved"]
+CpAttention = Literal["ring", "ulysses"]
+EpDispatch = Literal["all_to_all", "deepep"]
 
 GB = 1e9
 
 
 # --- inputs --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Moe:
+    """A mixture-of-experts model's routing (plan/moe.py reads it, docs/plan.md derives it):
+    ``experts`` routed experts per MoE layer of which each token uses ``top_k``, each an MLP of
+    width ``expert_ffn``; shared experts (always used) of ``shared_ffn`` in all; ``moe_layers``
+    of the model's layers hold experts (0: all; the rest are dense MLPs of ``Model.ffn``).
+    ``expert_params``: the routed experts' parameters over all layers (0: from the shape)."""
+
+    experts: int
+    top_k: int
+    expert_ffn: int
+    shared_ffn: int = 0
+    moe_layers: int = 0
+    capacity_factor: float = 1.0  # slots per routed token; 1.0 = dropless, no padding
+    expert_params: int = 0
 
 
 @dataclass(frozen=True)
@@ -43,6 +62,8 @@ class Model:
     # v_proj) rather than one fused qkv (Megatron): under TP each column-parallel layer
     # all-reduces its own input gradient, so the attention's backward takes 3 all-reduces, not 1.
     separate_qkv: bool = False
+    moe: Moe | None = None  # routed experts (plan/moe.py); None: a dense model
+    head_dim: int = 0  # attention width per head, 0 = hidden / heads (MLA: mean of qk and v)
 
     @property
     def has_shape(self) -> bool:
@@ -85,6 +106,12 @@ class Training:
     # Megatron sequence parallelism: TP's all-reduces become all-gathers + reduce-scatters
     # (same bytes and ring steps, the rates of those ops); off = plain all-reduces.
     sequence_parallel: bool = True
+    # Context parallel's attention (plan/long_seq.py): ring attention passes K/V around the cp
+    # ranks (torch's context_parallel, Megatron), Ulysses all-to-alls heads for sequence.
+    cp_attention: CpAttention = "ring"
+    # Expert parallel's token dispatcher: a plain all-to-all (torch, Megatron's alltoall), or
+    # DeepEP's, which sends a token once per remote node and forwards it over NVLink.
+    ep_dispatch: EpDispatch = "all_to_all"
 
 
 @dataclass(frozen=True)
@@ -143,14 +170,25 @@ class Layout:
     activation_checkpointing: Recompute = "none"
     schedule: Schedule = "1f1b"
     vpp: int = 1  # virtual stages per rank (interleaved schedule)
+    # Expert parallel: the routed experts split over ep ranks borrowed from dp_shard x cp (and
+    # tp, whose ranks run whole experts on their own tokens): it does not multiply the world.
+    # Context parallel: the sequence split over cp ranks, a mesh dimension between dp_shard and tp.
+    ep: int = 1
+    cp: int = 1
 
     @property
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def shard(self) -> int:
+        """Ranks the non-expert states are sharded (ZeRO) and reduced over: dp_shard x cp
+        (context-parallel ranks hold the same parameters and see different tokens)."""
+        return self.dp_shard * self.cp
+
+    @property
     def size(self) -> int:
-        return self.dp * self.tp * self.pp
+        return self.dp * self.cp * self.tp * self.pp
 
 
 # --- parameter count and FLOPs (Narayanan et al. 2021) -------------------------------------

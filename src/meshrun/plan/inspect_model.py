@@ -42,6 +42,8 @@ class Inspected:
     tied: list[tuple[str, str]] = field(default_factory=list)  # (first name, another name)
     gated: bool | None = None  # SwiGLU-style MLP; None: not found
     separate_qkv: bool | None = None
+    config_values: dict[str, Any] = field(default_factory=dict)  # the config's own fields
+    config_source: str = ""  # where the config was found ("config", "cfg", ...)
 
 
 def inspect_module(model: Any, config: Any = None) -> Inspected:
@@ -85,6 +87,7 @@ def _fields(config: Any) -> dict[str, Any]:
 
 def _read_config(found: Inspected, config: Any, where: str) -> None:
     values = _fields(config)
+    found.config_values, found.config_source = values, where
     for key, names in SHAPE_NAMES.items():
         for name in names:
             value = values.get(name)
@@ -100,12 +103,15 @@ def _put(found: Inspected, key: str, value: int, source: str) -> None:
 
 def find_blocks(model: Any) -> tuple[str, Any, int] | None:
     """The repeated blocks: the longest ``nn.ModuleList`` / ``nn.ModuleDict`` whose children
-    are all of one class (name, first block, count); None when there is none."""
+    are all of one class, other than an MoE layer's ``experts`` (name, first block, count);
+    None when there is none."""
     from torch import nn
 
     best: tuple[str, Any, int] | None = None
     for name, module in model.named_modules():
         if not isinstance(module, (nn.ModuleList, nn.ModuleDict)) or len(module) == 0:
+            continue
+        if name.rpartition(".")[2] == "experts":  # an MoE layer's experts, not the blocks
             continue
         children = list(module.children())
         if len({type(c) for c in children}) == 1 and (best is None or len(children) > best[2]):

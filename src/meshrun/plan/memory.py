@@ -10,6 +10,12 @@ import math
 from dataclasses import dataclass
 
 from meshrun.plan.inputs import GB, Cluster, Layout, Model, Recompute, Training
+from meshrun.plan.moe import (
+    expert_params,
+    expert_shard,
+    expert_stage_params,
+    moe_activation_per_token,
+)
 
 # --- memory (ZeRO paper accounting, Korthikanti activations) -------------------------------
 
@@ -49,7 +55,10 @@ def activation_bytes_per_layer(
     s, b, h = m.seq, micro_batch, m.hidden
     if recompute == "full":
         return 2.0 * s * b * h / tp
-    per_token = 18.0 + (6.0 if m.gated_mlp else 4.0) * m.ffn_size / h
+    if m.moe is not None:  # routed slots and shared experts instead of one MLP (plan/moe.py)
+        per_token = moe_activation_per_token(m)
+    else:
+        per_token = 18.0 + (6.0 if m.gated_mlp else 4.0) * m.ffn_size / h
     if recompute == "none" and not fused:
         per_token += 5.0 * m.heads * s / h
     return s * b * h * per_token / tp
@@ -74,15 +83,17 @@ def inflight_layers(m: Model, lay: Layout, microbatches: int) -> float:
 
 def activation_bytes(m: Model, lay: Layout, t: Training, microbatches: int) -> float:
     """Activations on one GPU: stored layers, plus one layer's full working set while it is
-    recomputed (full recomputation), plus the fp32 logits of the loss, 4*s*b*V/t."""
+    recomputed (full recomputation), plus the fp32 logits of the loss, 4*s*b*V/t. Context
+    parallel keeps s/cp of every sequence: all of it divided by cp."""
     if not m.has_shape:
         return 0.0
-    b, tp, ac, fused = lay.micro_batch, lay.tp, lay.activation_checkpointing, t.fused_attention
+    b, ac, fused = lay.micro_batch, lay.activation_checkpointing, t.fused_attention
+    tp = lay.tp * lay.cp  # both split the tokens' activations (tp by sequence parallelism)
     per_layer = activation_bytes_per_layer(m, b, tp, ac, fused)
     stored = inflight_layers(m, lay, microbatches) * per_layer
     if ac == "full":
         stored += activation_bytes_per_layer(m, b, tp, "none", fused)
-    stored += 4.0 * m.seq * b * m.vocab / (tp if t.tp_embeddings else 1)
+    stored += 4.0 * m.seq * b * m.vocab / (tp if t.tp_embeddings else lay.cp)
     # The published constants count 16-bit tensors; fp32 training doubles them.
     return stored * (2.0 if t.precision == "fp32" else 1.0)
 
@@ -120,10 +131,22 @@ def stage_params(m: Model, lay: Layout, t: Training | None = None) -> float:
     return blocks / lay.tp + embeddings / split
 
 
+def rank_params(m: Model, lay: Layout, t: Training | None = None) -> tuple[float, float]:
+    """(non-expert, routed-expert) parameters on one GPU before ZeRO sharding: the routed
+    experts are split over ep (not over tp: one expert's matmuls stay whole), the rest as
+    :func:`stage_params` says."""
+    experts = expert_stage_params(m, lay)
+    return stage_params(m, lay, t) - experts / lay.tp, experts / lay.ep
+
+
 def memory(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) -> Memory:
-    """The per-GPU memory breakdown of a layout (see docs/plan.md)."""
-    local = stage_params(m, lay, t)
-    p, g, o = model_state_bytes(local, t, lay.zero, lay.dp_shard)
+    """The per-GPU memory breakdown of a layout (see docs/plan.md). The non-expert states are
+    sharded over dp_shard x cp, the experts' over the ranks that hold the same experts
+    (dp_shard x cp x tp / ep)."""
+    dense, experts = rank_params(m, lay, t)
+    states = model_state_bytes(dense, t, lay.zero, lay.shard)
+    expert_states = model_state_bytes(experts, t, lay.zero, expert_shard(lay))
+    p, g, o = (a + b for a, b in zip(states, expert_states, strict=True))
     act = activation_bytes(m, lay, t, microbatches)
     gather = _gather_buffer(m, lay, t)
     buffers = c.allowance_bytes + gather + c.fragmentation * (p + g + o + act + gather)
@@ -134,4 +157,6 @@ def _gather_buffer(m: Model, lay: Layout, t: Training) -> float:
     # ZeRO-3/FSDP gathers one block's full parameters and prefetches the next: two blocks.
     if lay.zero < 3 or not m.has_shape:
         return 0.0
-    return 2.0 * m.params_per_layer() / lay.tp * state_bytes_per_param(t)[0]
+    routed = expert_params(m) / m.layers
+    per_layer = (m.params_per_layer() - routed) / lay.tp + routed / lay.ep
+    return 2.0 * per_layer * state_bytes_per_param(t)[0]

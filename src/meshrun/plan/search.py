@@ -13,12 +13,15 @@ from dataclasses import dataclass, replace
 from meshrun.plan.cost import GB, Cluster, Estimate, Layout, Model, Recompute, Training, evaluate
 from meshrun.plan.errors import PlanError
 from meshrun.plan.hardware import GPUS
+from meshrun.plan.long_seq import cp_problem
+from meshrun.plan.moe import ep_stride, moe_problem
 
 __all__ = ["Plan", "PlanError", "evaluate_one", "search", "what_would_fit"]
 
 
 DEFAULT_MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 DEFAULT_RECOMPUTE: tuple[Recompute, ...] = ("none", "selective", "full")
+MAX_EP = 64  # expert-parallel degrees searched by default: the divisors up to this
 
 
 # --- checks --------------------------------------------------------------------------------
@@ -52,10 +55,13 @@ def layout_problem(m: Model, lay: Layout, t: Training, c: Cluster) -> str | None
     """Why ``lay`` cannot run this model on this cluster, or None."""
     if lay.size != c.world:
         return (
-            f"dp_replicate x dp_shard x tp x pp = {lay.dp_replicate} x {lay.dp_shard} x "
-            f"{lay.tp} x {lay.pp} = {lay.size}, but the cluster has {c.world} GPUs"
+            f"dp_replicate x dp_shard x cp x tp x pp = {lay.dp_replicate} x {lay.dp_shard} x "
+            f"{lay.cp} x {lay.tp} x {lay.pp} = {lay.size}, but the cluster has {c.world} GPUs"
         )
-    if lay.zero >= 1 and lay.dp_shard == 1:
+    problem = moe_problem(m, lay) or cp_problem(m, lay, t)
+    if problem:
+        return problem
+    if lay.zero >= 1 and lay.shard == 1:
         return f"zero = {lay.zero} with dp_shard = 1 shards nothing; use zero = 0 or dp_shard > 1"
     if t.global_batch % (lay.micro_batch * lay.dp):
         return (
@@ -109,20 +115,36 @@ def candidates(
     c: Cluster,
     micro_batches: Sequence[int] = DEFAULT_MICRO_BATCHES,
     recompute: Sequence[Recompute] = DEFAULT_RECOMPUTE,
+    eps: Sequence[int] | None = None,
+    cps: Sequence[int] = (1,),
 ) -> Iterator[Layout]:
     """Every valid layout: tp inside a node, pp over whole blocks, dp split into replicate x
-    shard (hybrid only with ZeRO), ZeRO 0-3, the micro-batches and recomputation modes given."""
+    shard (hybrid only with ZeRO), ZeRO 0-3, the micro-batches and recomputation modes given;
+    the context-parallel sizes ``cps`` and the expert-parallel sizes ``eps`` (None: for an MoE
+    model every divisor of its experts up to MAX_EP that divides dp_shard x cp x tp)."""
     tps = [d for d in _divisors(c.gpus_per_node) if d <= c.world]
     acs: Sequence[Recompute] = recompute if m.has_shape else ("none",)
-    for tp in tps:
-        for pp in _divisors(c.world // tp):
-            dp = c.world // (tp * pp)
-            for zero, dp_rep in _dp_splits(dp):
-                for mb in micro_batches:
-                    for ac in acs:
-                        lay = Layout(dp_rep, dp // dp_rep, tp, pp, zero, mb, ac)
-                        if layout_problem(m, lay, t, c) is None:
-                            yield lay
+    for cp in cps:
+        for tp in (d for d in tps if c.world % (d * cp) == 0):
+            for pp in _divisors(c.world // (tp * cp)):
+                dp = c.world // (tp * pp * cp)
+                for zero, dp_rep in _dp_splits(dp):
+                    for ep in _ep_sizes(m, eps, dp // dp_rep * cp * tp):
+                        for mb in micro_batches:
+                            for ac in acs:
+                                lay = Layout(
+                                    dp_rep, dp // dp_rep, tp, pp, zero, mb, ac, ep=ep, cp=cp
+                                )
+                                if layout_problem(m, lay, t, c) is None:
+                                    yield lay
+
+
+def _ep_sizes(m: Model, eps: Sequence[int] | None, shard: int) -> list[int]:
+    if eps is not None:
+        return [e for e in eps if shard % e == 0]
+    if m.moe is None:
+        return [1]
+    return [e for e in _divisors(min(shard, MAX_EP)) if shard % e == 0 and m.moe.experts % e == 0]
 
 
 def _dp_splits(dp: int) -> Iterator[tuple[int, int]]:
@@ -161,10 +183,13 @@ def search(
     c: Cluster,
     micro_batches: Sequence[int] = DEFAULT_MICRO_BATCHES,
     recompute: Sequence[Recompute] = DEFAULT_RECOMPUTE,
+    eps: Sequence[int] | None = None,
+    cps: Sequence[int] = (1,),
 ) -> Plan:
     """Evaluate every candidate layout and rank them: those that fit, fastest first."""
     check_model(m)
-    estimates = [evaluate(m, lay, t, c) for lay in candidates(m, t, c, micro_batches, recompute)]
+    found = candidates(m, t, c, micro_batches, recompute, eps, cps)
+    estimates = [evaluate(m, lay, t, c) for lay in found]
     if not estimates:
         raise PlanError(
             f"no layout divides the work: global batch {t.global_batch} over {c.world} GPUs "
@@ -182,6 +207,8 @@ def evaluate_one(m: Model, lay: Layout, t: Training, c: Cluster) -> Plan:
     e = evaluate(m, lay, t, c)
     if lay.tp > c.gpus_per_node:
         e.notes.append(f"tp = {lay.tp} spans nodes: its all-reduces cross the network")
+    if lay.ep * ep_stride(lay) > c.gpus_per_node:
+        e.notes.append(f"ep = {lay.ep} spans nodes: its all-to-alls cross the network")
     return Plan(m.total_params(), [e], 1)
 
 
@@ -205,10 +232,10 @@ def parse_layout(text: str, c: Cluster) -> Layout:
         values[key] = _layout_value(key, value.strip())
     lay = replace(Layout(dp_shard=-1), **values)  # type: ignore[arg-type]
     if lay.dp_shard == -1:
-        rest = lay.dp_replicate * lay.tp * lay.pp
+        rest = lay.dp_replicate * lay.cp * lay.tp * lay.pp
         if c.world % rest:
             raise PlanError(
-                f"--layout: dp_replicate x tp x pp = {rest} does not divide the "
+                f"--layout: dp_replicate x cp x tp x pp = {rest} does not divide the "
                 f"cluster's {c.world} GPUs"
             )
         lay = replace(lay, dp_shard=c.world // rest)
@@ -269,7 +296,7 @@ def _describe(e: Estimate) -> str:
     lay = e.layout
     return (
         f"dp_replicate={lay.dp_replicate}, dp_shard={lay.dp_shard}, tp={lay.tp}, "
-        f"pp={lay.pp}, zero={lay.zero}, micro_batch={lay.micro_batch}, "
+        f"pp={lay.pp}, ep={lay.ep}, cp={lay.cp}, zero={lay.zero}, micro_batch={lay.micro_batch}, "
         f"activation_checkpointing={lay.activation_checkpointing}"
     )
 

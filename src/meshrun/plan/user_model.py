@@ -7,11 +7,13 @@ the flags to pass. Imports no torch until a model is built (model_source, inspec
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, replace
 from typing import Any
 
 from meshrun.plan.cost import Model
 from meshrun.plan.errors import PlanError
+from meshrun.plan.inputs import Moe
 
 REQUIRED = ("layers", "hidden", "heads", "vocab", "seq")
 # How the user gives each field when the model does not say it.
@@ -60,22 +62,31 @@ def model_from_spec(
     found = inspect_module(built.model, built.config)
     shape, sources = _merge(found.shape, found.sources, flags)
     _check_complete(spec, shape, found.params)
-    gated = mlp == "gated" if mlp is not None else bool(found.gated)
-    sources["mlp"] = (
-        "--mlp"
-        if mlp is not None
-        else found.sources.get(
+    params, layer_params = _exact_counts(found.shape, flags, found.params, found.layer_params)
+    moe, head_dim = _moe(built.model, found, shape, bool(params))
+    gated = mlp == "gated" if mlp is not None else bool(found.gated) or moe is not None
+    if mlp is not None:
+        sources["mlp"] = "--mlp"
+    elif moe is not None and not found.gated:
+        sources["mlp"] = "experts: gated assumed (the Hugging Face families' are SwiGLU)"
+    else:
+        sources["mlp"] = found.sources.get(
             "mlp", "not found in the blocks: plain assumed; --mlp gated for a SwiGLU MLP"
         )
-    )
-    params, layer_params = _exact_counts(found.shape, flags, found.params, found.layer_params)
+    given: dict[str, Any] = dict(shape)  # ints only: typed Any for Model's other fields
     model = Model(
-        **shape,
+        **given,
         gated_mlp=gated,
         params=params,
         layer_params=layer_params,
         separate_qkv=bool(found.separate_qkv),
+        moe=moe,
+        head_dim=head_dim,
     )
+    if moe is not None and not params:  # the shape formulas, experts included
+        from meshrun.plan.moe import moe_model
+
+        model = moe_model(model, moe)
     tied = [f"{a} = {b}" for a, b in found.tied]
     shown = {"kv_heads": shape.get("heads", 0), "ffn": 4 * shape.get("hidden", 0), **shape}
     facts = {
@@ -95,12 +106,39 @@ def model_from_spec(
         },
     }
     lines = describe(spec, facts)
+    if moe is not None:
+        facts["moe"] = dataclasses.asdict(moe)
+        lines.append(_moe_line(moe, found.config_source or "config"))
     if not params:
         lines.append(
             "  counts   from the shape formulas: the flags changed the model's shape "
             "(--model-kwargs builds it at that shape and keeps the exact counts)"
         )
     return Inferred(model, lines, {"spec": spec, **facts, "exact_counts": bool(params)})
+
+
+def _moe(model: Any, found: Any, shape: dict[str, int], exact: bool) -> tuple[Moe | None, int]:
+    """The experts the model declares (plan/moe.py) and its attention's width per head; the
+    experts' exact count only while the model's counts are kept (no shape flag changed)."""
+    from meshrun.plan.moe import attention_width, moe_of_module
+
+    values, hidden = found.config_values, shape.get("hidden", 0)
+    moe = moe_of_module(model, values, hidden, found.config_source or "config") if hidden else None
+    if moe is not None and not exact:
+        moe = replace(moe, expert_params=0)
+    heads = shape.get("heads", 0)
+    width = attention_width(values, hidden, heads) if heads else 0
+    return moe, (width // heads if heads and width != hidden else 0)
+
+
+def _moe_line(moe: Moe, where: str) -> str:
+
+    routed = f"{format_count(moe.expert_params)} routed parameters" if moe.expert_params else ""
+    shared = f", shared experts {moe.shared_ffn} wide" if moe.shared_ffn else ""
+    return (
+        f"  experts  {moe.experts:<9}top-{moe.top_k}, each {moe.expert_ffn} wide{shared}, in "
+        f"{moe.moe_layers} layers ({where}; modules named experts{': ' + routed if routed else ''})"
+    )
 
 
 def _exact_counts(
