@@ -10,8 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshrun.cli import plan_links
-from meshrun.cli.plan_moe import add_moe_args, apply_moe_args, columns, parallel_sizes
+from meshrun.cli import plan_links, plan_moe
 from meshrun.plan.cost import GB, Cluster, Estimate, Model, Recompute, Training
 from meshrun.plan.errors import PlanError
 from meshrun.plan.hardware import GB_S, GPUS, TERA, get_gpu
@@ -208,7 +207,7 @@ def print_table(plan: Plan, c: Cluster, top: int) -> None:
 
     timed = plan.estimates[0].time is not None
     shown = plan.estimates[: top or None]
-    extra = columns(shown)  # ep, cp: only when a layout shown uses them
+    extra = plan_moe.columns(shown)  # ep, cp: only when a layout shown uses them
     table = Table(
         title=f"{format_count(plan.params)} parameters on {c.world} GPUs: "
         f"{len(plan.fitting)} of {plan.evaluated} layouts fit"
@@ -321,21 +320,19 @@ def _config_settings(e: Estimate, t: Training) -> dict[str, Any]:
 
 def cmd_plan(a: argparse.Namespace) -> int:
     model, inferred = _model(a)
-    model = apply_moe_args(a, model)
+    model = plan_moe.apply_moe_args(a, model)
     if inferred is not None:  # what was read from the model, before the layouts built on it
         print("\n".join(inferred.lines), file=sys.stderr if a.json else sys.stdout)
     if a.global_batch < 1:
         raise PlanError(f"--global-batch {a.global_batch} is not allowed: must be >= 1")
-    fused = a.attention == "fused"
-    extra = {"cp_attention": a.cp_attention, "ep_dispatch": a.ep_dispatch}
-    training = Training(a.global_batch, a.precision, a.optimizer, fused, **extra)
+    training = plan_moe.training_args(a)
     cluster = plan_links.apply_link_flags(a, _cluster(a))
     start = time.perf_counter()
     micro, recompute = _int_list(a.micro_batch, "--micro-batch"), _recompute_list(a.ac)
     if a.layout:
         plan = evaluate_one(model, parse_layout(a.layout, cluster), training, cluster)
     else:
-        eps, cps = parallel_sizes(a.ep, "--ep"), parallel_sizes(a.cp, "--cp") or [1]
+        eps, cps = plan_moe.searched_sizes(a)
         plan = search(model, training, cluster, micro, recompute, eps, cps)
     advice = [] if plan.fitting else what_would_fit(model, training, cluster, plan)
     links = plan_links.links_report(a, model, training, cluster, plan.fitting[:1])  # --diloco
@@ -444,7 +441,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         default="none,selective,full",
         help="activation checkpointing modes to consider (none,selective,full)",
     )
-    add_moe_args(p)
+    plan_moe.add_moe_args(p)
     _add_cluster_args(p)
     plan_links.add_arguments(p)
     o = p.add_argument_group("output")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import replace
 
-from meshrun.plan.cost import Estimate, Model
+from meshrun.plan.cost import Estimate, Model, Training
 from meshrun.plan.errors import PlanError
 from meshrun.plan.inputs import Moe
 from meshrun.plan.moe import moe_model
@@ -117,3 +117,15 @@ def columns(estimates: list[Estimate]) -> list[str]:
 
 
 __all__ = ["add_moe_args", "apply_moe_args", "columns", "parallel_sizes"]
+
+
+def training_args(a: argparse.Namespace) -> Training:
+    """The training settings of ``meshrun plan``'s flags, with the MoE/CP ones."""
+    fused = a.attention == "fused"
+    extra = {"cp_attention": a.cp_attention, "ep_dispatch": a.ep_dispatch}
+    return Training(a.global_batch, a.precision, a.optimizer, fused, **extra)
+
+
+def searched_sizes(a: argparse.Namespace) -> tuple[list[int] | None, list[int]]:
+    """The ep and cp degrees the search tries (``--ep``, ``--cp``; cp 1 when unset)."""
+    return parallel_sizes(a.ep, "--ep"), parallel_sizes(a.cp, "--cp") or [1]
