@@ -9,6 +9,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.utils.data import Dataset
 
 VOCAB, HIDDEN, LAYERS, EXPERTS, TOP_K, SEQ = 64, 32, 2, 4, 2, 16
 OWN_EXPERTS = "layers.*.moe.experts"  # the pattern a user passes in ModelSpec(experts=...)
@@ -131,3 +132,17 @@ def logits_of(model: nn.Module, idx: Tensor) -> Tensor:
 def loss_of(model: nn.Module, tokens: Tensor) -> Tensor:
     logits = logits_of(model, tokens[:, :-1])
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), tokens[:, 1:].reshape(-1))
+
+
+class Tokens(Dataset[Tensor]):
+    """Fixed random token windows (seed 0) of SEQ + 1 tokens: inputs and shifted targets."""
+
+    def __init__(self, n: int = 64) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.data = torch.randint(0, 16, (n, SEQ + 1), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> Tensor:
+        return self.data[i]

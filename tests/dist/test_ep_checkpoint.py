@@ -21,7 +21,6 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-from torch.utils.data import Dataset
 
 import meshrun
 import moe_models
@@ -30,18 +29,6 @@ from meshrun.checkpoint import layout
 from meshrun.parallel.structure import ModelSpec
 
 GLOBAL_BATCH, SAVE_AT, STEPS = 8, 3, 6
-
-
-class Tokens(Dataset[torch.Tensor]):
-    def __init__(self, n: int = 64) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.data = torch.randint(0, 16, (n, moe_models.SEQ + 1), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.data[i]
 
 
 def make_config(run_dir: Path, ckpt: Path, resume: str, ep: int, world: int = 2) -> meshrun.Config:
@@ -62,7 +49,7 @@ def train(rank: int, world_size: int, cfg: meshrun.Config, kind: str) -> dict[st
     spec = ModelSpec(experts=moe_models.OWN_EXPERTS) if kind == "own" else None
     model = run.parallelize(moe_models.BUILDERS[kind](), spec=spec)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
-    loader = run.dataloader(Tokens())
+    loader = run.dataloader(moe_models.Tokens())
     start = run.resume(model, opt, loader)
     losses: dict[int, float] = {}
     for batch in run.steps(loader):

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import torch
-from torch.utils.data import Dataset
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # tests/: moe_models
 
@@ -19,25 +18,13 @@ import moe_models
 from meshrun.parallel.ep import full_state_dict
 
 
-class Tokens(Dataset[torch.Tensor]):
-    def __init__(self, n: int = 64) -> None:
-        g = torch.Generator().manual_seed(0)
-        self.data = torch.randint(0, 16, (n, moe_models.SEQ + 1), generator=g)
-
-    def __len__(self) -> int:
-        return len(self.data)
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        return self.data[i]
-
-
 @meshrun.main
 def main() -> None:
     torch.use_deterministic_algorithms(True)
     run = meshrun.init()
     model = run.parallelize(moe_models.tiny_qwen2_moe())
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    loader = run.dataloader(Tokens())
+    loader = run.dataloader(moe_models.Tokens())
     run.resume(model, opt, loader)
     kill_at = int(os.environ.get("KILL_AT_STEP", "0"))
     first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
