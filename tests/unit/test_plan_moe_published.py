@@ -7,15 +7,13 @@ uncalibrated efficiencies; the docs' table must show what it prints now, and a r
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
+from doc_tables import row_problems, table_rows
 from meshrun.cli.main import main
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "plan.md"
 SECTION = "## Published MoE and long-sequence throughput"
 WITHIN = 0.20
 GPUS = 256
@@ -125,35 +123,14 @@ def predicted_per_gpu(row: Row, capsys: pytest.CaptureFixture[str]) -> float:
     return float(layout["tokens_per_s"]) / GPUS
 
 
-def doc_rows() -> dict[str, list[str]]:
-    section = DOC.read_text().split(SECTION, 1)[1].split("\n## ", 1)[0]
-    rows = {}
-    for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 7 and re.fullmatch(r"[\d.]+", cells[4].replace(",", "")):
-            rows[cells[0]] = cells
-    return rows
-
-
-def _number(cell: str) -> float:
-    return float(cell.replace(",", "").replace("%", "").replace("+", ""))
+def doc_rows(text: str | None = None) -> dict[str, list[str]]:
+    return table_rows(SECTION, text)
 
 
 def problems(row: Row, cells: list[str] | None, now: float) -> list[str]:
-    if cells is None:
-        return [f"docs/plan.md's MoE table has no row {row.name!r}"]
-    published, predicted, error, why = cells[3], cells[4], cells[5], cells[6]
-    out = []
-    if _number(published) != pytest.approx(row.published, abs=0.051):
-        out.append(f"published {published}, the test's row says {row.published:.1f}")
-    if _number(predicted) != pytest.approx(now, rel=0.01):
-        out.append(f"predicted {predicted}, the planner prints {now:.0f} now")
-    err = now / row.published - 1
-    if _number(error) != pytest.approx(100 * err, abs=0.15):
-        out.append(f"error {error}, the planner gives {100 * err:+.1f} %")
-    if abs(err) > WITHIN and why in ("", "-"):
-        out.append(f"{100 * err:+.1f} % off and no reason given")
-    return out
+    return row_problems(
+        row.name, cells, row.published, now, table="MoE table", within=WITHIN, published_abs=0.051
+    )
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])

@@ -8,15 +8,13 @@ more than 15 % off must say why in the table."""
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
+from doc_tables import row_problems, table_rows
 from meshrun.cli.main import main
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "plan.md"
 WITHIN = 0.15
 
 
@@ -182,38 +180,13 @@ def predicted_per_gpu(row: Row, capsys: pytest.CaptureFixture[str]) -> float:
 
 
 def doc_rows(text: str | None = None) -> dict[str, list[str]]:
-    """The docs' table: the cells of each row, by its first cell."""
-    text = DOC.read_text() if text is None else text
-    section = text.split("## Published throughput", 1)[1].split("\n## ", 1)[0]
-    rows = {}
-    for line in section.splitlines():
-        cells = [c.strip() for c in line.strip().strip("|").split("|")]
-        if len(cells) >= 7 and re.fullmatch(r"[\d.]+", cells[4].replace(",", "")):
-            rows[cells[0]] = cells
-    return rows
-
-
-def _number(cell: str) -> float:
-    return float(cell.replace(",", "").replace("%", "").replace("+", "").replace("\u2212", "-"))
+    return table_rows("## Published throughput", text)
 
 
 def problems(row: Row, cells: list[str] | None, now: float) -> list[str]:
-    """What is wrong with a docs row, given the planner's prediction now."""
-    if cells is None:
-        return [f"docs/plan.md's published-throughput table has no row {row.name!r}"]
-    # name | source | setup | published | predicted | error | why
-    published, predicted, error, why = cells[3], cells[4], cells[5], cells[6]
-    out = []
-    if _number(published) != pytest.approx(row.published):
-        out.append(f"published {published}, the test's row says {row.published}")
-    if _number(predicted) != pytest.approx(now, rel=0.01):
-        out.append(f"predicted {predicted}, the planner prints {now:.0f} now")
-    err = now / row.published - 1
-    if _number(error) != pytest.approx(100 * err, abs=0.15):
-        out.append(f"error {error}, the planner gives {100 * err:+.1f} %")
-    if abs(err) > WITHIN and why in ("", "-"):
-        out.append(f"{100 * err:+.1f} % off and no reason given")
-    return out
+    return row_problems(
+        row.name, cells, row.published, now, table="published-throughput table", within=WITHIN
+    )
 
 
 @pytest.mark.parametrize("row", ROWS, ids=[r.name for r in ROWS])
