@@ -19,17 +19,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from spawned_world import run_world, timed_steps
 from torch import Tensor, nn
 
 from meshrun.config import ParallelConfig, check_layout
@@ -41,10 +38,7 @@ from meshrun.parallel import (
     pipeline_step,
     set_grad_sync,
 )
-from meshrun.parallel.report import state_bytes
-from meshrun.runtime.hostmem import set_mmap_threshold
 from meshrun.runtime.mesh import ParallelDims, build_mesh
-from meshrun.runtime.ports import free_port
 
 GLOBAL_BATCH = 8
 LAYOUTS: dict[int, dict[str, dict[str, Any]]] = {
@@ -90,49 +84,16 @@ def train(rank: int, layout: dict[str, Any], args: argparse.Namespace) -> dict[s
         opt = build_optimizer(model, torch.optim.AdamW, mesh, cfg, lr=1e-3)
     per_rank = GLOBAL_BATCH // dims.dp
     g = torch.Generator().manual_seed(dims.dp_rank(rank))
-    times, nbytes = [], 0
-    for _ in range(args.steps):
+
+    def forward_backward() -> None:
         tokens = torch.randint(0, gpt.vocab_size, (per_rank, gpt.seq_len + 1), generator=g)
-        t0 = time.perf_counter()
         if pipe is not None:
             pipeline_step(pipe, tokens[:, :-1], tokens[:, 1:])
         else:
             set_grad_sync(model, True)
             model(tokens[:, :-1], tokens[:, 1:]).backward()
-        opt.step()
-        nbytes = sum(state_bytes(opt))  # gradients still held
-        opt.zero_grad(set_to_none=True)
-        dist.barrier()  # the step ends when the slowest rank ends it
-        times.append(time.perf_counter() - t0)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return {"step_s": statistics.median(times[args.skip :]), "bytes": nbytes, "rss": rss}
 
-
-def worker(rank: int, world: int, port: int, layout: dict[str, Any], args: Any, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    set_mmap_threshold(args.mmap_threshold_kib)  # job.cpu_mmap_threshold_kib, as meshrun.init()
-    dist.init_process_group("gloo")
-    result = train(rank, layout, args)
-    Path(f"{out}.{rank}").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # a Gloo worker can abort in interpreter teardown (see tests/_dist.py)
-
-
-def run_once(world: int, layout: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = f"{tmp}/r"
-        mp.spawn(worker, args=(world, free_port(), layout, args, out), nprocs=world)
-        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(world)]
-    return {
-        "step_s": max(r["step_s"] for r in ranks),
-        "bytes": max(r["bytes"] for r in ranks),
-        "rss": max(r["rss"] for r in ranks),
-    }
+    return timed_steps(forward_backward, opt, args.steps, args.skip)
 
 
 def main() -> None:
@@ -156,7 +117,7 @@ def main() -> None:
     for _ in range(args.repeats):  # interleaved: each round runs every layout once
         for world in worlds:
             for name, layout in LAYOUTS[world].items():
-                runs.setdefault((world, name), []).append(run_once(world, layout, args))
+                runs.setdefault((world, name), []).append(run_world(world, train, layout, args))
                 print(f"  {world} ranks {name}: {runs[(world, name)][-1]}", flush=True)
     n = sum(x.numel() for x in GPT(demo_config(args.size)).parameters())
     print(f"\ndemo GPT {args.size} ({n / 1e6:.2f}M parameters), AdamW, global batch {GLOBAL_BATCH}")

@@ -27,24 +27,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
+from spawned_world import run_world, timed_steps
 from torch import nn
 
 from meshrun.config import ParallelConfig, check_layout
 from meshrun.parallel import build_optimizer, parallelize
-from meshrun.parallel.report import state_bytes
 from meshrun.runtime.mesh import ParallelDims, build_mesh
-from meshrun.runtime.ports import free_port
 
 GLOBAL_BATCH, SEQ, VOCAB = 8, 64, 512
 VARIANTS: dict[str, dict[str, Any]] = {
@@ -86,41 +81,13 @@ def train(rank: int, variant: dict[str, Any], args: argparse.Namespace) -> dict[
     opt = build_optimizer(model, torch.optim.AdamW, mesh, cfg, lr=1e-3)
     per_rank = GLOBAL_BATCH // dims.dp
     g = torch.Generator().manual_seed(dims.dp_rank(rank))
-    times, nbytes = [], 0
-    for _ in range(args.steps):
+
+    def forward_backward() -> None:
         tokens = torch.randint(0, VOCAB, (per_rank, SEQ + 1), generator=g)
-        t0 = time.perf_counter()
         logits = model(tokens[:, :-1]).logits
         F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()).backward()
-        opt.step()
-        nbytes = sum(state_bytes(opt))  # gradients still held
-        opt.zero_grad(set_to_none=True)
-        dist.barrier()  # the step ends when the slowest rank ends it
-        times.append(time.perf_counter() - t0)
-    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    return {"step_s": statistics.median(times[args.skip :]), "bytes": nbytes, "rss": rss}
 
-
-def worker(rank: int, world: int, port: int, variant: dict[str, Any], args: Any, out: str) -> None:
-    os.environ.update(
-        RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
-    )
-    os.environ.update(LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    result = train(rank, variant, args)
-    Path(f"{out}.{rank}").write_text(json.dumps(result))
-    dist.barrier()
-    dist.destroy_process_group()
-    os._exit(0)  # a Gloo worker can abort in interpreter teardown (see tests/_dist.py)
-
-
-def run_once(variant: dict[str, Any], args: argparse.Namespace) -> dict[str, float]:
-    with tempfile.TemporaryDirectory() as tmp:
-        out = f"{tmp}/r"
-        mp.spawn(worker, args=(2, free_port(), variant, args, out), nprocs=2)
-        ranks = [json.loads(Path(f"{out}.{r}").read_text()) for r in range(2)]
-    return {k: max(r[k] for r in ranks) for k in ("step_s", "bytes", "rss")}
+    return timed_steps(forward_backward, opt, args.steps, args.skip)
 
 
 def main() -> None:
@@ -134,7 +101,7 @@ def main() -> None:
     runs: dict[str, list[dict[str, float]]] = {}
     for _ in range(args.repeats):  # interleaved: each round runs every variant once
         for name, variant in VARIANTS.items():
-            runs.setdefault(name, []).append(run_once(variant, args))
+            runs.setdefault(name, []).append(run_world(2, train, variant, args))
             print(f"  {name}: {runs[name][-1]}", flush=True)
     model = build_model()
     n = sum(x.numel() for x in model.parameters())
