@@ -117,9 +117,9 @@ LAYOUTS = {
 }
 
 
-# heavy: zero1, pp2_zero0, pp2_zero3, pp2_tp2; pp2_zero1 stays (the demo's pipeline and its
-# run.optimizer branch for ZeRO-1), cp2 (its CP evaluation), fsdp2_x_tp2 below (loss parallel);
-# the pipeline layouts' numerics run in CI in test_layouts_pp.py and test_pp_zero1.py.
+# heavy: zero1, pp2_zero0, pp2_zero3, pp2_tp2; [pp2_zero1] stays (pipeline + run.optimizer branch)
+# cp2 stays (the demo's CP evaluation), fsdp2_x_tp2 below (loss parallel); the pipeline layouts'
+# numerics run in CI in test_layouts_pp.py and test_pp_zero1.py.
 HEAVY_LAYOUTS = ("zero1", "pp2_zero0", "pp2_zero3", "pp2_tp2")
 
 

@@ -103,8 +103,7 @@ def _steps(run_dir: Path) -> list[dict[str, float]]:
 # --- a real two-host run -------------------------------------------------------------------
 
 
-# heavy: test_trust_rendezvous.py's test_two_hosts_with_one_secret_train_and_listen_on_their_address
-# runs this job (2 hosts x 2, bitwise to 4 on one host) with the same interface checks
+# heavy: test_trust_rendezvous.py::test_two_hosts_with_one_secret_train_... (same job and checks)
 @pytest.mark.heavy
 @pytest.mark.timeout(200)
 def test_two_hosts_of_two_processes_train_like_one_host_of_four(tmp_path: Path) -> None:

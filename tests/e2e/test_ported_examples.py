@@ -111,8 +111,7 @@ TOL = 5e-6  # printed with 6 decimals; the layouts' sums differ in the last floa
 
 
 @pytest.mark.timeout(LAUNCH_S + 120)
-# heavy: [TP 2] and [PP 2]; [ZeRO-3] stays, and HF models under TP and PP run in CI in
-# tests/dist/test_byo_layouts.py, test_byo_pp.py and test_load_pretrained.py
+# heavy: [TP 2], [PP 2]; [ZeRO-3] stays; HF TP/PP in dist/test_byo_layouts, test_byo_pp, load_pretrained
 @pytest.mark.parametrize(
     "layout", [n if n == "ZeRO-3" else pytest.param(n, marks=pytest.mark.heavy) for n in LAYOUTS]
 )
