@@ -28,8 +28,8 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import byo_models
 from _dist import run_distributed
 from meshrun.config import ConfigError, ParallelConfig, check_layout
-from meshrun.runtime.mesh import ParallelDims, build_mesh
 from meshrun.parallel import build_optimizer, clip_grad_norm_, parallelize
+from meshrun.runtime.mesh import ParallelDims, build_mesh
 
 GLOBAL_BATCH = 8
 STEPS = 5
@@ -235,6 +235,8 @@ def test_byo_models_two_ranks(refs: dict[str, dict[str, Any]]) -> None:
     assert mlp == ["tensor parallel over 2 ranks: 8 modules split (plan: tp_plan argument)"]
 
 
+# heavy: test_byo_models_two_ranks (each brought model under FSDP and under TP)
+@pytest.mark.heavy
 @pytest.mark.timeout(600)
 def test_byo_models_fsdp_x_tp_four_ranks(refs: dict[str, dict[str, Any]]) -> None:
     results = run_distributed(train_cases, 4, FOUR_RANKS, timeout=570)

@@ -32,9 +32,9 @@ import byo_models
 import ported_models as ln
 from _dist import run_distributed
 from meshrun.config import ParallelConfig, check_layout
-from meshrun.runtime.mesh import ParallelDims, build_mesh
 from meshrun.parallel import parallelize
 from meshrun.parallel.grads import grad_norm, grad_sq_share
+from meshrun.runtime.mesh import ParallelDims, build_mesh
 
 STEPS = 12
 RTOL = 1e-6
@@ -103,6 +103,8 @@ def test_the_norm_of_each_layouts_gradient_pieces_two_ranks() -> None:
     _check_norms(run_distributed(norms_cases, 2, cases, timeout=210))
 
 
+# heavy: test_the_norm_of_each_layouts_gradient_pieces_two_ranks (DDP, ZeRO-2/3, TP pieces)
+@pytest.mark.heavy
 @pytest.mark.timeout(300)
 def test_the_norm_of_each_layouts_gradient_pieces_four_ranks() -> None:
     cases = {

@@ -180,7 +180,8 @@ def check_against_reference(
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world_size", [2, 4])
+# heavy: [4]; [2] stays (DDP against one process with the global batch)
+@pytest.mark.parametrize("world_size", [2, pytest.param(4, marks=pytest.mark.heavy)])
 def test_ddp_equals_one_process_with_the_global_batch(
     world_size: int, reference: tuple[Params, Params, list[float]], tmp_path: Path
 ) -> None:

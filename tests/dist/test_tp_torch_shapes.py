@@ -28,8 +28,8 @@ from torch.distributed.tensor import DTensor
 import byo_models
 from _dist import run_distributed
 from meshrun.config import ConfigError, ParallelConfig, check_layout
-from meshrun.runtime.mesh import ParallelDims, build_mesh
 from meshrun.parallel import build_optimizer, parallelize
+from meshrun.runtime.mesh import ParallelDims, build_mesh
 
 GLOBAL_BATCH = 8
 SEQ = 16
@@ -215,6 +215,8 @@ def test_tp_torch_attention_and_odd_vocab_two_ranks(
             check_numerics(label, results[0][label], refs[name])
 
 
+# heavy: test_tp_torch_attention_and_odd_vocab_two_ranks (the odd vocabulary under TP)
+@pytest.mark.heavy
 @pytest.mark.timeout(400)
 def test_tp_odd_vocab_fsdp_x_tp_four_ranks(refs: dict[str, dict[str, Any]]) -> None:
     results = run_distributed(train_cases, 4, FOUR_RANKS, timeout=370)

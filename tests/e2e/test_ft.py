@@ -228,6 +228,8 @@ def _repeated_kills(tmp_path: Path, flags: list[str], *more: str, ranks: int = 1
     assert broken == kills, (broken, kills)
 
 
+# heavy: test_two_groups_of_zero3_survive_repeated_kills_healing_shard_by_shard (the same kills)
+@pytest.mark.heavy
 @pytest.mark.timeout(900)
 def test_repeated_kills_five_heals_while_the_other_group_keeps_training(tmp_path: Path) -> None:
     _repeated_kills(tmp_path, [])

@@ -82,7 +82,8 @@ LAYOUTS = {
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+# heavy: [zero3]; [ddp] stays (a killed group heals at the next sync, bit for bit)
+@pytest.mark.parametrize("layout", ["ddp", pytest.param("zero3", marks=pytest.mark.heavy)])
 def test_a_group_killed_mid_window_heals_at_the_next_sync_and_the_job_finishes(
     tmp_path: Path, layout: str
 ) -> None:

@@ -187,6 +187,8 @@ def _ssh_wrapper(path: Path, ssh: sshd.SshSetup) -> str:
 
 
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S)
+# heavy: test_mpirun_across_two_hosts (two hosts) and test_mpich_trains_like_meshrun_launch (MPICH)
+@pytest.mark.heavy
 def test_mpich_across_two_hosts(reference: list[float], tmp_path: Path) -> None:
     """MPICH's Hydra in host 0 starts rank 1 on host 1 over ssh (``-hosts``, ``-launcher
     ssh``); it passes its whole environment, so mpi4py is pointed at MPICH on both hosts by

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 import netns
+from meshrun.launch.agent_watch import EXIT_AFTER_S, RDZV_GRACE_S
 
 pytestmark = pytest.mark.slow
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -102,6 +103,8 @@ def _steps(run_dir: Path) -> list[dict[str, float]]:
 # --- a real two-host run -------------------------------------------------------------------
 
 
+# heavy: test_trust_rendezvous.py::test_two_hosts_with_one_secret_train_... (same job and checks)
+@pytest.mark.heavy
 @pytest.mark.timeout(200)
 def test_two_hosts_of_two_processes_train_like_one_host_of_four(tmp_path: Path) -> None:
     demo = ["-m", "meshrun.demo", "--steps", "6", "--size", "tiny"]
@@ -279,8 +282,8 @@ def test_a_host_cut_off_from_the_network_exits(tmp_path: Path, how: str) -> None
     """Host 1's link goes down mid-run. Its worker ends through the hang watchdog, while its
     agent is blocked in a call to the store it cannot reach (host 0's: the rendezvous's
     every-tick check for waiting nodes): it used to sit there for over 12 minutes, its worker
-    a zombie, deaf to SIGTERM. Now it exits within the join timeout + 30 s,
-    saying it lost the rendezvous, or within 30 s of a SIGTERM."""
+    a zombie, deaf to SIGTERM. Now it exits 1 saying it lost the rendezvous, or 128 + SIGTERM
+    on a SIGTERM, each within a wait bounded by the timeouts it runs under (a hang fails)."""
     join_s, step_timeout_s = 20, 5
     run_dir = tmp_path / "cut"
     train = [
@@ -299,25 +302,28 @@ def test_a_host_cut_off_from_the_network_exits(tmp_path: Path, how: str) -> None
             cluster.start(i, *args, *train)
         _wait_for_world(run_dir, cluster, timeout=150)
         cluster.net.unplug(1)  # inside host 1's own namespace: only our hosts are involved
-        cut = time.monotonic()
         if how == "on SIGTERM":
             time.sleep(step_timeout_s + 8)  # its worker has gone; its agent is in the rendezvous
             os.kill(cluster.procs[1].pid, signal.SIGTERM)
-            cut = time.monotonic()
-        rc, out = cluster.wait(1, join_s + 60)
-        took = time.monotonic() - cut
+            # The launcher leaves EXIT_AFTER_S after the signal whatever its agent does.
+            bound_s = EXIT_AFTER_S + STARTUP_S
+        else:
+            # The worker's watchdog ends it after the step timeout; the launcher leaves once no
+            # worker has run for the join timeout + RDZV_GRACE_S (agent_watch.py).
+            bound_s = step_timeout_s + join_s + RDZV_GRACE_S + STARTUP_S
+        rc, out = cluster.wait(1, bound_s)  # a host that does not leave fails here
         pids = subprocess.run(
             ["ip", "netns", "pids", cluster.net.names[1]], capture_output=True, text=True
         ).stdout.split()
-    print(f"host 1: exit {rc} {took:.1f} s after the {'SIGTERM' if how != 'by itself' else 'cut'}")
+    print(f"host 1: exit {rc} after the {'SIGTERM' if how != 'by itself' else 'cut'}")
     print(out[-3000:])
-    assert rc != 0
     if how == "by itself":
-        assert took < join_s + 30, out[-3000:]  # the product's promise
+        # Exit 1 with the launcher's own line (its watch, or the agent's rendezvous error).
+        assert rc == 1, out[-3000:]
         assert "meshrun launch: lost the rendezvous" in out, out[-3000:]
     else:
-        assert took < 30, out[-3000:]
         assert rc == 128 + signal.SIGTERM, out[-3000:]
+        assert "meshrun launch: stopped by SIGTERM" in out, out[-3000:]
     assert "meshrun watchdog: rank 1 " in out  # its worker ended through the watchdog
     assert pids == [], pids  # nothing left running or unreaped inside host 1
 

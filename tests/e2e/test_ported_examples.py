@@ -111,7 +111,10 @@ TOL = 5e-6  # printed with 6 decimals; the layouts' sums differ in the last floa
 
 
 @pytest.mark.timeout(LAUNCH_S + 120)
-@pytest.mark.parametrize("layout", list(LAYOUTS))
+# heavy: [TP 2], [PP 2]; [ZeRO-3] stays; HF TP/PP in dist/test_byo_layouts, test_byo_pp, load_pretrained
+@pytest.mark.parametrize(
+    "layout", [n if n == "ZeRO-3" else pytest.param(n, marks=pytest.mark.heavy) for n in LAYOUTS]
+)
 def test_hf_causal_lm_under_each_layout(
     layout: str, tmp_path: Path, pretrained: tuple[Path, torch.nn.Module]
 ) -> None:

@@ -150,6 +150,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     return found
 
 
+# heavy: test_a_killed_worker_is_retried_and_resumes_bitwise compares every Ray loss with this reference
+@pytest.mark.heavy
 @pytest.mark.timeout(1500)
 def test_demo_under_ray_gives_the_losses_of_meshrun_launch(
     head: Namespace, reference: dict[int, float], tmp_path: Path

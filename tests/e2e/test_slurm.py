@@ -98,7 +98,8 @@ def _direct_launcher_or_skip(s: slurm.Slurm, launcher: str) -> dict[str, str]:
     return {}
 
 
-@pytest.mark.parametrize("launcher", ["mpirun", "srun"])
+# heavy: [mpirun]; [srun] stays, and Open MPI's ranks and mpi4py endpoint run in test_mpirun.py
+@pytest.mark.parametrize("launcher", [pytest.param("mpirun", marks=pytest.mark.heavy), "srun"])
 @pytest.mark.timeout(200)
 def test_submitted_demo_under_a_direct_launcher(
     cluster: slurm.Slurm, tmp_path: Path, launcher: str

@@ -305,6 +305,14 @@ def test_two_hosts_with_one_secret_train_and_listen_on_their_address(
         addresses = [cluster.net.address(i) for i in (0, 1)]
     for rc, out in outs:
         assert rc == 0, out[-4000:]
+    host_out, other_out = outs[0][1], outs[1][1]
+    # The veth, never loopback, with the route to the endpoint, on both nodes; one world.
+    route = f"route to {addresses[0]}"
+    assert f"interface {netns.IFNAME} ({addresses[0]}/24), {route}, this node hosts" in host_out
+    assert f"interface {netns.IFNAME} ({addresses[1]}/24), {route}, this node joins" in other_out
+    assert "interface lo" not in host_out + other_out
+    assert "4 process(es) [torchelastic]" in host_out
+    assert "2 nodes joined [node0, node1]; versions and config agree" in other_out
     for i, watch in watches.items():
         print(f"node{i}:\n{sockets.describe(watch.seen)}")
         assert not sockets.wildcard(watch.seen), sockets.describe(watch.seen)
