@@ -248,7 +248,17 @@ LAYOUTS_ON_4 = {
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout", list(LAYOUTS_ON_4))
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "dp_shard2_zero3",
+        # heavy: test_cp2_trains_like_one_process shows DDP with cp (over dp x cp = 1 x 2)
+        pytest.param("dp_shard2_ddp", marks=pytest.mark.heavy),
+        # heavy: dp_shard2_zero3 shows FSDP2 over dp x cp, tests/dist/test_layouts.py's
+        # "HSDP 2x2" the replicate dimension
+        pytest.param("hsdp_dp_replicate2_zero3", marks=pytest.mark.heavy),
+    ],
+)
 def test_cp2_with_data_parallel_2_trains_like_one_process(layout: str, tmp_path: Path) -> None:
     cfg = make_config(tmp_path / "run", micro_batch=2, cp=2, **LAYOUTS_ON_4[layout])
     results = run_distributed(train, 4, cfg, "llama", timeout=210)
