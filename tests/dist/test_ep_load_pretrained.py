@@ -4,7 +4,9 @@ A tiny Qwen2-MoE (tests/moe_models.py, from a config, nothing downloaded) is sav
 ``save_pretrained``: as transformers writes it by default, one tensor per expert
 (``mlp.experts.<e>.gate_proj.weight``, ...), which the model's fused ``gate_up_proj`` /
 ``down_proj`` are read from; and with ``save_original_format=False``, the fused ``[E, ...]``
-tensors themselves. The model of our own (a ``ModuleList`` of experts) is saved with
+tensors themselves (the first also into the model in one process, without expert parallel; a Mixtral's files,
+whose MoE block transformers also renames, are refused naming the missing tensors).
+The model of our own (a ``ModuleList`` of experts) is saved with
 ``safetensors``. One 2-rank run (``ep = 2``, ZeRO-3) builds each model with other weights,
 parallelizes it and loads the directory. Every parameter then equals the saved one bitwise
 (the whole model gathered, and each rank's own expert tensors against the saved experts it
@@ -26,6 +28,7 @@ import meshrun
 import meshrun.hf.reading
 import moe_models
 from _dist import run_distributed
+from meshrun.hf import PretrainedError, load_pretrained
 from meshrun.parallel.ep import full_state_dict
 from meshrun.parallel.ep_dispatch import ep_containers
 from meshrun.parallel.structure import ModelSpec
@@ -156,6 +159,15 @@ def test_load_pretrained_reads_each_ranks_experts_only(tmp_path: Path) -> None:
     # transformers writes one tensor per expert by default; the fused file holds [E, ...]
     assert "model.layers.0.mlp.experts.3.gate_proj.weight" in keys["per_expert"]
     assert "model.layers.0.mlp.experts.gate_up_proj" in keys["fused"]
+    # Without expert parallel (one process) the per-expert files fill the fused tensors too.
+    plain = moe_models.tiny_qwen2_moe(seed=1)
+    load_pretrained(plain, dirs["per_expert"])
+    assert all(torch.equal(v, refs["per_expert"][k]) for k, v in plain.state_dict().items())
+    # Mixtral's files also rename its MoE block (block_sparse_moe.): not converted, refused
+    # before anything is read, naming what is missing.
+    moe_models.tiny_mixtral(seed=0).save_pretrained(tmp_path / "mixtral")
+    with pytest.raises(PretrainedError, match=r"missing .*model\.layers\.0\.mlp\.gate\.weight"):
+        load_pretrained(moe_models.tiny_mixtral(seed=1), tmp_path / "mixtral")
 
     cfg = meshrun.Config()
     cfg.job.run_dir, cfg.job.device, cfg.job.timeout_s = str(tmp_path / "run"), "cpu", 60.0
