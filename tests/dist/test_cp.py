@@ -265,6 +265,61 @@ def test_cp2_with_data_parallel_2_trains_like_one_process(layout: str, tmp_path:
     check("llama", results, tmp_path / "run", (2, SEQ // 2))
 
 
+SAVE_AT, RESUME_STEPS = 3, 6
+
+
+def train_resumable(rank: int, world_size: int, cfg: meshrun.Config) -> dict[str, Any]:
+    """The user's loop with checkpoints (AdamW: its state is resharded too); the losses are
+    in the run's metrics."""
+    run = meshrun.init(cfg, argv=[])
+    model = run.parallelize(llama())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
+    loader = run.dataloader(Windows())
+    start = run.resume(model, optimizer, loader)
+    for x, y in run.steps(loader):
+        run.backward(step_loss("llama", model, x, y, run.mesh))
+        run.optimizer_step(optimizer)
+    run.close()
+    return {"start": start}
+
+
+def resume_config(run_dir: Path, ckpt: Path, resume: str, cp: int, world: int) -> meshrun.Config:
+    cfg = make_config(run_dir, micro_batch=GLOBAL_BATCH * cp // world, cp=cp)
+    cfg.optim.steps, cfg.optim.warmup_steps, cfg.optim.lr = RESUME_STEPS, 0, 1e-2
+    cfg.checkpoint.dir, cfg.checkpoint.resume = str(ckpt), resume
+    cfg.checkpoint.interval = SAVE_AT
+    return cfg
+
+
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "step" in r and "event" not in r}
+
+
+@pytest.mark.timeout(240)
+def test_cp2_checkpoint_resumes_at_cp1(tmp_path: Path) -> None:
+    """Saved at cp = 2 (2 ranks, dp 1), resumed at step 3 at cp = 1 on the same 2 ranks (dp 2:
+    each rank whole sequences, the same global batch of 4, no accumulation): the data position
+    is kept and steps 4-6 lose what the uninterrupted cp = 2 run lost, within 1e-6."""
+    from meshrun.checkpoint import layout
+
+    ckpt = tmp_path / "ckpt"
+    run_distributed(
+        train_resumable, 2, resume_config(tmp_path / "ref", ckpt, "never", 2, 2), timeout=150
+    )
+    ref = logged_losses(tmp_path / "ref")
+    assert sorted(ref) == list(range(1, RESUME_STEPS + 1))
+    at = str(layout.step_dir(ckpt, SAVE_AT))
+    cfg = resume_config(tmp_path / "cp1", tmp_path / "ckpt1", at, 1, 2)
+    got = run_distributed(train_resumable, 2, cfg, timeout=150)
+    assert {g["start"] for g in got} == {SAVE_AT}
+    resumed = logged_losses(tmp_path / "cp1")
+    assert sorted(resumed) == list(range(SAVE_AT + 1, RESUME_STEPS + 1))
+    diff = max(abs(resumed[s] - ref[s]) / abs(ref[s]) for s in resumed)
+    print(f"cp=2 -> cp=1 x dp 2 at step {SAVE_AT}: max rel loss diff {diff:.2e} ({resumed})")
+    assert diff <= 1e-6
+
+
 class NoPositions(nn.Module):
     """Attention through the ``sdpa`` seam, but a forward that cannot take global positions."""
 
