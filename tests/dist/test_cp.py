@@ -283,8 +283,11 @@ def train_resumable(rank: int, world_size: int, cfg: meshrun.Config) -> dict[str
     return {"start": start}
 
 
-def resume_config(run_dir: Path, ckpt: Path, resume: str, cp: int, world: int) -> meshrun.Config:
-    cfg = make_config(run_dir, micro_batch=GLOBAL_BATCH * cp // world, cp=cp)
+def resume_config(
+    run_dir: Path, ckpt: Path, resume: str, world: int, **parallel: int
+) -> meshrun.Config:
+    dp = world // parallel.get("cp", 1)
+    cfg = make_config(run_dir, micro_batch=GLOBAL_BATCH // dp, **parallel)
     cfg.optim.steps, cfg.optim.warmup_steps, cfg.optim.lr = RESUME_STEPS, 0, 1e-2
     cfg.checkpoint.dir, cfg.checkpoint.resume = str(ckpt), resume
     cfg.checkpoint.interval = SAVE_AT
@@ -296,27 +299,45 @@ def logged_losses(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "step" in r and "event" not in r}
 
 
-@pytest.mark.timeout(240)
-def test_cp2_checkpoint_resumes_at_cp1(tmp_path: Path) -> None:
-    """Saved at cp = 2 (2 ranks, dp 1), resumed at step 3 at cp = 1 on the same 2 ranks (dp 2:
-    each rank whole sequences, the same global batch of 4, no accumulation): the data position
-    is kept and steps 4-6 lose what the uninterrupted cp = 2 run lost, within 1e-6."""
+# (ranks, layout) saved -> (ranks, layout) resumed
+RESUMES = {
+    "cp2_to_cp1_dp2": ((2, {"cp": 2}), (2, {"cp": 1})),
+    "cp2_dp2_zero3_to_cp1_dp2_zero3": (
+        (4, {"cp": 2, "dp_shard": 2, "zero": 3}),
+        (2, {"cp": 1, "zero": 3}),
+    ),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "case",
+    [
+        "cp2_to_cp1_dp2",
+        # heavy: cp2_to_cp1_dp2 shows a cp checkpoint resumed at another cp size
+        pytest.param("cp2_dp2_zero3_to_cp1_dp2_zero3", marks=pytest.mark.heavy),
+    ],
+)
+def test_cp_checkpoint_resumes_at_another_cp(case: str, tmp_path: Path) -> None:
+    """Saved at cp = 2 (step 3 of 6), resumed at cp = 1 with dp 2 (each rank whole sequences,
+    the same global batch of 4): the data position is kept and steps 4-6 lose what the
+    uninterrupted cp = 2 run lost, within 1e-6. ZeRO-3's shards are resharded by DCP."""
     from meshrun.checkpoint import layout
 
+    (world, saved), (world2, resumed_at) = RESUMES[case]
     ckpt = tmp_path / "ckpt"
-    run_distributed(
-        train_resumable, 2, resume_config(tmp_path / "ref", ckpt, "never", 2, 2), timeout=150
-    )
+    cfg = resume_config(tmp_path / "ref", ckpt, "never", world, **saved)
+    run_distributed(train_resumable, world, cfg, timeout=200)
     ref = logged_losses(tmp_path / "ref")
     assert sorted(ref) == list(range(1, RESUME_STEPS + 1))
     at = str(layout.step_dir(ckpt, SAVE_AT))
-    cfg = resume_config(tmp_path / "cp1", tmp_path / "ckpt1", at, 1, 2)
-    got = run_distributed(train_resumable, 2, cfg, timeout=150)
+    cfg = resume_config(tmp_path / "cp1", tmp_path / "ckpt1", at, world2, **resumed_at)
+    got = run_distributed(train_resumable, world2, cfg, timeout=200)
     assert {g["start"] for g in got} == {SAVE_AT}
     resumed = logged_losses(tmp_path / "cp1")
     assert sorted(resumed) == list(range(SAVE_AT + 1, RESUME_STEPS + 1))
     diff = max(abs(resumed[s] - ref[s]) / abs(ref[s]) for s in resumed)
-    print(f"cp=2 -> cp=1 x dp 2 at step {SAVE_AT}: max rel loss diff {diff:.2e} ({resumed})")
+    print(f"{case} at step {SAVE_AT}: max rel loss diff {diff:.2e} ({resumed})")
     assert diff <= 1e-6
 
 
