@@ -1,6 +1,7 @@
 """Tiny mixture-of-experts models for the expert-parallel tests: Hugging Face Qwen2-MoE (with a
-sigmoid-gated shared expert) and Mixtral built from configs (nothing downloaded), and a model
-of our own whose experts are a ``ModuleList`` declared with ``ModelSpec(experts=...)``."""
+sigmoid-gated shared expert), Mixtral, OLMoE and Qwen3-MoE built from configs (nothing
+downloaded), and a model of our own whose experts are a ``ModuleList`` declared with
+``ModelSpec(experts=...)``."""
 
 from __future__ import annotations
 
@@ -53,6 +54,30 @@ def tiny_mixtral(num_experts: int = EXPERTS, seed: int = 0) -> nn.Module:
     cfg._attn_implementation = "eager"
     torch.manual_seed(seed)
     return MixtralForCausalLM(cfg)
+
+
+def tiny_olmoe(num_experts: int = EXPERTS, seed: int = 0) -> nn.Module:
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    cfg = OlmoeConfig(**_common(), intermediate_size=16, num_experts=num_experts)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return OlmoeForCausalLM(cfg)
+
+
+def tiny_qwen3_moe(num_experts: int = EXPERTS, seed: int = 0) -> nn.Module:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    cfg = Qwen3MoeConfig(
+        **_common(),
+        intermediate_size=32,
+        moe_intermediate_size=16,
+        num_experts=num_experts,
+        norm_topk_prob=True,
+    )
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return Qwen3MoeForCausalLM(cfg)
 
 
 class OwnExperts(nn.Module):
@@ -122,6 +147,8 @@ def tiny_own(num_experts: int = EXPERTS, seed: int = 0) -> nn.Module:
 
 
 BUILDERS = {"qwen2_moe": tiny_qwen2_moe, "mixtral": tiny_mixtral, "own": tiny_own}
+# Two more Hugging Face families for the heavy variants (tests/dist/test_ep.py)
+MORE_BUILDERS = {"olmoe": tiny_olmoe, "qwen3_moe": tiny_qwen3_moe}
 
 
 def logits_of(model: nn.Module, idx: Tensor) -> Tensor:

@@ -248,11 +248,97 @@ LAYOUTS_ON_4 = {
 
 
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("layout", list(LAYOUTS_ON_4))
+@pytest.mark.parametrize(
+    "layout",
+    [
+        "dp_shard2_zero3",
+        # heavy: test_cp2_trains_like_one_process shows DDP with cp (over dp x cp = 1 x 2)
+        pytest.param("dp_shard2_ddp", marks=pytest.mark.heavy),
+        # heavy: dp_shard2_zero3 shows FSDP2 over dp x cp, tests/dist/test_layouts.py's
+        # "HSDP 2x2" the replicate dimension
+        pytest.param("hsdp_dp_replicate2_zero3", marks=pytest.mark.heavy),
+    ],
+)
 def test_cp2_with_data_parallel_2_trains_like_one_process(layout: str, tmp_path: Path) -> None:
     cfg = make_config(tmp_path / "run", micro_batch=2, cp=2, **LAYOUTS_ON_4[layout])
     results = run_distributed(train, 4, cfg, "llama", timeout=210)
     check("llama", results, tmp_path / "run", (2, SEQ // 2))
+
+
+SAVE_AT, RESUME_STEPS = 3, 6
+
+
+def train_resumable(rank: int, world_size: int, cfg: meshrun.Config) -> dict[str, Any]:
+    """The user's loop with checkpoints (AdamW: its state is resharded too); the losses are
+    in the run's metrics."""
+    run = meshrun.init(cfg, argv=[])
+    model = run.parallelize(llama())
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.optim.lr)
+    loader = run.dataloader(Windows())
+    start = run.resume(model, optimizer, loader)
+    for x, y in run.steps(loader):
+        run.backward(step_loss("llama", model, x, y, run.mesh))
+        run.optimizer_step(optimizer)
+    run.close()
+    return {"start": start}
+
+
+def resume_config(
+    run_dir: Path, ckpt: Path, resume: str, world: int, **parallel: int
+) -> meshrun.Config:
+    dp = world // parallel.get("cp", 1)
+    cfg = make_config(run_dir, micro_batch=GLOBAL_BATCH // dp, **parallel)
+    cfg.optim.steps, cfg.optim.warmup_steps, cfg.optim.lr = RESUME_STEPS, 0, 1e-2
+    cfg.checkpoint.dir, cfg.checkpoint.resume = str(ckpt), resume
+    cfg.checkpoint.interval = SAVE_AT
+    return cfg
+
+
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "step" in r and "event" not in r}
+
+
+# (ranks, layout) saved -> (ranks, layout) resumed
+RESUMES = {
+    "cp2_to_cp1_dp2": ((2, {"cp": 2}), (2, {"cp": 1})),
+    "cp2_dp2_zero3_to_cp1_dp2_zero3": (
+        (4, {"cp": 2, "dp_shard": 2, "zero": 3}),
+        (2, {"cp": 1, "zero": 3}),
+    ),
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    "case",
+    [
+        "cp2_to_cp1_dp2",
+        # heavy: cp2_to_cp1_dp2 shows a cp checkpoint resumed at another cp size
+        pytest.param("cp2_dp2_zero3_to_cp1_dp2_zero3", marks=pytest.mark.heavy),
+    ],
+)
+def test_cp_checkpoint_resumes_at_another_cp(case: str, tmp_path: Path) -> None:
+    """Saved at cp = 2 (step 3 of 6), resumed at cp = 1 with dp 2 (each rank whole sequences,
+    the same global batch of 4): the data position is kept and steps 4-6 lose what the
+    uninterrupted cp = 2 run lost, within 1e-6. ZeRO-3's shards are resharded by DCP."""
+    from meshrun.checkpoint import layout
+
+    (world, saved), (world2, resumed_at) = RESUMES[case]
+    ckpt = tmp_path / "ckpt"
+    cfg = resume_config(tmp_path / "ref", ckpt, "never", world, **saved)
+    run_distributed(train_resumable, world, cfg, timeout=200)
+    ref = logged_losses(tmp_path / "ref")
+    assert sorted(ref) == list(range(1, RESUME_STEPS + 1))
+    at = str(layout.step_dir(ckpt, SAVE_AT))
+    cfg = resume_config(tmp_path / "cp1", tmp_path / "ckpt1", at, world2, **resumed_at)
+    got = run_distributed(train_resumable, world2, cfg, timeout=200)
+    assert {g["start"] for g in got} == {SAVE_AT}
+    resumed = logged_losses(tmp_path / "cp1")
+    assert sorted(resumed) == list(range(SAVE_AT + 1, RESUME_STEPS + 1))
+    diff = max(abs(resumed[s] - ref[s]) / abs(ref[s]) for s in resumed)
+    print(f"{case} at step {SAVE_AT}: max rel loss diff {diff:.2e} ({resumed})")
+    assert diff <= 1e-6
 
 
 class NoPositions(nn.Module):

@@ -15,6 +15,7 @@ experts' parameters, and the tokens per expert summed over the ranks equal to on
 from __future__ import annotations
 
 import fnmatch
+import math
 from typing import Any
 
 import pytest
@@ -42,6 +43,8 @@ EXPERT_PATTERN = {
     "qwen2_moe": "model.layers.*.mlp.experts",
     "mixtral": "model.layers.*.mlp.experts",
     "own": moe_models.OWN_EXPERTS,
+    "olmoe": "model.layers.*.mlp.experts",
+    "qwen3_moe": "model.layers.*.mlp.experts",
 }
 OWN = {"spec": ModelSpec(experts=moe_models.OWN_EXPERTS)}
 
@@ -56,8 +59,15 @@ TWO_RANKS: dict[str, Case] = {
     "own no spec": ("own", {"ep": 2}, {}),  # refused: nothing declares the experts
     "own 3 experts": ("own3", {"ep": 2}, OWN),  # refused: 3 do not divide by 2
     "mixtral 3 experts": ("mixtral3", {"ep": 2, "zero": 3}, {}),
+    # bf16 compute (FSDP2's mixed precision, experts included): runs, finite losses
+    "qwen2_moe ep 2 ZeRO-3 bf16": (
+        "qwen2_moe",
+        {"ep": 2, "zero": 3, "param_dtype": "bfloat16"},
+        {},
+    ),
 }
 REFUSED = ("own no spec", "own 3 experts", "mixtral 3 experts")
+SMOKE = ("qwen2_moe ep 2 ZeRO-3 bf16",)
 FOUR_RANKS: dict[str, Case] = {
     "qwen2_moe ep 2 x dp_shard 4 ZeRO-3": ("qwen2_moe", {"ep": 2, "zero": 3}, {}),
     "own ep 2 x dp 4 DDP": ("own", {"ep": 2, "zero": 0}, OWN),
@@ -67,6 +77,7 @@ FOUR_RANKS: dict[str, Case] = {
 
 BUILDERS = {
     **moe_models.BUILDERS,
+    **moe_models.MORE_BUILDERS,
     "own3": lambda: moe_models.tiny_own(num_experts=3),
     "mixtral3": lambda: moe_models.tiny_mixtral(num_experts=3),
 }
@@ -91,7 +102,7 @@ def expert_numel(model: nn.Module, name: str) -> int:
 
 def reference(name: str) -> dict[str, Any]:
     """One process, the whole global batch, the tokens each expert got."""
-    model, data = moe_models.BUILDERS[name](), build_data()
+    model, data = BUILDERS[name](), build_data()
     counts: dict[str, list[int]] = {}
 
     def count(mod: nn.Module, args: tuple[Any, ...]) -> None:
@@ -201,8 +212,12 @@ def check(label: str, results: list[dict[str, Any]], ref: dict[str, Any], ep: in
 def test_ep_two_ranks(refs: dict[str, dict[str, Any]]) -> None:
     results = run_distributed(train_cases, 2, TWO_RANKS, timeout=370)
     for label, (name, fields, _) in TWO_RANKS.items():
-        if label not in REFUSED:
+        if label not in REFUSED and label not in SMOKE:
             check(label, results, refs[name], fields["ep"])
+    for label in SMOKE:
+        losses = results[0][label]["losses"]
+        print(f"{label}: losses {[round(v, 4) for v in losses]}")
+        assert all(math.isfinite(v) for v in losses) and losses[-1] < losses[0], losses
     # Refused before step 1, with the reason and the fix, on every rank.
     for r in results:
         assert r["own no spec"]["refused"] == (
@@ -222,4 +237,20 @@ def test_ep_two_ranks(refs: dict[str, dict[str, Any]]) -> None:
 def test_ep_four_ranks(refs: dict[str, dict[str, Any]]) -> None:
     results = run_distributed(train_cases, 4, FOUR_RANKS, timeout=570)
     for label, (name, fields, _) in FOUR_RANKS.items():
+        check(label, results, refs[name], fields["ep"])
+
+
+MORE_FAMILIES: dict[str, Case] = {
+    "olmoe ep 2 ZeRO-3": ("olmoe", {"ep": 2, "zero": 3}, {}),
+    "qwen3_moe ep 2 DDP": ("qwen3_moe", {"ep": 2, "zero": 0}, {}),
+}
+
+
+# heavy: test_ep_two_ranks shows ep = 2 on two Hugging Face families and our own MoE
+@pytest.mark.heavy
+@pytest.mark.timeout(300)
+def test_ep_olmoe_and_qwen3_moe() -> None:
+    refs = {name: reference(name) for name in moe_models.MORE_BUILDERS}
+    results = run_distributed(train_cases, 2, MORE_FAMILIES, timeout=270)
+    for label, (name, fields, _) in MORE_FAMILIES.items():
         check(label, results, refs[name], fields["ep"])

@@ -73,7 +73,16 @@ def metrics_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(420)
-@pytest.mark.parametrize(("kind", "world"), [("qwen2_moe", 2), ("own", 2), ("qwen2_moe", 4)])
+@pytest.mark.parametrize(
+    ("kind", "world"),
+    [
+        ("qwen2_moe", 2),
+        ("own", 2),
+        # heavy: the 2-rank params show resume bitwise and at ep = 1; test_ep.py's
+        # test_ep_four_ranks shows the experts FSDP2-sharded over their replicas
+        pytest.param("qwen2_moe", 4, marks=pytest.mark.heavy),
+    ],
+)
 def test_ep_resume_bitwise_and_at_another_ep(tmp_path: Path, kind: str, world: int) -> None:
     ckpt = tmp_path / "ckpt"
     cfg = make_config(tmp_path / "ref", ckpt, "never", 2, world)

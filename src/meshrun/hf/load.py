@@ -13,13 +13,16 @@
 4. each rank reads, tensor by tensor, only the region of the whole tensor it holds
    (``get_slice``), straight into its local tensor. Nothing else is exchanged: no broadcast,
    no rank holding the whole model. Peak host memory per rank: its shards plus one region
-   (at most the largest tensor) of mapped file pages.
+   (at most the largest tensor) of mapped file pages. Under expert parallel a rank reads its
+   own experts only, and a fused expert tensor the files hold per expert is read from its
+   experts' tensors (experts.py).
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,16 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from meshrun.hf.experts import (
+    ExpertShare,
+    ExpertView,
+    Merged,
+    global_view,
+    merged_info,
+    per_expert_sources,
+    read_merged,
+    shifted,
+)
 from meshrun.hf.names import NameMap, PretrainedError, match_names, mismatch_text
 from meshrun.hf.placing import (
     alias_map,
@@ -69,6 +82,7 @@ def load_pretrained(
     device: torch.device | str | None = None,
     strict: bool = True,
     partial: bool | None = None,
+    experts: Sequence[ExpertShare] = (),
 ) -> LoadReport:
     """Fill ``model`` (parallelized, or the ``Pipeline`` of ``run.pipeline``; on the meta
     device or allocated) with the weights of the Hugging Face ``directory``
@@ -78,27 +92,29 @@ def load_pretrained(
     checkpoint tensors instead of refusing them; missing ones are always an error (they would
     keep random values). ``partial``: this rank holds only part of the model (a pipeline's
     stages): the names of all ranks are gathered (collective); default: a ``Pipeline`` or a
-    stage module is partial."""
+    stage module is partial. ``experts``: this rank's share of each expert-parallel MoE layer
+    (``run.load_pretrained`` passes it): only those experts are read."""
     t0 = time.perf_counter()
     where = str(directory)
     parts, is_part, tied = model_parts(model)
     partial = is_part if partial is None else partial
-    tensors = named_tensors(parts)
-    index = read_index(Path(directory))
-    pairs = [*tied, *declared_ties(parts), *identity_ties(tensors)]
-    shapes, pairs = _gather(({k: tuple(t.shape) for k, t in tensors.items()}, pairs), partial)
+    view = global_view(named_tensors(parts), experts)
+    files = read_index(Path(directory))
+    pairs = [*tied, *declared_ties(parts), *identity_ties(view.tensors)]
+    shapes, pairs = _gather((view.shapes, pairs), partial)
+    index, merged = _with_merged(parts, shapes, files)
     names = match_names(list(shapes), index, alias_map(pairs), ignored_unexpected(parts))
     _check(where, names, shapes, index, strict)
-    _check_dtypes(where, tensors, names, index)
-    target = torch.device(device) if device is not None else _device_of(tensors)
+    _check_dtypes(where, view.tensors, names, index)
+    target = torch.device(device) if device is not None else _device_of(view.tensors)
     allocated = materialize_parts(parts, target) > 0
-    if allocated:
-        tensors = named_tensors(parts)  # to_empty may replace the tensor objects
-    count, read = _fill(tensors, names, index)
+    if allocated:  # to_empty may replace the tensor objects
+        view = global_view(named_tensors(parts), experts)
+    count, read = _fill(view, names, files, merged)
     report = LoadReport(
         count,
         read,
-        sum(i.nbytes for i in index.values()),
+        sum(i.nbytes for i in files.values()),
         names.rule,
         time.perf_counter() - t0,
         allocated,
@@ -112,20 +128,40 @@ def load_pretrained(
     return report
 
 
+def _with_merged(
+    parts: list[Any], shapes: dict[str, tuple[int, ...]], files: dict[str, TensorInfo]
+) -> tuple[dict[str, TensorInfo], dict[str, Merged]]:
+    """The files' tensors, with each fused expert tensor they hold per expert as one entry (its
+    per-expert tensors then count as read by it: none is reported unexpected)."""
+    wanted = {k: s for k, s in shapes.items() if k not in files and len(s) > 1}
+    merged = per_expert_sources(parts, wanted, files)
+    if not merged:
+        return files, {}
+    used = {n for k, m in merged.items() for e in range(shapes[k][0]) for n in m.names(e)}
+    index = {k: v for k, v in files.items() if k not in used}
+    index.update({k: merged_info(m, files, shapes[k][0]) for k, m in merged.items()})
+    return index, merged
+
+
 def _fill(
-    tensors: dict[str, Tensor], names: NameMap, index: dict[str, TensorInfo]
+    view: ExpertView, names: NameMap, files: dict[str, TensorInfo], merged: dict[str, Merged]
 ) -> tuple[int, int]:
     """Read each tensor's local region from its checkpoint name; ``(tensors, bytes read)``."""
     done: set[int] = set()
     read = 0
-    for key, t in tensors.items():
+    for key, t in view.tensors.items():
         if id(t) in done:  # one tensor under two names: loaded once
             continue
         done.add(id(t))
         source = names.sources[key]
         local, region = local_region(t)
-        if local.numel():
-            read += copy_region(index[source], source, region, local)
+        region = shifted(region, local, view.offsets.get(key))
+        if not local.numel():
+            continue
+        if source in merged:
+            read += read_merged(merged[source], files, region, local)
+        else:
+            read += copy_region(files[source], source, region, local)
     return len(done), read
 
 

@@ -16,13 +16,15 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from meshrun.config import ConfigError
 from meshrun.monitor.mfu import ModelFlops, constant_per_token, model_flops, start_mfu
 from meshrun.parallel import build_grad_scaler, build_optimizer, parallelize, parallelize_pipeline
-from meshrun.parallel.ep import layout_of
+from meshrun.parallel.ep import layout_of, user_module
+from meshrun.parallel.ep_dispatch import ep_state
 from meshrun.parallel.pp.kind import is_pipeline
 from meshrun.train.base import RunFields
 
 if TYPE_CHECKING:  # FSDP's scaler is imported only by an fp16 run (build_grad_scaler)
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
+    from meshrun.hf.experts import ExpertShare
     from meshrun.parallel import Pipeline  # parallel/pp*.py load only when one is built
 
 
@@ -124,16 +126,12 @@ class ModelMethods(RunFields):
     def load_pretrained(self, model: nn.Module | Pipeline, directory: str | Path) -> Any:
         """Load a Hugging Face directory (``config.json`` + safetensors) into ``model``, built
         (on the meta device, or not) and already parallelized: each rank reads only the slices
-        it holds. Call it on every rank; returns ``meshrun.hf.load.load_pretrained``'s report."""
+        it holds (under ``parallel.ep`` its own experts only). Call it on every rank; returns
+        ``meshrun.hf.load.load_pretrained``'s report."""
         from meshrun.hf.load import load_pretrained  # the safetensors side: only when used
 
-        if not is_pipeline(model) and layout_of(cast(nn.Module, model)) is not None:
-            raise ConfigError(
-                f"run.load_pretrained: parallel.ep = {self.config.parallel.ep} is not supported "
-                "yet (each rank would have to read its own experts); load the weights before "
-                "run.parallelize (e.g. from_pretrained), which then keeps each rank's experts"
-            )
-        return load_pretrained(model, directory, device=self.device)
+        shares = [] if is_pipeline(model) else expert_shares(cast(nn.Module, model))
+        return load_pretrained(model, directory, device=self.device, experts=shares)
 
     def set_flops_per_token(self, flops_per_token: float) -> None:
         """Report MFU in the metrics. ``flops_per_token``: the model's training FLOPs per token
@@ -148,6 +146,28 @@ class ModelMethods(RunFields):
             line = start_mfu(self.metrics, flops, self.config, self.device)
             if self.is_main:
                 self.log.info(line)
+
+
+def expert_shares(model: nn.Module) -> list[ExpertShare]:
+    """This rank's share of each expert-parallel MoE layer of ``model`` (none without ep), as
+    ``load_pretrained`` reads them: which experts, under which names."""
+    from meshrun.hf.experts import ExpertShare
+    from meshrun.hf.names import clean_name  # hf/ loads safetensors: only when used
+
+    if layout_of(model) is None:
+        return []
+    return [
+        ExpertShare(
+            clean_name(name),
+            s.num_experts,
+            s.rank * s.n_local,
+            s.n_local,
+            s.dim,
+            tuple(s.list_names),
+        )
+        for name, m in user_module(model).named_modules()
+        if (s := ep_state(m)) is not None
+    ]
 
 
 def unwrap_module(model: nn.Module | Pipeline) -> nn.Module:
