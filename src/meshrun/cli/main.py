@@ -89,26 +89,30 @@ def _launch(
     script_args: list[str],
     **spec_fields: Any,  # more LaunchSpec fields (meshrun launch: torchrun's flags)
 ) -> int:
-    from meshrun.launch.local import LaunchSpec, launch_local
-    from meshrun.launch.multinode.nodes import Rendezvous, shared_digest, shared_settings
+    from meshrun.launch.local import launch_local
+    from meshrun.launch.multinode.nodes import shared_digest, shared_settings
     from meshrun.launch.rundir import claim_run_dir
+    from meshrun.launch.spec import LaunchSpec
 
     set_value(cfg, "launch.nproc_per_node", nproc)  # the resolved config records the count
     _resolve(cfg, _group_nproc(cfg, nproc, spec_fields), cfg.launch.nnodes)
-    ln, run_dir = cfg.launch, cfg.resolved_run_dir()
+    run_dir = cfg.resolved_run_dir()
+    config_path = run_dir / "config.toml"
+    spec = LaunchSpec.of(  # the [launch] text parsed here, once, for everything below
+        cfg.launch,
+        procs_per_node=nproc,
+        script=script,
+        module=module,
+        script_args=script_args,
+        config_digest=shared_digest(cfg),
+        shared_config=shared_settings(cfg),
+        config_path=str(config_path),
+        run_dir=str(run_dir),
+        **spec_fields,
+    )
     # One job per run directory: a busy one is refused before anything is written in it.
-    with claim_run_dir(run_dir, Rendezvous.of(ln)):
-        spec = LaunchSpec.of(
-            cfg.launch,
-            script=script,
-            module=module,
-            script_args=script_args,
-            config_digest=shared_digest(cfg),
-            shared_config=shared_settings(cfg),
-            config_path=str(write_config(cfg, run_dir / "config.toml")),
-            run_dir=str(run_dir),
-            **spec_fields,
-        )
+    with claim_run_dir(run_dir, spec.rendezvous):
+        write_config(cfg, config_path)
         return launch_local(spec)
 
 
