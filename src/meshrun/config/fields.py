@@ -136,7 +136,7 @@ def check_section(section: Any) -> None:
     section against its type, its Literal choices and its min/max. Each section's
     ``__post_init__`` runs it, so ``DataConfig(micro_batch=0)`` fails where it is written,
     with the message a TOML file would get."""
-    section_type = type(section)
+    section_type: type = type(section)
     name = getattr(section_type, "SECTION", section_type.__name__)
     errors = []  # every bad value of the section at once: ParallelConfig(zero=7, param_dtype=..)
     for key, (f, tp) in field_map(section_type).items():
