@@ -66,7 +66,7 @@ def build_torchrun_args(
         *("--rdzv-backend", spec.rdzv_backend),
         *("--rdzv-endpoint", rendezvous_endpoint(spec, port)),
         *("--rdzv-id", spec.rendezvous.rdzv_id),
-        *("--nnodes", spec.rendezvous.nnodes_text),
+        *("--nnodes", spec.rendezvous.nodes.text),
         *("--nproc-per-node", str(spec.procs_per_node)),
         *("--max-restarts", str(spec.max_restarts)),
         *("--log-dir", spec.log_dir),
@@ -219,6 +219,7 @@ def _group_plan(spec: LaunchSpec) -> GroupPlan:
         spec.lighthouse,
         argv_for,
         dict(spec.extra_env),
+        nodes=spec.rendezvous.nodes.max_nodes,
     )
 
 
@@ -293,7 +294,7 @@ def start_line(
 ) -> str:
     """The one banner line printed before the agent starts."""
     procs = "process" if spec.procs_per_node == 1 else "processes"
-    nnodes = spec.rendezvous.nnodes_text
+    nnodes = spec.rendezvous.nodes.text
     nodes = "node" if nnodes == "1" else "nodes"
     parts = [
         f"meshrun launch: {spec.procs_per_node} {procs} x {nnodes} {nodes}",

@@ -52,13 +52,15 @@ def group_pairs(
     ]
 
 
-def group_config(cfg: Config, groups: int, index: int, lighthouse: str, nproc: int) -> Config:
+def group_config(
+    cfg: Config, groups: int, index: int, lighthouse: str, nproc: int, nodes: int = 1
+) -> Config:
     """Group ``index``'s copy of the resolved config (:func:`group_pairs`), checked for its
-    world."""
+    world (``nodes`` x ``nproc``: the launch spec's node count, parsed once)."""
     out = copy.deepcopy(cfg)
     pairs = group_pairs(cfg, groups, index, lighthouse, nproc)
     apply_overrides(out, pairs, source="meshrun launch --replica-groups")
-    validate_for_world(out, nproc * int(cfg.launch.nnodes))
+    validate_for_world(out, nproc * nodes)
     return out
 
 
@@ -74,6 +76,7 @@ class GroupPlan:
     # (group index, its run dir, its config path) -> torchrun argv
     argv_for: Callable[[int, str, str], list[str]]
     extra_env: dict[str, str] = field(default_factory=dict)
+    nodes: int = 1  # the spec's node count (the CLI runs replica groups on one node)
 
 
 def launch_replica_groups(plan: GroupPlan) -> int:
@@ -120,7 +123,7 @@ def run_lighthouse(given: str, cfg: Config, groups: int) -> Iterator[str]:
 def _start_group(
     plan: GroupPlan, cfg: Config, index: int, lighthouse: str, nproc: int
 ) -> subprocess.Popen[bytes]:
-    gcfg = group_config(cfg, plan.groups, index, lighthouse, nproc)
+    gcfg = group_config(cfg, plan.groups, index, lighthouse, nproc, plan.nodes)
     run_dir = gcfg.resolved_run_dir()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.toml"

@@ -53,12 +53,6 @@ class Rendezvous:
     def endpoint_text(self) -> str:
         return "" if self.endpoint is None else f"{self.endpoint[0]}:{self.endpoint[1]}"
 
-    @property
-    def nnodes_text(self) -> str:
-        """torchrun's ``--nnodes``: N, or MIN:MAX for an elastic range."""
-        nodes = self.nodes
-        return f"{nodes.min_nodes}:{nodes.max_nodes}" if nodes.elastic else str(nodes.max_nodes)
-
 
 @dataclass(frozen=True)
 class LaunchSpec:

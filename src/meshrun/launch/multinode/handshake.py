@@ -92,6 +92,11 @@ class JoinTarget:
     def elastic(self) -> bool:
         return self.min_nodes != self.max_nodes
 
+    @property
+    def text(self) -> str:
+        """As torchrun's ``--nnodes`` takes it: N, or MIN:MAX for an elastic range."""
+        return f"{self.min_nodes}:{self.max_nodes}" if self.elastic else str(self.max_nodes)
+
 
 def local_node_info(
     node_rank: int, nproc: int, config_digest: str, settings: dict[str, Any] | None = None

@@ -43,7 +43,7 @@ PER_NODE_KEYS = ("node_rank", "interface", "omp_num_threads", "join_timeout_s", 
 def validate(rdzv: Rendezvous) -> None:
     """The multi-node checks that need more than one value, before anything starts
     (ConfigError naming the flags)."""
-    nodes, nnodes = rdzv.nodes, rdzv.nnodes_text
+    nodes, nnodes = rdzv.nodes, rdzv.nodes.text
     if nodes.max_nodes > 1 and rdzv.endpoint is None:
         raise ConfigError(
             f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (launch.rdzv_endpoint): the "
