@@ -29,7 +29,6 @@ from meshrun.launch.multinode.handshake import (
     JoinTarget,
     local_node_info,
     publish_attempt,
-    say_stderr,
 )
 from meshrun.launch.multinode.netif import NetworkError
 from meshrun.launch.multinode.nodes import NetworkPlan
@@ -39,7 +38,7 @@ from meshrun.launch.secret import SECRET_ENV, JobSecret, SecretError, from_env, 
 from meshrun.launch.spec import LaunchSpec, Rendezvous
 from meshrun.launch.torchrun_flags import FLAGS
 from meshrun.monitor.watchdog import hang_report, hang_states, watch_for_hangs
-from meshrun.runtime.logs import say_error
+from meshrun.runtime.logs import one_line, say_error, say_launch
 from meshrun.runtime.ports import LOCAL_HOST, free_port
 
 if TYPE_CHECKING:
@@ -172,7 +171,7 @@ def _job_secret(spec: LaunchSpec, network: NetworkPlan | None) -> JobSecret:
     (a shared run directory) within the join timeout."""
     create = network is None or network.is_host
     wait_s = 0.0 if create else spec.join_timeout_s
-    return resolve(spec.run_dir, os.environ, create=create, wait_s=wait_s, say=say_stderr)
+    return resolve(spec.run_dir, os.environ, create=create, wait_s=wait_s, say=say_launch)
 
 
 @contextmanager
@@ -231,7 +230,7 @@ def _run_multinode(
     rdzv: Rendezvous,
 ) -> int:
     for warning in network.warnings:
-        say_stderr(f"warning: {warning}")
+        say_launch(f"warning: {warning}")
     try:
         # The host's store must outlive the agent, which reuses it: hold it until then.
         store = _checked_handshake(spec, network, rdzv.nodes)
@@ -265,7 +264,7 @@ def _checked_handshake(spec: LaunchSpec, network: NetworkPlan, target: JoinTarge
         network.rdzv_port,
         is_host=network.is_host,
         timeout_s=spec.join_timeout_s,
-        say=say_stderr,
+        say=say_launch,
     )
     if not network.is_host:  # the host wrote it before its store answered; read it now
         os.environ[SECRET_ENV] = _job_secret(spec, network).key.decode()
@@ -280,12 +279,12 @@ def _checked_handshake(spec: LaunchSpec, network: NetworkPlan, target: JoinTarge
         target,
         network.is_host,
         spec.join_timeout_s,
-        say_stderr,
+        say_launch,
         from_env(),
     )
     nodes = handshake.run()
     names = ", ".join(n.hostname for n in sorted(nodes, key=lambda n: n.node_rank))
-    say_stderr(f"{len(nodes)} nodes joined [{names}]; versions and config agree")
+    say_launch(f"{len(nodes)} nodes joined [{names}]; versions and config agree")
     return store
 
 
@@ -341,7 +340,7 @@ def _run_agent(
     bound = None if network is None else spec.join_timeout_s + RDZV_GRACE_S
     hint = "" if network is None else f" at {network.rdzv_address}:{network.rdzv_port}"
     try:
-        with watched_agent(spec.max_restarts, bound, say_stderr, hint):
+        with watched_agent(spec.max_restarts, bound, say_launch, hint):
             run(get_args_parser().parse_args(signed_backend_argv(argv)))
     except ChildFailedError as err:
         return _report_failure(err.failures, spec, known_runs, started)
@@ -379,15 +378,10 @@ def _agent_failed(err: BaseException, multinode: bool) -> str:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     if multinode and isinstance(err, RendezvousError):  # the other nodes' store went away
-        return f"meshrun launch: lost the rendezvous: {_one_line(err)}"
-    return f"meshrun launch: the torchrun agent failed: {_one_line(err)}"
+        return f"meshrun launch: lost the rendezvous: {one_line(err)}"
+    return f"meshrun launch: the torchrun agent failed: {one_line(err)}"
 
 
 def _interrupted(sig: signal.Signals) -> int:
     print(f"meshrun launch: stopped by {sig.name}; workers shut down", file=sys.stderr)
     return EXIT_INTERRUPTED if sig == signal.SIGINT else 128 + int(sig)
-
-
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__

@@ -26,6 +26,7 @@ from pathlib import Path
 from meshrun.config import CONFIG_ENV, Config, apply_overrides, load_config, validate_for_world
 from meshrun.config import write_config as write_config_file
 from meshrun.launch.secret import SECRET_ENV, resolve
+from meshrun.runtime.logs import say_launch
 from meshrun.runtime.ports import LOCAL_HOST, free_port
 
 __all__ = ["GroupPlan", "group_config", "launch_replica_groups", "run_lighthouse"]
@@ -113,7 +114,7 @@ def run_lighthouse(given: str, cfg: Config, groups: int) -> Iterator[str]:
         join_timeout_ms=ft.heartbeat_timeout_ms,
         heartbeat_timeout_ms=ft.heartbeat_timeout_ms,
     )
-    say(f"lighthouse on {LOCAL_HOST}:{port} (min_replicas {ft.quorum_size()} of {groups})")
+    say_launch(f"lighthouse on {LOCAL_HOST}:{port} (min_replicas {ft.quorum_size()} of {groups})")
     try:
         yield f"{LOCAL_HOST}:{port}"
     finally:
@@ -138,7 +139,7 @@ def _start_group(
     cores = max(1, (os.cpu_count() or 1) // plan.nproc_per_node)
     env.setdefault("OMP_NUM_THREADS", str(cores))
     env.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
-    say(f"group {index}: {nproc} process(es), run dir {run_dir}")
+    say_launch(f"group {index}: {nproc} process(es), run dir {run_dir}")
     # torchrun with meshrun's signed rendezvous: its store bound to the group's endpoint
     # (loopback), its state signed JSON, never a pickle read back (launch/rdzv_signed.py).
     return subprocess.Popen(
@@ -156,7 +157,7 @@ def _wait(procs: list[subprocess.Popen[bytes]]) -> int:
         while any(p.poll() is None for p in procs):
             time.sleep(0.2)
     except _Stop:
-        say("stopping every replica group")
+        say_launch("stopping every replica group")
         for p in procs:
             stop_group(p)
         return 128 + signal.SIGTERM
@@ -166,7 +167,7 @@ def _wait(procs: list[subprocess.Popen[bytes]]) -> int:
     codes = [p.returncode for p in procs]
     for index, code in enumerate(codes):
         if code:
-            say(f"group {index} failed (exit code {code})")
+            say_launch(f"group {index} failed (exit code {code})")
     return next((c for c in codes if c), 0)
 
 
@@ -206,7 +207,3 @@ def descendants(pid: int) -> list[int]:
         found += kids
         frontier = kids
     return found
-
-
-def say(text: str) -> None:
-    print(f"meshrun launch: {text}", file=sys.stderr, flush=True)

@@ -454,7 +454,3 @@ def publish_attempt(store: Any, rdzv_id: str, secret: JobSecret) -> None:
     token = uuid.uuid4().hex[:8]
     store.set(f"{prefix}/attempt", secret.seal(f"{prefix}/attempt", token))
     store.set(f"{prefix}/{token}/done", secret.seal(f"{prefix}/{token}/done", "1"))
-
-
-def say_stderr(text: str) -> None:
-    print(f"meshrun launch: {text}", file=sys.stderr, flush=True)
