@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from meshrun.config import LaunchConfig
 from meshrun.launch.local import (
     LaunchSpec,
     build_torchrun_args,
@@ -45,7 +46,7 @@ def _flag(argv: list[str], name: str) -> str:
 
 @pytest.mark.timeout(60)  # a hang guard: torch's first import alone can take 10 s here
 def test_args_for_a_script_on_one_node() -> None:
-    spec = LaunchSpec(nproc_per_node=4, script="train.py", script_args=["--lr", "3e-4"])
+    spec = LaunchSpec(procs_per_node=4, script="train.py", script_args=["--lr", "3e-4"])
     argv = build_torchrun_args(spec, port=29513)
     assert _flag(argv, "--rdzv-backend") == "c10d"
     assert _flag(argv, "--rdzv-endpoint") == "127.0.0.1:29513"
@@ -61,13 +62,11 @@ def test_args_for_a_script_on_one_node() -> None:
 
 @pytest.mark.timeout(60)  # a hang guard: torch's first import alone can take 10 s here
 def test_args_for_a_module_with_an_explicit_endpoint() -> None:
-    spec = LaunchSpec(
-        nproc_per_node=8,
+    spec = LaunchSpec.of(
+        LaunchConfig(nnodes="2", rdzv_endpoint="node0:29400", max_restarts=3),
+        procs_per_node=8,
         module="pkg.train",
         script_args=["--steps", "10"],
-        nnodes="2",
-        rdzv_endpoint="node0:29400",
-        max_restarts=3,
         run_dir="runs/x",
     )
     argv = build_torchrun_args(spec, port=1234)
@@ -84,7 +83,7 @@ def test_args_for_a_module_with_an_explicit_endpoint() -> None:
 def test_args_are_accepted_by_torchrun_parser() -> None:
     from torch.distributed.run import get_args_parser
 
-    spec = LaunchSpec(nproc_per_node=2, module="pkg.train", script_args=["--flag"])
+    spec = LaunchSpec(procs_per_node=2, module="pkg.train", script_args=["--flag"])
     args = get_args_parser().parse_args(build_torchrun_args(spec, port=29513))
     assert args.module and args.training_script == "pkg.train"
     assert args.training_script_args == ["--flag"]
@@ -97,11 +96,11 @@ def test_args_are_accepted_by_torchrun_parser() -> None:
     [
         ({}, "exactly one of script or module"),
         ({"script": "a.py", "module": "a"}, "exactly one of script or module"),
-        ({"script": "a.py", "nproc_per_node": 0}, "nproc_per_node must be >= 1, got 0"),
+        ({"script": "a.py", "procs_per_node": 0}, "nproc_per_node must be >= 1, got 0"),
     ],
 )
 def test_bad_spec_names_the_field(kwargs: dict[str, Any], message: str) -> None:
-    spec = LaunchSpec(**{"nproc_per_node": 2, **kwargs})
+    spec = LaunchSpec(**{"procs_per_node": 2, **kwargs})
     with pytest.raises(ValueError, match=message):
         build_torchrun_args(spec, port=1)
 
@@ -110,7 +109,7 @@ def test_bad_spec_names_the_field(kwargs: dict[str, Any], message: str) -> None:
 def test_helpers() -> None:
     assert 0 < free_port() < 65536
     assert default_nproc_per_node() >= 1
-    spec = LaunchSpec(nproc_per_node=2, script="t.py", config_path="runs/x/config.toml")
+    spec = LaunchSpec(procs_per_node=2, script="t.py", config_path="runs/x/config.toml")
     assert start_line(spec, 29513, "1") == (
         "meshrun launch: 2 processes x 1 node | rendezvous 127.0.0.1:29513 | "
         "OMP_NUM_THREADS=1 | config runs/x/config.toml | logs "
@@ -212,7 +211,7 @@ def test_agent_failure_is_one_line_and_environment_is_restored(
 
     monkeypatch.setattr(torchrun, "run", timeout)
     before = dict(os.environ)
-    spec = LaunchSpec(nproc_per_node=2, script="t.py", run_dir=str(tmp_path))
+    spec = LaunchSpec(procs_per_node=2, script="t.py", run_dir=str(tmp_path))
     assert launch_local(spec) == 1
     err = capfd.readouterr().err
     assert (
@@ -233,7 +232,7 @@ def test_agent_failure_is_one_line_and_environment_is_restored(
 
 
 def _launch_failing(script: str, run_dir: Path) -> int:
-    spec = LaunchSpec(nproc_per_node=2, script=str(SCRIPTS / script), run_dir=str(run_dir))
+    spec = LaunchSpec(procs_per_node=2, script=str(SCRIPTS / script), run_dir=str(run_dir))
     return launch_local(spec)
 
 
@@ -287,7 +286,7 @@ def test_success_passes_config_and_threads_to_workers(
     config = tmp_path / "config.toml"
     config.write_text("[train]\nsteps = 1\n")
     spec = LaunchSpec(
-        nproc_per_node=2,
+        procs_per_node=2,
         script=str(SCRIPTS / "plain_ddp_ok.py"),
         config_path=str(config),
         run_dir=str(tmp_path / "run"),
@@ -314,7 +313,7 @@ def test_ctrl_c_stops_the_workers_and_returns_130(tmp_path: Path) -> None:
     code = (
         "import sys\n"
         "from meshrun.launch.local import LaunchSpec, launch_local\n"
-        f"spec = LaunchSpec(nproc_per_node=2, script={str(SCRIPTS / 'sleep_until_stopped.py')!r},"
+        f"spec = LaunchSpec(procs_per_node=2, script={str(SCRIPTS / 'sleep_until_stopped.py')!r},"
         f" run_dir={str(tmp_path)!r})\n"
         "sys.exit(launch_local(spec))\n"
     )

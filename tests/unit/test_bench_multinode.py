@@ -39,7 +39,7 @@ def test_multinode_flags_become_launch_keys_checked_as_in_launch(tmp_path: Path)
     assert (ln.interface, ln.join_timeout_s) == ("eth1", 30.0)
     assert cfg.data.global_batch == 4  # one sample per process of the whole world
     spec = _bench_spec(cfg, 2, BenchRequest(out="c.json", nodes=nodes), str(tmp_path))
-    assert spec.nnodes == "2" and spec.nproc_per_node == 2 and spec.config_digest
+    assert spec.rendezvous.nodes.text == "2" and spec.procs_per_node == 2 and spec.config_digest
     assert json.loads(spec.script_args[0])["nodes"] == 2
     # launch's own refusals, naming its flags
     with pytest.raises(ConfigError, match="needs --rdzv-endpoint"):

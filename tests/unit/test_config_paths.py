@@ -6,6 +6,7 @@ that runs it (1, 3, 8, 1024 processes), only a value the user set held to divisi
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -228,15 +229,18 @@ def test_launch_flags_are_launch_keys_in_the_resolved_config() -> None:
     )
 
 
-def test_a_launch_spec_is_the_configs_launch_section_plus_what_to_run() -> None:
-    from meshrun.launch.local import LaunchSpec
+def test_a_launch_spec_is_made_from_the_configs_launch_section_plus_what_to_run() -> None:
+    from meshrun.launch.spec import LaunchSpec
 
     launch = load_config(None, [("launch.max_restarts", "2"), ("launch.rdzv_id", "job7")]).launch
-    spec = LaunchSpec.of(launch, nproc_per_node=4, script="t.py")
-    assert isinstance(spec, LaunchConfig)
-    assert (spec.max_restarts, spec.rdzv_id, spec.nproc_per_node) == (2, "job7", 4)
+    spec = LaunchSpec.of(launch, procs_per_node=4, script="t.py")
+    assert not isinstance(spec, LaunchConfig)  # composed: its fields are not config keys
+    assert (spec.max_restarts, spec.rendezvous.rdzv_id, spec.procs_per_node) == (2, "job7", 4)
     assert (launch.nproc_per_node, spec.script) == (0, "t.py")  # the config is left as it was
-    assert "launch.max_restarts = -1" in _message(lambda: LaunchSpec.of(launch, max_restarts=-1))
+    assert LaunchSpec.of(dataclasses.replace(launch, nproc_per_node=3)).procs_per_node == 3
+    # A bad key is the config's to refuse, with the message a file would get.
+    message = _message(lambda: dataclasses.replace(launch, max_restarts=-1))
+    assert "launch.max_restarts = -1" in message
 
 
 def test_scale_test_runs_each_size_on_this_node_with_the_configs_launch_keys() -> None:

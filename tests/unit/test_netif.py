@@ -142,9 +142,8 @@ def test_torchrun_argv_and_banner_of_a_multinode_node() -> None:
         env={"GLOO_SOCKET_IFNAME": "eth-mr", "NCCL_SOCKET_IFNAME": "eth-mr"},
         warnings=[],
     )
-    spec = LaunchSpec(
-        nproc_per_node=2, script="t.py", nnodes="2", rdzv_endpoint="10.1.2.1:29500", node_rank=1
-    )
+    launch = LaunchConfig(nnodes="2", rdzv_endpoint="10.1.2.1:29500", node_rank=1)
+    spec = LaunchSpec.of(launch, procs_per_node=2, script="t.py")
     argv = build_torchrun_args(spec, port=0, network=plan)
     assert _flag(argv, "--rdzv-endpoint") == "10.1.2.1:29500"
     assert _flag(argv, "--local-addr") == "10.1.2.2"

@@ -39,7 +39,7 @@ def test_replica_groups_check_the_layout_per_group_and_count_the_groups_in_the_b
     code, specs = _launch(tmp_path, monkeypatch, 2, *HSDP_PER_GROUP)
     assert code == 0
     (spec,) = specs
-    assert (spec.nproc_per_node, spec.replica_groups) == (8, 2)
+    assert (spec.procs_per_node, spec.replica_groups) == (8, 2)
     written = load_config(spec.config_path)
     assert written.fault_tolerance.replica_groups == 2
     assert written.data.global_batch == 8 * 4 * 2  # micro x dp of a group of 4 x 2 groups

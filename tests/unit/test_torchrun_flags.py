@@ -14,7 +14,7 @@ from torch.distributed.run import get_args_parser
 from meshrun.cli import torchrun as cli_torchrun
 from meshrun.cli.main import build_parser, main
 from meshrun.cli.torchrun import resolve
-from meshrun.config import ConfigError
+from meshrun.config import ConfigError, LaunchConfig
 from meshrun.launch.local import LaunchSpec, build_torchrun_args
 from meshrun.launch.torchrun_flags import FLAGS, OTHER_FLAGS, REFUSED, Flag, flag_argv
 
@@ -205,7 +205,7 @@ def _flag(argv: list[str], name: str) -> str | None:
 
 
 def test_default_output_is_stdout_untouched_and_stderr_teed() -> None:
-    argv = build_torchrun_args(LaunchSpec(nproc_per_node=2, script="t.py"), port=29513)
+    argv = build_torchrun_args(LaunchSpec(procs_per_node=2, script="t.py"), port=29513)
     assert _flag(argv, "--tee") == "2" and "--redirects" not in argv
     args = TORCHRUN.parse_args(argv)
     assert (args.tee, args.redirects) == ("2", "0")
@@ -222,27 +222,21 @@ def test_default_output_is_stdout_untouched_and_stderr_teed() -> None:
 def test_users_tee_and_redirects_replace_meshruns(
     fields: dict[str, str], tee: str | None, redirects: str | None
 ) -> None:
-    argv = build_torchrun_args(LaunchSpec(nproc_per_node=2, script="t.py", **fields), port=1)
+    argv = build_torchrun_args(LaunchSpec(procs_per_node=2, script="t.py", **fields), port=1)
     assert (_flag(argv, "--tee"), _flag(argv, "--redirects")) == (tee, redirects)
     assert argv.count("--tee") <= 1
 
 
 def test_users_log_dir_and_local_addr_win() -> None:
-    spec = LaunchSpec(nproc_per_node=2, script="t.py", log_dir_flag="/tmp/x", local_addr="10.1.1.1")
+    spec = LaunchSpec(procs_per_node=2, script="t.py", log_dir_flag="/tmp/x", local_addr="10.1.1.1")
     argv = build_torchrun_args(spec, port=1)
     assert spec.log_dir == "/tmp/x" and _flag(argv, "--log-dir") == "/tmp/x"
     assert _flag(argv, "--local-addr") == "10.1.1.1" and argv.count("--local-addr") == 1
 
 
 def test_static_spec_gives_torchrun_the_node_rank() -> None:
-    spec = LaunchSpec(
-        nproc_per_node=8,
-        script="t.py",
-        nnodes="2",
-        node_rank=1,
-        rdzv_endpoint="10.0.0.1:29600",
-        rdzv_backend="static",
-    )
+    launch = LaunchConfig(nnodes="2", node_rank=1, rdzv_endpoint="10.0.0.1:29600")
+    spec = LaunchSpec.of(launch, procs_per_node=8, script="t.py", rdzv_backend="static")
     args = TORCHRUN.parse_args(build_torchrun_args(spec, port=1))
     assert (args.rdzv_backend, args.rdzv_endpoint, args.node_rank) == (
         "static",
@@ -253,7 +247,7 @@ def test_static_spec_gives_torchrun_the_node_rank() -> None:
 
 def test_passed_flags_go_before_the_script() -> None:
     spec = LaunchSpec(
-        nproc_per_node=2,
+        procs_per_node=2,
         script="t.py",
         script_args=["--lr", "1"],
         torchrun_args=["--monitor-interval", "0.5", "--no-python"],
@@ -276,7 +270,7 @@ def test_a_spec_that_would_give_torchrun_two_values_is_refused(
     fields: dict[str, Any], message: str
 ) -> None:
     with pytest.raises(ValueError, match=message):
-        build_torchrun_args(LaunchSpec(nproc_per_node=2, script="t.py", **fields), port=1)
+        build_torchrun_args(LaunchSpec(procs_per_node=2, script="t.py", **fields), port=1)
 
 
 # --- the command line: errors before anything starts ----------------------------------------

@@ -80,13 +80,13 @@ def _bench_config(a: argparse.Namespace, nproc: int) -> tuple[Any, int]:
 
 def _bench_spec(cfg: Any, nproc: int, request: Any, run_dir: str) -> Any:
     from meshrun.config import write_config
-    from meshrun.launch.local import LaunchSpec
     from meshrun.launch.multinode.nodes import shared_digest, shared_settings
+    from meshrun.launch.spec import LaunchSpec
 
     config_path = write_config(cfg, Path(run_dir) / "config.toml")
     return LaunchSpec.of(
         cfg.launch,
-        nproc_per_node=nproc,
+        procs_per_node=nproc,
         module=BENCH_WORKER,
         script_args=request.to_argv(),
         config_digest=shared_digest(cfg),  # the nodes' handshake compares it

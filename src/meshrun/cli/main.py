@@ -7,6 +7,7 @@ types, ranges), the mesh against the world size, the batch arithmetic, the scrip
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import importlib
 import os
@@ -25,7 +26,6 @@ from meshrun.config import (
     ConfigError,
     dp_size_for_world,
     load_config,
-    nnodes_range,
     resolve_global_batch,
     set_value,
     split_overrides,
@@ -33,6 +33,8 @@ from meshrun.config import (
     validate_for_world,
     write_config,
 )
+from meshrun.launch.multinode.handshake import JoinTarget
+from meshrun.launch.spec import LaunchSpec, parse_nnodes
 from meshrun.launch.target import DEMO_CONFIG, DEMO_MODULE, default_config
 from meshrun.runtime.logs import say_error
 
@@ -40,20 +42,21 @@ from meshrun.runtime.logs import say_error
 def _prepare(cfg: Config, nproc: int, nnodes: str) -> Path:
     """Validate for the world size and write the resolved config the workers will read: what
     was left unset and is derived here (global batch, run directory) is written as the number
-    or path it became, and said on stderr."""
-    _resolve(cfg, nproc, nnodes)
+    or path it became, and said on stderr. ``nnodes``: N or MIN:MAX (``meshrun ray launch``'s
+    workers as one-process nodes)."""
+    _resolve(cfg, nproc, parse_nnodes(nnodes))
     return write_config(cfg, cfg.resolved_run_dir() / "config.toml")
 
 
-def _resolve(cfg: Config, nproc: int, nnodes: str) -> None:
+def _resolve(cfg: Config, nproc: int, nodes: JoinTarget) -> None:
     """:func:`_prepare` up to the write: every check, and the values derived."""
-    world = nproc * nnodes_range(nnodes)[1]  # an elastic MIN:MAX job: its largest world
+    world = nproc * nodes.max_nodes  # an elastic MIN:MAX job: its largest world
     validate_for_world(cfg, world)
     from meshrun.checkpoint.layout import resume_path_error  # pure: no torch import
 
     if why := resume_path_error(cfg.checkpoint.resume):  # before any process is spawned
         raise ConfigError(why)
-    _resolve_batch(cfg, nproc, nnodes)
+    _resolve_batch(cfg, nproc, nodes)
     if not cfg.job.run_dir:  # a directory appears in the cwd: say where and how to move it
         cfg.job.run_dir = str(cfg.resolved_run_dir())
         print(
@@ -64,20 +67,20 @@ def _resolve(cfg: Config, nproc: int, nnodes: str) -> None:
         )
 
 
-def _resolve_batch(cfg: Config, nproc: int, nnodes: str) -> None:
+def _resolve_batch(cfg: Config, nproc: int, nodes: JoinTarget) -> None:
     """An unset global batch becomes a number, said on stderr: the one of the checkpoint the
     run resumes (kept on a new world size), else micro_batch x data-parallel size. An elastic
     MIN:MAX job gets one number for every world it may take after a restart: its largest
     world's, or, where a smaller world's size does not divide that, the lcm's."""
     from meshrun.checkpoint.resumed_batch import resume_global_batch  # pure: no torch import
 
-    low, high = nnodes_range(nnodes)
+    low, high = nodes.min_nodes, nodes.max_nodes
     worlds = [nproc * n for n in range(low, high + 1)] or [nproc * high]
     if note := resume_global_batch(cfg):
         print(f"meshrun launch: {note}", file=sys.stderr)
         validate_for_world(cfg, nproc * high)  # the saved number must divide here too
     elif note := resolve_global_batch(cfg, worlds):
-        elastic = f" over the worlds of --nnodes {nnodes}" if len(worlds) > 1 else ""
+        elastic = f" over the worlds of --nnodes {nodes.text}" if len(worlds) > 1 else ""
         print(f"meshrun launch: {note}{elastic}", file=sys.stderr)
 
 
@@ -89,26 +92,29 @@ def _launch(
     script_args: list[str],
     **spec_fields: Any,  # more LaunchSpec fields (meshrun launch: torchrun's flags)
 ) -> int:
-    from meshrun.launch.local import LaunchSpec, launch_local
-    from meshrun.launch.multinode.nodes import Rendezvous, shared_digest, shared_settings
+    from meshrun.launch.local import launch_local
+    from meshrun.launch.multinode.nodes import shared_digest, shared_settings
     from meshrun.launch.rundir import claim_run_dir
 
     set_value(cfg, "launch.nproc_per_node", nproc)  # the resolved config records the count
-    _resolve(cfg, _group_nproc(cfg, nproc, spec_fields), cfg.launch.nnodes)
-    ln, run_dir = cfg.launch, cfg.resolved_run_dir()
+    # The [launch] text parsed here, once, for everything below (the checks of the world too).
+    spec = LaunchSpec.of(cfg.launch, procs_per_node=nproc, **spec_fields)
+    _resolve(cfg, _group_nproc(cfg, nproc, spec_fields), spec.rendezvous.nodes)
+    run_dir = cfg.resolved_run_dir()
+    config_path = run_dir / "config.toml"
+    spec = dataclasses.replace(  # what to run, and the resolved config's digest and path
+        spec,
+        script=script,
+        module=module,
+        script_args=script_args,
+        config_digest=shared_digest(cfg),
+        shared_config=shared_settings(cfg),
+        config_path=str(config_path),
+        run_dir=str(run_dir),
+    )
     # One job per run directory: a busy one is refused before anything is written in it.
-    with claim_run_dir(run_dir, Rendezvous.of(ln)):
-        spec = LaunchSpec.of(
-            cfg.launch,
-            script=script,
-            module=module,
-            script_args=script_args,
-            config_digest=shared_digest(cfg),
-            shared_config=shared_settings(cfg),
-            config_path=str(write_config(cfg, run_dir / "config.toml")),
-            run_dir=str(run_dir),
-            **spec_fields,
-        )
+    with claim_run_dir(run_dir, spec.rendezvous):
+        write_config(cfg, config_path)
         return launch_local(spec)
 
 

@@ -131,13 +131,12 @@ def checked(dotted: str, value: Any, f: dataclasses.Field[Any], tp: Any, from_te
     return value
 
 
-def check_section(section: Any, section_type: type | None = None) -> None:
+def check_section(section: Any) -> None:
     """Check (and normalise: an int for a float key becomes a float) every field of one
     section against its type, its Literal choices and its min/max. Each section's
     ``__post_init__`` runs it, so ``DataConfig(micro_batch=0)`` fails where it is written,
-    with the message a TOML file would get. ``section_type``: check only that class's fields
-    (a LaunchSpec is a LaunchConfig with more fields, which are not config keys)."""
-    section_type = section_type or type(section)
+    with the message a TOML file would get."""
+    section_type: type = type(section)
     name = getattr(section_type, "SECTION", section_type.__name__)
     errors = []  # every bad value of the section at once: ParallelConfig(zero=7, param_dtype=..)
     for key, (f, tp) in field_map(section_type).items():

@@ -349,8 +349,7 @@ class LaunchConfig:
     SECTION: ClassVar[str] = "launch"  # the [section] of the TOML file
 
     def __post_init__(self) -> None:
-        # Only this class's fields: a LaunchSpec is a LaunchConfig with more (not config keys).
-        check_section(self, LaunchConfig)
+        check_section(self)
         check_launch_values(self)
 
     nproc_per_node: int = setting(

@@ -18,6 +18,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from meshrun.config import ConfigError
+from meshrun.config.launch_values import parse_endpoint
 from meshrun.launch.multinode.netif import (
     Interface,
     NetworkError,
@@ -105,11 +107,14 @@ def gpu_count() -> int:
 
 
 def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """``host:port`` -> (host, port); a ValueError names what is wrong."""
-    host, sep, port = endpoint.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT (e.g. 10.0.0.1:29400)")
-    return host, int(port)
+    """``host:port`` -> (host, port), the syntax ``meshrun launch`` reads (one parser:
+    config/launch_values.py); a ValueError in the doctor's words names what is wrong."""
+    try:
+        return parse_endpoint(endpoint)
+    except ConfigError:
+        raise ValueError(
+            f"--rdzv-endpoint {endpoint!r}: expected HOST:PORT (e.g. 10.0.0.1:29400)"
+        ) from None
 
 
 def check_interface(rdzv_host: str, requested: str, multi_host: bool) -> Check:

@@ -36,6 +36,7 @@ from meshrun.ft.data import live_share
 from meshrun.ft.heal import HealState, StateCodec
 from meshrun.ft.manager import build_manager
 from meshrun.monitor import MetricsLogger
+from meshrun.runtime.logs import one_line
 from meshrun.runtime.schedule import scale_lr
 from meshrun.runtime.state import TrainState
 
@@ -324,5 +325,4 @@ def _unpack(buf: torch.Tensor, grads: list[torch.Tensor]) -> None:
 def _one_line(err: BaseException | None) -> str:
     if err is None:
         return ""
-    inner = getattr(err, "original_exception", err)
-    return f"{type(inner).__name__}: {' '.join(str(inner).split())}"[:300]
+    return one_line(getattr(err, "original_exception", err))[:300]

@@ -16,15 +16,16 @@ from meshrun._lazy import lazy_exports
 if TYPE_CHECKING:
     from meshrun.launch.hostfile.remote import launch_hostfile
     from meshrun.launch.k8s.render import K8sJob, write_manifests
-    from meshrun.launch.local import LaunchSpec, launch_local
+    from meshrun.launch.local import launch_local
     from meshrun.launch.slurm.submit import SubmitSpec, render_sbatch
+    from meshrun.launch.spec import LaunchSpec
 
 __getattr__ = lazy_exports(
     globals(),
     {
         "K8sJob": "meshrun.launch.k8s.render",
         "write_manifests": "meshrun.launch.k8s.render",
-        "LaunchSpec": "meshrun.launch.local",
+        "LaunchSpec": "meshrun.launch.spec",
         "launch_local": "meshrun.launch.local",
         "launch_hostfile": "meshrun.launch.hostfile.remote",
         "SubmitSpec": "meshrun.launch.slurm.submit",

@@ -30,10 +30,14 @@ _SignalHandler: TypeAlias = "Callable[[int, FrameType | None], Any] | int | None
 class WorkerSettings(Protocol):
     """What of a launch spec reaches the workers' environment (``LaunchSpec`` has it)."""
 
-    extra_env: dict[str, str]
-    config_path: str | None
-    omp_num_threads: int
-    nproc_per_node: int
+    @property
+    def extra_env(self) -> dict[str, str]: ...
+    @property
+    def config_path(self) -> str | None: ...
+    @property
+    def omp_num_threads(self) -> int: ...
+    @property
+    def procs_per_node(self) -> int: ...
 
 
 @contextmanager
@@ -75,7 +79,7 @@ def _omp_num_threads(spec: WorkerSettings, environ: Mapping[str, str]) -> str:
     if environ.get("OMP_NUM_THREADS"):
         return environ["OMP_NUM_THREADS"]
     # Without this each worker starts one thread per core and they oversubscribe the CPU.
-    return str(max(1, _usable_cores() // spec.nproc_per_node))
+    return str(max(1, _usable_cores() // spec.procs_per_node))
 
 
 def _usable_cores() -> int:

@@ -19,10 +19,8 @@ import threading
 import time
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from meshrun.config import LaunchConfig
 from meshrun.launch.environment import launch_environment
 from meshrun.launch.multinode import nodes as multinode
 from meshrun.launch.multinode.handshake import (
@@ -31,61 +29,22 @@ from meshrun.launch.multinode.handshake import (
     JoinTarget,
     local_node_info,
     publish_attempt,
-    say_stderr,
 )
 from meshrun.launch.multinode.netif import NetworkError
 from meshrun.launch.multinode.nodes import NetworkPlan
 from meshrun.launch.orphans import orphan_guard
 from meshrun.launch.rundir import claim_run_dir
 from meshrun.launch.secret import SECRET_ENV, JobSecret, SecretError, from_env, resolve
+from meshrun.launch.spec import LaunchSpec, Rendezvous
 from meshrun.launch.torchrun_flags import FLAGS
 from meshrun.monitor.watchdog import hang_report, hang_states, watch_for_hangs
-from meshrun.runtime.logs import say_error
+from meshrun.runtime.logs import one_line, say_error, say_launch
 from meshrun.runtime.ports import LOCAL_HOST, free_port
 
 if TYPE_CHECKING:
     from meshrun.launch.replicas import GroupPlan
 
 EXIT_INTERRUPTED = 130
-
-
-@dataclass
-class LaunchSpec(LaunchConfig):
-    """What to launch and how; the CLI and tests build one, ``launch_local`` runs it.
-
-    It is a LaunchConfig (the ``[launch]`` keys, checked as in a file) plus what to run and
-    what torchrun's own flags asked for: :meth:`of` takes a config's launch section as it is,
-    so the settings exist once. Here ``nproc_per_node`` is a count (>= 1), not 0 = auto."""
-
-    script: str | None = None  # path of a Python script, or
-    module: str | None = None  # a module to run with -m (exactly one of script/module)
-    script_args: list[str] = field(default_factory=list)
-    config_digest: str = ""  # multi-node: what the nodes compare (multinode.shared_digest)
-    shared_config: dict[str, Any] = field(default_factory=dict)  # names the keys that differ
-    config_path: str | None = None  # exported to the workers as MESHRUN_CONFIG
-    run_dir: str = "runs/launch"  # the agent's per-rank logs go to RUN_DIR/logs
-    extra_env: dict[str, str] = field(default_factory=dict)
-    # torchrun's own flags as the user gave them (meshrun launch's cli_torchrun.resolve):
-    rdzv_backend: str = "c10d"  # or "static": torchrun's --master-addr/--master-port launch
-    tee: str = ""  # torchrun's --tee; "" = stderr only ("2"), so stdout is torchrun's own
-    redirects: str = ""  # torchrun's --redirects; "" = none
-    log_dir_flag: str = ""  # torchrun's --log-dir; "" = RUN_DIR/logs
-    local_addr: str = ""  # torchrun's --local-addr; "" = loopback, or the chosen interface's
-    torchrun_args: list[str] = field(default_factory=list)  # the rest, handed to the agent
-    # --replica-groups N (> 1: N torchrun jobs, launch/replicas.py) and --lighthouse HOST:PORT
-    replica_groups: int = 0
-    lighthouse: str = ""
-
-    @classmethod
-    def of(cls, launch: LaunchConfig, **fields: Any) -> LaunchSpec:
-        """A spec with ``launch``'s keys as they are, and ``fields`` (what to run, and keys
-        this launch sets: the process count it resolved)."""
-        keys = {f.name: getattr(launch, f.name) for f in dataclasses.fields(LaunchConfig)}
-        return cls(**{**keys, **fields})
-
-    @property
-    def log_dir(self) -> str:
-        return self.log_dir_flag or os.path.join(self.run_dir, "logs")
 
 
 def default_nproc_per_node() -> int:
@@ -105,9 +64,9 @@ def build_torchrun_args(
     argv = [
         *("--rdzv-backend", spec.rdzv_backend),
         *("--rdzv-endpoint", rendezvous_endpoint(spec, port)),
-        *("--rdzv-id", spec.rdzv_id),
-        *("--nnodes", spec.nnodes),
-        *("--nproc-per-node", str(spec.nproc_per_node)),
+        *("--rdzv-id", spec.rendezvous.rdzv_id),
+        *("--nnodes", spec.rendezvous.nodes.text),
+        *("--nproc-per-node", str(spec.procs_per_node)),
         *("--max-restarts", str(spec.max_restarts)),
         *("--log-dir", spec.log_dir),
         *_output_args(spec),
@@ -116,10 +75,10 @@ def build_torchrun_args(
         # Static rendezvous: the node rank is the group rank, as in torchrun. (c10d assigns
         # group ranks itself and ignores the flag; there the node rank names the node in
         # meshrun's handshake only.)
-        argv += ["--node-rank", str(spec.node_rank)]
+        argv += ["--node-rank", str(spec.rendezvous.node_rank)]
     if network is not None:
         argv += network.torchrun_args(spec.join_timeout_s)
-    elif not spec.rdzv_endpoint:
+    elif spec.rendezvous.endpoint is None:
         # One node: keep the workers' store on loopback too; otherwise torch advertises
         # the host's FQDN, which does not resolve on many laptops and containers.
         argv += ["--local-addr", LOCAL_HOST]
@@ -148,7 +107,7 @@ def _output_args(spec: LaunchSpec) -> list[str]:
 def _check_torchrun_fields(spec: LaunchSpec) -> None:
     if spec.rdzv_backend not in ("c10d", "static"):
         raise ValueError(f"rdzv_backend must be c10d or static, got {spec.rdzv_backend!r}")
-    if spec.rdzv_backend == "static" and not spec.rdzv_endpoint:
+    if spec.rdzv_backend == "static" and spec.rendezvous.endpoint is None:
         raise ValueError("rdzv_backend static needs rdzv_endpoint (MASTER_ADDR:MASTER_PORT)")
     # A flag meshrun sets itself, given again here, would leave two values for torchrun.
     owned = {o for f in FLAGS if not f.passed for o in f.options} | {"-m", "--module"}
@@ -166,13 +125,13 @@ def _replace_flag(argv: list[str], flag: str, value: str) -> list[str]:
 
 
 def rendezvous_endpoint(spec: LaunchSpec, port: int) -> str:
-    """``spec.rdzv_endpoint``, or the loopback address with ``port`` for a single node."""
-    return spec.rdzv_endpoint or f"{LOCAL_HOST}:{port}"
+    """The spec's endpoint, or the loopback address with ``port`` for a single node."""
+    return spec.rendezvous.endpoint_text or f"{LOCAL_HOST}:{port}"
 
 
 def launch_local(spec: LaunchSpec) -> int:
     """Run ``spec`` under torchrun's agent; return the exit code, never raise for a worker."""
-    rdzv = multinode.Rendezvous.of(spec)  # the rendezvous text, parsed once (checked: a config)
+    rdzv = spec.rendezvous  # parsed once, when the spec was made (launch/spec.py)
     if spec.replica_groups > 1:
         from meshrun.launch.replicas import launch_replica_groups  # its threads: on use
 
@@ -200,7 +159,7 @@ def launch_local(spec: LaunchSpec) -> int:
 
 
 def _claim(
-    spec: LaunchSpec, rdzv: multinode.Rendezvous, network: NetworkPlan | None
+    spec: LaunchSpec, rdzv: Rendezvous, network: NetworkPlan | None
 ) -> AbstractContextManager[None]:
     """The run directory's lock (launch/rundir.py): one node, or the rendezvous host, takes
     it; the other nodes refuse a directory another job holds. Nested in meshrun launch's own."""
@@ -212,7 +171,7 @@ def _job_secret(spec: LaunchSpec, network: NetworkPlan | None) -> JobSecret:
     (a shared run directory) within the join timeout."""
     create = network is None or network.is_host
     wait_s = 0.0 if create else spec.join_timeout_s
-    return resolve(spec.run_dir, os.environ, create=create, wait_s=wait_s, say=say_stderr)
+    return resolve(spec.run_dir, os.environ, create=create, wait_s=wait_s, say=say_launch)
 
 
 @contextmanager
@@ -225,7 +184,7 @@ def _local_store(spec: LaunchSpec) -> Iterator[int]:
     from meshrun.launch.rdzv_signed import forget_store, listen_store
 
     store = listen_store(LOCAL_HOST, 0, timeout_s=max(60.0, spec.join_timeout_s))
-    publish_attempt(store, spec.rdzv_id, from_env())
+    publish_attempt(store, spec.rendezvous.rdzv_id, from_env())
     try:
         yield store.port
     finally:
@@ -242,21 +201,24 @@ def _group_plan(spec: LaunchSpec) -> GroupPlan:
     def argv_for(index: int, run_dir: str, config_path: str) -> list[str]:
         group = dataclasses.replace(
             spec,
-            nproc_per_node=spec.nproc_per_node // spec.replica_groups,
+            procs_per_node=spec.procs_per_node // spec.replica_groups,
             run_dir=run_dir,
             config_path=config_path,
-            rdzv_id=f"{spec.rdzv_id}-group{index}",
+            rendezvous=dataclasses.replace(
+                spec.rendezvous, rdzv_id=f"{spec.rendezvous.rdzv_id}-group{index}"
+            ),
             replica_groups=0,
         )
         return build_torchrun_args(group, free_port())
 
     return GroupPlan(
         spec.replica_groups,
-        spec.nproc_per_node,
+        spec.procs_per_node,
         spec.config_path,
         spec.lighthouse,
         argv_for,
         dict(spec.extra_env),
+        nodes=spec.rendezvous.nodes.max_nodes,
     )
 
 
@@ -265,10 +227,10 @@ def _run_multinode(
     spec: LaunchSpec,
     network: NetworkPlan,
     known_runs: set[str],
-    rdzv: multinode.Rendezvous,
+    rdzv: Rendezvous,
 ) -> int:
     for warning in network.warnings:
-        say_stderr(f"warning: {warning}")
+        say_launch(f"warning: {warning}")
     try:
         # The host's store must outlive the agent, which reuses it: hold it until then.
         store = _checked_handshake(spec, network, rdzv.nodes)
@@ -286,7 +248,7 @@ def _run_multinode(
         del store
 
 
-def _plan_network(spec: LaunchSpec, rdzv: multinode.Rendezvous) -> NetworkPlan | None:
+def _plan_network(spec: LaunchSpec, rdzv: Rendezvous) -> NetworkPlan | None:
     if not rdzv.multinode:
         return None
     multinode.validate(rdzv)
@@ -302,26 +264,27 @@ def _checked_handshake(spec: LaunchSpec, network: NetworkPlan, target: JoinTarge
         network.rdzv_port,
         is_host=network.is_host,
         timeout_s=spec.join_timeout_s,
-        say=say_stderr,
+        say=say_launch,
     )
     if not network.is_host:  # the host wrote it before its store answered; read it now
         os.environ[SECRET_ENV] = _job_secret(spec, network).key.decode()
+    rdzv = spec.rendezvous
     info = local_node_info(
-        spec.node_rank, spec.nproc_per_node, spec.config_digest, spec.shared_config
+        rdzv.node_rank, spec.procs_per_node, spec.config_digest, spec.shared_config
     )
     handshake = Handshake(
         store,
-        spec.rdzv_id,
+        rdzv.rdzv_id,
         info,
         target,
         network.is_host,
         spec.join_timeout_s,
-        say_stderr,
+        say_launch,
         from_env(),
     )
     nodes = handshake.run()
     names = ", ".join(n.hostname for n in sorted(nodes, key=lambda n: n.node_rank))
-    say_stderr(f"{len(nodes)} nodes joined [{names}]; versions and config agree")
+    say_launch(f"{len(nodes)} nodes joined [{names}]; versions and config agree")
     return store
 
 
@@ -329,10 +292,11 @@ def start_line(
     spec: LaunchSpec, port: int, omp_threads: str, network: NetworkPlan | None = None
 ) -> str:
     """The one banner line printed before the agent starts."""
-    procs = "process" if spec.nproc_per_node == 1 else "processes"
-    nodes = "node" if spec.nnodes == "1" else "nodes"
+    procs = "process" if spec.procs_per_node == 1 else "processes"
+    nnodes = spec.rendezvous.nodes.text
+    nodes = "node" if nnodes == "1" else "nodes"
     parts = [
-        f"meshrun launch: {spec.nproc_per_node} {procs} x {spec.nnodes} {nodes}",
+        f"meshrun launch: {spec.procs_per_node} {procs} x {nnodes} {nodes}",
         f"rendezvous {'static ' if spec.rdzv_backend == 'static' else ''}"
         f"{rendezvous_endpoint(spec, port)}",
     ]
@@ -351,9 +315,9 @@ def _validate(spec: LaunchSpec) -> None:
             f"LaunchSpec needs exactly one of script or module, got "
             f"script={spec.script!r}, module={spec.module!r}"
         )
-    # The [launch] keys were checked when the spec was made; here 0 (= auto) is no count.
-    if spec.nproc_per_node < 1:
-        raise ValueError(f"nproc_per_node must be >= 1, got {spec.nproc_per_node}")
+    # The config's 0 (= auto) must have been resolved to a count before the spec was made.
+    if spec.procs_per_node < 1:
+        raise ValueError(f"nproc_per_node must be >= 1, got {spec.procs_per_node}")
 
 
 def _run_agent(
@@ -376,7 +340,7 @@ def _run_agent(
     bound = None if network is None else spec.join_timeout_s + RDZV_GRACE_S
     hint = "" if network is None else f" at {network.rdzv_address}:{network.rdzv_port}"
     try:
-        with watched_agent(spec.max_restarts, bound, say_stderr, hint):
+        with watched_agent(spec.max_restarts, bound, say_launch, hint):
             run(get_args_parser().parse_args(signed_backend_argv(argv)))
     except ChildFailedError as err:
         return _report_failure(err.failures, spec, known_runs, started)
@@ -399,7 +363,7 @@ def _report_failure(
     # Read only when a run failed: a launch that succeeds never imports the summary.
     from meshrun.launch.summary import HangStates, find_attempt_dir, summarize_failures
 
-    attempt_dir = find_attempt_dir(spec.log_dir, spec.rdzv_id, known_runs)
+    attempt_dir = find_attempt_dir(spec.log_dir, spec.rendezvous.rdzv_id, known_runs)
     ended, waiting = hang_states(spec.run_dir, started)
     states = HangStates(ended=ended, waiting=waiting)
     report = summarize_failures(failures, attempt_dir, socket.gethostname(), states)
@@ -414,15 +378,10 @@ def _agent_failed(err: BaseException, multinode: bool) -> str:
     from torch.distributed.elastic.rendezvous.api import RendezvousError
 
     if multinode and isinstance(err, RendezvousError):  # the other nodes' store went away
-        return f"meshrun launch: lost the rendezvous: {_one_line(err)}"
-    return f"meshrun launch: the torchrun agent failed: {_one_line(err)}"
+        return f"meshrun launch: lost the rendezvous: {one_line(err)}"
+    return f"meshrun launch: the torchrun agent failed: {one_line(err)}"
 
 
 def _interrupted(sig: signal.Signals) -> int:
     print(f"meshrun launch: stopped by {sig.name}; workers shut down", file=sys.stderr)
     return EXIT_INTERRUPTED if sig == signal.SIGINT else 128 + int(sig)
-
-
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return f"{type(err).__name__}: {text}" if text else type(err).__name__

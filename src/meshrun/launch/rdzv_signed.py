@@ -44,6 +44,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from meshrun.launch.secret import JobSecret, from_env, sanitize
+from meshrun.runtime.logs import say_launch
 
 BACKEND_NAME = "meshrun"
 _EMPTY = b"meshrun-rdzv-empty"  # the store's get blocks on a missing key: a sentinel instead
@@ -180,7 +181,7 @@ class SignedBackend(RendezvousBackend):
             raise ValueError("the rendezvous run id must not be empty")
         self._store, self._run_id, self._secret = store, run_id, secret
         self._key = f"meshrun.rdzv/{run_id}"
-        self._say = say or _say_stderr
+        self._say = say or say_launch
         self._seq = 0  # the highest write this node has seen
         self._good: bytes | None = None  # the last value that verified
         self._refused: set[bytes] = set()
@@ -336,10 +337,6 @@ def _desc(item: list[Any]) -> _NodeDesc:
     if not isinstance(addr, str):
         raise TypeError(f"a node address must be a string, got {addr!r}")
     return _NodeDesc(addr, int(pid), int(local_id))
-
-
-def _say_stderr(text: str) -> None:
-    print(f"meshrun launch: {text}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from pathlib import Path
 from meshrun.config import CONFIG_ENV, Config, apply_overrides, load_config, validate_for_world
 from meshrun.config import write_config as write_config_file
 from meshrun.launch.secret import SECRET_ENV, resolve
+from meshrun.runtime.logs import say_launch
 from meshrun.runtime.ports import LOCAL_HOST, free_port
 
 __all__ = ["GroupPlan", "group_config", "launch_replica_groups", "run_lighthouse"]
@@ -52,13 +53,15 @@ def group_pairs(
     ]
 
 
-def group_config(cfg: Config, groups: int, index: int, lighthouse: str, nproc: int) -> Config:
+def group_config(
+    cfg: Config, groups: int, index: int, lighthouse: str, nproc: int, nodes: int = 1
+) -> Config:
     """Group ``index``'s copy of the resolved config (:func:`group_pairs`), checked for its
-    world."""
+    world (``nodes`` x ``nproc``: the launch spec's node count, parsed once)."""
     out = copy.deepcopy(cfg)
     pairs = group_pairs(cfg, groups, index, lighthouse, nproc)
     apply_overrides(out, pairs, source="meshrun launch --replica-groups")
-    validate_for_world(out, nproc * int(cfg.launch.nnodes))
+    validate_for_world(out, nproc * nodes)
     return out
 
 
@@ -74,6 +77,7 @@ class GroupPlan:
     # (group index, its run dir, its config path) -> torchrun argv
     argv_for: Callable[[int, str, str], list[str]]
     extra_env: dict[str, str] = field(default_factory=dict)
+    nodes: int = 1  # the spec's node count (the CLI runs replica groups on one node)
 
 
 def launch_replica_groups(plan: GroupPlan) -> int:
@@ -110,7 +114,7 @@ def run_lighthouse(given: str, cfg: Config, groups: int) -> Iterator[str]:
         join_timeout_ms=ft.heartbeat_timeout_ms,
         heartbeat_timeout_ms=ft.heartbeat_timeout_ms,
     )
-    say(f"lighthouse on {LOCAL_HOST}:{port} (min_replicas {ft.quorum_size()} of {groups})")
+    say_launch(f"lighthouse on {LOCAL_HOST}:{port} (min_replicas {ft.quorum_size()} of {groups})")
     try:
         yield f"{LOCAL_HOST}:{port}"
     finally:
@@ -120,7 +124,7 @@ def run_lighthouse(given: str, cfg: Config, groups: int) -> Iterator[str]:
 def _start_group(
     plan: GroupPlan, cfg: Config, index: int, lighthouse: str, nproc: int
 ) -> subprocess.Popen[bytes]:
-    gcfg = group_config(cfg, plan.groups, index, lighthouse, nproc)
+    gcfg = group_config(cfg, plan.groups, index, lighthouse, nproc, plan.nodes)
     run_dir = gcfg.resolved_run_dir()
     (run_dir / "logs").mkdir(parents=True, exist_ok=True)
     path = run_dir / "config.toml"
@@ -135,7 +139,7 @@ def _start_group(
     cores = max(1, (os.cpu_count() or 1) // plan.nproc_per_node)
     env.setdefault("OMP_NUM_THREADS", str(cores))
     env.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
-    say(f"group {index}: {nproc} process(es), run dir {run_dir}")
+    say_launch(f"group {index}: {nproc} process(es), run dir {run_dir}")
     # torchrun with meshrun's signed rendezvous: its store bound to the group's endpoint
     # (loopback), its state signed JSON, never a pickle read back (launch/rdzv_signed.py).
     return subprocess.Popen(
@@ -153,7 +157,7 @@ def _wait(procs: list[subprocess.Popen[bytes]]) -> int:
         while any(p.poll() is None for p in procs):
             time.sleep(0.2)
     except _Stop:
-        say("stopping every replica group")
+        say_launch("stopping every replica group")
         for p in procs:
             stop_group(p)
         return 128 + signal.SIGTERM
@@ -163,7 +167,7 @@ def _wait(procs: list[subprocess.Popen[bytes]]) -> int:
     codes = [p.returncode for p in procs]
     for index, code in enumerate(codes):
         if code:
-            say(f"group {index} failed (exit code {code})")
+            say_launch(f"group {index} failed (exit code {code})")
     return next((c for c in codes if c), 0)
 
 
@@ -203,7 +207,3 @@ def descendants(pid: int) -> list[int]:
         found += kids
         frontier = kids
     return found
-
-
-def say(text: str) -> None:
-    print(f"meshrun launch: {text}", file=sys.stderr, flush=True)

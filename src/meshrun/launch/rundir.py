@@ -11,7 +11,7 @@ import os
 from contextlib import AbstractContextManager
 from pathlib import Path
 
-from meshrun.launch.multinode.nodes import Rendezvous
+from meshrun.launch.spec import Rendezvous
 from meshrun.runtime.runlock import TOKEN_ENV, hold_run_dir, job_token
 
 __all__ = ["claim_run_dir"]

@@ -167,3 +167,16 @@ def say_error(command: str, message: object, stream: TextIO | None = None) -> No
     """The one line every meshrun command stops with: ``meshrun COMMAND: error: MESSAGE``, on
     stderr unless the command reports on ``stream`` (``ckpt`` writes its verdicts to stdout)."""
     print(f"meshrun {command}: error: {message}", file=stream or sys.stderr, flush=True)
+
+
+def say_launch(text: str) -> None:
+    """One line of ``meshrun launch`` on stderr (the handshake, the agent's rendezvous,
+    replica groups): ``meshrun launch: TEXT``."""
+    print(f"meshrun launch: {text}", file=sys.stderr, flush=True)
+
+
+def one_line(err: BaseException) -> str:
+    """An exception as one line: ``Type: message`` with its whitespace folded (``Type`` alone
+    when it has no message), for the one-line errors above."""
+    text = " ".join(str(err).split())
+    return f"{type(err).__name__}: {text}" if text else type(err).__name__

@@ -92,6 +92,11 @@ class JoinTarget:
     def elastic(self) -> bool:
         return self.min_nodes != self.max_nodes
 
+    @property
+    def text(self) -> str:
+        """As torchrun's ``--nnodes`` takes it: N, or MIN:MAX for an elastic range."""
+        return f"{self.min_nodes}:{self.max_nodes}" if self.elastic else str(self.max_nodes)
+
 
 def local_node_info(
     node_rank: int, nproc: int, config_digest: str, settings: dict[str, Any] | None = None
@@ -449,7 +454,3 @@ def publish_attempt(store: Any, rdzv_id: str, secret: JobSecret) -> None:
     token = uuid.uuid4().hex[:8]
     store.set(f"{prefix}/attempt", secret.seal(f"{prefix}/attempt", token))
     store.set(f"{prefix}/{token}/done", secret.seal(f"{prefix}/{token}/done", "1"))
-
-
-def say_stderr(text: str) -> None:
-    print(f"meshrun launch: {text}", file=sys.stderr, flush=True)
