@@ -15,6 +15,9 @@ processes, the worker of tests/e2e/test_ft.py (2 groups x 1 rank).
   checkpoint (mid-window: one step into fragment 1's window) logs the same losses, bit for
   bit, and ends on the same weights as the run that went through (ZeRO-3's DTensor state:
   under MESHRUN_HEAVY_TESTS / make test-heavy).
+- A fragment sync delay of 2 (streaming DiLoCo's tau, H = 6): the same losses as without it
+  up to the first outer step, different ones after (the pseudo-gradient of 2 steps earlier),
+  the outer steps where they were, both groups on the same weights at the end.
 """
 
 from __future__ import annotations
@@ -142,3 +145,38 @@ def test_a_resume_mid_window_is_bitwise(tmp_path: Path, layout: str) -> None:
                 json.loads((d / f"checksum.rank{r}.json").read_text()) for d in (stopped, through)
             ]
             assert sums[0]["checksum"] == sums[1]["checksum"]
+
+
+@pytest.mark.timeout(300)
+def test_a_fragment_sync_delay_averages_the_weights_of_delay_steps_before_the_outer_step(
+    tmp_path: Path,
+) -> None:
+    """``diloco_fragment_sync_delay = 2`` (streaming DiLoCo's tau), H = 6: the all-reduce
+    starts after inner step 4 of each window and the outer step lands at 6 (alpha 0: the
+    steps 5 and 6 are dropped). Steps 1-6 are the same as without a delay, bit for bit (local
+    steps), step 7 on is not (another pseudo-gradient); both groups end on the synchronised
+    weights."""
+    h6 = "--fault_tolerance.diloco_sync_every=6"
+    _launch(tmp_path / "now", GROUPS, SGD, 120, h6, steps=STEPS)
+    _launch(
+        tmp_path / "early",
+        GROUPS,
+        SGD,
+        120,
+        h6,
+        "--fault_tolerance.diloco_fragment_sync_delay=2",
+        steps=STEPS,
+    )
+    for name in ("now", "early"):
+        for group in ("group0", "group1"):
+            assert _outer_steps(tmp_path / name / group) == [6, 12, 18]
+        sums = [_checksum(tmp_path / name / g) for g in ("group0", "group1")]
+        assert sums[0]["checksum"] == sums[1]["checksum"]
+    for group in ("group0", "group1"):
+        now, early = _losses(tmp_path / "now" / group), _losses(tmp_path / "early" / group)
+        assert [early[s] for s in range(1, 7)] == [now[s] for s in range(1, 7)]
+        assert all(early[s] != now[s] for s in range(7, STEPS + 1))
+    assert (
+        _checksum(tmp_path / "now" / "group0")["checksum"]
+        != _checksum(tmp_path / "early" / "group0")["checksum"]
+    )

@@ -1,12 +1,20 @@
 """``meshrun bench comm`` across two hosts joined by a slow link: network namespaces as the
-hosts (tests/netns.py), their link shaped to 100 Mb/s with ``tc tbf`` at MTU 9000, one real
-``meshrun bench comm --nnodes 2`` per namespace (torchrun agent, c10d rendezvous, Gloo).
+hosts (tests/netns.py), their link shaped to 100 Mb/s (and 1 Gb/s, heavy) with ``tc tbf`` at
+MTU 9000, one real ``meshrun bench comm --nnodes 2`` per namespace (torchrun agent, c10d
+rendezvous, Gloo).
 
 The bandwidth it reports must be the one the throttle set, within 10%: tbf counts whole
 Ethernet frames, so TCP payload can reach (9000 - 52) / (9000 + 14) = 99.3% of the rate (the
 ACKs of the other direction take a little more); anything far below would say the bench
 measured something else than the link (latency, the fit, one rank's own time). Needs root,
 iproute2 and tbf in the kernel (skips with the reason otherwise).
+
+1 Gb/s is within this 2-core machine's reach through a veth: plain TCP between the two hosts
+moved 961-975 Mb/s over the 1 Gb/s tbf (6.6-8.4 Gb/s unshaped) at a load average of 9, and
+``bench comm`` reported 935.4, 964.8 and 1002.0 Mb/s in three runs (2026-12-04; above 99.3 %
+is the bucket passing the small messages at line rate). It costs ~23 s of which the link is
+a fraction (two torchrun agents start): under MESHRUN_HEAVY_TESTS, the 100 Mb/s case shows
+the same code path in CI.
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import netns
 
 pytestmark = pytest.mark.slow
 PORT = 29541
-RATE_BIT = 100_000_000
+RATES = [100_000_000, pytest.param(1_000_000_000, marks=pytest.mark.heavy, id="1000000000")]
 
 
 def _env() -> dict[str, str]:
@@ -52,9 +60,10 @@ def _bench(net: netns.Hosts, i: int, tmp: Path) -> subprocess.Popen[str]:
 
 
 @pytest.mark.timeout(240)
-def test_bench_comm_across_hosts_reports_the_throttled_rate(tmp_path: Path) -> None:
+@pytest.mark.parametrize("rate_bit", RATES)
+def test_bench_comm_across_hosts_reports_the_throttled_rate(tmp_path: Path, rate_bit: int) -> None:
     with netns.hosts(2) as net:
-        net.throttle(RATE_BIT, mtu=9000)
+        net.throttle(rate_bit, mtu=9000)
         procs = [_bench(net, i, tmp_path) for i in (1, 0)]  # the joining node first
         outs = []
         for proc in procs:
@@ -70,7 +79,7 @@ def test_bench_comm_across_hosts_reports_the_throttled_rate(tmp_path: Path) -> N
     assert doc["source"].endswith("on 2 nodes")
     assert "comm_inter" in doc["measured"] and "comm" not in doc["measured"]
     bw_bit = doc["cluster"]["inter_bw"] * 8
-    print(f"tbf {RATE_BIT / 1e6:.0f} Mb/s: bench comm reports {bw_bit / 1e6:.1f} Mb/s")
-    assert abs(bw_bit / RATE_BIT - 1.0) <= 0.10, bw_bit
+    print(f"tbf {rate_bit / 1e6:.0f} Mb/s: bench comm reports {bw_bit / 1e6:.1f} Mb/s")
+    assert abs(bw_bit / rate_bit - 1.0) <= 0.10, bw_bit
     # The plan reads it as the inter-node link: the planner's slow-link table gets it from here.
     assert "intra_bw" not in doc["cluster"]

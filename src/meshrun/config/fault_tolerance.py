@@ -13,7 +13,13 @@ from typing import ClassVar, Literal
 
 from meshrun.config.fields import ConfigError, check_section, setting
 
-__all__ = ["FaultToleranceConfig", "check_diloco", "check_diloco_groups", "check_lighthouse"]
+__all__ = [
+    "FaultToleranceConfig",
+    "check_diloco",
+    "check_diloco_checkpoints",
+    "check_diloco_groups",
+    "check_lighthouse",
+]
 
 
 @dataclass
@@ -39,6 +45,7 @@ class FaultToleranceConfig:
         if self.lighthouse:
             check_lighthouse(self.lighthouse)
         check_diloco(self)
+        check_streaming(self)
 
     replica_groups: int = setting(
         1, "Replica groups (each its own torchrun job, healed live by its peers); 1 = off.", min=1
@@ -89,6 +96,19 @@ class FaultToleranceConfig:
     )
     diloco_quantize: bool = setting(
         False, "DiLoCo: quantize the outer all-reduce (not available: see docs/fault_tolerance.md)."
+    )
+    diloco_fragment_sync_delay: int = setting(
+        0,
+        "Streaming DiLoCo's tau: a fragment's outer all-reduce starts this many inner steps "
+        "before its outer step and overlaps them; < diloco_sync_every / diloco_fragments. "
+        "0 = start and finish at the outer step.",
+        min=0,
+    )
+    diloco_fragment_update_alpha: float = setting(
+        0.0,
+        "Streaming DiLoCo: after a fragment's outer step its weights are global + alpha x "
+        "(local - global), local = the group's weights then; in [0, 1]; 0 = the synchronised "
+        "weights (the steps taken during the delay are dropped).",
     )
 
     @property
@@ -159,6 +179,51 @@ def check_diloco(ft: FaultToleranceConfig) -> None:
             f"sync_every must be a multiple of fragments; use e.g. diloco_sync_every = "
             f"{max(n, h - h % n)} or a divisor of {h} as diloco_fragments"
         )
+
+
+def check_streaming(ft: FaultToleranceConfig) -> None:
+    """Streaming DiLoCo's delay and mixing (torchft's ``fragment_sync_delay`` and
+    ``fragment_update_alpha``) against the window they live in."""
+    h, n = ft.diloco_sync_every, ft.diloco_fragments
+    delay, alpha = ft.diloco_fragment_sync_delay, ft.diloco_fragment_update_alpha
+    if not 0 <= alpha <= 1:
+        raise ConfigError(
+            f"fault_tolerance.diloco_fragment_update_alpha = {alpha} is not allowed: it must be "
+            "in [0, 1] (0 = take the synchronised weights, 1 = keep the group's own)"
+        )
+    if (delay or alpha) and h == 0:
+        key = "diloco_fragment_sync_delay" if delay else "diloco_fragment_update_alpha"
+        value = delay if delay else alpha
+        raise ConfigError(
+            f"fault_tolerance.{key} = {value} needs DiLoCo: set "
+            "fault_tolerance.diloco_sync_every > 0, or leave it at 0"
+        )
+    if h and delay >= h // n:
+        raise ConfigError(
+            f"fault_tolerance.diloco_fragment_sync_delay = {delay} is not allowed with "
+            f"diloco_sync_every = {h} and diloco_fragments = {n}: a fragment is synced every "
+            f"{h // n} steps and its all-reduce must end before the next one starts; use a "
+            f"delay below {h // n} (e.g. {max(h // n - 1, 0)}), or a larger diloco_sync_every"
+        )
+
+
+def check_diloco_checkpoints(ft: FaultToleranceConfig, interval: int, local: int) -> None:
+    """With a fragment sync delay the fragment's all-reduce is in flight for the last
+    ``delay`` steps of each window, and a checkpoint cannot hold it: the periodic saves
+    (``checkpoint.interval``, ``local_interval``) must fall on window boundaries."""
+    delay = ft.diloco_fragment_sync_delay
+    window = ft.diloco_sync_every // ft.diloco_fragments if ft.diloco_sync_every else 0
+    if not delay:
+        return
+    for key, every in (("interval", interval), ("local_interval", local)):
+        if every % window:
+            raise ConfigError(
+                f"checkpoint.{key} = {every} with fault_tolerance.diloco_fragment_sync_delay "
+                f"= {delay}: a save must fall on a fragment's outer step (every {window} "
+                f"steps: diloco_sync_every / diloco_fragments), since the fragment's "
+                f"all-reduce is in flight for the {delay} steps before it; use a multiple "
+                f"of {window}, or diloco_fragment_sync_delay = 0"
+            )
 
 
 def check_diloco_groups(ft: FaultToleranceConfig) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
-from meshrun.config.fault_tolerance import check_diloco_groups
+from meshrun.config.fault_tolerance import check_diloco_checkpoints, check_diloco_groups
 from meshrun.config.fields import ConfigError
 from meshrun.config.sections import Config, DataConfig, ParallelConfig, validate
 
@@ -129,6 +129,8 @@ def validate_for_world(cfg: Config, world_size: int) -> dict[str, int]:
     checked as micro_batch x data-parallel size; :func:`resolve_global_batch` fills it in."""
     validate(cfg)
     check_diloco_groups(cfg.fault_tolerance)
+    ckpt = cfg.checkpoint
+    check_diloco_checkpoints(cfg.fault_tolerance, ckpt.interval, ckpt.local_interval)
     dims = resolve_mesh_dims(cfg.parallel, world_size)
     check_layout(cfg.parallel, dims)
     dp = dims["dp_replicate"] * dims["dp_shard"]

@@ -104,6 +104,8 @@ class DiLoCoSync:
             list(self._outer),
             sync_every=cfg.diloco_sync_every,
             should_quantize=False,  # refused in the config (no Triton on Gloo)
+            fragment_sync_delay=cfg.diloco_fragment_sync_delay,
+            fragment_update_alpha=cfg.diloco_fragment_update_alpha,
         )
         self._optimizer = optimizer
         self._zero_momentum()
@@ -161,6 +163,7 @@ class DiLoCoSync:
                 "DiLoCo's state is known once its optimizer is: call run.resume(model, "
                 "optimizer, loader) or run.optimizer_step before saving a checkpoint"
             )
+        self._check_nothing_in_flight()
         manager = self.replicas.manager
         original: dict[str, Any] = {}
         momentum: dict[str, Any] = {}
@@ -178,6 +181,20 @@ class DiLoCoSync:
             "outer_step": int(manager.current_step()),
             "batches_committed": int(manager.batches_committed()),
         }
+
+    def _check_nothing_in_flight(self) -> None:
+        """A fragment's all-reduce started ``diloco_fragment_sync_delay`` steps before its
+        outer step is not in a checkpoint (a resume would reach that outer step without it):
+        the config puts the periodic saves on window boundaries, and this refuses the rest."""
+        if any(f._allreduce_work for f in self._diloco._fragments):
+            window = self.cfg.diloco_sync_every // self.cfg.diloco_fragments
+            raise RuntimeError(
+                f"cannot save a checkpoint at step {self.replicas.state.step}: a DiLoCo "
+                f"fragment's all-reduce is in flight (fault_tolerance.diloco_fragment_sync_delay "
+                f"= {self.cfg.diloco_fragment_sync_delay}: the last steps before each outer "
+                f"step, every {window} steps); save at a multiple of {window}, or set "
+                "diloco_fragment_sync_delay = 0"
+            )
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         with torch.no_grad():
