@@ -119,9 +119,7 @@ def worker(rest: list[str]) -> None:
 def run_case(name: str, run_dir: Path, steps: int, timeout: float) -> dict[str, Any]:
     """One case's launch; its val losses (per group for DiLoCo)."""
     more = [f"--fault_tolerance.diloco_sync_every={name.removeprefix('diloco')}"]
-    # replica_groups spelled out too: the config (min_replicas <= replica_groups) is checked
-    # before --replica-groups records its N in it.
-    more += ["--fault_tolerance.replica_groups=2", "--fault_tolerance.min_replicas=2"]
+    more += ["--fault_tolerance.min_replicas=2"]
     cmd = [
         *(PY, "-m", "meshrun", "launch", "--nproc-per-node", "2", *CASES[name]),
         *(__file__, "--worker", f"--job.run_dir={run_dir}", f"--optim.steps={steps}"),

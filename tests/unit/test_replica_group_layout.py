@@ -92,3 +92,14 @@ def test_replica_groups_on_several_nodes_stop_before_any_spawn_naming_the_way_ac
     assert "--replica-groups starts every group on this node, but --nnodes is '2'" in err
     assert "--fault_tolerance.group_index=G" in err
     assert "Traceback" not in err
+
+
+def test_keys_that_need_the_groups_are_checked_against_the_flag(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # min_replicas = 2 is valid with two groups: the flag's count is recorded before the keys
+    # are checked (it was refused as "exceeds fault_tolerance.replica_groups = 1").
+    code, specs = _launch(tmp_path, monkeypatch, 2, "--fault_tolerance.min_replicas=2")
+    assert code == 0
+    (spec,) = specs
+    assert load_config(spec.config_path).fault_tolerance.min_replicas == 2

@@ -173,7 +173,11 @@ def cmd_launch(a: argparse.Namespace) -> int:
         _use_secret_file(a.secret_file)
     args = list(a.args)
     overrides, _ = split_overrides(args)
-    cfg = load_config(a.config or default_config(module), [*a.set, *overrides])
+    # --replica-groups N is recorded first, so the other keys are checked against N groups
+    # (fault_tolerance.min_replicas = 2 is valid with two groups, not with the default one).
+    groups = getattr(a, "replica_groups", None) or 0
+    flag = [("fault_tolerance.replica_groups", str(groups))] if groups > 1 else []
+    cfg = load_config(a.config or default_config(module), [*flag, *a.set, *overrides])
     if a.hostfile:  # one meshrun launch per listed host, over ssh (docs/hostfile.md)
         from meshrun.cli.launch import launch_from_args
 
