@@ -117,7 +117,7 @@ def train(rank: int, world_size: int, run_dir: str) -> dict[str, Any]:
     data = Slow() if rank == 1 else Regression()
     loop(run.dataloader(data), DELAY_TO, None)
     out["slept_s"] = Slow.slept_s
-    out["skipped_steps"] = run.loop.monitor.skipped_steps
+    out["skipped_steps"] = run._loop.monitor.skipped_steps
     SLOW_COMM[0] = True
     loop(run.dataloader(Regression()), COMM_TO, None)
     SLOW_COMM[0] = False
