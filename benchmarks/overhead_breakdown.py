@@ -97,7 +97,7 @@ def main() -> None:
 
         def meshrun_logging(every: int) -> Callable[[], None]:
             def step() -> None:
-                run.loop.log_every = run.metrics.log_every = every
+                run._loop.log_every = run._metrics.log_every = every
                 meshrun_step(run, model, opt, steps)
 
             return step
@@ -121,13 +121,13 @@ def main() -> None:
                     wall[name].append(time.perf_counter() - t)
                     cpu[name].append(time.process_time() - c)
 
-        run.loop.log_every = run.metrics.log_every = 1  # the default: every step is logged
+        run._loop.log_every = run._metrics.log_every = 1  # the default: every step is logged
         loss = torch.tensor(2.5)
         batch = next(iter(mesh_loader))
         extras = {
             "memory_stats (per logged step)": lambda: memory_stats(run.device),
             "loss all-reduce (per logged step)": lambda: dist.all_reduce(loss.clone(), group=group),
-            "metrics row: jsonl + console (rank 0)": lambda: run.metrics.log_step(
+            "metrics row: jsonl + console (rank 0)": lambda: run._metrics.log_step(
                 1, loss=2.5, lr=1e-3, step_time_s=0.5, samples=32, tokens=4096, extra={}
             ),
             "to_device x accum": lambda: [to_device(batch, run.device) for _ in range(run.accum)],

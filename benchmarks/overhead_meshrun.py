@@ -69,7 +69,7 @@ def main() -> None:
             CLOCK,
             args.skip,
             # The global mean loss of the last step, as meshrun logged it.
-            final_loss=run.metrics.summary()["loss_last"],
+            final_loss=run.summary()["loss_last"],
             world_size=run.world_size,
             accum=run.accum,
         )

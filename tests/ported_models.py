@@ -174,7 +174,7 @@ def train(
                 loss = lm_loss(net(batch["input"]), batch["target"])
             run.backward(loss)
         if run.optimizer_step(opt):
-            norms.append(run.loop.grad_norm)
+            norms.append(run.grad_norm)
     run.close()
     rows = [json.loads(x) for x in Path(cfg.job.run_dir, "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "step" in r and "event" not in r]

@@ -123,7 +123,7 @@ def _train(tmp_path: Path, label: str, world: int, fields: dict[str, Any]) -> di
 def test_clipped_training_matches_one_process_under_ddp_and_zero3(tmp_path: Path) -> None:
     ref = _train(tmp_path, "one", 1, {})
     assert all(n > ln.CLIP["transformer"] for n in ref["grad_norms"])  # clipped every step
-    assert ref["norms"] == ref["grad_norms"]  # run.loop.grad_norm is the logged one
+    assert ref["norms"] == ref["grad_norms"]  # run.grad_norm is the logged one
     for label, fields in (("DDP", {"zero": 0}), ("ZeRO-3", {"zero": 3})):
         got = _train(tmp_path, label, 2, fields)
         loss, norm = (ln.max_rel(got[k], ref[k]) for k in ("losses", "grad_norms"))

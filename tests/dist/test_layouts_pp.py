@@ -190,7 +190,7 @@ def user_loop(rank: int, world_size: int, cfg: Any) -> list[float]:
     for batch in run.steps(run.dataloader(Windows())):
         run.pipeline_step(pipe, batch["input"], batch["target"])
         if run.optimizer_step(opt):
-            norms.append(run.loop.grad_norm)
+            norms.append(run.grad_norm)
     run.close()
     return norms
 

@@ -7,7 +7,8 @@ injected slow all-reduce.
 Phases of the one run (rank 1 is the odd one out):
   steps  1-5   plain data; rank 1's loss is NaN at step 3 (nonfinite = skip)
   steps  6-30  rank 1's dataset sleeps a measured amount per sample (straggler_every = 10)
-  steps 31-45  every gradient all-reduce completes COMM_DELAY_S late on both ranks
+  steps 31-45  every gradient all-reduce completes COMM_DELAY_S late on both ranks (the test's
+             own comm hook, timed through run.timed_comm_hook)
   step  46     nonfinite = stop; rank 1's loss is NaN: both ranks raise NonFiniteLossError
 """
 
@@ -95,9 +96,10 @@ def train(rank: int, world_size: int, run_dir: str) -> dict[str, Any]:
     cfg.metrics.progress = False
     cfg.monitor.straggler_every = EVERY
     run = meshrun.init(cfg, argv=[])
-    default_hooks.allreduce_hook = slow_allreduce  # what meshrun registers, timed
     torch.manual_seed(0)
     model = run.parallelize(nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4)))
+    # The user's own hook, timed like the one meshrun registers (run.timed_comm_hook).
+    model.register_comm_hook(model.process_group, run.timed_comm_hook(slow_allreduce))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out: dict[str, Any] = {"skipped_changed": None}
 
@@ -117,7 +119,8 @@ def train(rank: int, world_size: int, run_dir: str) -> dict[str, Any]:
     data = Slow() if rank == 1 else Regression()
     loop(run.dataloader(data), DELAY_TO, None)
     out["slept_s"] = Slow.slept_s
-    out["skipped_steps"] = run.loop.monitor.skipped_steps
+    out["data_wait"] = run.data_wait  # this rank's wait in step DELAY_TO
+    out["skipped_steps"] = run._loop.monitor.skipped_steps
     SLOW_COMM[0] = True
     loop(run.dataloader(Regression()), COMM_TO, None)
     SLOW_COMM[0] = False
@@ -166,6 +169,11 @@ def test_guard_stragglers_and_breakdown_in_one_world(tmp_path: Path) -> None:
     injected = slept_per_step / step_time
     print(f"data-wait share of rank 1: reported {reported:.3f}, injected {injected:.3f}")
     assert abs(reported - injected) <= 0.05
+    # run.data_wait: rank 0's is the logged figure; rank 1's holds its 8 samples' sleeps.
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    step_rows = {r["step"]: r for r in rows if "event" not in r and "step" in r}
+    assert r0["data_wait"] == step_rows[DELAY_TO]["data_wait_s"]
+    assert r1["data_wait"] >= 8 * DELAY_S
 
     # ...and rank 1 (never rank 0) is flagged within 20 steps of the delay's start.
     stragglers = events(tmp_path, "straggler")
@@ -178,7 +186,6 @@ def test_guard_stragglers_and_breakdown_in_one_world(tmp_path: Path) -> None:
     assert all(s["host"] for s in stragglers)
 
     # Breakdown: the components add up to the step time within 5% (median over the steps).
-    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     parts = ("data_wait_s", "forward_s", "backward_s", "optimizer_s", "sync_s", "loop_s")
     ratios = sorted(
         sum(r[p] for p in parts) / r["step_time_s"]

@@ -15,9 +15,10 @@ MAX_FILE_LINES = 500
 MAX_METHODS = 25
 # Classes allowed more, each with its reason (the count is the one measured when it was set).
 METHOD_ALLOWANCE = {
-    # Its 26 public names are the API scripts call (frozen by test_public_api.py), each a short
-    # call into a subsystem; 7 more are its life cycle and the evaluation's helpers.
-    "meshrun.Run": 33,
+    # One class, no bases: its 31 public names are the API scripts call (frozen by
+    # test_public_api.py), each a short call into a plain function; the other 3 are
+    # __init__, __enter__ and __exit__. Its private helpers are module functions.
+    "meshrun.train.run.Run": 34,
 }
 
 
@@ -29,12 +30,14 @@ def oversized(root: Path) -> list[str]:
         name = path.relative_to(root)
         if text.count("\n") > MAX_FILE_LINES:
             found.append(f"{name}: {text.count(chr(10))} lines")
+        module = ".".join(name.with_suffix("").parts)
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, ast.ClassDef):
                 methods = [
                     n for n in node.body if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef)
                 ]
-                if len(methods) > MAX_METHODS:
+                limit = METHOD_ALLOWANCE.get(f"{module}.{node.name}", MAX_METHODS)
+                if len(methods) > limit:
                     found.append(f"{name}: class {node.name} has {len(methods)} methods")
     return found
 
@@ -60,9 +63,8 @@ def test_classes_with_bases_stay_within_the_method_limit_over_their_mro() -> Non
         for _, cls in inspect.getmembers(importlib.import_module(module), inspect.isclass):
             if cls.__module__ != module or len(cls.__mro__) <= 2:
                 continue
-            key = "meshrun.Run" if cls.__name__ == "Run" and module == "meshrun.train.run" else ""
             count = len(methods_over_mro(cls))
-            if count > METHOD_ALLOWANCE.get(key, MAX_METHODS):
+            if count > METHOD_ALLOWANCE.get(f"{module}.{cls.__name__}", MAX_METHODS):
                 found.append(f"{module}.{cls.__name__}: {count} methods over its MRO")
     assert found == []
 

@@ -9,7 +9,6 @@ import inspect
 import typing
 
 import meshrun
-from meshrun.train.base import RunFields
 
 ALL = [
     "Config",
@@ -33,6 +32,7 @@ METHODS = [
     "dataloader",
     "evaluate",
     "load_pretrained",
+    "log_event",
     "loss_parallel",
     "lr_scheduler",
     "optimizer",
@@ -49,17 +49,20 @@ METHODS = [
     "set_flops_per_token",
     "set_model_flops",
     "steps",
+    "summary",
+    "timed_comm_hook",
     "unwrap",
 ]
 
-PROPERTIES = ["grad_scaler", "is_step_end", "step"]
+PROPERTIES = ["data_wait", "grad_norm", "grad_scaler", "is_step_end", "step"]
 
-# Set once by Run.__init__; `loop`, `state`, `checkpointer`, `metrics` are the machinery
-# docs/porting.md names as such (readable, not for scripts to drive).
+# Set once by Run.__init__ and declared on the class. The machinery (the step loop, the train
+# state, the checkpointer, the metrics logger) is private: `_loop`, `_state`, ...; what scripts
+# read of it is a property above (`grad_norm`, `data_wait`) or a method (`timed_comm_hook`,
+# `log_event`, `summary`).
 FIELDS = [
     "accum",
     "backend",
-    "checkpointer",
     "cluster",
     "config",
     "device",
@@ -69,12 +72,9 @@ FIELDS = [
     "is_main",
     "local_rank",
     "log",
-    "loop",
     "mesh",
-    "metrics",
     "rank",
     "run_dir",
-    "state",
     "world_size",
 ]
 
@@ -101,7 +101,13 @@ def test_a_run_answers_to_exactly_these_names() -> None:
     properties = [n for n in public if isinstance(members[n], property)]
     assert properties == PROPERTIES
     assert [n for n in public if n not in properties] == METHODS
-    assert _public(typing.get_type_hints(RunFields)) == FIELDS
+    assert _public(typing.get_type_hints(meshrun.Run)) == FIELDS
+
+
+def test_the_machinery_is_private() -> None:
+    hints = typing.get_type_hints(meshrun.Run)
+    assert {"_loop", "_state", "_checkpointer", "_metrics"} <= set(hints)
+    assert not {"loop", "state", "checkpointer", "metrics"} & set(dir(meshrun.Run))
 
 
 def test_every_public_member_is_documented() -> None:

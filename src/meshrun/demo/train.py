@@ -110,7 +110,7 @@ def validate(
     """(step, exact validation loss), also a line of metrics.jsonl (``"event": "eval"``)."""
     with run.phase("eval"):  # the hang watchdog's longer limit for a pass outside the steps
         loss = evaluate(run, model, val)
-    run.metrics.log_event("eval", at_step=run.step, val_loss=loss, windows=len(val))
+    run.log_event("eval", at_step=run.step, val_loss=loss, windows=len(val))
     return run.step, loss
 
 
@@ -229,7 +229,7 @@ def report(
     below what a short run reaches, so the evidence is the loss itself: against the start,
     and against a uniform guess over the vocabulary (what a model that learned nothing
     scores)."""
-    rate = run.metrics.summary().get("tokens_per_s", 0.0)  # median over the steps
+    rate = run.summary().get("tokens_per_s", 0.0)  # median over the steps
     run.log.info(
         "validation loss (exact, %d windows): step %d %.4f -> step %d %.4f nats per token "
         "(%.2f bits); a uniform guess over the %d ids scores ln %d = %.4f",

@@ -116,7 +116,7 @@ class CommTimer:
                 log.info(
                     "exposed communication not measured for this DDP model: %s",
                     "a comm hook is already registered (time your own with "
-                    "run.loop.monitor.comm.wrap(hook))"
+                    "run.timed_comm_hook(hook))"
                     if hooks
                     else "this torch does not say whether a comm hook is registered",
                 )

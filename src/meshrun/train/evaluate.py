@@ -1,4 +1,4 @@
-"""``run.evaluate``: a held-out loss computed on every rank, whatever the layout.
+"""``run.evaluate``'s function: a held-out loss computed on every rank, whatever the layout.
 
 Why on every rank: under ZeRO-3 / FSDP2, TP and PP each forward is itself collective (FSDP2
 all-gathers the parameters, TP all-reduces activations, PP sends them between stages), so an
@@ -19,11 +19,13 @@ from typing import TYPE_CHECKING, Any, cast
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
+from meshrun.monitor import MetricsLogger
 from meshrun.parallel.kinds import is_dtensor
 from meshrun.parallel.pp.kind import is_pipeline
 from meshrun.runtime.mesh import dp_cp_group_name
-from meshrun.train.base import RunFields
+from meshrun.train.loop import StepLoop
 
 if TYPE_CHECKING:  # parallel/pp*.py load only when a pipeline is built
     from meshrun.parallel import Pipeline
@@ -31,103 +33,95 @@ if TYPE_CHECKING:  # parallel/pp*.py load only when a pipeline is built
 LossFn = Callable[[Any, Any], torch.Tensor]
 
 
-class EvalMethods(RunFields):
-    """The evaluation part of :class:`meshrun.Run` (a mixin: ``Run`` holds the state)."""
+def evaluate(
+    model: nn.Module | Pipeline,
+    batches: Iterable[Any],
+    loss_fn: LossFn | None,
+    max_batches: int | None,
+    accum: int,
+    dp_size: int,
+    mesh: DeviceMesh | None,
+    loop: StepLoop,
+    metrics: MetricsLogger,
+) -> float:
+    """``run.evaluate``: the mean loss over every rank's ``batches``, the same float on every
+    rank (see the module docstring); its seconds are kept out of the next step's time."""
+    t0 = time.perf_counter()
+    fn = _eval_loss_fn(model, loss_fn, accum)
+    totals = torch.zeros(2, dtype=torch.float64, device=loop.device)  # [sum, count]
+    with torch.no_grad(), loop.monitor.phase("eval", None), _eval_mode(model):
+        for batch, counted in _agreed_batches(batches, max_batches, loop, dp_size):
+            loss = fn(model, batch)  # a repeat too: its forward is collective
+            if counted:
+                totals += _sum_and_count(loss, _batch_size(batch), loop.device)
+    if mesh is not None:
+        # Under cp each rank's loss is its slice's: the mean is over dp x cp.
+        dist.all_reduce(totals, group=mesh.get_group(dp_cp_group_name(mesh)))
+    if totals[1] == 0:
+        raise ValueError("run.evaluate: no rank had a batch to evaluate (empty batches)")
+    mean, seconds = float(totals[0] / totals[1]), time.perf_counter() - t0
+    loop.outside_step(seconds)
+    metrics.log_event("eval", step=loop.state.step, loss=mean, seconds=seconds)
+    return mean
 
-    def evaluate(
-        self,
-        model: nn.Module | Pipeline,
-        batches: Iterable[Any],
-        loss_fn: LossFn | None = None,
-        *,
-        max_batches: int | None = None,
-    ) -> float:
-        """The mean loss over ``batches`` (this rank's share, e.g. ``run.dataloader(val,
-        mode="eval")``), weighted by batch size and summed over the data-parallel ranks; the
-        same float on every rank. Call it on every rank. Runs under ``torch.no_grad()`` with
-        every module in eval mode, then restores each module's mode.
 
-        ``loss_fn(model, batch)`` returns the batch's mean loss (the batch moved to the device;
-        its size is its first tensor's first dim). Under pipeline parallelism ``loss_fn`` may be
-        omitted: each batch is ``(inputs, targets)`` and the loss is the one given to
-        ``run.pipeline`` (``run.pipeline_eval``). ``max_batches``: at most that many per rank.
+def _sum_and_count(loss: torch.Tensor, n: int, device: torch.device) -> torch.Tensor:
+    if is_dtensor(loss):  # under loss_parallel: a replicated DTensor
+        loss = loss.full_tensor()
+    out = torch.tensor([0.0, n], dtype=torch.float64, device=device)
+    out[0] = loss.detach().double() * n
+    return out
 
-        Its time is not step time: the next step's line has it as ``eval_s``, and an ``eval``
-        event in metrics.jsonl has the loss and the seconds."""
-        t0 = time.perf_counter()
-        fn = self._eval_loss_fn(model, loss_fn)
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # [sum, count]
-        with torch.no_grad(), self.loop.monitor.phase("eval", None), _eval_mode(model):
-            for batch, counted in self._agreed_batches(batches, max_batches):
-                loss = fn(model, batch)  # a repeat too: its forward is collective
-                if counted:
-                    totals += self._sum_and_count(loss, _batch_size(batch))
-        if self.mesh is not None:
-            # Under cp each rank's loss is its slice's: the mean is over dp x cp.
-            dist.all_reduce(totals, group=self.mesh.get_group(dp_cp_group_name(self.mesh)))
-        if totals[1] == 0:
-            raise ValueError("run.evaluate: no rank had a batch to evaluate (empty batches)")
-        mean, seconds = float(totals[0] / totals[1]), time.perf_counter() - t0
-        self.loop.outside_step(seconds)
-        self.metrics.log_event("eval", step=self.state.step, loss=mean, seconds=seconds)
-        return mean
 
-    def _sum_and_count(self, loss: torch.Tensor, n: int) -> torch.Tensor:
-        if is_dtensor(loss):  # under loss_parallel: a replicated DTensor
-            loss = loss.full_tensor()
-        out = torch.tensor([0.0, n], dtype=torch.float64, device=self.device)
-        out[0] = loss.detach().double() * n
-        return out
-
-    def _eval_loss_fn(self, model: nn.Module | Pipeline, loss_fn: LossFn | None) -> LossFn:
-        if loss_fn is not None:
-            return loss_fn
-        if not is_pipeline(model):
-            raise TypeError(
-                f"run.evaluate({type(model).__name__}, ...) needs loss_fn(model, batch) -> the "
-                "batch's mean loss; only a Pipeline (run.pipeline) has a loss of its own"
-            )
-        from meshrun.parallel.pp.pipeline import (
-            pipeline_eval,  # loaded already: model is a Pipeline
+def _eval_loss_fn(model: nn.Module | Pipeline, loss_fn: LossFn | None, accum: int) -> LossFn:
+    if loss_fn is not None:
+        return loss_fn
+    if not is_pipeline(model):
+        raise TypeError(
+            f"run.evaluate({type(model).__name__}, ...) needs loss_fn(model, batch) -> the "
+            "batch's mean loss; only a Pipeline (run.pipeline) has a loss of its own"
         )
+    from meshrun.parallel.pp.pipeline import (
+        pipeline_eval,  # loaded already: model is a Pipeline
+    )
 
-        accum = self.accum
+    def pipeline_loss(pipe: Pipeline, batch: Any) -> torch.Tensor:
+        inputs, targets = batch
+        return pipeline_eval(pipe, inputs, targets) * accum  # its loss_fn carries 1/accum
 
-        def pipeline_loss(pipe: Pipeline, batch: Any) -> torch.Tensor:
-            inputs, targets = batch
-            return pipeline_eval(pipe, inputs, targets) * accum  # its loss_fn carries 1/accum
+    return pipeline_loss
 
-        return pipeline_loss
 
-    def _agreed_batches(
-        self, batches: Iterable[Any], max_batches: int | None
-    ) -> Iterator[tuple[Any, bool]]:
-        """(batch on the device, counted) until no rank has a batch left: every rank yields
-        the same number of times; a repeat of its last batch is not counted."""
-        it, last, taken = iter(batches), None, 0
-        while True:
-            batch = next(it, None) if max_batches is None or taken < max_batches else None
-            taken += 1
-            mine = torch.tensor([batch is not None, batch is None and last is None])
-            agreed = self._any_rank(mine)
-            if not agreed[0]:
-                return
-            if agreed[1]:  # some rank has nothing to repeat while others still evaluate
-                raise ValueError(
-                    "run.evaluate: a rank has no batch at all while others have some; give "
-                    "every data-parallel rank at least one (an eval set of at least dp x "
-                    f"micro-batch samples; dp = {self.dp_size})"
-                )
-            if batch is not None:
-                last = self.loop.place(batch)  # on the device; under cp, this rank's slice
-            yield last, batch is not None
+def _agreed_batches(
+    batches: Iterable[Any], max_batches: int | None, loop: StepLoop, dp_size: int
+) -> Iterator[tuple[Any, bool]]:
+    """(batch on the device, counted) until no rank has a batch left: every rank yields
+    the same number of times; a repeat of its last batch is not counted."""
+    it, last, taken = iter(batches), None, 0
+    while True:
+        batch = next(it, None) if max_batches is None or taken < max_batches else None
+        taken += 1
+        mine = torch.tensor([batch is not None, batch is None and last is None])
+        agreed = _any_rank(mine, loop.device)
+        if not agreed[0]:
+            return
+        if agreed[1]:  # some rank has nothing to repeat while others still evaluate
+            raise ValueError(
+                "run.evaluate: a rank has no batch at all while others have some; give "
+                "every data-parallel rank at least one (an eval set of at least dp x "
+                f"micro-batch samples; dp = {dp_size})"
+            )
+        if batch is not None:
+            last = loop.place(batch)  # on the device; under cp, this rank's slice
+        yield last, batch is not None
 
-    def _any_rank(self, flags: torch.Tensor) -> torch.Tensor:
-        if not dist.is_initialized():
-            return flags
-        out = flags.to(self.device, torch.int32)
-        dist.all_reduce(out, op=dist.ReduceOp.MAX)  # the whole world: every forward is shared
-        return out.cpu()
+
+def _any_rank(flags: torch.Tensor, device: torch.device) -> torch.Tensor:
+    if not dist.is_initialized():
+        return flags
+    out = flags.to(device, torch.int32)
+    dist.all_reduce(out, op=dist.ReduceOp.MAX)  # the whole world: every forward is shared
+    return out.cpu()
 
 
 class _eval_mode:

@@ -139,6 +139,7 @@ class StepLoop:
         self._t_last, self._outside_s = time.perf_counter(), 0.0  # outside: see outside_step
         self._tokens_per_sample: int | None = None  # None: not known, samples/s only
         self.data_wait = WaitClock()  # this rank's time blocked on the loader, per step
+        self.last_data_wait_s = 0.0  # that time in the last optimizer step (run.data_wait)
         self.grad_norm = math.nan  # the whole gradient's norm at the last step, before clipping
         # Step breakdown, numerics guard (it exchanges the run's one per-step agreement),
         # stragglers.
@@ -454,5 +455,5 @@ class StepLoop:
 
     def _data_wait(self, step_time: float) -> dict[str, float]:
         """This rank's loader wait in the step, in seconds and as a share of the step time."""
-        waited = self.data_wait.take()
+        waited = self.last_data_wait_s = self.data_wait.take()
         return {"data_wait_s": waited, "data_wait_share": waited / step_time if step_time else 0.0}

@@ -1,107 +1,375 @@
-"""``meshrun.init()``: detect the launcher, start the process group, build the mesh, seed, log,
-and tear down cleanly. The returned :class:`Run` holds the runtime; each technique it offers is
-a plain function elsewhere (``parallel``, ``data``, ``schedule``, ``loop``), reached through
-the method groups ``Run`` is made of (train/model.py, train/data.py, train/stepping.py)."""
+"""``meshrun.init()`` and the :class:`Run` it returns: one class whose ``__init__`` reads the
+start-up order top to bottom (train/startup.py holds its steps) and whose public methods are
+each a short call into a plain function (train/model.py, data.py, stepping.py, evaluate.py, or
+the subsystem's own). The machinery (step loop, train state, checkpointer, metrics logger) is
+private; what a script reads of it is a property (``grad_norm``, ``data_wait``)."""
 
 from __future__ import annotations
 
 import atexit
 import logging
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from types import TracebackType
+from typing import TYPE_CHECKING, Any, Literal
 
+import torch
 import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.data import DataLoader, Dataset
 
-from meshrun.checkpoint import Checkpointer
-from meshrun.config import Config, grad_accumulation, validate_for_world, write_config
-from meshrun.runtime.agreement import StepAgreement
+from meshrun.checkpoint import Checkpointer, Stateful
+from meshrun.config import Config, ConfigError, grad_accumulation, validate_for_world, write_config
+from meshrun.data import ResumableSampler
+from meshrun.monitor import MetricsLogger
+from meshrun.monitor.comm import CommHook
+from meshrun.monitor.mfu import ModelFlops, constant_per_token, model_flops
+from meshrun.parallel import build_optimizer, maybe_loss_parallel
 from meshrun.runtime.cluster import ClusterEnv, detect
 from meshrun.runtime.logs import init_logging, report_uncaught
 from meshrun.runtime.mesh import ParallelDims
-from meshrun.runtime.runlock import release_rank0
 from meshrun.runtime.state import TrainState
-from meshrun.runtime.storage import check_shared_run_dir
-from meshrun.train.data import DataMethods
-from meshrun.train.evaluate import EvalMethods
-from meshrun.train.model import ModelMethods
+from meshrun.train import data as _data
+from meshrun.train import evaluate as _evaluate
+from meshrun.train import model as _model
+from meshrun.train import stepping as _stepping
+from meshrun.train.loop import StepLoop
 from meshrun.train.startup import (
-    build_loop,
-    build_metrics,
-    checkpoint_facts,
+    build_machinery,
     init_seeds,
     mesh_text,
+    open_run_dir,
     resolve_batch,
     resolve_config,
+    shut_down,
     start_process,
 )
-from meshrun.train.stepping import LoopMethods
+
+if TYPE_CHECKING:  # FSDP's scaler loads only in an fp16 run, parallel/pp*.py with a pipeline
+    from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+    from meshrun.parallel import Pipeline
 
 _ACTIVE: Run | None = None
 _RETIRED: list[Run] = []  # closed runs, never destroyed before exit (see Run.close)
 _FAILED = False  # set by our excepthook: an uncaught exception must skip the final barrier
 
 
-class Run(ModelMethods, DataMethods, LoopMethods, EvalMethods):
+class Run:
     """The runtime of one training process. Create it with :func:`init`.
 
-    Its methods come in groups, each a small module: the model and its layout (train/model.py),
-    data and learning rate (train/data.py), the step and checkpoints (train/stepping.py), the
-    all-rank evaluation (train/evaluate.py). This class
-    builds the state they share (train/base.py's fields) and tears it down."""
+    Its fields are set once by ``__init__`` and are read-only for scripts (docs/porting.md
+    lists them); its methods are the calls a training loop makes (docs/porting.md)."""
+
+    config: Config
+    cluster: ClusterEnv
+    rank: int
+    world_size: int
+    local_rank: int
+    dims: ParallelDims
+    device: torch.device
+    backend: str
+    mesh: DeviceMesh | None
+    dp_size: int
+    dp_rank: int
+    accum: int
+    is_main: bool
+    run_dir: Path
+    log: logging.Logger
+    _metrics: MetricsLogger
+    _state: TrainState
+    _loop: StepLoop
+    _checkpointer: Checkpointer
 
     def __init__(self, cfg: Config, env: ClusterEnv) -> None:
-        self.config = cfg
-        self.cluster = env
+        self.config, self.cluster = cfg, env
         self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
-        # First, before any effect: every value check (also of attributes set after the
-        # Config was built), the mesh dims and every world-size check, as the launcher did.
+        # 1. Every check before any effect: each value (also attributes set after the Config
+        # was built), the mesh dims and every world-size check, as the launcher did. An unset
+        # global batch is the resumed checkpoint's, else derived from this world: from here on
+        # everything (loop, sampler, checkpoints, LR) sees the number.
         self.dims = ParallelDims(**validate_for_world(cfg, env.world_size), ep=cfg.parallel.ep)
-        # Without a launcher's resolved config an unset global batch is the resumed
-        # checkpoint's, else derived from this world; from here on everything (loop, sampler,
-        # checkpoints, LR) sees the number.
         self._batch_source = resolve_batch(cfg, env.world_size)
         self._default_run_dir = not cfg.job.run_dir
+        # 2. The process: device, process group, mesh; the batch arithmetic over them (replica
+        # groups split the global batch over every group's data-parallel ranks).
         self.device, self.backend, self.mesh = start_process(cfg, env, self.dims)
-        self.dp_size = self.dims.dp
-        self.dp_rank = self.dims.dp_rank(self.rank)
-        # Replica groups split the global batch over every group's data-parallel ranks.
+        self.dp_size, self.dp_rank = self.dims.dp, self.dims.dp_rank(self.rank)
         self.accum = grad_accumulation(cfg.data, self.dp_size, cfg.fault_tolerance.replica_groups)
         self.is_main = self.rank == 0
-        self.run_dir = cfg.resolved_run_dir()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
-        check_shared_run_dir(self.run_dir, env.hostname)  # before anything relies on it
+        # 3. The run directory, this rank's log, the seeds.
+        self.run_dir = open_run_dir(cfg, env.hostname)
         self.log = init_logging(self.rank, self.run_dir, cfg.job.log_level, self.local_rank)
         init_seeds(cfg.job.seed, self.rank)
-        self.metrics = build_metrics(cfg, self.run_dir, self.is_main, self.world_size)
-        # What is trained and where it is: the loop advances it, checkpoints save it.
-        self.state = TrainState()
-        # The one per-step collective: the loop exchanges it, the checkpoints read it.
-        agreement = StepAgreement(self.device)
-        self.loop = build_loop(
-            cfg, self.accum, self.device, self.mesh, self.metrics, self.state, agreement
-        )
-        facts = checkpoint_facts(cfg, self.run_dir, self.accum, self.device)
-        self.checkpointer = Checkpointer(cfg.checkpoint, facts, self.state, self.metrics, agreement)
-        if self.loop.diloco is not None:  # the synchronised weights, the outer optimizer
-            self.checkpointer.register_internal("meshrun_diloco", self.loop.diloco)
+        # 4. The machinery the methods drive: metrics, train state, step loop, checkpoints.
+        parts = build_machinery(cfg, self.run_dir, self.accum, self.device, self.mesh, env)
+        self._metrics, self._state, self._loop, self._checkpointer = parts
         self._closed = False
-        if self.is_main:
-            write_config(cfg, self.run_dir / "config.toml")
-            _announce(self)
-        # One line per process start: `meshrun report` reads the world size, the batch
-        # arithmetic and the restarts (a second start in the same file) from it.
-        self.metrics.log_event(
-            "start",
-            world_size=self.world_size,
-            dp=self.dp_size,
-            global_batch=cfg.data.global_batch,
-            micro_batch=cfg.data.micro_batch,
-            accum=self.accum,
-            device=self.device.type,
-            host=self.cluster.hostname,
+        # 5. Said once: the resolved config, the start line, the `start` event.
+        _record_start(self)
+
+    # --- the model and its layout (train/model.py) --------------------------------------
+
+    def parallelize(self, model: nn.Module, **options: Any) -> nn.Module:
+        """Apply the configured layout (see ``meshrun.parallel.parallelize`` for ``options``:
+        ``tp_plan``, ``parallelize_fn``, ``wrap``); returns a real torch module: the model,
+        changed in place, or its DDP wrapper."""
+        options.setdefault("comm_hook_wrap", self._loop.monitor.comm_hook_wrap())
+        self.set_model_flops(model_flops(model, self.config.metrics.flops_per_sample))
+        c = self.config.parallel
+        return _model.parallelize_model(model, self.mesh, c, self.device, self._state, **options)
+
+    def pipeline(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+        **options: Any,
+    ) -> Pipeline:
+        """Pipeline parallel (``parallel.pp > 1``): this rank's stages and their schedule. The
+        loop calls ``run.pipeline_step(pipe, inputs, targets)`` instead of the model and
+        ``run.backward``; the optimizer takes ``pipe.parameters()``. See parallel/pp/pipeline.py.
+        ``options`` go to ``meshrun.parallel.parallelize_pipeline`` (``spec``, ``tp_plan``)."""
+        if self.mesh is None:
+            raise ConfigError("run.pipeline needs a process group: start with parallel.pp > 1")
+        self.set_model_flops(model_flops(model, self.config.metrics.flops_per_sample))
+        parts = (self.mesh, self.config.parallel, self.device, self.accum, self._state)
+        return _model.pipeline_model(model, loss_fn, *parts, **options)
+
+    def pipeline_step(
+        self, pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        """Forward + backward of this micro-batch through the pipeline; returns its mean loss
+        (on every rank) and counts it in the metrics."""
+        return _model.pipeline_train_step(pipe, inputs, targets, self.accum, self._loop)
+
+    def pipeline_eval(
+        self, pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor
+    ) -> torch.Tensor:
+        """Forward only (evaluation): this micro-batch's mean loss on every rank of the
+        pipeline, not counted in the training metrics (see parallel/pp/pipeline.py
+        ``pipeline_eval``)."""
+        return _model.pipeline_eval_loss(pipe, inputs, targets, self.accum)
+
+    def optimizer(
+        self,
+        model: nn.Module | Pipeline,
+        optimizer_class: type[torch.optim.Optimizer],
+        param_groups: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> torch.optim.Optimizer:
+        """``optimizer_class(model.parameters(), **kwargs)``; under ``parallel.zero = 1`` its
+        state is sharded over the data-parallel ranks (a ZeroRedundancyOptimizer). Build it
+        after :meth:`parallelize` / :meth:`pipeline` (FSDP2 and TP replace the parameters).
+
+        ``param_groups``: torch's parameter groups instead of ``model.parameters()``, e.g.
+        ``[{"params": matrices, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]``
+        made from the parallelized model; every trainable parameter must be in one group."""
+        cfg = self.config.parallel
+        return build_optimizer(model, optimizer_class, self.mesh, cfg, param_groups, **kwargs)
+
+    def unwrap(self, model: nn.Module | Pipeline) -> nn.Module:
+        """The user's own module inside what :meth:`parallelize` returned: DDP's ``.module``,
+        ``torch.compile``'s original module; FSDP2, TP and activation checkpointing change the
+        module in place, so it is the module itself. Its own methods (``generate``,
+        ``configure_optimizers``, ...) are reachable through it; under ZeRO-3/TP its parameters
+        are sharded DTensors. A :class:`Pipeline` has no whole model on any rank: refused."""
+        return _model.unwrap_module(model)
+
+    def load_pretrained(self, model: nn.Module | Pipeline, directory: str | Path) -> Any:
+        """Load a Hugging Face directory (``config.json`` + safetensors) into ``model``, built
+        (on the meta device, or not) and already parallelized: each rank reads only the slices
+        it holds (under ``parallel.ep`` its own experts only). Call it on every rank; returns
+        ``meshrun.hf.load.load_pretrained``'s report."""
+        return _model.load_pretrained_into(model, directory, self.device)
+
+    def set_flops_per_token(self, flops_per_token: float) -> None:
+        """Report MFU in the metrics. ``flops_per_token``: the model's training FLOPs per token
+        (forward + backward, e.g. the planner's formula: docs/plan.md); the peak comes from
+        ``metrics.peak_flops`` or the GPU table (monitor/mfu.py). ``metrics.flops_per_sample``
+        and Hugging Face causal LMs need no call (``run.parallelize`` sets them)."""
+        self.set_model_flops(constant_per_token(flops_per_token, "run.set_flops_per_token"))
+
+    def set_model_flops(self, flops: ModelFlops | None) -> None:
+        """Report MFU from ``flops`` (per sample or per token, monitor/mfu.py); None: none."""
+        log = self.log if self.is_main else None
+        _model.report_model_flops(flops, self._metrics, self.config, self.device, log)
+
+    @property
+    def grad_scaler(self) -> ShardedGradScaler | None:
+        """The fp16 loss scaler (``parallel.param_dtype = float16``, after :meth:`parallelize`),
+        else None; ``run.backward``/``run.optimizer_step`` use it and ``run.resume`` saves it."""
+        return self._state.scaler
+
+    # --- data and learning rate (train/data.py) -----------------------------------------
+
+    def scaled_lr(self, base_lr: float | None = None) -> float:
+        """``base_lr`` (default ``optim.lr``) scaled by ``optim.lr_scaling`` to the global batch."""
+        return _data.scaled_lr(self.config, base_lr, self.log if self.is_main else None)
+
+    def lr_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        """Warmup + decay from ``[optim]``; stepped by ``run.optimizer_step``."""
+        return _data.registered_lr_scheduler(optimizer, self.config.optim, self._state)
+
+    def sampler(
+        self, dataset_len: int, *, mode: Literal["train", "eval"] = "train"
+    ) -> ResumableSampler:
+        """A :class:`ResumableSampler` over ``dataset_len`` samples for this rank's data-parallel
+        share: ``train``, one stream of epochs (shuffled when ``data.shuffle``) whose position
+        resumes on any number of ranks; ``eval``, each sample exactly once, in order, unpadded."""
+        return _data.rank_sampler(dataset_len, mode, self.config, self.dp_rank, self.dp_size)
+
+    def dataloader(
+        self,
+        dataset: Dataset[Any],
+        micro_batch: int | None = None,
+        *,
+        mode: Literal["train", "eval"] = "train",
+        collate_fn: Callable[[list[Any]], Any] | None = None,
+    ) -> DataLoader[Any]:
+        """A DataLoader over this rank's share, in a world-size-independent resumable order."""
+        place = {"rank": self.rank, "dp_rank": self.dp_rank, "dp_size": self.dp_size}
+        return _data.rank_dataloader(
+            dataset, micro_batch, mode, collate_fn, self.config, **place, device=self.device
         )
+
+    def steps(
+        self, loader: Iterable[Any], steps: int | None = None, tokens_per_sample: int | None = None
+    ) -> Iterator[Any]:
+        """Micro-batches on the device until ``optim.steps`` optimizer steps (see train/loop.py)."""
+        if tokens_per_sample is None:  # 0 in the config: not known
+            tokens_per_sample = self.config.metrics.tokens_per_sample or None
+        return self._loop.steps(loader, steps, tokens_per_sample)
+
+    @property
+    def data_wait(self) -> float:
+        """Seconds this rank waited on its loader during the last optimizer step (0.0 before
+        the first); ``metrics.jsonl`` has rank 0's as ``data_wait_s`` (docs/data.md)."""
+        return self._loop.last_data_wait_s
+
+    # --- the step (train/stepping.py, train/loop.py) ------------------------------------
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``(loss / accumulation).backward()``; see train/loop.py for why this is the right scale.
+        Under ``parallel.loss_parallel`` the backward runs inside ``loss_parallel()`` too."""
+        _stepping.backward(loss, self.config.parallel, self._loop, self._checkpointer)
+
+    def loss_parallel(self) -> AbstractContextManager[None]:
+        """Compute the loss inside this (``with run.loss_parallel(): loss = ...``): with
+        ``parallel.loss_parallel`` the logits are sharded over the vocabulary and cross-entropy
+        must run under ``torch.distributed.tensor.parallel.loss_parallel()``; else a no-op."""
+        return maybe_loss_parallel(self.config.parallel)
+
+    def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
+        """Step (and zero) ``optimizer`` at the end of an accumulation window and advance what
+        moves with it (registered LR schedulers, the sampler's position, metrics, interval
+        checkpoints); return whether this micro-step was the window's last (else nothing ran).
+        A step the numerics guard skips still counts; under replica groups a step the quorum
+        does not commit does not (False)."""
+        parts = (self.config.parallel, self.dp_size, self._loop, self._checkpointer)
+        return _stepping.optimizer_step(optimizer, *parts)
+
+    def phase(self, name: str, timeout_s: float | None = None) -> AbstractContextManager[None]:
+        """``with run.phase("eval"):`` gives the block the hang watchdog's longer limit
+        (``timeout_s``, default ``monitor.phase_timeout_s``) instead of the step timeout."""
+        return self._loop.monitor.phase(name, timeout_s)
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps done so far. With gradient accumulation it holds for all the
+        micro-steps of a window: guard per-step work with ``run.is_step_end`` too."""
+        return self._state.step
+
+    @property
+    def is_step_end(self) -> bool:
+        """True on the micro-step whose ``run.optimizer_step`` steps the optimizer (the last
+        of its accumulation window; every micro-step without accumulation), before and after
+        that call. ``if run.is_step_end and run.step % 100 == 0:`` runs once per 100 steps,
+        where ``run.step % 100 == 0`` alone runs on every micro-step of the window."""
+        return self._loop.is_step_end
+
+    @property
+    def grad_norm(self) -> float:
+        """The whole gradient's 2-norm before clipping at the last optimizer step, the same on
+        every rank and layout (the step line's ``grad_norm``); taken only with
+        ``optim.grad_clip > 0``, else NaN (docs/monitor.md)."""
+        return self._loop.grad_norm
+
+    def all_reduce_sum(self, value: torch.Tensor) -> torch.Tensor:
+        """Sum over the data-parallel ranks (e.g. eval loss sums and counts, once at the end)."""
+        return _stepping.all_reduce_dp(value, self.mesh)
+
+    def timed_comm_hook(self, hook: CommHook) -> CommHook:
+        """``hook`` (a DDP comm hook) with its communication timed in the step's
+        ``comm_exposed_s``: register the result on the DDP model :meth:`parallelize` returns,
+        before the first step (a hook registered as it is is left untimed; docs/monitor.md)."""
+        return self._loop.monitor.comm.wrap(hook)
+
+    # --- checkpoints (train/stepping.py, checkpoint/) -----------------------------------
+
+    def resume(
+        self,
+        model: nn.Module | Pipeline,
+        optimizer: torch.optim.Optimizer,
+        loader: Any = None,
+        per_rank: Mapping[str, Stateful] | None = None,
+        **named: Stateful,
+    ) -> int:
+        """Register what is checkpointed (model, optimizer, the loader's data position, user
+        objects by name; schedulers from ``run.lr_scheduler`` are included) and load the
+        checkpoint chosen by ``checkpoint.resume``. Returns the step resumed at (0 = fresh).
+
+        Objects by name (``sched=scheduler``) are replicated: the same on every rank (checked
+        at each save). ``per_rank={"hidden": obj}``: objects whose state is each rank's own,
+        saved and restored per rank (same world size; another one is refused). Every object
+        is saved at the end of the step's loop body, with the model and optimizer of that
+        step (docs/checkpoint.md, Your own state)."""
+        parts = (self._loop, self._checkpointer, self._metrics)
+        return _stepping.resume(model, optimizer, loader, per_rank, named, *parts)
+
+    def save_checkpoint(self) -> Path:
+        """Checkpoint the current step now (collective: call on every rank)."""
+        with self.phase("checkpoint"):
+            return self._checkpointer.save()
+
+    # --- evaluation and metrics (train/evaluate.py, monitor/) ---------------------------
+
+    def evaluate(
+        self,
+        model: nn.Module | Pipeline,
+        batches: Iterable[Any],
+        loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+        *,
+        max_batches: int | None = None,
+    ) -> float:
+        """The mean loss over ``batches`` (this rank's share, e.g. ``run.dataloader(val,
+        mode="eval")``), weighted by batch size and summed over the data-parallel ranks; the
+        same float on every rank. Call it on every rank. Runs under ``torch.no_grad()`` with
+        every module in eval mode, then restores each module's mode.
+
+        ``loss_fn(model, batch)`` returns the batch's mean loss (the batch moved to the device;
+        its size is its first tensor's first dim). Under pipeline parallelism ``loss_fn`` may be
+        omitted: each batch is ``(inputs, targets)`` and the loss is the one given to
+        ``run.pipeline`` (``run.pipeline_eval``). ``max_batches``: at most that many per rank.
+
+        Its time is not step time: the next step's line has it as ``eval_s``, and an ``eval``
+        event in metrics.jsonl has the loss and the seconds."""
+        parts = (self.accum, self.dp_size, self.mesh, self._loop, self._metrics)
+        return _evaluate.evaluate(model, batches, loss_fn, max_batches, *parts)
+
+    def log_event(self, event: str, **fields: Any) -> None:
+        """Append ``{"event": event, "time": ..., **fields}`` to ``metrics.jsonl`` (rank 0
+        writes it; a call on the other ranks does nothing), e.g. a validation loss of your own:
+        ``run.log_event("eval", at_step=run.step, val_loss=loss)``."""
+        self._metrics.log_event(event, **fields)
+
+    def summary(self) -> dict[str, float]:
+        """This rank's totals so far: steps, time, median/mean step time, throughput
+        (``tokens_per_s``, ``samples_per_s``), loss, peak memory; what the summary record of
+        ``metrics.jsonl`` holds at the end (docs/monitor.md)."""
+        return self._metrics.summary()
 
     # --- teardown ------------------------------------------------------------------------
 
@@ -111,19 +379,7 @@ class Run(ModelMethods, DataMethods, LoopMethods, EvalMethods):
         if self._closed:
             return
         self._closed = True
-        self.loop.monitor.loop_ends()
-        if not failed:
-            # An async checkpoint still being written is committed; node-local snapshots go.
-            self.checkpointer.finish()
-        self.metrics.close()
-        if dist.is_initialized():
-            if not failed:
-                # A barrier after a failure would wait for ranks that may never arrive.
-                dist.barrier()
-            dist.destroy_process_group()
-        release_rank0(self.run_dir)  # this job is over: the directory is free for the next
-        for h in logging.getLogger("meshrun").handlers:
-            h.flush()
+        shut_down(self._loop, self._checkpointer, self._metrics, self.run_dir, failed)
         if _ACTIVE is self:
             _ACTIVE = None
         # Keep this Run (and with it DDP's reducer and the Gloo groups) alive to the end of the
@@ -141,6 +397,25 @@ class Run(ModelMethods, DataMethods, LoopMethods, EvalMethods):
         tb: TracebackType | None,
     ) -> None:
         self.close(failed=exc is not None)
+
+
+def _record_start(run: Run) -> None:
+    """The resolved config and the start line (main rank), then the ``start`` event: one line
+    per process start, from which ``meshrun report`` reads the world size, the batch
+    arithmetic and the restarts (a second start in the same file)."""
+    if run.is_main:
+        write_config(run.config, run.run_dir / "config.toml")
+        _announce(run)
+    run._metrics.log_event(
+        "start",
+        world_size=run.world_size,
+        dp=run.dp_size,
+        global_batch=run.config.data.global_batch,
+        micro_batch=run.config.data.micro_batch,
+        accum=run.accum,
+        device=run.device.type,
+        host=run.cluster.hostname,
+    )
 
 
 def _announce(run: Run) -> None:

@@ -1,13 +1,15 @@
-"""What ``meshrun.init()`` settles and builds for a ``Run``: the config (file, launcher, argv
-overrides, the global batch); the process-wide effects (the device, the process group and its
-mesh, the seeds); the metrics logger, the step loop and the checkpoints' record of the run.
-Each is called once per process by ``init``/``Run`` (train/run.py), which keeps only the facade."""
+"""The steps of ``meshrun.init()``, in the order ``Run.__init__`` (train/run.py) calls them: the
+config (file, launcher, argv overrides, the global batch); the process-wide effects (the
+device, the process group and its mesh); the run directory and the seeds; the machinery (the
+metrics logger, the train state, the step loop, the checkpointer); and at the end the
+teardown ``Run.close`` runs. Each is called once per process."""
 
 from __future__ import annotations
 
 import copy
 import dataclasses
 import ipaddress
+import logging
 import os
 import random
 import socket
@@ -15,13 +17,14 @@ import sys
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshrun.checkpoint import RunFacts
+from meshrun.checkpoint import Checkpointer, RunFacts
 from meshrun.checkpoint.resumed_batch import resume_global_batch
 from meshrun.config import (
     CONFIG_ENV,
@@ -41,20 +44,25 @@ from meshrun.runtime.agreement import StepAgreement
 from meshrun.runtime.cluster import ClusterEnv
 from meshrun.runtime.hostmem import set_mmap_threshold
 from meshrun.runtime.mesh import ParallelDims, build_mesh
-from meshrun.runtime.runlock import claim_at_start
+from meshrun.runtime.runlock import claim_at_start, release_rank0
 from meshrun.runtime.state import TrainState
+from meshrun.runtime.storage import check_shared_run_dir
 from meshrun.train.loop import StepLoop
 
 __all__ = [
+    "Machinery",
     "build_loop",
+    "build_machinery",
     "build_metrics",
     "checkpoint_facts",
     "init_process_group",
     "init_seeds",
     "mesh_text",
+    "open_run_dir",
     "pick_device",
     "resolve_batch",
     "resolve_config",
+    "shut_down",
     "start_process",
 ]
 
@@ -140,6 +148,15 @@ def _worker_store(timeout: timedelta, spans_nodes: bool) -> dist.TCPStore:
     )
 
 
+def open_run_dir(cfg: Config, hostname: str) -> Path:
+    """The run directory, made, and checked to be one directory for every node that shares
+    it (runtime/storage.py) before anything relies on it."""
+    run_dir = cfg.resolved_run_dir()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    check_shared_run_dir(run_dir, hostname)
+    return run_dir
+
+
 def init_seeds(seed: int, rank: int) -> None:
     # Same torch seed everywhere: every rank builds identical initial weights. Dropout's
     # stream is made per data-parallel rank when run.steps begins (loop.seed_per_dp).
@@ -211,6 +228,38 @@ def build_metrics(cfg: Config, run_dir: Path, is_main: bool, world_size: int) ->
         world_size=world_size,
         tensorboard=m.tensorboard,
     )
+
+
+class Machinery(NamedTuple):
+    """What ``Run``'s methods drive (private to it)."""
+
+    metrics: MetricsLogger
+    state: TrainState
+    loop: StepLoop
+    checkpointer: Checkpointer
+
+
+def build_machinery(
+    cfg: Config,
+    run_dir: Path,
+    accum: int,
+    device: torch.device,
+    mesh: DeviceMesh | None,
+    env: ClusterEnv,
+) -> Machinery:
+    """The metrics logger, the train state, the step loop and the checkpointer, sharing the
+    one per-step agreement."""
+    metrics = build_metrics(cfg, run_dir, env.rank == 0, env.world_size)
+    # What is trained and where it is: the loop advances it, checkpoints save it.
+    state = TrainState()
+    # The one per-step collective: the loop exchanges it, the checkpoints read it.
+    agreement = StepAgreement(device)
+    loop = build_loop(cfg, accum, device, mesh, metrics, state, agreement)
+    facts = checkpoint_facts(cfg, run_dir, accum, device)
+    checkpointer = Checkpointer(cfg.checkpoint, facts, state, metrics, agreement)
+    if loop.diloco is not None:  # the synchronised weights, the outer optimizer
+        checkpointer.register_internal("meshrun_diloco", loop.diloco)
+    return Machinery(metrics, state, loop, checkpointer)
 
 
 def build_loop(
@@ -306,3 +355,23 @@ def run_digest(cfg: Config) -> str:
     launch of the same run could not find its own node-local snapshots."""
     ft = dataclasses.replace(cfg.fault_tolerance, lighthouse="")
     return dataclasses.replace(cfg, fault_tolerance=ft).digest()
+
+
+def shut_down(
+    loop: StepLoop, checkpointer: Checkpointer, metrics: MetricsLogger, run_dir: Path, failed: bool
+) -> None:
+    """``Run.close``: the loop's end, the last checkpoint committed (on success), the summary,
+    a final barrier (on success) and ``destroy_process_group``, the run directory released."""
+    loop.monitor.loop_ends()
+    if not failed:
+        # An async checkpoint still being written is committed; node-local snapshots go.
+        checkpointer.finish()
+    metrics.close()
+    if dist.is_initialized():
+        if not failed:
+            # A barrier after a failure would wait for ranks that may never arrive.
+            dist.barrier()
+        dist.destroy_process_group()
+    release_rank0(run_dir)  # this job is over: the directory is free for the next
+    for h in logging.getLogger("meshrun").handlers:
+        h.flush()
