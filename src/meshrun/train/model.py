@@ -16,7 +16,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from meshrun.config import Config, ConfigError, ParallelConfig
+from meshrun.config import Config, ParallelConfig
 from meshrun.monitor import MetricsLogger
 from meshrun.monitor.mfu import ModelFlops, start_mfu
 from meshrun.parallel import build_grad_scaler, parallelize, parallelize_pipeline
