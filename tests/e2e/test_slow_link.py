@@ -29,7 +29,8 @@ import pytest
 
 import netns
 
-pytestmark = pytest.mark.slow
+# alone: a rate measurement; `make test` runs it after the rest of the suite (Makefile).
+pytestmark = [pytest.mark.slow, pytest.mark.alone]
 PORT = 29541
 RATES = [100_000_000, pytest.param(1_000_000_000, marks=pytest.mark.heavy, id="1000000000")]
 
