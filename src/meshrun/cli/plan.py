@@ -134,16 +134,6 @@ def read_calibration(path: str) -> dict[str, float]:
     return {k: float(v) for k, v in values.items() if k in CALIBRATION_KEYS}
 
 
-def _int_list(text: str, flag: str) -> list[int]:
-    try:
-        values = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise PlanError(f"{flag} {text!r}: expected integers separated by commas") from None
-    if not values or min(values) < 1:
-        raise PlanError(f"{flag} {text!r}: every value must be >= 1")
-    return values
-
-
 def _recompute_list(text: str) -> list[Recompute]:
     allowed: tuple[Recompute, ...] = ("none", "selective", "full")
     values = [x.strip() for x in text.split(",") if x.strip()]
@@ -328,7 +318,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
     training = plan_moe.training_args(a)
     cluster = plan_links.apply_link_flags(a, _cluster(a))
     start = time.perf_counter()
-    micro, recompute = _int_list(a.micro_batch, "--micro-batch"), _recompute_list(a.ac)
+    micro, recompute = plan_moe.int_list(a.micro_batch, "--micro-batch"), _recompute_list(a.ac)
     if a.layout:
         plan = evaluate_one(model, parse_layout(a.layout, cluster), training, cluster)
     else:

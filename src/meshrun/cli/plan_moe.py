@@ -100,8 +100,11 @@ def _with_experts(a: argparse.Namespace, model: Model, given: list[str]) -> Mode
 
 
 def parallel_sizes(text: str | None, flag: str) -> list[int] | None:
-    if text is None:
-        return None
+    return None if text is None else int_list(text, flag)
+
+
+def int_list(text: str, flag: str) -> list[int]:
+    """``flag``'s comma-separated values, each an integer >= 1 (the planner's size lists)."""
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
@@ -116,7 +119,7 @@ def columns(estimates: list[Estimate]) -> list[str]:
     return [k for k in ("ep", "cp") if any(getattr(e.layout, k) > 1 for e in estimates)]
 
 
-__all__ = ["add_moe_args", "apply_moe_args", "columns", "parallel_sizes"]
+__all__ = ["add_moe_args", "apply_moe_args", "columns", "int_list", "parallel_sizes"]
 
 
 def training_args(a: argparse.Namespace) -> Training:
