@@ -345,7 +345,7 @@ def _changed_config() -> Config:
     apply_overrides(
         cfg,
         [
-            ("job.name", 'naïve "quoted" \\ name'),
+            ("job.run_dir", 'naïve "quoted" \\ dir'),  # a path takes any text: quoted
             ("job.timeout_s", "90"),
             ("parallel.dp_shard", "4"),
             ("data.shuffle", "false"),

@@ -275,3 +275,52 @@ def test_float_to_float_cast_loads_and_is_printed(
     text = caplog.text
     assert "4 tensor(s) cast BF16 -> F32" in text, text
     assert "4 tensor(s) bfloat16 -> float32" in text, text
+
+
+def test_a_table_that_disagrees_with_its_data_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Re-hashed edits of the storage table: a float32 tensor declared int64 (DCP would cast
+    its bytes' values into int64 zeros on export) and a chunk said to lie past its file's end
+    (EOFError inside DCP) are refused by name, before DCP reads a byte."""
+    from torch.distributed.checkpoint.metadata import TensorProperties
+
+    big = {"w": torch.randn(64, 64)}  # 16 KiB of float32: well above torch.save's framing
+    d = commit_checkpoint(tmp_path / "a", big)
+
+    def as_int64(meta: Any) -> None:
+        entry = meta.state_dict_metadata["model.w"]
+        entry.properties = TensorProperties(dtype=torch.int64)
+
+    _edit_metadata(d, as_int64)
+    [why] = layout.problems(d)
+    assert "'model.w' is declared torch.int64 of [64, 64] (32768 bytes)" in why, why
+    assert cli_main(["ckpt", "export", str(d), str(tmp_path / "out.safetensors")]) == 1
+    assert not (tmp_path / "out.safetensors").exists()
+    e = commit_checkpoint(tmp_path / "b", big)
+
+    def past_the_end(meta: Any) -> None:
+        for k, info in meta.storage_data.items():
+            meta.storage_data[k] = _StorageInfo(
+                info.relative_path, info.offset + 10**6, info.length
+            )
+
+    _edit_metadata(e, past_the_end)
+    [why] = layout.problems(e)
+    assert "is said to lie at bytes" in why and "refused" in why, why
+    assert cli_main(["ckpt", "inspect", str(e)]) == 2
+    assert "Traceback" not in capsys.readouterr().out
+
+
+def test_inspect_names_a_flipped_bit_that_was_not_rehashed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    d = commit_checkpoint(tmp_path / "ckpt", small_model().state_dict())
+    data = next(p for p in d.iterdir() if p.suffix == ".distcp")
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0x01  # one bit, the size unchanged: only a checksum sees it
+    data.write_bytes(bytes(blob))
+    assert cli_main(["ckpt", "inspect", str(d)]) == 2
+    out = capsys.readouterr().out
+    assert out.startswith("meshrun ckpt inspect: error:") and data.name in out, out
+    assert cli_main(["ckpt", "inspect", "--no-checksums", str(d)]) == 0  # asked not to look

@@ -356,6 +356,7 @@ def test_cli_dry_run_under_mpirun_carries_the_resolved_config(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     argv = ["slurm", "submit", "--dry-run", "--launcher", "mpirun", "--set", "optim.steps=7"]
+    argv += ["--set", "optim.warmup_steps=3"]  # the demo's 10-step warmup would outlast 7 steps
     assert main([*argv, "-m", "meshrun.demo", f"--job.run_dir={tmp_path}/run"]) == 0
     out = capsys.readouterr().out
     assert f"export MESHRUN_CONFIG={tmp_path}/run/slurm/config.toml" in out

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import importlib
 import io
+import math
 import pickle
 from collections.abc import Collection
 from pathlib import Path
@@ -156,6 +157,39 @@ def _check(meta: Any, where: Path, files: Collection[str] | None) -> None:
             raise MetadataError(
                 f"{where}: a tensor's data is said to be in {name!r}, which the manifest does "
                 "not list: refused"
+            )
+    _check_extents(meta, where)
+
+
+def _check_extents(meta: Metadata, where: Path) -> None:
+    """Each chunk's bytes lie inside its file and hold at least its elements at the declared
+    dtype: a table claiming int64 over float32 bytes would otherwise load as zeros (DCP casts
+    what torch.load returns into the declared dtype), and one past a file's end as EOFError."""
+    sizes: dict[str, int] = {}
+    for index, info in meta.storage_data.items():
+        entry = meta.state_dict_metadata.get(str(getattr(index, "fqn", "")))
+        if not isinstance(entry, TensorStorageMetadata):
+            raise MetadataError(f"{where}: the storage table names {index!r}, no tensor of it")
+        path = where.parent / info.relative_path
+        if info.relative_path not in sizes:
+            sizes[info.relative_path] = path.stat().st_size if path.is_file() else -1
+        end = sizes[info.relative_path]
+        if end >= 0 and (info.offset < 0 or info.length < 0 or info.offset + info.length > end):
+            raise MetadataError(
+                f"{where}: {index.fqn!r} is said to lie at bytes {info.offset}..."
+                f"{info.offset + info.length} of {info.relative_path}, which has {end}: refused"
+            )
+        chunk = next(
+            (c for c in entry.chunks if tuple(c.offsets) == tuple(index.offset or ())), None
+        )
+        if chunk is None:
+            continue  # a chunk index DCP did not write: DCP's own planner refuses it
+        needed = math.prod(chunk.sizes) * entry.properties.dtype.itemsize
+        if info.length < needed:
+            raise MetadataError(
+                f"{where}: {index.fqn!r} is declared {entry.properties.dtype} of "
+                f"{list(chunk.sizes)} ({needed} bytes) but its data has {info.length} bytes: "
+                "the table and the data disagree (a tampered or mixed-up checkpoint): refused"
             )
 
 

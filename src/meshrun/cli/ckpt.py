@@ -29,6 +29,13 @@ def _targets(path: Path) -> list[Path]:
 
 def cmd_list(a: argparse.Namespace) -> int:
     root = Path(a.dir)
+    if not root.is_dir():
+        what = "is not a directory" if root.exists() else "does not exist"
+        say_error(
+            "ckpt list",
+            f"{root} {what}; give a run's checkpoint directory, e.g. runs/NAME/checkpoints",
+        )
+        return 2
     found = layout.list_checkpoints(root)
     pending = sorted(p.name for p in root.glob("step_*.tmp")) if root.is_dir() else []
     if not found and not pending:
@@ -48,7 +55,8 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     path = Path(a.path)
     # Sizes, paths and DCP's metadata (through the restricted unpickler) before anything is
     # read from it: a crafted checkpoint is named here, never loaded.
-    bad = layout.problems(path, checksums=False)
+    # The checksums too, unless asked not to: a bit flipped in a data file is named here.
+    bad = layout.problems(path, checksums=not a.no_checksums)
     if bad:
         say_error("ckpt inspect", f"{path} is not a valid checkpoint: {'; '.join(bad)}", sys.stdout)
         return 2
@@ -93,6 +101,11 @@ def cmd_export(a: argparse.Namespace) -> int:
     except ValueError as e:
         say_error("ckpt export", e, sys.stdout)
         return 2
+    except (EOFError, OSError, RuntimeError) as e:  # a data file that is not what its table says
+        say_error(
+            "ckpt export", f"{path}: its data cannot be read ({type(e).__name__}: {e})", sys.stdout
+        )
+        return 2
 
 
 def _export_file(a: argparse.Namespace, path: Path) -> int:
@@ -135,6 +148,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     ins = csub.add_parser("inspect", help="manifest, layout and tensor table of one checkpoint")
     ins.add_argument("path", help="a checkpoint directory (step_NNNNNNNN)")
     ins.add_argument("--config", action="store_true", help="also print the run's resolved config")
+    ins.add_argument(
+        "--no-checksums",
+        action="store_true",
+        help="skip recomputing the data files' checksums (sizes and metadata are still checked)",
+    )
     ins.set_defaults(fn=cmd_inspect)
     ver = csub.add_parser("verify", help="recompute checksums; exit 1 if any checkpoint is invalid")
     ver.add_argument("path", help="a checkpoint directory, or a root holding several")

@@ -278,11 +278,29 @@ def cmd_slurm_submit(a: argparse.Namespace) -> int:
     return 0
 
 
+def _check_counts(a: argparse.Namespace) -> None:
+    """The counts as typed, before defaults fill them in: `--gpus-per-node -1` would otherwise
+    surface as a bad --nproc-per-node, and `--cpus-per-task 0` as the default."""
+    if a.gpus_per_node < 0:
+        raise ConfigError(
+            f"--gpus-per-node {a.gpus_per_node} is not allowed: must be >= 0 (0 = CPU nodes)"
+        )
+    for flag, value in (
+        ("--nproc-per-node", a.nproc_per_node),
+        ("--cpus-per-task", a.cpus_per_task),
+    ):
+        if value is not None and value < 1:
+            raise ConfigError(
+                f"{flag} {value} is not allowed: must be >= 1 (leave it out for the default)"
+            )
+
+
 def build_spec(a: argparse.Namespace) -> tuple[SubmitSpec, Path]:
     """The submit spec from the flags, and the run directory (from the script's config)."""
     require_script("slurm submit", a.target, a.module)
     if a.nodes < 1:  # here, not only in SubmitSpec.validate, to name the spelling typed
         raise ConfigError(f"{a.nodes_flag} {a.nodes} is not allowed: must be >= 1")
+    _check_counts(a)
     spec = SubmitSpec(
         target=a.target if a.module else os.path.abspath(a.target),
         module=a.module,
@@ -290,7 +308,7 @@ def build_spec(a: argparse.Namespace) -> tuple[SubmitSpec, Path]:
         nodes=a.nodes,
         nproc_per_node=a.nproc_per_node or a.gpus_per_node or 2,
         gpus_per_node=a.gpus_per_node,
-        cpus_per_task=a.cpus_per_task,
+        cpus_per_task=a.cpus_per_task or 0,
         partition=a.partition or "",
         time=a.time or "",
         account=a.account or "",
@@ -347,7 +365,7 @@ def add_slurm_parser(sub: Subparsers) -> None:
     add_node_count(s, type=int, default=1, help="nodes (default 1)")
     s.add_argument("--nproc-per-node", type=int, help="processes per node (default: GPUs, else 2)")
     s.add_argument("--gpus-per-node", type=int, default=0, help="GPUs per node (default 0)")
-    s.add_argument("--cpus-per-task", type=int, default=0, help="CPUs per node (default: nproc)")
+    s.add_argument("--cpus-per-task", type=int, help="CPUs per node (default: nproc)")
     s.add_argument("--partition", help="SLURM partition")
     s.add_argument("--time", help="time limit: MINUTES, HH:MM:SS, D-HH:MM, ...")
     s.add_argument("--account", help="SLURM account")

@@ -33,6 +33,7 @@ from meshrun.config import (
     validate_for_world,
     write_config,
 )
+from meshrun.demo.steps import steps_overrides
 from meshrun.launch.multinode.handshake import JoinTarget
 from meshrun.launch.spec import LaunchSpec, parse_nnodes
 from meshrun.launch.target import DEMO_CONFIG, DEMO_MODULE, default_config
@@ -155,6 +156,17 @@ def _nproc(flag: int | None, cfg: Config) -> int:
 # --- subcommands ---------------------------------------------------------------------------
 
 
+def _replica_groups_flag(a: argparse.Namespace) -> int:
+    """``--replica-groups N`` as given (0: not given); N < 1 refused before anything starts."""
+    groups = getattr(a, "replica_groups", None)
+    if groups is not None and groups < 1:
+        raise ConfigError(
+            f"--replica-groups {groups} is not allowed: must be >= 1 (1 = off, N = N groups of "
+            "nproc-per-node / N processes)"
+        )
+    return groups or 0
+
+
 def cmd_launch(a: argparse.Namespace) -> int:
     from meshrun.cli import torchrun as cli_torchrun
 
@@ -175,7 +187,7 @@ def cmd_launch(a: argparse.Namespace) -> int:
     overrides, _ = split_overrides(args)
     # --replica-groups N is recorded first, so the other keys are checked against N groups
     # (fault_tolerance.min_replicas = 2 is valid with two groups, not with the default one).
-    groups = getattr(a, "replica_groups", None) or 0
+    groups = _replica_groups_flag(a)
     flag = [("fault_tolerance.replica_groups", str(groups))] if groups > 1 else []
     cfg = load_config(a.config or default_config(module), [*flag, *a.set, *overrides])
     if a.hostfile:  # one meshrun launch per listed host, over ssh (docs/hostfile.md)
@@ -231,12 +243,12 @@ def _maybe_from_slurm(cfg: Config, a: argparse.Namespace) -> None:
 
 def cmd_demo(a: argparse.Namespace) -> int:
     overrides, _ = split_overrides(a.overrides)
+    keys = {key for key, _ in overrides}
     extra = [("job.run_dir", a.run_dir)]
     if a.steps is not None:
-        extra.append(("optim.steps", str(a.steps)))
+        extra.extend(steps_overrides(a.steps, keys))
     cfg = load_config(DEMO_CONFIG, [*extra, *overrides])
     nproc = _nproc(a.nproc, cfg)
-    keys = {key for key, _ in overrides}
     if "data.micro_batch" not in keys:
         _fit_micro_batch(cfg, nproc, keep_global="data.global_batch" in keys)
     script_args = ["--size", a.size]
@@ -279,6 +291,8 @@ def _fit_micro_batch(cfg: Config, nproc: int, keep_global: bool = False) -> None
 def cmd_config_show(a: argparse.Namespace) -> int:
     overrides, _ = split_overrides(a.overrides)
     cfg = load_config(a.file, overrides)
+    if a.world_size is not None and a.world_size < 1:
+        raise ConfigError(f"--world-size {a.world_size} is not allowed: must be >= 1")
     if a.world_size:  # what meshrun launch would write for this world
         validate_for_world(cfg, a.world_size)
         if note := resolve_global_batch(cfg, [a.world_size]):

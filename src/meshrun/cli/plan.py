@@ -11,13 +11,13 @@ from pathlib import Path
 from typing import Any
 
 from meshrun.cli import plan_links, plan_moe
+from meshrun.cli.plan_checks import SHAPE_FLAGS, check_plan_numbers
 from meshrun.plan.cost import GB, Cluster, Estimate, Model, Recompute, Training
 from meshrun.plan.errors import PlanError
 from meshrun.plan.hardware import GB_S, GPUS, TERA, get_gpu
 from meshrun.plan.search import Plan, evaluate_one, parse_layout, search, what_would_fit
 from meshrun.plan.user_model import Inferred, format_count, model_from_spec
 
-SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq")
 CALIBRATION_KEYS = {f.name for f in dataclasses.fields(Cluster)} - {"nodes", "gpus_per_node"}
 
 
@@ -309,6 +309,7 @@ def _config_settings(e: Estimate, t: Training) -> dict[str, Any]:
 
 
 def cmd_plan(a: argparse.Namespace) -> int:
+    check_plan_numbers(a)
     model, inferred = _model(a)
     model = plan_moe.apply_moe_args(a, model)
     if inferred is not None:  # what was read from the model, before the layouts built on it

@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from meshrun.config.fields import ConfigError, checked, field_map, key_of
-from meshrun.config.sections import Config, recheck, section_types
+from meshrun.config.sections import Config, recheck, section_types, validate
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -116,6 +116,11 @@ def apply_overrides(
 
 def load_toml(path: str | Path) -> dict[str, Any]:
     p = Path(path)
+    if p.is_dir():
+        raise ConfigError(
+            f"config file {str(p)!r} is a directory; pass the TOML file itself (e.g. "
+            f"{str(p / 'meshrun.toml')!r}), or create one with `meshrun config init`"
+        )
     if not p.is_file():
         raise ConfigError(
             f"config file {str(p)!r} does not exist; create one with `meshrun config init`"
@@ -125,6 +130,13 @@ def load_toml(path: str | Path) -> dict[str, Any]:
             return tomllib.load(fh)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"config file {str(p)!r} is not valid TOML: {e}") from None
+    except UnicodeDecodeError as e:  # tomllib decodes UTF-8 itself and lets this through
+        raise ConfigError(
+            f"config file {str(p)!r} is not UTF-8 text (byte 0x{e.object[e.start]:02x} at "
+            f"offset {e.start}); TOML files are UTF-8: save it as UTF-8"
+        ) from None
+    except OSError as e:
+        raise ConfigError(f"config file {str(p)!r} cannot be read: {e.strerror}") from None
 
 
 SEPARATOR = "--"  # ends the overrides: what follows goes to the script untouched
@@ -166,7 +178,8 @@ def load_config(
     cfg = Config()
     if path:
         apply_mapping(cfg, load_toml(path), source=str(path))
-    return apply_overrides(cfg, overrides)
+    # Keys only wrong together (warmup beyond the run) are checked once all layers are in.
+    return validate(apply_overrides(cfg, overrides))
 
 
 # --- files ---------------------------------------------------------------------------------

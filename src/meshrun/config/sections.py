@@ -19,6 +19,7 @@ from typing import Any, ClassVar, Literal, get_type_hints
 from meshrun.config.checkpoint_local import check_local_tier
 from meshrun.config.fault_tolerance import FaultToleranceConfig
 from meshrun.config.fields import ConfigError, check_section, key_of, setting
+from meshrun.config.job_values import check_job_name, check_run_dir
 from meshrun.config.launch_values import check_launch_values
 
 
@@ -30,8 +31,14 @@ class JobConfig:
 
     def __post_init__(self) -> None:
         check_section(self)
+        check_job_name(self.name)
+        check_run_dir(self.run_dir)
 
-    name: str = setting("meshrun", "Run name, used in the default run directory.")
+    name: str = setting(
+        "meshrun",
+        "Run name, used in the default run directory runs/<name>: letters, digits, '.', '_', "
+        "'+' and '-', not starting with '.'.",
+    )
     run_dir: str = setting("", "Run directory (metrics, logs, checkpoints). Empty = runs/<name>.")
     seed: int = setting(
         1234, "Seed: model init uses it on every rank; data augmentation adds the rank."
@@ -437,4 +444,25 @@ def validate(cfg: Config) -> Config:
                 f"{section_type.__name__}; pass {name}={section_type.__name__}(...)"
             )
         recheck(section)
+    check_across_sections(cfg)
     return cfg
+
+
+def check_across_sections(cfg: Config) -> None:
+    """Keys that are only wrong together. Checked on the whole tree (not per section) so that
+    a TOML file's value may be fixed by a later override before anything runs."""
+    if cfg.optim.warmup_steps > cfg.optim.steps:
+        raise ConfigError(
+            f"optim.warmup_steps = {cfg.optim.warmup_steps} exceeds optim.steps = "
+            f"{cfg.optim.steps}: the run would end inside its warmup and never reach optim.lr; "
+            f"set optim.warmup_steps <= {cfg.optim.steps} or raise optim.steps"
+        )
+    p = cfg.parallel
+    if p.ddp_comm_hook != "none" and p.zero >= 2:
+        raise ConfigError(
+            f"parallel.ddp_comm_hook = {p.ddp_comm_hook!r} compresses DDP's all-reduce, but "
+            f"parallel.zero = {p.zero} runs FSDP2, which has no comm hook (its reduce-scatter "
+            "dtype is parallel.reduce_dtype); set parallel.ddp_comm_hook='none' (and "
+            f"parallel.reduce_dtype='{'bfloat16' if p.ddp_comm_hook == 'bf16' else 'float16'}' "
+            "to compress) or parallel.zero <= 1"
+        )

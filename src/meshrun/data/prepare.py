@@ -111,7 +111,13 @@ def prepare(
         )
     tok = get_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
     out_dir = Path(out)
-    plan = _make_plan(_inputs_outside(source, out_dir), tok.spec, shard_tokens, unit_bytes)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(
+            f"data prepare: --out {str(out_dir)!r} is a file; give a directory (created if missing)"
+        )
+    files = _inputs_outside(source, out_dir)
+    _refuse_binary(files)
+    plan = _make_plan(files, tok.spec, shard_tokens, unit_bytes)
     done = _finished(out_dir, plan)
     if done is not None:
         log(f"data prepare: {out_dir} is already complete ({done.total_tokens} tokens)")
@@ -137,6 +143,25 @@ def _inputs_outside(source: str | Path, out_dir: Path) -> list[Path]:
     if not files:
         raise ValueError(f"data prepare: {str(source)!r} holds no files outside --out {out_dir}")
     return files
+
+
+BINARY_PROBE_BYTES = 8000  # what git reads to call a file binary: a NUL byte in its start
+
+
+def _refuse_binary(files: list[Path]) -> None:
+    """Text corpora only: a NUL byte in a file's first 8000 bytes (git's test) means an
+    archive, an image or a compiled file was matched, whose bytes would train as text."""
+    binary = []
+    for path in files:
+        with path.open("rb") as fh:
+            if b"\0" in fh.read(BINARY_PROBE_BYTES):
+                binary.append(path)
+    if binary:
+        raise ValueError(
+            f"data prepare: {len(binary)} of {len(files)} input files are binary, not text "
+            f"(a NUL byte in the first {BINARY_PROBE_BYTES} bytes), e.g. {str(binary[0])!r}; "
+            "narrow the source to text files, e.g. 'corpus/**/*.txt'"
+        )
 
 
 def _remove_stale_shards(out_dir: Path, manifest: Manifest) -> None:

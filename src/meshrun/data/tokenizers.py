@@ -109,9 +109,15 @@ def _hf_tokenizer(name: str) -> Any:
             f"--tokenizer hf:{name} needs the tokenizers package: pip install tokenizers "
             "(or use --tokenizer bytes)"
         ) from None
-    if name.endswith(".json"):
-        return HFTokenizer.from_file(name)
-    return HFTokenizer.from_pretrained(name)
+    try:
+        if name.endswith(".json"):
+            return HFTokenizer.from_file(name)
+        return HFTokenizer.from_pretrained(name)
+    except Exception as e:  # the Rust library raises a bare Exception ("No such file ...")
+        raise ValueError(
+            f"--tokenizer hf:{name} cannot be loaded ({e}); give an existing tokenizer.json "
+            "path or a Hub name this machine can download, or use --tokenizer bytes"
+        ) from None
 
 
 def _hf_eot(tok: Any, spec: str) -> int:

@@ -34,9 +34,11 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import Subset
 
 import meshrun
+from meshrun.config import split_overrides
 from meshrun.data import TokenDataset
 from meshrun.demo.corpus import demo_tokens_dir, prepare_demo_tokens
 from meshrun.demo.model import GPT, GPTConfig, demo_config
+from meshrun.demo.steps import steps_overrides
 from meshrun.parallel.cp import cp_group, shard_sequence
 from meshrun.parallel.pp.pipeline import Pipeline
 from meshrun.plan.cost import Model, model_flops_per_iteration
@@ -53,7 +55,8 @@ def parse_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, list[str
     args, rest = p.parse_known_args(argv)
     # The demo's own flags are spelled-out config overrides.
     if args.steps is not None:
-        rest.append(f"--optim.steps={args.steps}")
+        keys = {k for k, _ in split_overrides(rest)[0]}
+        rest.extend(f"--{k}={v}" for k, v in steps_overrides(args.steps, keys))
     if args.run_dir is not None:
         rest.append(f"--job.run_dir={args.run_dir}")
     return args, rest

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from meshrun.hf.names import PretrainedError
 
@@ -128,16 +128,31 @@ def read_index(directory: Path) -> dict[str, TensorInfo]:
     """Every tensor of the directory by name, from the headers (no weight is read)."""
     out: dict[str, TensorInfo] = {}
     for file in _files(directory):
-        with safe_open(str(file), framework="pt") as f:
-            names = f.keys()  # a safe_open handle is not iterable
-            for name in names:
-                piece = f.get_slice(name)
-                out[name] = TensorInfo(file, tuple(piece.get_shape()), piece.get_dtype())
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                names = f.keys()  # a safe_open handle is not iterable
+                for name in names:
+                    piece = f.get_slice(name)
+                    out[name] = TensorInfo(file, tuple(piece.get_shape()), piece.get_dtype())
+        except (SafetensorError, OSError) as e:  # the library's message names no file
+            raise PretrainedError(
+                f"{file}: not a readable safetensors file ({e}); re-download or re-export it"
+            ) from None
     return out
 
 
 def copy_region(info: TensorInfo, name: str, region: Region | None, into: torch.Tensor) -> int:
     """Read ``region`` of tensor ``name`` (None: all of it) into ``into``; the bytes read."""
+    try:
+        return _copy_region(info, name, region, into)
+    except (SafetensorError, OSError) as e:  # the library's message names no file
+        raise PretrainedError(
+            f"{info.file}: tensor {name!r} cannot be read ({e}); the file is damaged or was "
+            "changed after its header was read: re-download or re-export it"
+        ) from None
+
+
+def _copy_region(info: TensorInfo, name: str, region: Region | None, into: torch.Tensor) -> int:
     with safe_open(str(info.file), framework="pt") as f:
         if not info.shape:  # a 0-dim tensor cannot be sliced
             value = f.get_tensor(name)

@@ -130,8 +130,14 @@ def _try_lock(fd: int) -> bool | None:
 
 
 def _open(run_dir: Path) -> int:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    return os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        return os.open(run_dir / LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError as e:  # a missing parent under /proc, a read-only mount, no permission
+        raise ConfigError(
+            f"job.run_dir = {str(run_dir)!r} cannot be used: {e.strerror} ({e.filename}); "
+            "choose a directory this user can create and write"
+        ) from None
 
 
 def _no_locks(run_dir: Path, say: Say) -> None:

@@ -175,6 +175,11 @@ def resolve_config(
     (unless ``keep_argv``): a script's own strict parser (``parse_args()``, nanoGPT's
     configurator) would reject ``--optim.steps=...`` as unknown; so is the ``--`` that ends
     them, which leaves the arguments after it to the script as written."""
+    if config is not None and not isinstance(config, (Config, str, Path)):
+        raise ConfigError(
+            f"meshrun.init(config={config!r}): a {type(config).__name__} is not a config; pass "
+            "a meshrun.Config, the path of a TOML file, or nothing (the launcher's config)"
+        )
     overrides, rest = split_overrides(sys.argv[1:] if argv is None else argv)
     if isinstance(config, Config):
         cfg = apply_overrides(copy.deepcopy(config), overrides)

@@ -72,6 +72,11 @@ def parse_hostfile(path: str | Path) -> list[HostEntry]:
         text = Path(path).read_text()
     except OSError as err:
         raise HostfileError(f"--hostfile {str(path)!r} cannot be read: {err.strerror}") from None
+    except UnicodeDecodeError as err:
+        raise HostfileError(
+            f"--hostfile {str(path)!r} is not UTF-8 text (byte 0x{err.object[err.start]:02x} at "
+            f"offset {err.start}); a hostfile is lines of 'HOST slots=N': save it as UTF-8"
+        ) from None
     return parse_hostfile_text(text, str(path))
 
 
