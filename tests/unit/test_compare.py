@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from meshrun.cli.main import main as cli_main
 from meshrun.config import ConfigError
 from meshrun.diagnose.compare import (
     compare_runs,
@@ -30,7 +31,7 @@ pytestmark = pytest.mark.timeout(60)
 def _write_run(run_dir: Path, losses: list[float], params: dict[str, list[torch.Tensor]]) -> Path:
     """``losses[k-1]`` at step k; ``params[name][k-1]`` the value (its gradient: 2 x value)."""
     run_dir.mkdir()
-    rows = [{"step": k, "loss": loss} for k, loss in enumerate(losses, 1)]
+    rows: list[dict[str, object]] = [{"step": k, "loss": x} for k, x in enumerate(losses, 1)]
     rows.insert(0, {"event": "start", "step": 0})  # events are not steps
     (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     for k in range(1, len(losses) + 1):
@@ -130,3 +131,33 @@ def test_one_global_batch_for_every_run(tmp_path: Path) -> None:
     assert shared_global_batch(spec("--data.micro_batch=4")) == 8  # micro x the largest dp
     assert shared_global_batch(spec("--data.micro_batch=4", layouts=("tp=2",))) == 4
     assert shared_global_batch(spec("--data.global_batch=12", "--lr", "3")) == 12
+
+
+@pytest.mark.parametrize(
+    ("flags", "named"),
+    [
+        (["--steps", "0"], "--steps 0: must be >= 1"),
+        (["--nproc", "0"], "--nproc 0: must be >= 1"),
+        (["--tolerance", "-1"], "--tolerance -1.0: must be >= 0"),
+        (["--layout", "tp=3"], "--layout"),
+        (["--layout", "dp_shard=4"], "--nproc is 2"),
+    ],
+)
+def test_bad_flags_exit_2_naming_the_flag_before_any_run(
+    flags: list[str], named: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    script = tmp_path / "train.py"
+    script.write_text("")
+    out = tmp_path / "out"
+    assert cli_main(["compare", *flags, "--out", str(out), str(script)]) == 2
+    assert named in capsys.readouterr().err
+    assert not out.exists()  # nothing launched
+
+
+def test_a_missing_script_and_a_used_out_directory_are_refused(tmp_path: Path) -> None:
+    (tmp_path / "old").mkdir()
+    (tmp_path / "old" / "x").write_text("")
+    assert cli_main(["compare", str(tmp_path / "nope.py")]) == 2
+    script = tmp_path / "train.py"
+    script.write_text("")
+    assert cli_main(["compare", "--out", str(tmp_path / "old"), str(script)]) == 2

@@ -179,13 +179,17 @@ def _launch_one(spec: CompareSpec, launch: _Launch, global_batch: int) -> bool:
 def run_compare(spec: CompareSpec) -> int:
     """Every run, one at a time, then each layout against one process: 0 when every layout
     agrees, 1 when one differs or fails (2, bad input, is raised before anything runs)."""
+    if spec.nproc < 1:
+        raise ConfigError(f"--nproc {spec.nproc}: must be >= 1 (the processes of each layout)")
     if spec.steps < 1:
-        raise ConfigError(f"--steps {spec.steps}: must be >= 1")
+        raise ConfigError(f"--steps {spec.steps}: must be >= 1 (e.g. --steps 3)")
     if spec.tolerance < 0:
         raise ConfigError(f"--tolerance {spec.tolerance}: must be >= 0 (e.g. 1e-5 for fp32)")
     if not Path(spec.script).is_file():
         raise ConfigError(f"script {spec.script!r} does not exist; give the path of a .py file")
     global_batch = shared_global_batch(spec)
+    for text in spec.layouts:  # every layout checked before a directory is made
+        layout_overrides(text, spec.nproc)
     out = _out_dir(spec)
     launches = _plan_launches(spec, out, global_batch)
     _say(f"{spec.steps} steps, global batch {global_batch}, runs in {out}")
