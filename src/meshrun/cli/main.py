@@ -417,6 +417,7 @@ SUBCOMMANDS: dict[str, Callable[[Subparsers], None]] = {
     "ray": _add_ray_launch,
     "lighthouse": _lazy("meshrun.cli.ft", "add_parser"),
     "report": _lazy("meshrun.cli.report", "add_report_parser"),
+    "compare": _lazy("meshrun.cli.compare", "add_parser"),
     "scale-test": _lazy("meshrun.cli.diagnose", "add_scale_parser"),
 }
 

@@ -347,6 +347,12 @@ class MonitorConfig:
         "FSDP2/TP/PP (no DDP hook): profile every N-th step for its exposed comm; 0 = off.",
         min=0,
     )
+    record_steps: int = setting(
+        0,
+        "Write the first N optimizer steps' full parameters and gradients to RUN_DIR/record/ "
+        "(safetensors, for `meshrun compare`); 0 = off.",
+        min=0,
+    )
 
 
 @dataclass

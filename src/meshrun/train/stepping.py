@@ -17,6 +17,7 @@ from meshrun.config import ParallelConfig
 from meshrun.monitor import MetricsLogger
 from meshrun.parallel import check_optimizer, maybe_loss_parallel
 from meshrun.train.loop import StepLoop
+from meshrun.train.record import maybe_record_step
 
 if TYPE_CHECKING:  # parallel/pp*.py load only when a pipeline is built
     from meshrun.parallel import Pipeline
@@ -44,6 +45,7 @@ def optimizer_step(
     check_optimizer(optimizer, cfg, dp_size)
     checkpointer.flush()  # the last step's save, in a loop without run.steps
     checkpointer.before_update()  # an async save's background copy must end first
+    maybe_record_step(loop)  # monitor.record_steps: for meshrun compare
     stepped = loop.optimizer_step(optimizer)
     if stepped:  # every `checkpoint.interval` steps, at the step boundary
         if loop.state.optimizer is None:  # interval saves work without run.resume
