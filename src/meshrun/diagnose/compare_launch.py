@@ -127,6 +127,9 @@ def _launch_argv(spec: CompareSpec, launch: _Launch, global_batch: int) -> list[
     ours = [
         *launch.overrides,
         f"--optim.steps={spec.steps}",
+        # K steps of a run configured longer: a warmup beyond K is refused by the config, and
+        # the schedule only has to be the same for every layout, not the long run's.
+        "--optim.warmup_steps=0",
         f"--data.global_batch={global_batch}",
         f"--monitor.record_steps={spec.steps}",
         "--metrics.log_every=1",
