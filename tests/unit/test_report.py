@@ -91,7 +91,17 @@ def restarted_run(path: Path) -> Path:
                 }
                 for r in range(2)
             ]
-            recs.append({"event": "ranks", "time": t, "step": 6, "steps": 6, "ranks": ranks})
+            slowest = [{**ranks[1], "compute_s": 0.06, "optimizer_s": 0.01, "kind": "chronic"}]
+            recs.append(
+                {
+                    "event": "ranks",
+                    "time": t,
+                    "step": 6,
+                    "steps": 6,
+                    "ranks": ranks,
+                    "slowest": slowest,
+                }
+            )
             recs.append(
                 {
                     "event": "straggler",
@@ -103,6 +113,9 @@ def restarted_run(path: Path) -> Path:
                     "value_s": 0.1,
                     "median_s": 0.05,
                     "slower_by": 2.0,
+                    "kind": "chronic",
+                    "flagged": 3,
+                    "windows": 5,
                 }
             )
     t += 10.0  # the crash and the restart
@@ -179,7 +192,8 @@ def test_report_cli_writes_html_with_every_png_embedded(tmp_path: Path, capsys: 
     run_dir = restarted_run(tmp_path / "r")
     assert cli_main(["report", str(run_dir), "-o", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
-    assert "goodput" in out and "1 restart(s)" in out and "1 straggler flag(s)" in out
+    assert "goodput" in out and "1 restart(s)" in out
+    assert "1 straggler flag(s) (chronic: rank 1)" in out
     pngs = sorted(p.name for p in (tmp_path / "out").glob("*.png"))
     assert pngs == [
         "breakdown.png",
@@ -193,6 +207,9 @@ def test_report_cli_writes_html_with_every_png_embedded(tmp_path: Path, capsys: 
     images = re.findall(r'<img src="data:image/png;base64,([A-Za-z0-9+/=]+)"', html)
     assert len(images) == len(pngs) and all(len(i) > 1000 for i in images)
     assert "checkpoint after step 4" in html and "http" not in html  # nothing fetched
+    # Stragglers told apart: the flag's kind, the slowest ranks' moving averages.
+    assert "<td>chronic (3 of 5)</td>" in html and "slowest ranks" in html
+    assert "<td>1</td><td>h</td><td>10.0 ms</td><td>100.0 ms</td><td>60.0 ms</td>" in html
 
 
 def test_report_cli_names_the_wrong_dir(tmp_path: Path, capsys: Any) -> None:

@@ -179,10 +179,24 @@ def _summary_row(r: RunFigures) -> list[str]:
         _pct(r.mfu),
         _pct(r.goodput.share),
         str(r.restarts),
-        str(len(r.stragglers)),
+        _straggler_cell(r),
         str(len(r.nonfinite)),
         str(len(r.stalls)),
     ]
+
+
+def _chronic_ranks(r: RunFigures) -> list[int]:
+    return sorted({int(s["rank"]) for s in r.stragglers if s.get("kind") == "chronic"})
+
+
+def _chronic_note(r: RunFigures) -> str:
+    """The chronic ranks among the flags (docs/monitor.md, Stragglers)."""
+    chronic = _chronic_ranks(r)
+    return f" (chronic: rank {', '.join(map(str, chronic))})" if chronic else ""
+
+
+def _straggler_cell(r: RunFigures) -> str:
+    return f"{len(r.stragglers)}{_chronic_note(r)}"
 
 
 def _write_scaling(page: _Page, result: Scaling) -> None:
@@ -268,7 +282,7 @@ def _write_events(page: _Page, run: RunFigures) -> None:
     sections: list[tuple[str, list[str], list[list[str]]]] = [
         (
             "stragglers",
-            ["step", "rank", "host", "component", "value", "median", "slower by"],
+            ["step", "rank", "host", "component", "value", "median", "slower by", "kind"],
             [
                 [
                     str(s["step"]),
@@ -278,9 +292,15 @@ def _write_events(page: _Page, run: RunFigures) -> None:
                     f"{s['value_s'] * 1e3:.1f} ms",
                     f"{s['median_s'] * 1e3:.1f} ms",
                     f"{s['slower_by']:.2f}x",
+                    _kind(s),
                 ]
                 for s in run.stragglers
             ],
+        ),
+        (
+            "slowest ranks (moving average at the last straggler check)",
+            ["rank", "host", "data wait", "own", "compute", "exposed comm", "optimizer", "kind"],
+            [_slowest_row(a) for a in run.slowest],
         ),
         (
             "non-finite skips",
@@ -310,6 +330,18 @@ def _write_events(page: _Page, run: RunFigures) -> None:
             page.table(header, rows)
         else:
             page.add(f"<p class=note>no {title}</p>")
+
+
+def _kind(s: dict[str, Any]) -> str:
+    if "kind" not in s:  # written before stragglers were classified
+        return "-"
+    return f"{s['kind']} ({s['flagged']} of {s['windows']})"
+
+
+def _slowest_row(a: dict[str, Any]) -> list[str]:
+    keys = ("data_wait_s", "own_s", "compute_s", "comm_exposed_s", "optimizer_s")
+    ms = [f"{float(a[k]) * 1e3:.1f} ms" if k in a else "-" for k in keys]
+    return [str(a["rank"]), str(a["host"]), *ms, str(a.get("kind") or "-")]
 
 
 def _write_ft(page: _Page, run: RunFigures) -> None:
@@ -349,7 +381,8 @@ def summary_lines(report: Report) -> list[str]:
     lines = [
         f"{r.data.name}: {r.world_size} proc, {r.steps_done} steps, median step "
         f"{r.median_step_s * 1e3:.1f} ms, {r.samples_per_s:,.1f} samples/s, MFU "
-        f"{_pct(r.mfu)}, goodput {_pct(r.goodput.share)}, {len(r.stragglers)} straggler flag(s), "
+        f"{_pct(r.mfu)}, goodput {_pct(r.goodput.share)}, {len(r.stragglers)} straggler flag(s)"
+        f"{_chronic_note(r)}, "
         f"{len(r.nonfinite)} "
         f"non-finite skip(s), {len(r.stalls)} stall(s), {r.restarts} restart(s)"
         for r in report.runs

@@ -226,6 +226,8 @@ class RunFigures:
     stalls: list[Stall]
     nonfinite: list[dict[str, Any]]
     stragglers: list[dict[str, Any]]
+    # The top-k slowest ranks of the last straggler check (moving averages); [] if none.
+    slowest: list[dict[str, Any]]
     checkpoints: list[dict[str, Any]]
     goodput: Goodput
     notes: list[str]
@@ -257,6 +259,7 @@ def analyse(data: RunData) -> RunFigures:
         stalls=_stalls(data, median),
         nonfinite=nonfinite,
         stragglers=data.events("straggler"),
+        slowest=next((e["slowest"] for e in data.events("ranks")[::-1] if e.get("slowest")), []),
         checkpoints=checkpoints,
         goodput=_goodput(data, median),
         notes=notes + _log_every_note(data),
