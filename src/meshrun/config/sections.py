@@ -347,6 +347,12 @@ class MonitorConfig:
     straggler_top_k: int = setting(
         3, "Slowest ranks (moving average) listed per check and at the end; 0 = none.", min=0
     )
+    replica_check_every: int = setting(
+        0,
+        "Every N optimizer steps compare a digest of the data-parallel replicas' parameters "
+        "and stop naming the rank, host and parameter that differ (docs/monitor.md); 0 = off.",
+        min=0,
+    )
     step_timeout_s: float = setting(
         300.0, "Hang watchdog: a step taking longer dumps all stacks and exits; 0 = off.", min=0
     )

@@ -36,6 +36,7 @@ from meshrun.monitor.numerics import (
     guard_result,
     local_loss,
 )
+from meshrun.monitor.replicas_check import ReplicaCheck
 from meshrun.monitor.straggler_history import StragglerHistory, Verdict
 from meshrun.monitor.stragglers import (
     COMPONENTS,
@@ -91,6 +92,7 @@ class StepMonitor:
             settings.straggler_windows, settings.straggler_chronic, settings.straggler_top_k
         )
         self._said_at = 0  # checks already summed up by the "slowest ranks" line
+        self.replica_check = ReplicaCheck(settings.replica_check_every, hostname, metrics)
         self.comm = CommTimer(device)
         self.sampler = CommSampler(settings.comm_sample_every, device)
         self._step = 0  # optimizer steps done, for choosing the sampled ones
@@ -217,6 +219,7 @@ class StepMonitor:
         every = self.settings.straggler_every
         if every > 0 and self.distributed and step % every == 0:
             self._check_stragglers(step)
+        self.replica_check.maybe_check(step, self.models)  # silent data corruption
         return {**phases, **comm}
 
     def _check_stragglers(self, step: int) -> None:
