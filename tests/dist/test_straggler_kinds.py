@@ -6,9 +6,10 @@ Checks every 2 steps (monitor.straggler_every), 4 remembered (straggler_windows)
 flag floor (straggler_min_s) is 0.1 s per step, so nothing but the planted delays can be
 flagged and no assertion rests on a duration:
 
-  steps 1-8    rank 1 sleeps CHRONIC_S every step: flagged at checks 2, 4 (transient: 1 and 2
-               of the checks so far), 6, 8 (chronic: 3 and 4 of the last 4)
-  steps 9-16   no delay, except rank 0 sleeps STALL_S once, at step 13: flagged at check 14,
+  steps 1-2    no delay (the first step's warm-up, of any length, is no planted flag)
+  steps 3-10   rank 1 sleeps CHRONIC_S every step: flagged at checks 4, 6 (transient: 1 and 2
+               flags so far), 8, 10 (chronic: 3 and 4 of the last 4)
+  steps 11-18  no delay, except rank 0 sleeps STALL_S once, at step 15: flagged at check 16,
                transient (1 of the last 4)
 """
 
@@ -26,9 +27,9 @@ from torch.utils.data import TensorDataset
 import meshrun
 from _dist import run_distributed
 
-CHRONIC_S, CHRONIC_TO = 0.3, 8
-STALL_S, STALL_AT = 1.2, 13
-STEPS = 16
+CHRONIC_S, CHRONIC_FROM, CHRONIC_TO = 0.3, 3, 10
+STALL_S, STALL_AT = 1.2, 15
+STEPS = 18
 
 
 def train(rank: int, world_size: int, run_dir: str) -> None:
@@ -47,7 +48,8 @@ def train(rank: int, world_size: int, run_dir: str) -> None:
     data = TensorDataset(torch.randn(256, 8), torch.randn(256, 2))
     for x, y in run.steps(run.dataloader(data)):
         step = run.step + 1  # the step this micro-batch belongs to
-        if (rank == 1 and step <= CHRONIC_TO) or (rank == 0 and step == STALL_AT):
+        chronic = rank == 1 and CHRONIC_FROM <= step <= CHRONIC_TO
+        if chronic or (rank == 0 and step == STALL_AT):
             time.sleep(CHRONIC_S if rank == 1 else STALL_S)
         run.backward(F.mse_loss(model(x), y))
         run.optimizer_step(opt)
@@ -64,14 +66,14 @@ def test_a_chronic_straggler_and_a_one_off_stall_are_told_apart(tmp_path: Path) 
     recs = records(tmp_path)
     flags = [(e["step"], e["rank"], e["kind"]) for e in recs if e.get("event") == "straggler"]
     print("flags:", flags)
-    planted = [(s, 1, k) for s, k in ((2, "transient"), (4, "transient"))]
-    planted += [(6, 1, "chronic"), (8, 1, "chronic"), (14, 0, "transient")]
+    planted = [(s, 1, k) for s, k in ((4, "transient"), (6, "transient"))]
+    planted += [(8, 1, "chronic"), (10, 1, "chronic"), (16, 0, "transient")]
     assert [f for f in flags if f in planted] == planted
     assert not any(r == 0 and k == "chronic" for _, r, k in flags)  # the stall never is
     # The top-k in each check's record: rank 1 slowest, chronic, while it is.
     ranks = {e["step"]: e for e in recs if e.get("event") == "ranks"}
     assert sorted(ranks) == list(range(2, STEPS + 1, 2))
-    top = ranks[8]["slowest"]
+    top = ranks[10]["slowest"]
     assert [t["rank"] for t in top] == [1, 0] and top[0]["kind"] == "chronic"
     assert top[0]["own_s"] >= CHRONIC_S and set(top[0]) >= {"compute_s", "optimizer_s"}
     # The console (rank 0's log): rank 1 said once as chronic, the stall as transient, the
