@@ -1,14 +1,14 @@
 """`meshrun scale-test` and `meshrun report` end to end: the demo at 1 and 2 processes (tiny
 model, few steps, a small corpus), one report over both and one over a single run directory,
-then both pages opened in headless Chromium.
+then both pages opened in headless Chromium at 1300 x 900 (a laptop screen).
 
 How the browser check works, without a DevTools connection: Chromium runs with
 ``--dump-dom`` (it prints the DOM once the page has loaded) and ``--enable-logging=stderr
 --v=0``, which prints every console message and uncaught script error as an
 ``INFO:CONSOLE`` line. The report's own inline script marks the ``<body>`` on load with the
 number of images and of images that decoded to a non-zero size (``naturalWidth > 0``), and
-with any error event it saw. So the test asserts: every ``<img>`` decoded, no error event,
-no console line. A negative control (a page with a console.error, an uncaught exception and
+with any error event it saw, and how far the page runs past the window's right edge. So the
+test asserts: every ``<img>`` decoded, no error event, no console line, nothing past the edge. A negative control (a page with a console.error, an uncaught exception and
 a broken image) proves that this method does see such failures.
 """
 
@@ -40,6 +40,7 @@ CHROMIUM_FLAGS = [
     "--enable-logging=stderr",
     "--v=0",
     "--virtual-time-budget=5000",
+    "--window-size=1300,900",  # a laptop screen: the page must fit its width
     "--dump-dom",
 ]
 BROKEN_PAGE = """<!DOCTYPE html><html><head><script>console.error("boom-control");</script>
@@ -94,6 +95,7 @@ def assert_renders(page: Path, profile: Path, images: int) -> None:
     assert attrs.get("data-images-total") == str(images)
     assert attrs.get("data-images-ok") == str(images), attrs
     assert attrs.get("data-errors") == "", attrs
+    assert attrs.get("data-overflow-px") == "0", attrs  # nothing past the right edge at 1300 px
     assert console == []
 
 
@@ -159,6 +161,14 @@ def test_scale_test_and_report_on_demo_runs_render_in_chromium(
     assert attrs.get("data-images-ok") == "0"
     assert any("boom-control" in c for c in console)
     assert any("notDefined" in c for c in console)
+    # ...and the report's own overflow mark sees a page wider than the window.
+    wide = tmp_path / "wide.html"
+    page = (run_dir / "report" / "report.html").read_text()
+    wide.write_text(
+        page.replace("<h2>Summary</h2>", '<div style="width:3000px; height:1em"></div>', 1)
+    )
+    attrs, _ = open_in_chromium(wide, browser_profile)
+    assert int(attrs["data-overflow-px"]) > 1000, attrs
 
 
 @pytest.mark.timeout(120)

@@ -320,6 +320,12 @@ class MonitorConfig:
 
     def __post_init__(self) -> None:
         check_section(self)
+        if self.straggler_chronic > self.straggler_windows:
+            raise ConfigError(
+                f"monitor.straggler_chronic = {self.straggler_chronic} exceeds "
+                f"monitor.straggler_windows = {self.straggler_windows}: no rank could be "
+                "chronic; use at most straggler_windows, or raise straggler_windows"
+            )
 
     nonfinite: Literal["skip", "stop"] = setting(
         "skip", "NaN/Inf loss on any rank: every rank skips the step (zero grads), or all stop."
@@ -332,6 +338,27 @@ class MonitorConfig:
     )
     straggler_min_s: float = setting(
         0.005, "...and exceeds that median by at least this many seconds per step.", min=0
+    )
+    straggler_windows: int = setting(
+        5,
+        "Straggler checks remembered per rank: the moving averages and the chronic count "
+        "span this many.",
+        min=1,
+    )
+    straggler_chronic: int = setting(
+        3,
+        "A rank flagged in at least this many of the last straggler_windows checks is a "
+        "chronic straggler; fewer: transient.",
+        min=1,
+    )
+    straggler_top_k: int = setting(
+        3, "Slowest ranks (moving average) listed per check and at the end; 0 = none.", min=0
+    )
+    replica_check_every: int = setting(
+        0,
+        "Every N optimizer steps compare a digest of the data-parallel replicas' parameters "
+        "and stop naming the rank, host and parameter that differ (docs/monitor.md); 0 = off.",
+        min=0,
     )
     step_timeout_s: float = setting(
         300.0, "Hang watchdog: a step taking longer dumps all stacks and exits; 0 = off.", min=0

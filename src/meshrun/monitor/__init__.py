@@ -4,7 +4,7 @@ the run report.
 Entry point: `MetricsLogger`, fed numbers by the training loop (it holds no process
 group code); `memory_stats(device)` supplies the ``mem_*`` figures for its ``extra``.
 `StepMonitor` (one per run, built by the step loop) adds the step breakdown, the numerics
-guard, straggler checks and the hang watchdog (docs/monitor.md). `write_report` (``meshrun
+guard, straggler checks, the replica check and the hang watchdog (docs/monitor.md). `write_report` (``meshrun
 report``) turns run directories into an HTML page with figures. Exports load on first use,
 so the command line does not import torch to parse its arguments.
 """
@@ -17,6 +17,7 @@ if TYPE_CHECKING:
     from meshrun.monitor.memory import memory_stats
     from meshrun.monitor.metrics import METRICS_FILE, MetricsLogger
     from meshrun.monitor.numerics import NonFiniteLossError
+    from meshrun.monitor.replicas_check import ReplicaMismatchError
     from meshrun.monitor.step import StepMonitor
     from meshrun.report.html import write_report
 
@@ -27,6 +28,7 @@ __getattr__ = lazy_exports(
         "METRICS_FILE": "meshrun.monitor.metrics",
         "MetricsLogger": "meshrun.monitor.metrics",
         "NonFiniteLossError": "meshrun.monitor.numerics",
+        "ReplicaMismatchError": "meshrun.monitor.replicas_check",
         "write_report": "meshrun.report.html",
         "StepMonitor": "meshrun.monitor.step",
     },
@@ -36,6 +38,7 @@ __all__ = [
     "METRICS_FILE",
     "MetricsLogger",
     "NonFiniteLossError",
+    "ReplicaMismatchError",
     "StepMonitor",
     "memory_stats",
     "write_report",

@@ -36,6 +36,8 @@ from meshrun.monitor.numerics import (
     guard_result,
     local_loss,
 )
+from meshrun.monitor.replicas_check import ReplicaCheck
+from meshrun.monitor.straggler_history import StragglerHistory, Verdict
 from meshrun.monitor.stragglers import (
     COMPONENTS,
     find_stragglers,
@@ -86,6 +88,11 @@ class StepMonitor:
         self._phase = dict.fromkeys(_PHASES, 0.0)
         self._t_batch: float | None = None
         self._window = _Window()
+        self._history = StragglerHistory(
+            settings.straggler_windows, settings.straggler_chronic, settings.straggler_top_k
+        )
+        self._said_at = 0  # checks already summed up by the "slowest ranks" line
+        self.replica_check = ReplicaCheck(settings.replica_check_every, hostname, metrics)
         self.comm = CommTimer(device)
         self.sampler = CommSampler(settings.comm_sample_every, device)
         self._step = 0  # optimizer steps done, for choosing the sampled ones
@@ -109,6 +116,7 @@ class StepMonitor:
     def loop_ends(self) -> None:
         self.watchdog.disarm()
         self.sampler.close()
+        self._say_slowest()
 
     @contextmanager
     def phase(self, name: str, timeout_s: float | None = None) -> Iterator[None]:
@@ -196,18 +204,22 @@ class StepMonitor:
         hooked = self.comm.take()
         comm: dict[str, float | str] = {**hooked, "comm_method": "ddp_hook"} if hooked else sampled
         own = step_time_s - phases["backward_s"] - phases["sync_s"]
+        exposed = hooked.get("comm_exposed_s", 0.0)  # sampled figures: step lines only
         w = self._window
         w.steps += 1
         for key, value in (
             ("step_time_s", step_time_s),
             ("data_wait_s", data_wait_s),
             ("own_s", own),
-            ("comm_exposed_s", hooked.get("comm_exposed_s", 0.0)),  # sampled: step lines only
+            ("compute_s", phases["forward_s"] + phases["backward_s"] - exposed),
+            ("comm_exposed_s", exposed),
+            ("optimizer_s", phases["optimizer_s"]),
         ):
             w.sums[key] += value
         every = self.settings.straggler_every
         if every > 0 and self.distributed and step % every == 0:
             self._check_stragglers(step)
+        self.replica_check.maybe_check(step, self.models)  # silent data corruption
         return {**phases, **comm}
 
     def _check_stragglers(self, step: int) -> None:
@@ -217,24 +229,53 @@ class StepMonitor:
         per_rank = gather_components(window.sums, self.device)
         if not self.metrics.is_main:
             return
-        self.metrics.log_event(
-            "ranks", step=step, steps=window.steps, ranks=_rank_rows(per_rank, self._hosts, window)
+        s, hosts = self.settings, self._hosts
+        flagged = find_stragglers(
+            per_rank, hosts, step, window.steps, s.straggler_factor, s.straggler_min_s
         )
-        s = self.settings
-        for found in find_stragglers(
-            per_rank, self._hosts, step, window.steps, s.straggler_factor, s.straggler_min_s
-        ):
-            log.warning("%s", found.message())
-            self.metrics.log_event("straggler", **found.fields())
+        means = [{k: v / window.steps for k, v in sums.items()} for sums in per_rank]
+        verdict = self._history.add(means, hosts, window.steps, flagged)
+        slowest = [a.fields() for a in verdict.slowest]
+        rows = _rank_rows(means, hosts)
+        self.metrics.log_event("ranks", step=step, steps=window.steps, ranks=rows, slowest=slowest)
+        _say(verdict, self.metrics)
+
+    def _say_slowest(self) -> None:
+        """The top-k slowest ranks by moving average, once per loop, on the main rank."""
+        if not self.metrics.is_main or self._history.checks == self._said_at:
+            return
+        self._said_at = self._history.checks
+        slowest = self._history.slowest()
+        if slowest:
+            log.info(
+                "slowest ranks (data wait + own time, moving average of the last %d check(s)): %s",
+                self._history.windows,
+                "; ".join(a.text() for a in slowest),
+            )
 
 
-def _rank_rows(
-    per_rank: list[dict[str, float]], hosts: list[str], window: _Window
-) -> list[dict[str, object]]:
+def _say(verdict: Verdict, metrics: MetricsLogger) -> None:
+    """Every flag to metrics.jsonl; on the console transient flags, a rank turning chronic
+    (once: its later flags would repeat it every check) and a chronic rank recovering."""
+    chronic_said = {c.straggler.rank for c in verdict.became_chronic}
+    for c in verdict.flags:
+        metrics.log_event("straggler", **c.fields())
+        if c.kind == "transient":
+            log.warning("%s", c.message())
+    for c in verdict.became_chronic:
+        log.warning(
+            "chronic %s; its later flags go to metrics.jsonl only while it stays chronic",
+            c.message(),
+        )
+    for rank in verdict.recovered:
+        if rank not in chronic_said:
+            log.info("rank %d is no longer a chronic straggler", rank)
+
+
+def _rank_rows(means: list[dict[str, float]], hosts: list[str]) -> list[dict[str, object]]:
     """Every rank's per-step means over the window, for the ``{"event": "ranks"}`` line."""
     rows: list[dict[str, object]] = []
-    for rank, sums in enumerate(per_rank):
-        mean = {k: v / window.steps for k, v in sums.items()}
+    for rank, mean in enumerate(means):
         t = mean["step_time_s"]
         share = mean["data_wait_s"] / t if t else 0.0
         rows.append({"rank": rank, "host": hosts[rank], **mean, "data_wait_share": share})

@@ -21,8 +21,10 @@ import torch.distributed as dist
 
 __all__ = ["COMPONENTS", "Straggler", "find_stragglers", "gather_components"]
 
-# Per-rank figures gathered at each check, summed over the steps since the last check.
-COMPONENTS = ("step_time_s", "data_wait_s", "own_s", "comm_exposed_s")
+# Per-rank figures gathered at each check, summed over the steps since the last check: the
+# step, the loader wait, the own time (below), compute (forward + backward less the exposed
+# gradient all-reduce), the exposed all-reduce (DDP's hook) and the optimizer.
+COMPONENTS = ("step_time_s", "data_wait_s", "own_s", "compute_s", "comm_exposed_s", "optimizer_s")
 # Which of them can name a straggler (step time is equal on all ranks: see above).
 COMPARED = ("data_wait_s", "own_s")
 

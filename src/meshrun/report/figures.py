@@ -216,7 +216,10 @@ def goodput_png(run: RunFigures) -> bytes | None:
         return None
     fig, ax = _figure(8.0, 2.4)
     left = 0.0
-    palette = ["#2ca02c", "#ff7f0e", "#1f77b4", "#d62728", "#9467bd", "#c7c7c7", "#e377c2"]
+    palette = [
+        *("#2ca02c", "#ff7f0e", "#1f77b4", "#d62728", "#17becf"),
+        *("#9467bd", "#c7c7c7", "#e377c2"),
+    ]
     for (name, seconds), color in zip(parts.items(), palette[: len(parts)], strict=True):
         ax.barh([0], [seconds], left=left, color=color, label=f"{name} {seconds:.1f} s")
         left += seconds

@@ -2,8 +2,9 @@
 
 The page embeds every figure as a base64 PNG (it opens anywhere, offline: no script, style
 or font is fetched) and the same figures are written next to it as files. A few lines of
-inline script only mark, on the ``<body>``, how many images decoded (``data-images-ok``)
-and any script error (``data-errors``), so a test in a headless browser can check the page.
+inline script only mark, on the ``<body>``, how many images decoded (``data-images-ok``),
+how far the page runs past the window's right edge (``data-overflow-px``) and any script
+error (``data-errors``), so a test in a headless browser can check the page.
 """
 
 from __future__ import annotations
@@ -31,13 +32,20 @@ __all__ = ["Report", "summary_lines", "write_report"]
 
 REPORT_HTML = "report.html"
 
+# Fits a laptop screen (checked at 1300 px in headless Chromium: tests/e2e/test_scale_report.py):
+# tables shrink by wrapping their cells (a run name wraps anywhere) and, past that, scroll in
+# their own box, never the page.
 _STYLE = """
-body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 60em; color: #222; }
+body { font-family: system-ui, sans-serif; margin: 2em auto; max-width: 72em; color: #222;
+       padding: 0 1em; }
 h1 { font-size: 1.5em; } h2 { font-size: 1.25em; margin-top: 2em; } h3 { font-size: 1.05em; }
-table { border-collapse: collapse; margin: 0.5em 0; }
-td, th { border: 1px solid #ccc; padding: 0.2em 0.6em; text-align: right; }
-th { background: #f3f3f3; } td:first-child, th:first-child { text-align: left; }
-img { max-width: 100%; display: block; margin: 0.5em 0; }
+.table { max-width: 100%; overflow-x: auto; margin: 0.5em 0; }
+table { border-collapse: collapse; font-size: 0.9em; }
+td, th { border: 1px solid #ccc; padding: 0.2em 0.45em; text-align: right; }
+th { background: #f3f3f3; font-weight: 600; } td:first-child, th:first-child { text-align: left; }
+td:first-child { overflow-wrap: anywhere; min-width: 6em; max-width: 16em; }
+img { max-width: 100%; height: auto; display: block; margin: 0.5em 0; }
+figure { margin: 1em 0; }
 .note { color: #666; font-size: 0.9em; }
 """
 
@@ -53,6 +61,9 @@ window.addEventListener('load', function () {
   var ok = imgs.filter(function (i) { return i.complete && i.naturalWidth > 0; }).length;
   document.body.setAttribute('data-images-total', String(imgs.length));
   document.body.setAttribute('data-images-ok', String(ok));
+  // How far the page runs past the window's right edge (0: it fits).
+  var root = document.documentElement;
+  document.body.setAttribute('data-overflow-px', String(root.scrollWidth - root.clientWidth));
   document.body.setAttribute('data-errors', errors.join(' | '));
 });
 """
@@ -95,7 +106,7 @@ class _Page:
         body = "".join(
             "<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows
         )
-        self.add(f"<table><tr>{head}</tr>{body}</table>")
+        self.add(f'<div class="table"><table><tr>{head}</tr>{body}</table></div>')
 
 
 def write_report(run_dirs: Sequence[str | Path], out: str | Path | None = None) -> Report:
@@ -179,10 +190,24 @@ def _summary_row(r: RunFigures) -> list[str]:
         _pct(r.mfu),
         _pct(r.goodput.share),
         str(r.restarts),
-        str(len(r.stragglers)),
+        _straggler_cell(r),
         str(len(r.nonfinite)),
         str(len(r.stalls)),
     ]
+
+
+def _chronic_ranks(r: RunFigures) -> list[int]:
+    return sorted({int(s["rank"]) for s in r.stragglers if s.get("kind") == "chronic"})
+
+
+def _chronic_note(r: RunFigures) -> str:
+    """The chronic ranks among the flags (docs/monitor.md, Stragglers)."""
+    chronic = _chronic_ranks(r)
+    return f" (chronic: rank {', '.join(map(str, chronic))})" if chronic else ""
+
+
+def _straggler_cell(r: RunFigures) -> str:
+    return f"{len(r.stragglers)}{_chronic_note(r)}"
 
 
 def _write_scaling(page: _Page, result: Scaling) -> None:
@@ -268,7 +293,7 @@ def _write_events(page: _Page, run: RunFigures) -> None:
     sections: list[tuple[str, list[str], list[list[str]]]] = [
         (
             "stragglers",
-            ["step", "rank", "host", "component", "value", "median", "slower by"],
+            ["step", "rank", "host", "component", "value", "median", "slower by", "kind"],
             [
                 [
                     str(s["step"]),
@@ -278,9 +303,15 @@ def _write_events(page: _Page, run: RunFigures) -> None:
                     f"{s['value_s'] * 1e3:.1f} ms",
                     f"{s['median_s'] * 1e3:.1f} ms",
                     f"{s['slower_by']:.2f}x",
+                    _kind(s),
                 ]
                 for s in run.stragglers
             ],
+        ),
+        (
+            "slowest ranks (moving average at the last straggler check)",
+            ["rank", "host", "data wait", "own", "compute", "exposed comm", "optimizer", "kind"],
+            [_slowest_row(a) for a in run.slowest],
         ),
         (
             "non-finite skips",
@@ -310,6 +341,18 @@ def _write_events(page: _Page, run: RunFigures) -> None:
             page.table(header, rows)
         else:
             page.add(f"<p class=note>no {title}</p>")
+
+
+def _kind(s: dict[str, Any]) -> str:
+    if "kind" not in s:  # written before stragglers were classified
+        return "-"
+    return f"{s['kind']} ({s['flagged']} of {s['windows']})"
+
+
+def _slowest_row(a: dict[str, Any]) -> list[str]:
+    keys = ("data_wait_s", "own_s", "compute_s", "comm_exposed_s", "optimizer_s")
+    ms = [f"{float(a[k]) * 1e3:.1f} ms" if k in a else "-" for k in keys]
+    return [str(a["rank"]), str(a["host"]), *ms, str(a.get("kind") or "-")]
 
 
 def _write_ft(page: _Page, run: RunFigures) -> None:
@@ -349,7 +392,8 @@ def summary_lines(report: Report) -> list[str]:
     lines = [
         f"{r.data.name}: {r.world_size} proc, {r.steps_done} steps, median step "
         f"{r.median_step_s * 1e3:.1f} ms, {r.samples_per_s:,.1f} samples/s, MFU "
-        f"{_pct(r.mfu)}, goodput {_pct(r.goodput.share)}, {len(r.stragglers)} straggler flag(s), "
+        f"{_pct(r.mfu)}, goodput {_pct(r.goodput.share)}, {len(r.stragglers)} straggler flag(s)"
+        f"{_chronic_note(r)}, "
         f"{len(r.nonfinite)} "
         f"non-finite skip(s), {len(r.stalls)} stall(s), {r.restarts} restart(s)"
         for r in report.runs

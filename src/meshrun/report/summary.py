@@ -5,18 +5,7 @@ process starts (restarts append to the same file), and derives the figures the r
 throughput, the step breakdown, stalls, non-finite skips, checkpoint time, goodput and, given
 runs at several world sizes, the scaling efficiency. ``report/html.py`` draws and writes it.
 
-Goodput is the share of wall time spent on useful steps. Wall time runs from the first
-``start`` record (written when ``meshrun.init()`` has set up the process group) to the last
-record of the file; process start-up before that (imports) is not seen. A useful step is one
-whose update is in the final model: not skipped by the numerics guard and not redone after a
-restart. Its time is the run's median step time, so everything a step took beyond the median
-(stalls, jitter) is counted apart, as are checkpoint saves, restarts and what runs outside
-the step loop (start-up after init, evaluation, the final save).
-
-Under replica groups (``[fault_tolerance]``) a step the quorum did not commit is lost work: it
-leaves no step line, only an ``ft_uncommitted`` event. Its time runs from the record before
-it to that event, and goodput counts it apart (it would otherwise hide in the next step's
-time, or outside the loop when no step followed).
+Goodput (where the wall time went, in parts that add up to it) is ``report/goodput.py``.
 """
 
 from __future__ import annotations
@@ -31,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from meshrun.monitor.metrics import METRICS_FILE
+from meshrun.report.goodput import FT_EVENTS, Goodput, goodput
+from meshrun.report.records import RunData, Session
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -52,42 +43,10 @@ PARTS = ("data_wait_s", "forward_s", "backward_s", "sync_s", "optimizer_s", "loo
 # A step this many times the median (and 50 ms over it) is a stall worth listing.
 STALL_FACTOR = 3.0
 STALL_MIN_S = 0.05
-# The events replica-group fault tolerance writes (ft/replica.py), in the report's table.
-FT_EVENTS = ("ft_groups", "ft_uncommitted", "ft_heal")
 
 
 class ReportError(ValueError):
     """A run directory that cannot be reported on; the message says why and what to do."""
-
-
-@dataclass
-class Session:
-    """The records of one process start (the first run, or a restart appending to the file)."""
-
-    start: dict[str, Any] | None
-    rows: list[dict[str, Any]] = field(default_factory=list)
-    events: list[dict[str, Any]] = field(default_factory=list)
-
-    def of(self, kind: str) -> list[dict[str, Any]]:
-        return [e for e in self.events if e.get("event") == kind]
-
-
-@dataclass
-class RunData:
-    """One run directory's records."""
-
-    path: Path
-    name: str
-    sessions: list[Session]
-    config: dict[str, Any]
-    skipped_lines: int = 0  # unreadable lines (a crash in the middle of a write)
-
-    @property
-    def rows(self) -> list[dict[str, Any]]:
-        return [r for s in self.sessions for r in s.rows]
-
-    def events(self, kind: str) -> list[dict[str, Any]]:
-        return [e for s in self.sessions for e in s.of(kind)]
 
 
 def load_run(path: str | Path) -> RunData:
@@ -175,39 +134,6 @@ class Stall:
 
 
 @dataclass
-class Goodput:
-    """Where the wall time went (seconds); the parts add up to ``wall_s``."""
-
-    wall_s: float
-    useful_s: float
-    skipped_s: float  # steps skipped by the numerics guard
-    redone_s: float  # steps done again after a restart
-    checkpoint_s: float  # training blocked by checkpoint saves
-    slow_steps_s: float  # step time beyond the median: stalls and jitter
-    outside_s: float  # outside the step loop: after init, restarts, eval, final save
-    # Steps the replica-group quorum did not commit; None for a run without replica groups,
-    # whose table then reads as it always did.
-    uncommitted_s: float | None = None
-
-    @property
-    def share(self) -> float:
-        return self.useful_s / self.wall_s if self.wall_s > 0 else math.nan
-
-    def parts(self) -> dict[str, float]:
-        out = {
-            "useful steps": self.useful_s,
-            "slow steps (beyond the median)": self.slow_steps_s,
-            "checkpoint saves": self.checkpoint_s,
-            "non-finite skips": self.skipped_s,
-            "redone after restart": self.redone_s,
-            "outside the step loop": self.outside_s,
-        }
-        if self.uncommitted_s is not None:
-            out["uncommitted steps (replica groups)"] = self.uncommitted_s
-        return out
-
-
-@dataclass
 class RunFigures:
     """What the report says about one run."""
 
@@ -226,6 +152,8 @@ class RunFigures:
     stalls: list[Stall]
     nonfinite: list[dict[str, Any]]
     stragglers: list[dict[str, Any]]
+    # The top-k slowest ranks of the last straggler check (moving averages); [] if none.
+    slowest: list[dict[str, Any]]
     checkpoints: list[dict[str, Any]]
     goodput: Goodput
     notes: list[str]
@@ -257,8 +185,9 @@ def analyse(data: RunData) -> RunFigures:
         stalls=_stalls(data, median),
         nonfinite=nonfinite,
         stragglers=data.events("straggler"),
+        slowest=next((e["slowest"] for e in data.events("ranks")[::-1] if e.get("slowest")), []),
         checkpoints=checkpoints,
-        goodput=_goodput(data, median),
+        goodput=goodput(data),
         notes=notes + _log_every_note(data),
         ft_events=[e for s in data.sessions for e in s.events if e.get("event") in FT_EVENTS],
     )
@@ -329,115 +258,6 @@ def _log_every_note(data: RunData) -> list[str]:
         f"metrics.log_every = {every}: curves and stalls show every {every}th step only; "
         "step counts and goodput use all steps"
     ]
-
-
-def _goodput(data: RunData, median: float) -> Goodput:
-    wall = _wall_time(data)
-    executed, steps_s, ckpt_in = 0, 0.0, 0.0
-    healed_in, healed = _healed_steps(data)
-    for s, gap in zip(data.sessions, healed_in, strict=True):
-        first, last = _session_steps(s)
-        ran = (last - first + 1 if last else 0) - gap
-        executed += ran
-        steps_s += _session_step_time(s, ran)
-        # A save after step S blocks inside step S+1's time; the last one is after the loop.
-        ckpt_in += sum(e["blocked_s"] for e in s.of("checkpoint") if e["after_step"] < last)
-    # Steps a healed replica group took from a peer are in its model but not its time.
-    distinct = max(int(r["step"]) for r in data.rows) - healed
-    skipped = len(data.events("nonfinite"))
-    ckpt_all = sum(float(e["blocked_s"]) for e in data.events("checkpoint"))
-    useful = distinct - skipped
-    lost_in, lost_out = _uncommitted_time(data)
-    return Goodput(
-        wall_s=wall,
-        useful_s=useful * median,
-        skipped_s=skipped * median,
-        redone_s=(executed - distinct) * median,
-        checkpoint_s=ckpt_all,
-        slow_steps_s=max(steps_s - executed * median - ckpt_in - lost_in, 0.0),
-        outside_s=max(wall - steps_s - (ckpt_all - ckpt_in) - lost_out, 0.0),
-        uncommitted_s=lost_in + lost_out if _has_replica_groups(data) else None,
-    )
-
-
-def _has_replica_groups(data: RunData) -> bool:
-    return any("live_groups" in r for r in data.rows) or any(
-        e.get("event") in FT_EVENTS for s in data.sessions for e in s.events
-    )
-
-
-def _healed_steps(data: RunData) -> tuple[list[int], int]:
-    """Steps received by ``ft_heal`` rather than run: (per session, those inside its step
-    range; all). A restarted group heals before its first step; a live one between steps."""
-    inside, total, prev_last = [], 0, 0
-    for s in data.sessions:
-        gap = 0
-        for e in s.of("ft_heal"):
-            before = [int(r["step"]) for r in s.rows if float(r["time"]) <= float(e["time"])]
-            base = max(before) if before else prev_last
-            gap += max(int(e["step"]) - base, 0) if before else 0
-            total += max(int(e["step"]) - base, 0)
-        inside.append(gap)
-        prev_last = max(prev_last, int(s.rows[-1]["step"])) if s.rows else prev_last
-    return inside, total
-
-
-def _uncommitted_time(data: RunData) -> tuple[float, float]:
-    """Seconds of uncommitted steps (from the record before each ``ft_uncommitted`` event to
-    it): (inside the step time of the next committed step, after a session's last step)."""
-    inside = after = 0.0
-    for s in data.sessions:
-        last_row = float(s.rows[-1]["time"]) if s.rows else -math.inf
-        for e in s.of("ft_uncommitted"):
-            t = float(e["time"])
-            before = [float(r["time"]) for r in [*s.rows, *s.events] if float(r["time"]) < t]
-            if s.start is not None:
-                before.append(float(s.start["time"]))
-            lost = t - max(before) if before else 0.0
-            if t < last_row:
-                inside += lost
-            else:
-                after += lost
-    return inside, after
-
-
-def _wall_time(data: RunData) -> float:
-    first = data.sessions[0]
-    if first.start is not None:
-        t0 = float(first.start["time"])
-    else:  # no start record: from the beginning of the first logged step
-        t0 = float(first.rows[0]["time"]) - float(first.rows[0]["step_time_s"])
-    t1 = max(float(r["time"]) for s in data.sessions for r in [*s.rows, *s.events])
-    return max(t1 - t0, 0.0)
-
-
-def _session_steps(s: Session) -> tuple[int, int]:
-    """(first, last) optimizer step this session ran; (0, 0) if none. Rows may be every
-    ``log_every``-th step only, so the first comes from the resume line or the fresh start."""
-    if not s.rows:
-        return 0, 0
-    last = int(s.rows[-1]["step"])
-    resumed = s.of("resume")
-    healed = [e for e in s.of("ft_heal") if float(e["time"]) <= float(s.rows[0]["time"])]
-    if healed:  # a restarted replica group continues at the step it healed to
-        first = int(healed[-1]["step"]) + 1
-    elif resumed:
-        first = int(resumed[0]["from_step"]) + 1
-    elif s.start is not None:
-        first = 1  # started without a checkpoint
-    else:  # a file without start lines: the first logged step is all we know
-        first = int(s.rows[0]["step"])
-    return min(first, int(s.rows[0]["step"])), last
-
-
-def _session_step_time(s: Session, executed: int) -> float:
-    """Seconds inside steps: the summary's total when the session ended cleanly, else the
-    logged steps' times scaled to the steps executed (rows may be every log_every-th)."""
-    summary = s.of("summary")
-    if summary and "total_time_s" in summary[-1]:
-        return float(summary[-1]["total_time_s"])
-    logged = [float(r["step_time_s"]) for r in s.rows]
-    return math.fsum(logged) * executed / len(logged) if logged else 0.0
 
 
 # --- scaling ---------------------------------------------------------------------------------
