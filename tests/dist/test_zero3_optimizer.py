@@ -13,7 +13,11 @@ drifted from one process's from step 2, and ``run.save_checkpoint`` died in DCP.
    first ``run.optimizer_step``, naming the parameter: built while the root was unsharded
    (``model.unshard()``), and built before ``run.parallelize``;
 4. a Hugging Face Qwen2 loaded with ``run.load_pretrained`` and evaluated under no_grad keeps
-   sharded parameters too.
+   sharded parameters too;
+5. (defect 6, in the same launch) a model NaN from its start (an init that forgot a layer),
+   under the default ``monitor.nonfinite = "skip"``, stops at the ``monitor.nonfinite_limit``-th
+   non-finite step in a row on both ranks, naming that layer's parameter, instead of skipping
+   every step and exiting 0.
 """
 
 from __future__ import annotations
@@ -162,6 +166,20 @@ def train(rank: int, world_size: int, run_dir: str, qwen_dir: str) -> dict[str, 
         byo_models.logits_of(qwen, torch.zeros(2, SEQ, dtype=torch.long))
     out["qwen_sharded_after_eval"] = all_sharded(qwen)
 
+    # 5: a NaN layer from the start.
+    nan = build()
+    nn.init.constant_(nan.blocks[1].fc.weight, float("nan"))  # the layer init_weights forgot
+    nan = run.parallelize(nan)
+    nan_opt = run.optimizer(nan, torch.optim.AdamW, lr=LR)
+    start = run.step
+    try:
+        for batch in run.steps(loader, steps=start + 10):
+            run.backward(loss_of(nan, batch))
+            run.optimizer_step(nan_opt)
+        out["nan_stop"] = None
+    except meshrun.monitor.NonFiniteLossError as e:
+        out["nan_stop"] = str(e)
+    out["nan_steps"] = run.step - start
     run.close()
     return out
 
@@ -183,3 +201,8 @@ def test_zero3_optimizer_holds_current_parameters(tmp_path: Path) -> None:
             error = r[case]
             assert error is not None and "embed.weight" in error, (case, error)
             assert "run.optimizer" in error, error
+        limit = meshrun.Config().monitor.nonfinite_limit
+        assert r["nan_steps"] == limit - 1  # the skipped steps count; the limit-th stops
+        assert r["nan_stop"] is not None, r
+        assert f"{limit} non-finite steps in a row" in r["nan_stop"], r["nan_stop"]
+        assert "parameter 'blocks.1.fc.weight'" in r["nan_stop"], r["nan_stop"]
