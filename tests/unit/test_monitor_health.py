@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from meshrun.config import Config, ConfigError, apply_overrides
-from meshrun.monitor.numerics import check_loss, describe
+from meshrun.monitor.numerics import check_loss, describe, first_nonfinite
 from meshrun.monitor.stragglers import find_stragglers
 from meshrun.monitor.watchdog import Watchdog, hang_report
 
@@ -57,6 +57,20 @@ def test_guard_without_a_process_group_reports_the_local_loss() -> None:
     assert none.finite and math.isnan(none.loss)
 
 
+def test_the_stop_message_names_the_first_nonfinite_value_then_gradient() -> None:
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), torch.nn.Linear(2, 1))
+    model(torch.ones(1, 2)).sum().backward()
+    assert "the loss itself" in first_nonfinite([model], distributed=False)
+    # A NaN gradient spreads towards the input: the one nearest the output is named.
+    model[0].weight.grad.fill_(math.nan)
+    model[1].bias.grad[0] = math.inf
+    assert "the gradient of '1.bias' (rank 0)" in first_nonfinite([model], distributed=False)
+    # A NaN value wins over every gradient (it makes them NaN).
+    with torch.no_grad():
+        model[2].weight[0, 1] = math.nan
+    assert "parameter '2.weight' (rank 0)" in first_nonfinite([model], distributed=False)
+
+
 def test_monitor_config_keys_are_checked() -> None:
     cfg = apply_overrides(
         Config(), [("monitor.nonfinite", "stop"), ("monitor.straggler_every", "5")]
@@ -66,6 +80,9 @@ def test_monitor_config_keys_are_checked() -> None:
         apply_overrides(Config(), [("monitor.nonfinite", "ignore")])
     with pytest.raises(ConfigError, match=r"monitor\.straggler_factor"):
         apply_overrides(Config(), [("monitor.straggler_factor", "0.5")])
+    assert Config().monitor.nonfinite_limit == 3  # a model NaN from its start stops at step 3
+    with pytest.raises(ConfigError, match=r"monitor\.nonfinite_limit = -1.*>= 0"):
+        apply_overrides(Config(), [("monitor.nonfinite_limit", "-1")])
 
 
 def test_hang_report_names_silent_ranks_and_where_the_others_wait(tmp_path: Path) -> None:

@@ -330,6 +330,12 @@ class MonitorConfig:
     nonfinite: Literal["skip", "stop"] = setting(
         "skip", "NaN/Inf loss on any rank: every rank skips the step (zero grads), or all stop."
     )
+    nonfinite_limit: int = setting(
+        3,
+        "Under nonfinite = skip: stop (non-zero exit) after this many NaN/Inf steps in a row, "
+        "naming the first NaN/Inf parameter or gradient; 0 = skip without limit.",
+        min=0,
+    )
     straggler_every: int = setting(
         20, "Compare ranks' step components every N optimizer steps; 0 = off.", min=0
     )

@@ -12,13 +12,25 @@ the same loss, so their copies do not change it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
+from torch import nn
 
+from meshrun.parallel.kinds import is_dtensor
+from meshrun.parallel.optim_params import named_parameters
 from meshrun.runtime.agreement import Agreed, StepAgreement
 
-__all__ = ["GuardResult", "NonFiniteLossError", "check_loss", "guard_result", "local_loss"]
+__all__ = [
+    "GuardResult",
+    "NonFiniteLossError",
+    "check_loss",
+    "first_nonfinite",
+    "guard_result",
+    "local_loss",
+]
 
 
 class NonFiniteLossError(RuntimeError):
@@ -66,3 +78,43 @@ def describe(result: GuardResult, step: int, hosts: list[str] | None = None) -> 
         for r in result.bad_ranks
     ]
     return f"non-finite loss (NaN/Inf) at step {step} on rank(s) {', '.join(names)}"
+
+
+def first_nonfinite(models: Sequence[nn.Module], distributed: bool) -> str:
+    """Where the models' first NaN/Inf is, for the stop message: "parameter 'blocks.1.fc.weight'
+    (rank 0)". Each rank looks at what it holds (its shards); collective when ``distributed``
+    (every rank calls it: the guard stops on every rank together). Runs only when a run stops."""
+    found = _local_first(models)
+    hits = [(found[0], 0, found[1])] if found else []
+    if distributed:
+        everyone: list[tuple[int, str] | None] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, found)
+        hits = [(f[0], rank, f[1]) for rank, f in enumerate(everyone) if f is not None]
+    if not hits:
+        return (
+            "every parameter and gradient is finite: the loss itself is not (check the inputs, "
+            "the targets and the loss function)"
+        )
+    _, rank, what = min(hits)
+    return f"the first non-finite tensor is {what} (rank {rank})"
+
+
+def _local_first(models: Sequence[nn.Module]) -> tuple[int, str] | None:
+    """(order, description) of this rank's first non-finite parameter, else gradient."""
+    named = [(n, p) for m in models for n, p in named_parameters(m)]
+    # The values first: one NaN weight makes every gradient before it NaN too.
+    for i, (name, p) in enumerate(named):
+        if not _finite(p):
+            return i, f"parameter '{name}'"
+    # Gradients from the output end: backward computes them in that order, so the first
+    # non-finite one there is nearest where the NaN began.
+    for i, (name, p) in enumerate(reversed(named)):
+        if p.grad is not None and not _finite(p.grad):
+            return len(named) + i, f"the gradient of '{name}'"
+    return None
+
+
+def _finite(t: torch.Tensor) -> bool:
+    with torch.no_grad():
+        local = t.to_local() if is_dtensor(t) else t
+        return bool(torch.isfinite(local).all())

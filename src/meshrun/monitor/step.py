@@ -33,6 +33,7 @@ from meshrun.monitor.numerics import (
     GuardResult,
     NonFiniteLossError,
     describe,
+    first_nonfinite,
     guard_result,
     local_loss,
 )
@@ -84,6 +85,7 @@ class StepMonitor:
         self.hostname = hostname
         self.metrics = metrics
         self.skipped_steps = 0
+        self.nonfinite_in_row = 0  # non-finite steps since the last finite one
         self._hosts: list[str] | None = None
         self._phase = dict.fromkeys(_PHASES, 0.0)
         self._t_batch: float | None = None
@@ -180,17 +182,37 @@ class StepMonitor:
         result = guard_result(agreed)
         self.add("sync_s", t0)
         if result.finite:
+            self.nonfinite_in_row = 0
             return result
+        self.nonfinite_in_row += 1
+        self._stop_or_skip(result, step)
+        return result
+
+    def _stop_or_skip(self, result: GuardResult, step: int) -> None:
+        """A non-finite step: raise on every rank together under ``nonfinite = "stop"`` or at
+        the ``nonfinite_limit``-th such step in a row (a model NaN from its start would else
+        skip every step and exit 0), naming the first NaN/Inf tensor; else skip it."""
         text = describe(result, step, self._hosts)
-        self.metrics.log_event(
-            "nonfinite", step=step, ranks=list(result.bad_ranks), action=self.settings.nonfinite
-        )
-        if self.settings.nonfinite == "stop":
-            raise NonFiniteLossError(f"{text}: stopping on every rank (monitor.nonfinite=stop)")
+        limit, in_row = self.settings.nonfinite_limit, self.nonfinite_in_row
+        limit_hit = self.settings.nonfinite == "skip" and 0 < limit <= in_row
+        stop = self.settings.nonfinite == "stop" or limit_hit
+        action = "stop" if stop else "skip"
+        self.metrics.log_event("nonfinite", step=step, ranks=list(result.bad_ranks), action=action)
+        if stop:
+            reason = (
+                f"{in_row} non-finite steps in a row, monitor.nonfinite_limit={limit}"
+                if limit_hit
+                else "monitor.nonfinite=stop"
+            )
+            where = first_nonfinite(self.models, self.distributed)
+            raise NonFiniteLossError(
+                f"{text}: stopping on every rank ({reason}); {where}. Fix the model's "
+                "initialisation, the data or the learning rate; monitor.nonfinite_limit=0 "
+                "skips such steps without limit"
+            )
         self.skipped_steps += 1
         if self.metrics.is_main:
             log.warning("%s: every rank skips this optimizer step (monitor.nonfinite=skip)", text)
-        return result
 
     # --- per-step figures and stragglers --------------------------------------------------
 

@@ -70,9 +70,26 @@ def apply_fsdp(
     # unsharded after the forward saves one all-gather for little memory.
     fully_shard(model, mesh=mesh, reshard_after_forward=False, mp_policy=mp, offload_policy=offload)
     assert isinstance(model, FSDPModule)
+    # ...but after a forward without grad (an evaluation) no backward comes to reshard them:
+    # the model would keep its unsharded Parameters registered, and an optimizer built then
+    # would step tensors the next training forward no longer reads. Registered after FSDP2's
+    # own post-forward hook, so it runs after it.
+    model.register_forward_hook(_reshard_without_grad([*units, model]))
     if prefetch:
         apply_prefetch(units, prefetch, async_unshard=mesh.device_type == "cpu")
     return model
+
+
+def _reshard_without_grad(units: list[FSDPModule]) -> Callable[..., None]:
+    """A forward hook for the root: when grad is disabled, reshard every unit (the root, and
+    under ZeRO-2 every block, stay unsharded after a forward that has no backward)."""
+
+    def hook(module: nn.Module, args: object, output: object) -> None:
+        if not torch.is_grad_enabled():
+            for unit in units:
+                unit.reshard()
+
+    return torch.compiler.disable(hook)  # like FSDP2's own hooks: outside a compiled graph
 
 
 def apply_prefetch(units: list[FSDPModule], depth: int, async_unshard: bool = False) -> None:

@@ -14,7 +14,7 @@ under ``zero = 1`` is an error at the first step (:func:`check_optimizer`), neve
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -23,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from meshrun.config import ConfigError, ParallelConfig
 from meshrun.parallel.foreach import with_foreach_default
 from meshrun.parallel.kinds import is_zero_redundancy
+from meshrun.parallel.optim_params import reshard_fsdp
 from meshrun.parallel.param_groups import check_param_groups
 from meshrun.parallel.pp.kind import is_pipeline
 
@@ -43,7 +44,10 @@ def build_optimizer(
     ``model`` may be a :class:`Pipeline`: its optimizer takes this rank's stages' parameters
     (under ZeRO-1 through :meth:`Pipeline.local_parameters`). ``param_groups`` (dicts with a
     ``"params"`` list and per-group options) replace ``model.parameters()``: see
-    parallel/param_groups.py for the checks."""
+    parallel/param_groups.py for the checks. FSDP2 units are resharded first: after a forward
+    without backward (an evaluation) they may hold their unsharded Parameters, which the next
+    training forward no longer reads."""
+    reshard_fsdp(model.modules if is_pipeline(model) else [cast(nn.Module, model)])
     params = [p for p in model.parameters() if p.requires_grad]
     zero1 = cfg.zero == 1 and mesh is not None and mesh.get_group("dp").size() > 1
     if zero1 and is_pipeline(model):

@@ -15,6 +15,7 @@ import logging
 import math
 import socket
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
@@ -34,6 +35,7 @@ from meshrun.parallel import set_grad_sync
 from meshrun.parallel.cp import shard_sequence
 from meshrun.parallel.grads import clip_grads_, grad_norm, grad_sq_share
 from meshrun.parallel.kinds import is_dtensor
+from meshrun.parallel.optim_params import FormerParams, check_current
 from meshrun.parallel.report import log_state_table
 from meshrun.runtime.agreement import StepAgreement
 from meshrun.runtime.state import TrainState
@@ -154,6 +156,10 @@ class StepLoop:
         self.monitor.models = self.state.models  # DDP models get their all-reduce timed
         self.replicas, self._target = replicas, total_steps  # torchft groups: ft/replica.py
         self._boundary_calls = 0  # optimizer_step calls on a boundary (committed or not)
+        # The models' parameters before run.parallelize replaced them, and the optimizers
+        # already checked to hold the current ones (check_params).
+        self.former = FormerParams()
+        self._checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -279,6 +285,14 @@ class StepLoop:
         if is_dtensor(detached):  # loss parallel: a replicated DTensor scalar
             detached = detached.full_tensor()
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+
+    def check_params(self, optimizer: torch.optim.Optimizer) -> None:
+        """Once per optimizer, at its first step: it holds the models' current parameters
+        (parallel/optim_params.py), else the error names the first one it does not."""
+        if optimizer not in self._checked:
+            world = self.monitor.agreement.world
+            check_current(optimizer, self.state.models, self.former, distributed=world > 1)
+            self._checked.add(optimizer)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step (and zero) the optimizer on a boundary micro-step; return whether this was one.

@@ -120,6 +120,7 @@ class Run:
         options.setdefault("comm_hook_wrap", self._loop.monitor.comm_hook_wrap())
         self.set_model_flops(model_flops(model, self.config.metrics.flops_per_sample))
         c = self.config.parallel
+        self._loop.former.remember(model)  # names an optimizer built before this (optim_params)
         return _model.parallelize_model(model, self.mesh, c, self.device, self._state, **options)
 
     def pipeline(
@@ -136,6 +137,7 @@ class Run:
             raise ConfigError("run.pipeline needs a process group: start with parallel.pp > 1")
         self.set_model_flops(model_flops(model, self.config.metrics.flops_per_sample))
         parts = (self.mesh, self.config.parallel, self.device, self.accum, self._state)
+        self._loop.former.remember(model)
         return _model.pipeline_model(model, loss_fn, *parts, **options)
 
     def pipeline_step(
@@ -162,7 +164,9 @@ class Run:
     ) -> torch.optim.Optimizer:
         """``optimizer_class(model.parameters(), **kwargs)``; under ``parallel.zero = 1`` its
         state is sharded over the data-parallel ranks (a ZeroRedundancyOptimizer). Build it
-        after :meth:`parallelize` / :meth:`pipeline` (FSDP2 and TP replace the parameters).
+        after :meth:`parallelize` / :meth:`pipeline` (FSDP2 and TP replace the parameters);
+        FSDP2 units are resharded first, and the first :meth:`optimizer_step` of any optimizer
+        refuses one holding a tensor the model no longer uses (parallel/optim_params.py).
 
         ``param_groups``: torch's parameter groups instead of ``model.parameters()``, e.g.
         ``[{"params": matrices, "weight_decay": 0.1}, {"params": rest, "weight_decay": 0.0}]``

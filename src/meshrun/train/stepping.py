@@ -41,8 +41,10 @@ def optimizer_step(
     checkpointer: Checkpointer,
 ) -> bool:
     """``run.optimizer_step``: the loop's step at a window's end, then the interval checkpoint
-    of that step, written once the user's loop body of the step is done."""
+    of that step, written once the user's loop body of the step is done. The first call with
+    an optimizer checks that it holds the model's current parameters."""
     check_optimizer(optimizer, cfg, dp_size)
+    loop.check_params(optimizer)
     checkpointer.flush()  # the last step's save, in a loop without run.steps
     checkpointer.before_update()  # an async save's background copy must end first
     maybe_record_step(loop)  # monitor.record_steps: for meshrun compare
