@@ -110,6 +110,9 @@ class Pipeline:
     # This rank's copies of tied parameters that span two stages (parallel/pp/tied.py).
     tied: list[TiedCopy] = field(default_factory=list)
     loss_fn: LossFn | None = None  # the loss the schedule computes, unscaled (pipeline_eval)
+    chunks: int = 1  # the schedule's micro-batches per call (parallel.pp_microbatches)
+    # (rows, *other dims) of every eval forward, fixed by the first eval batch (pipeline_eval)
+    eval_shape: tuple[int, ...] | None = None
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (all its stages), for the optimizer."""
@@ -279,7 +282,7 @@ def build_pipeline(
     is_last = n - 1 in ids
     lp = cfg.loss_parallel and is_last
     pipe = Pipeline(modules, schedule, 0 in ids, is_last, group, last_rank, scaler, lp)
-    pipe.loss_fn = loss_fn
+    pipe.loss_fn, pipe.chunks = loss_fn, chunks
     return pipe
 
 
@@ -309,24 +312,64 @@ def pipeline_step(pipe: Pipeline, inputs: Tensor, targets: Tensor) -> Tensor:
 
 
 def pipeline_eval(pipe: Pipeline, inputs: Tensor, targets: Tensor) -> Tensor:
-    """Forward only (evaluation): the micro-batch's mean loss, ``pipe.loss_fn`` on the last
-    stage's logits, on every rank of the pipeline. No gradients, no change to any state; call
-    it with the stage modules in eval mode (``for m in pipe.modules: m.eval()``) as one would
-    call ``model.eval()``.
+    """Forward only (evaluation): the batch's mean loss, ``pipe.loss_fn`` on the last stage's
+    logits of exactly these rows, on every rank of the pipeline (one process's loss over the
+    same examples). No gradients, no change to any state; call it with the stage modules in
+    eval mode (``for m in pipe.modules: m.eval()``) as one would call ``model.eval()``.
+
+    Any number of rows, the same on every rank of the pipeline. The schedule's stages fix
+    their receive buffers' shapes at the first forward of a mode (train or eval), so every
+    eval forward runs on one shape: the first eval batch's rows rounded up to a multiple of
+    the schedule's chunks. A smaller batch (the last of an eval set) is padded to it with
+    copies of its own rows, a larger one runs as several such pieces, and the loss is
+    computed once, on the real rows' logits only: the padding costs the forward of the
+    padded rows and changes nothing. Later batches must keep the first one's other dims.
 
     The schedule's ``eval`` runs the chunks forward only (torch.distributed.pipelining); it
     takes the targets because it computes its chunk losses (with the training scale), so the
     loss returned here is recomputed from the merged logits instead."""
     if pipe.loss_fn is None:
         raise ValueError("pipeline_eval: this Pipeline was built without a loss_fn")
-    args = (inputs,) if pipe.is_first else ()
-    target = targets if pipe.is_last else None
+    rows, n = _eval_rows(pipe, inputs), int(inputs.shape[0])
     with torch.no_grad(), _loss_parallel(pipe):
-        logits = pipe.schedule.eval(*args, target=target)
-        loss = _full(pipe.loss_fn(logits, targets)).float() if pipe.is_last else None
+        pieces = [
+            _eval_piece(pipe, inputs[i : i + rows], targets[i : i + rows], rows)
+            for i in range(0, n, rows)
+        ]
+        loss = None
+        if pipe.is_last:
+            logits = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
+            loss = _full(pipe.loss_fn(logits[:n], targets)).float()
     out = loss if loss is not None else torch.zeros(())
     dist.broadcast(out, src=pipe.last_rank, group=pipe.group)
     return out
+
+
+def _eval_rows(pipe: Pipeline, inputs: Tensor) -> int:
+    """The rows of every eval forward: fixed by the first eval batch (see pipeline_eval)."""
+    if pipe.eval_shape is None:
+        rows = -(-int(inputs.shape[0]) // pipe.chunks) * pipe.chunks
+        pipe.eval_shape = (rows, *inputs.shape[1:])
+    rows, *rest = pipe.eval_shape
+    if tuple(inputs.shape[1:]) != tuple(rest):
+        raise ValueError(
+            f"pipeline_eval: a batch of shape {tuple(inputs.shape)}, but this pipeline "
+            f"evaluates batches of shape (rows, {', '.join(map(str, rest))}) (its first eval "
+            "batch's): its stages' buffers keep that shape; give every eval batch the same "
+            "dims after the first (e.g. the same sequence length)"
+        )
+    return rows
+
+
+def _eval_piece(pipe: Pipeline, inputs: Tensor, targets: Tensor, rows: int) -> Tensor:
+    """The last stage's logits for ``inputs`` (at most ``rows``), run padded to ``rows``."""
+    n = int(inputs.shape[0])
+    if n < rows:  # copies of the batch's own rows: valid inputs and targets for any model
+        pick = torch.arange(rows, device=inputs.device) % n
+        inputs, targets = inputs[pick], targets[pick.to(targets.device)]
+    args = (inputs,) if pipe.is_first else ()
+    logits = pipe.schedule.eval(*args, target=targets if pipe.is_last else None)
+    return logits[:n] if pipe.is_last else logits
 
 
 def _full(loss: Tensor) -> Tensor:
