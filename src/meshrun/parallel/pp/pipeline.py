@@ -191,8 +191,9 @@ class Stages:
 def build_stage_modules(
     model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, spec: ModelSpec | None = None
 ) -> Stages:
-    """This rank's stages (parallel/pp/placement.py: one, looped or V-shaped). Every stage is built on every rank (they only reference the model's modules) so that all
-    of them are checked, in a row, against the model's own forward before any training."""
+    """This rank's stages (parallel/pp/placement.py: one, looped or V-shaped). Every stage is
+    built on every rank (they only reference the model's modules) so that all of them are
+    checked, in a row, against the model's own forward before any training."""
     structure = find_structure(model, spec)
     meta = any(p.is_meta for p in model.parameters())
     init = stage_initializer(model) if meta else None  # refused before anything changes
@@ -338,8 +339,8 @@ def pipeline_eval(pipe: Pipeline, inputs: Tensor, targets: Tensor) -> Tensor:
         ]
         loss = None
         if pipe.is_last:
-            logits = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-            loss = _full(pipe.loss_fn(logits[:n], targets)).float()
+            logits = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # n rows
+            loss = _full(pipe.loss_fn(logits, targets)).float()
     out = loss if loss is not None else torch.zeros(())
     dist.broadcast(out, src=pipe.last_rank, group=pipe.group)
     return out
