@@ -10,6 +10,12 @@ For the tied models the two copies of ``wte`` / ``lm_head`` (on the first and th
 are compared bitwise after the 5 steps: no layout trains them untied. After training every
 layout evaluates a held-out batch with ``pipeline_eval`` (forward only), compared with the
 reference model's loss on it.
+
+A third 2-rank spawn runs torch's zero-bubble schedules (split backward) on Llama and on
+meshrun's demo GPT: ZB1P (2 looped stages per rank), ZB-V and DualPipeV (2 stages per rank in
+a V: rank 0 holds the first and the last stage), 4 chunks each, against one process; and
+checks that a tied model (nanoGPT) under a V schedule is refused before training, naming the
+pair (its first and last stage share rank 0).
 """
 
 from __future__ import annotations
@@ -27,8 +33,8 @@ from torch.distributed.tensor import DTensor
 from _dist import run_distributed
 from byo_models import SEQ, VOCAB, NanoGPT, logits_of, tiny_gpt2, tiny_llama, tiny_qwen2
 from meshrun.config import ParallelConfig, check_layout
-from meshrun.runtime.mesh import ParallelDims, build_mesh
 from meshrun.parallel import clip_grad_norm_, parallelize_pipeline, pipeline_eval, pipeline_step
+from meshrun.runtime.mesh import ParallelDims, build_mesh
 
 STEPS = 5
 GLOBAL_BATCH = 8
@@ -36,6 +42,13 @@ LR = 0.1
 CLIP = 1.0
 LOSS_RTOL = 1e-4
 PARAM_ATOL = 1e-5
+
+
+def demo_gpt() -> nn.Module:
+    """meshrun's demo GPT (src/meshrun/demo/model.py), 4 blocks, as test_layouts builds it."""
+    from test_layouts import build_model
+
+    return build_model(n_layer=4)
 
 
 def nanogpt() -> nn.Module:
@@ -48,6 +61,7 @@ MODELS: dict[str, Callable[[], nn.Module]] = {
     "qwen2": tiny_qwen2,
     "gpt2": tiny_gpt2,
     "nanogpt": nanogpt,
+    "demo": demo_gpt,
 }
 TIED = {"gpt2": ("transformer.wte.weight", "lm_head.weight")}
 TIED["nanogpt"] = TIED["gpt2"]
@@ -172,6 +186,33 @@ def _check_all(results: dict[str, Any], runs: dict[str, tuple[str, dict[str, Any
         assert ref["losses"][-1] < ref["losses"][0], (name, ref["losses"])  # it learns
     for key, (name, _) in runs.items():
         check(key, results[key], refs[name], name)
+
+
+ZERO_BUBBLE: dict[str, tuple[str, dict[str, Any]]] = {
+    f"{m} PP 2 {s}": (m, {"pp": 2, "pp_schedule": s, "pp_microbatches": 4})
+    for m in ("llama", "demo")
+    for s in ("zb1p", "zbv", "dualpipev")
+}
+
+
+def zero_bubble_and_refusal(rank: int, world_size: int, runs: dict[str, Any]) -> Any:
+    out = train_all(rank, world_size, runs)
+    cfg = ParallelConfig(pp=2, pp_schedule="zbv", pp_microbatches=4)
+    mesh = build_mesh(ParallelDims.from_config(cfg, world_size), "cpu")
+    try:
+        parallelize_pipeline(nanogpt(), mesh, cfg, torch.device("cpu"), lm_loss)
+    except Exception as e:  # checked in the parent: type and message
+        out["refusal"] = f"{type(e).__name__}: {e}"
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_zero_bubble_schedules_match_one_process() -> None:
+    results = run_distributed(zero_bubble_and_refusal, 2, ZERO_BUBBLE, timeout=270)
+    _check_all(results[0], ZERO_BUBBLE)
+    refusal = results[0].pop("refusal", "not refused")
+    assert refusal.startswith("ConfigError"), refusal
+    assert "transformer.wte.weight" in refusal and "one rank" in refusal, refusal
 
 
 @pytest.mark.timeout(480)

@@ -5,7 +5,10 @@ One 4-rank spawn runs pp=2 x dp_shard=2 (FSDP2 on each stage) with GPipe, 1F1B a
 1F1B and pp=2 x tp=2 + SP interleaved, each on a fresh model and mesh; per-step losses,
 clipped gradient norms (combined over the stages) and final parameters are compared with the
 single-process reference of test_layouts.py on the same model shape. A 2-rank spawn runs the
-user's loop under ``meshrun.init`` with ``run.pipeline`` and accumulation 2.
+user's loop under ``meshrun.init`` with ``run.pipeline`` and accumulation 2, then evaluates:
+``run.evaluate`` on 13 held-out windows (micro-batches 4, 4, 4 and a partial 1) and
+``run.pipeline_eval`` on 3 rows (not a multiple of the 2 chunks) and 9 rows (more than the
+first eval batch), each against one process's mean loss over the same examples.
 """
 
 from __future__ import annotations
@@ -35,7 +38,6 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from _dist import run_distributed
 from meshrun.config import ParallelConfig, check_layout
-from meshrun.runtime.mesh import ParallelDims, build_mesh
 from meshrun.parallel import (
     build_grad_scaler,
     build_optimizer,
@@ -43,6 +45,7 @@ from meshrun.parallel import (
     parallelize_pipeline,
     pipeline_step,
 )
+from meshrun.runtime.mesh import ParallelDims, build_mesh
 
 N_LAYER = 4
 
@@ -165,6 +168,20 @@ class Windows(torch.utils.data.Dataset[dict[str, Tensor]]):
         return {"input": self.tokens[i, :-1], "target": self.tokens[i, 1:]}
 
 
+class HeldOut(torch.utils.data.Dataset[tuple[Tensor, Tensor]]):
+    """13 windows: with micro-batch 4 the last eval batch holds 1 (a partial batch)."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(2)
+        self.tokens = torch.randint(0, 16, (13, 33), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def __getitem__(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.tokens[i, :-1], self.tokens[i, 1:]
+
+
 def make_config(run_dir: str) -> Any:
     import meshrun
 
@@ -178,7 +195,7 @@ def make_config(run_dir: str) -> Any:
     return cfg
 
 
-def user_loop(rank: int, world_size: int, cfg: Any) -> list[float]:
+def user_loop(rank: int, world_size: int, cfg: Any) -> dict[str, Any]:
     import meshrun
 
     run = meshrun.init(cfg, argv=[])
@@ -191,11 +208,21 @@ def user_loop(rank: int, world_size: int, cfg: Any) -> list[float]:
         run.pipeline_step(pipe, batch["input"], batch["target"])
         if run.optimizer_step(opt):
             norms.append(run.grad_norm)
+    out: dict[str, Any] = {"norms": norms}
+    out["evaluate"] = run.evaluate(pipe, run.dataloader(HeldOut(), mode="eval"))
+    held = HeldOut().tokens
+    for m in pipe.modules:
+        m.eval()
+    with torch.no_grad():
+        for rows in (3, 9):
+            out[f"eval {rows} rows"] = float(
+                run.pipeline_eval(pipe, held[:rows, :-1], held[:rows, 1:])
+            )
     run.close()
-    return norms
+    return out
 
 
-def loop_reference() -> tuple[list[float], list[float]]:
+def loop_reference() -> tuple[list[float], list[float], dict[str, float]]:
     import meshrun
 
     ds = Windows()
@@ -213,18 +240,28 @@ def loop_reference() -> tuple[list[float], list[float]]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, norms
+    model.eval()
+    held = HeldOut().tokens
+    with torch.no_grad():  # one forward over each set of examples: their mean loss
+        evals = {
+            f"eval {n} rows": float(lm_loss(model(held[:n, :-1]), held[:n, 1:])) for n in (3, 9)
+        }
+        evals["evaluate"] = float(lm_loss(model(held[:, :-1]), held[:, 1:]))
+    return losses, norms, evals
 
 
 @pytest.mark.timeout(150)
 def test_run_pipeline_in_the_user_loop_with_accumulation(tmp_path: Any) -> None:
     import json
 
-    ref_losses, ref_norms = loop_reference()
+    ref_losses, ref_norms, ref_evals = loop_reference()
     results = run_distributed(user_loop, 2, make_config(str(tmp_path / "run")), timeout=120)
     rows = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    logged = [json.loads(r)["loss"] for r in rows if '"step"' in r]
+    logged = [json.loads(r)["loss"] for r in rows if '"step"' in r and '"event"' not in r]
     assert logged == pytest.approx(ref_losses, rel=1e-4), (logged, ref_losses)
-    for norms in results:  # every stage clips by the norm over both stages
-        assert norms == pytest.approx(ref_norms, rel=1e-4)
+    for got in results:  # every stage clips by the norm over both stages
+        assert got["norms"] == pytest.approx(ref_norms, rel=1e-4)
+        for key, ref in ref_evals.items():  # the same float on both ranks of the pipeline
+            assert got[key] == pytest.approx(ref, rel=1e-5), (key, got[key], ref)
     print(f"run.pipeline: logged losses {[round(x, 5) for x in logged]}")
+    print(f"held-out: {ref_evals} (one process) = {[results[0][k] for k in ref_evals]}")

@@ -195,6 +195,32 @@ def test_pipeline_layouts_are_checked() -> None:
         validate_for_world(cfg, 2)
 
 
+def test_zero_bubble_schedules_are_checked_and_placed() -> None:
+    from meshrun.parallel.pp.placement import rank_of_stage, stage_ids
+
+    msg = rejected(2, pp=2, pp_schedule="zbv", pp_virtual_stages=3)
+    assert "parallel.pp_schedule = zbv holds exactly 2 stages per rank" in msg
+    assert "parallel.pp_virtual_stages = 3" in msg and "pp_virtual_stages=2" in msg
+    msg = rejected(2, pp=2, pp_schedule="zb1p", pp_microbatches=5)
+    assert "parallel.pp_microbatches = 5 is not a multiple of 2" in msg
+    assert "choose pp_microbatches in [2, 3, 4, 6, 8]" in msg
+    msg = rejected(2, pp=2, pp_schedule="dualpipev", pp_microbatches=2)
+    assert "set pp_microbatches >= 4" in msg
+    with pytest.raises(ConfigError, match=r"pp_schedule = 'zbx' is not allowed: .*'dualpipev'"):
+        load_config(None, [("parallel.pp_schedule", "zbx")])
+    for schedule, micro in (("zb1p", 4), ("zbv", 2), ("dualpipev", 4)):
+        over = {"pp": 2, "pp_schedule": schedule, "pp_microbatches": micro}
+        cfg = load_config(None, [(f"parallel.{k}", str(v)) for k, v in over.items()])
+        cfg.data.micro_batch = 8
+        assert validate_for_world(cfg, 2)["pp"] == 2, schedule
+    # V placement: rank r holds stages r and 2 pp - 1 - r; looped: r, r + pp, ...
+    v = ParallelConfig(pp=4, pp_schedule="zbv")
+    assert [stage_ids(r, v) for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert [rank_of_stage(s, v) for s in range(8)] == [0, 1, 2, 3, 3, 2, 1, 0]
+    looped = ParallelConfig(pp=2, pp_schedule="zb1p", pp_virtual_stages=3)
+    assert stage_ids(1, looped) == [1, 3, 5] and rank_of_stage(5, looped) == 1
+
+
 def test_pipeline_stages_split_blocks_evenly_and_not_beyond_the_blocks() -> None:
     assert split_blocks(4, 2) == [range(0, 2), range(2, 4)]
     assert split_blocks(5, 2) == [range(0, 3), range(3, 5)]

@@ -13,8 +13,9 @@ import torch
 from torch import Tensor, nn
 
 from byo_models import NanoGPT, tiny_gpt2, tiny_llama, tiny_qwen2
-from meshrun.config import ConfigError
+from meshrun.config import ConfigError, ParallelConfig
 from meshrun.demo.model import GPT, demo_config
+from meshrun.parallel.pp.placement import rank_of_stage
 from meshrun.parallel.pp.split import split_model
 from meshrun.parallel.pp.stages import StageModule, StageParts, check_stages_reproduce, hf_context
 from meshrun.parallel.pp.tied import plan_tied
@@ -106,13 +107,19 @@ def test_tied_pairs_across_stages() -> None:
     model = nanogpt()
     s = find_structure(model)
     parts = split_model(model, s, 4).parts
-    pairs = plan_tied(s.tied, parts, pp=4)
-    assert [(p.fqns, p.stages) for p in pairs] == [
-        (("transformer.wte.weight", "lm_head.weight"), (0, 3))
+    pairs = plan_tied(s.tied, parts, lambda stage: stage)  # pp = 4, one stage per rank
+    assert [(p.fqns, p.stages, p.ranks) for p in pairs] == [
+        (("transformer.wte.weight", "lm_head.weight"), (0, 3), (0, 3))
     ]
     # Interleaved with 2 stages per rank: stages 0 and 3 are on ranks 0 and 1, kept tied.
-    assert len(plan_tied(s.tied, parts, pp=2)) == 1
-    # A pair on two stages of one rank is refused, with the reason.
+    looped = ParallelConfig(pp=2, pp_schedule="interleaved")
+    assert len(plan_tied(s.tied, parts, lambda stage: rank_of_stage(stage, looped))) == 1
+    # A pair on two stages of one rank is refused, with the reason: looped stages pp apart,
+    # and under a V the first and the last stage (both on rank 0).
     odd = [StageParts(p.before, p.blocks, p.after) for p in parts]
     with pytest.raises(ConfigError, match="two stages of one rank"):
-        plan_tied((("transformer.wte.weight", "transformer.h.2.mlp.c_fc.weight"),), odd, pp=2)
+        pair = (("transformer.wte.weight", "transformer.h.2.mlp.c_fc.weight"),)
+        plan_tied(pair, odd, lambda stage: rank_of_stage(stage, looped))
+    v = ParallelConfig(pp=2, pp_schedule="zbv")
+    with pytest.raises(ConfigError, match=r"lm_head.weight \(stage 3\) land on two stages of one"):
+        plan_tied(s.tied, parts, lambda stage: rank_of_stage(stage, v))

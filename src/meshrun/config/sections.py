@@ -127,14 +127,20 @@ class ParallelConfig:
     sequence_parallel: bool = setting(
         False, "With tp > 1: norms and residual adds inside each block split along the sequence."
     )
-    pp_schedule: Literal["gpipe", "1f1b", "interleaved"] = setting(
-        "1f1b", "Pipeline schedule (pp > 1); interleaved = interleaved 1F1B."
+    pp_schedule: Literal["gpipe", "1f1b", "interleaved", "zb1p", "zbv", "dualpipev"] = setting(
+        "1f1b",
+        "Pipeline schedule (pp > 1), torch's: interleaved = interleaved 1F1B; zb1p, zbv, "
+        "dualpipev = zero bubble (split backward) with pp_virtual_stages looped stages per "
+        "rank (zb1p) or 2 per rank in a V (zbv, dualpipev: pp_microbatches >= 2 pp).",
     )
     pp_microbatches: int = setting(
         2, "Chunks each micro-batch is split into for the pipeline; >= pp.", min=1
     )
     pp_virtual_stages: int = setting(
-        2, "Stages per rank for the interleaved schedule (pp x this <= blocks).", min=1
+        2,
+        "Stages per rank for the interleaved and zb1p schedules (pp x this <= blocks); zbv "
+        "and dualpipev hold 2.",
+        min=1,
     )
     fsdp_prefetch: int = setting(
         0,

@@ -119,6 +119,37 @@ def check_pipeline(p: ParallelConfig, dims: Mapping[str, int], shown: str) -> No
             f"parallel.pp_microbatches = {p.pp_microbatches} is fewer than the pp = {p.pp} "
             f"stages (mesh {shown}): the pipeline would idle; set pp_microbatches >= {p.pp}"
         )
+    check_pipeline_schedule(p, shown)
+
+
+# Schedules with several stages per rank (parallel/pp/placement.py places them).
+PP_LOOPED = ("interleaved", "zb1p")  # pp_virtual_stages per rank, round-robin
+PP_V_SHAPED = ("zbv", "dualpipev")  # 2 per rank: rank r holds stages r and 2 pp - 1 - r
+
+
+def check_pipeline_schedule(p: ParallelConfig, shown: str) -> None:
+    """What torch's multi-stage schedules need of pp_microbatches and the stages per rank,
+    refused here rather than inside torch (torch.distributed.pipelining.schedules, 2.13)."""
+    m, pp, name = p.pp_microbatches, p.pp, f"parallel.pp_schedule = {p.pp_schedule}"
+    if p.pp_schedule in PP_V_SHAPED and p.pp_virtual_stages != 2:
+        raise ConfigError(
+            f"{name} holds exactly 2 stages per rank (a V: rank r holds stages r and "
+            f"2 pp - 1 - r), but parallel.pp_virtual_stages = {p.pp_virtual_stages}; set "
+            "pp_virtual_stages=2, or pp_schedule=interleaved or zb1p for another count"
+        )
+    rounds = max(1, m // pp)  # the looped schedules run the chunks in rounds of pp
+    if p.pp_schedule in PP_LOOPED and m % rounds:
+        fits = [k for k in range(pp, 4 * pp + 1) if k % max(1, k // pp) == 0]
+        raise ConfigError(
+            f"{name} with parallel.pp = {pp} runs the chunks in max(1, pp_microbatches // pp)"
+            f" = {rounds} rounds, but parallel.pp_microbatches = {m} is not a multiple of "
+            f"{rounds} (mesh {shown}); choose pp_microbatches in {fits}"
+        )
+    if p.pp_schedule == "dualpipev" and m < 2 * pp:
+        raise ConfigError(
+            f"{name} needs at least one chunk per stage (2 pp = {2 * pp} stages), but "
+            f"parallel.pp_microbatches = {m} (mesh {shown}); set pp_microbatches >= {2 * pp}"
+        )
 
 
 def validate_for_world(cfg: Config, world_size: int) -> dict[str, int]:

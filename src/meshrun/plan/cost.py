@@ -16,6 +16,7 @@ unit tests reproduce. Bytes are bytes, times are seconds, bandwidths bytes/s, FL
   alpha-beta (latency-bandwidth) model: alpha per ring step, 2(n-1) steps for an all-reduce,
   n-1 for a reduce-scatter or all-gather (Thakur, Rabenseifner and Gropp 2005, "Optimization of
   Collective Communication Operations in MPICH", Sec. 2 and 4).
+- The pipeline bubble per schedule: plan/bubble.py (Megatron-LM, Zero Bubble, DeepSeek-V3).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import math
 from dataclasses import dataclass, field
 
 # The inputs travel with the model: callers import them from here (``as`` marks the re-export).
+from meshrun.plan.bubble import bubble_fraction, split_for
 from meshrun.plan.inputs import GB as GB
 from meshrun.plan.inputs import Cluster, Layout, Model, Recompute, Training
 from meshrun.plan.inputs import gpt_params as gpt_params
@@ -192,7 +194,8 @@ def step_time(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int)
     dp = _dp_comm(m, lay, t, c, microbatches)
     window = _hiding_window(lay, compute, microbatches)
     dp_exposed = max(0.0, dp - c.overlap * window)
-    bubble = compute * (lay.pp - 1) / (lay.vpp * microbatches)
+    split = split_for(lay.activation_checkpointing)
+    bubble = compute * bubble_fraction(lay.schedule, lay.pp, lay.vpp, microbatches, split)
     return StepTime(
         compute,
         dp,

@@ -13,7 +13,7 @@ from meshrun.plan.errors import PlanError
 Precision = Literal["bf16", "fp16", "fp32"]
 Optimizer = Literal["adam", "adamw", "sgd"]
 Recompute = Literal["none", "selective", "full"]
-Schedule = Literal["1f1b", "gpipe", "interleaved"]
+Schedule = Literal["1f1b", "gpipe", "interleaved", "zb1p", "zbv", "dualpipev"]
 CpAttention = Literal["ring", "ulysses"]
 EpDispatch = Literal["all_to_all", "deepep"]
 
@@ -169,7 +169,7 @@ class Layout:
     micro_batch: int = 1
     activation_checkpointing: Recompute = "none"
     schedule: Schedule = "1f1b"
-    vpp: int = 1  # virtual stages per rank (interleaved schedule)
+    vpp: int = 1  # stages per rank (interleaved, zb1p; 2 for zbv and dualpipev)
     # Expert parallel: the routed experts split over ep ranks borrowed from dp_shard x cp (and
     # tp, whose ranks run whole experts on their own tokens): it does not multiply the world.
     # Context parallel: the sequence split over cp ranks, a mesh dimension between dp_shard and tp.

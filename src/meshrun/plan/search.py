@@ -91,8 +91,10 @@ def _shape_problem(m: Model, lay: Layout, microbatches: int) -> str | None:
             f"pp = {lay.pp} needs at least {lay.pp} micro-batches per step, this layout has "
             f"{microbatches}; lower micro_batch or raise the global batch"
         )
-    if lay.vpp > 1 and lay.schedule != "interleaved":
-        return f"vpp = {lay.vpp} needs schedule = interleaved"
+    if lay.schedule in ("zbv", "dualpipev") and lay.vpp != 2:
+        return f"schedule = {lay.schedule} holds 2 stages per rank in a V: set vpp = 2"
+    if lay.vpp > 1 and lay.schedule not in ("interleaved", "zb1p", "zbv", "dualpipev"):
+        return f"vpp = {lay.vpp} needs schedule = interleaved or zb1p (or zbv, dualpipev: 2)"
     return None
 
 
@@ -243,10 +245,11 @@ def parse_layout(text: str, c: Cluster) -> Layout:
 
 
 def _layout_value(key: str, value: str) -> object:
+    allowed: tuple[str, ...]
     if key == "activation_checkpointing":
         allowed = ("none", "selective", "full")
     elif key == "schedule":
-        allowed = ("1f1b", "gpipe", "interleaved")
+        allowed = ("1f1b", "gpipe", "interleaved", "zb1p", "zbv", "dualpipev")
     else:
         try:
             number = int(value)

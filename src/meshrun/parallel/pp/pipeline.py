@@ -1,5 +1,6 @@
 """Pipeline parallel with ``torch.distributed.pipelining``: split at block boundaries, one or
-more stages per rank, GPipe / 1F1B / interleaved 1F1B schedules.
+more stages per rank, torch's schedules: GPipe, 1F1B, interleaved 1F1B and the zero-bubble
+ZB1P, ZB-V and DualPipeV (stage placement per schedule: parallel/pp/placement.py).
 
 The loop change is explicit: a pipelined model is not called by the user. Each optimizer step,
 every rank calls :func:`pipeline_step` with the whole micro-batch (the first stage's ranks use
@@ -53,7 +54,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from meshrun.config import ConfigError, ParallelConfig
 from meshrun.parallel.kinds import is_dtensor as _is_dtensor
+from meshrun.parallel.pp.forward_only import forward_only
 from meshrun.parallel.pp.meta import StageInit, materialize_stages, stage_initializer
+from meshrun.parallel.pp.placement import V_SHAPED, rank_of_stage, stage_ids, stages_per_rank
 from meshrun.parallel.pp.split import split_blocks, split_model
 from meshrun.parallel.pp.stages import StageModule, check_stages_reproduce, hf_context
 from meshrun.parallel.pp.tied import (
@@ -88,10 +91,6 @@ __all__ = [
 LossFn = Callable[[Tensor, Tensor], Tensor]
 
 
-def stages_per_rank(cfg: ParallelConfig) -> int:
-    return cfg.pp_virtual_stages if cfg.pp_schedule == "interleaved" else 1
-
-
 @dataclass
 class Pipeline:
     """This rank's stage modules (StageModules, changed in place by TP / FSDP2 / replicate)
@@ -110,6 +109,10 @@ class Pipeline:
     # This rank's copies of tied parameters that span two stages (parallel/pp/tied.py).
     tied: list[TiedCopy] = field(default_factory=list)
     loss_fn: LossFn | None = None  # the loss the schedule computes, unscaled (pipeline_eval)
+    chunks: int = 1  # the schedule's micro-batches per call (parallel.pp_microbatches)
+    v_shaped: bool = False  # ZB-V / DualPipeV: eval runs their forwards only (forward_only.py)
+    # (rows, *other dims) of every eval forward, fixed by the first eval batch (pipeline_eval)
+    eval_shape: tuple[int, ...] | None = None
 
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters (all its stages), for the optimizer."""
@@ -188,9 +191,9 @@ class Stages:
 def build_stage_modules(
     model: nn.Module, mesh: DeviceMesh, cfg: ParallelConfig, spec: ModelSpec | None = None
 ) -> Stages:
-    """This rank's stages: with v stages per rank, rank r holds stages r, r + pp, ... (looped).
-    Every stage is built on every rank (they only reference the model's modules) so that all
-    of them are checked, in a row, against the model's own forward before any training."""
+    """This rank's stages (parallel/pp/placement.py: one, looped or V-shaped). Every stage is
+    built on every rank (they only reference the model's modules) so that all of them are
+    checked, in a row, against the model's own forward before any training."""
     structure = find_structure(model, spec)
     meta = any(p.is_meta for p in model.parameters())
     init = stage_initializer(model) if meta else None  # refused before anything changes
@@ -205,9 +208,8 @@ def build_stage_modules(
     source = _hf_source(model)
     for stage in every:  # what a checkpoint saves as config.json (checkpoint/hf_files.py)
         stage.meshrun_hf_source = source
-    tied = plan_tied(structure.tied, split.parts, pp)
-    me = mesh["pp"].get_local_rank()
-    ids = [me + k * pp for k in range(v)]
+    tied = plan_tied(structure.tied, split.parts, lambda s: rank_of_stage(s, cfg))
+    ids = stage_ids(mesh["pp"].get_local_rank(), cfg)
     names = ", ".join(
         " = ".join(t.fqns) + f" (stages {t.stages[0]} and {t.stages[1]})" for t in tied
     )
@@ -251,10 +253,10 @@ def build_pipeline(
             f"parallel.pp_microbatches = {cfg.pp_microbatches} is fewer than parallel.pp = "
             f"{cfg.pp} stages: the pipeline would idle; set pp_microbatches >= {cfg.pp}"
         )
-    pp_mesh, v = mesh["pp"], stages_per_rank(cfg)
-    group, me = pp_mesh.get_group(), pp_mesh.get_local_rank()
-    n = cfg.pp * v
-    ids = [me + k * cfg.pp for k in range(v)]
+    pp_mesh = mesh["pp"]
+    group = pp_mesh.get_group()
+    n = cfg.pp * stages_per_rank(cfg)
+    ids = stage_ids(pp_mesh.get_local_rank(), cfg)
     chunks = cfg.pp_microbatches
 
     if scaler is not None:
@@ -274,12 +276,14 @@ def build_pipeline(
         PipelineStage(m, i, n, device, group=group) for m, i in zip(modules, ids, strict=True)
     ]
     schedule = _schedule(cfg, stages, chunks, chunk_loss)
-    last_local = (n - 1) % cfg.pp
+    _check_placement(schedule, n, cfg)
+    last_local = rank_of_stage(n - 1, cfg)
     last_rank = dist.get_global_rank(group, last_local)
     is_last = n - 1 in ids
     lp = cfg.loss_parallel and is_last
     pipe = Pipeline(modules, schedule, 0 in ids, is_last, group, last_rank, scaler, lp)
-    pipe.loss_fn = loss_fn
+    pipe.loss_fn, pipe.chunks = loss_fn, chunks
+    pipe.v_shaped = cfg.pp_schedule in V_SHAPED
     return pipe
 
 
@@ -309,24 +313,65 @@ def pipeline_step(pipe: Pipeline, inputs: Tensor, targets: Tensor) -> Tensor:
 
 
 def pipeline_eval(pipe: Pipeline, inputs: Tensor, targets: Tensor) -> Tensor:
-    """Forward only (evaluation): the micro-batch's mean loss, ``pipe.loss_fn`` on the last
-    stage's logits, on every rank of the pipeline. No gradients, no change to any state; call
-    it with the stage modules in eval mode (``for m in pipe.modules: m.eval()``) as one would
-    call ``model.eval()``.
+    """Forward only (evaluation): the batch's mean loss, ``pipe.loss_fn`` on the last stage's
+    logits of exactly these rows, on every rank of the pipeline (one process's loss over the
+    same examples). No gradients, no change to any state; call it with the stage modules in
+    eval mode (``for m in pipe.modules: m.eval()``) as one would call ``model.eval()``.
+
+    Any number of rows, the same on every rank of the pipeline. The schedule's stages fix
+    their receive buffers' shapes at the first forward of a mode (train or eval), so every
+    eval forward runs on one shape: the first eval batch's rows rounded up to a multiple of
+    the schedule's chunks. A smaller batch (the last of an eval set) is padded to it with
+    copies of its own rows, a larger one runs as several such pieces, and the loss is
+    computed once, on the real rows' logits only: the padding costs the forward of the
+    padded rows and changes nothing. Later batches must keep the first one's other dims.
 
     The schedule's ``eval`` runs the chunks forward only (torch.distributed.pipelining); it
     takes the targets because it computes its chunk losses (with the training scale), so the
     loss returned here is recomputed from the merged logits instead."""
     if pipe.loss_fn is None:
         raise ValueError("pipeline_eval: this Pipeline was built without a loss_fn")
-    args = (inputs,) if pipe.is_first else ()
-    target = targets if pipe.is_last else None
+    rows, n = _eval_rows(pipe, inputs), int(inputs.shape[0])
     with torch.no_grad(), _loss_parallel(pipe):
-        logits = pipe.schedule.eval(*args, target=target)
-        loss = _full(pipe.loss_fn(logits, targets)).float() if pipe.is_last else None
+        pieces = [
+            _eval_piece(pipe, inputs[i : i + rows], targets[i : i + rows], rows)
+            for i in range(0, n, rows)
+        ]
+        loss = None
+        if pipe.is_last:
+            logits = pieces[0] if len(pieces) == 1 else torch.cat(pieces)  # n rows
+            loss = _full(pipe.loss_fn(logits, targets)).float()
     out = loss if loss is not None else torch.zeros(())
     dist.broadcast(out, src=pipe.last_rank, group=pipe.group)
     return out
+
+
+def _eval_rows(pipe: Pipeline, inputs: Tensor) -> int:
+    """The rows of every eval forward: fixed by the first eval batch (see pipeline_eval)."""
+    if pipe.eval_shape is None:
+        rows = -(-int(inputs.shape[0]) // pipe.chunks) * pipe.chunks
+        pipe.eval_shape = (rows, *inputs.shape[1:])
+    rows, *rest = pipe.eval_shape
+    if tuple(inputs.shape[1:]) != tuple(rest):
+        raise ValueError(
+            f"pipeline_eval: a batch of shape {tuple(inputs.shape)}, but this pipeline "
+            f"evaluates batches of shape (rows, {', '.join(map(str, rest))}) (its first eval "
+            "batch's): its stages' buffers keep that shape; give every eval batch the same "
+            "dims after the first (e.g. the same sequence length)"
+        )
+    return rows
+
+
+def _eval_piece(pipe: Pipeline, inputs: Tensor, targets: Tensor, rows: int) -> Tensor:
+    """The last stage's logits for ``inputs`` (at most ``rows``), run padded to ``rows``."""
+    n = int(inputs.shape[0])
+    if n < rows:  # copies of the batch's own rows: valid inputs and targets for any model
+        pick = torch.arange(rows, device=inputs.device) % n
+        inputs, targets = inputs[pick], targets[pick.to(targets.device)]
+    args = (inputs,) if pipe.is_first else ()
+    with forward_only(pipe.schedule) if pipe.v_shaped else nullcontext():
+        logits = pipe.schedule.eval(*args, target=targets if pipe.is_last else None)
+    return logits[:n] if pipe.is_last else logits
 
 
 def _full(loss: Tensor) -> Tensor:
@@ -335,24 +380,54 @@ def _full(loss: Tensor) -> Tensor:
     return loss.full_tensor() if _is_dtensor(loss) else loss
 
 
+# parallel.pp_schedule -> torch's class (torch.distributed.pipelining.schedules). The
+# zero-bubble ones split each backward into input (B) and weight (W) gradients and run W in
+# what would be bubbles (Qi et al. 2024, "Zero Bubble Pipeline Parallelism"); torch builds
+# the split from the stage's autograd graph, so any module trains under them.
+_SCHEDULES = {
+    "gpipe": "ScheduleGPipe",
+    "1f1b": "Schedule1F1B",
+    "interleaved": "ScheduleInterleaved1F1B",
+    "zb1p": "ScheduleInterleavedZeroBubble",
+    "zbv": "ScheduleZBVZeroBubble",
+    "dualpipev": "ScheduleDualPipeV",
+}
+
+
 def _schedule(
     cfg: ParallelConfig,
     stages: list[PipelineStage],
     chunks: int,
     chunk_loss: Callable[[Tensor, Tensor], Tensor],
 ) -> PipelineScheduleSingle | PipelineScheduleMulti:
-    from torch.distributed.pipelining.schedules import (
-        Schedule1F1B,
-        ScheduleGPipe,
-        ScheduleInterleaved1F1B,
+    from torch.distributed.pipelining import schedules
+
+    cls = getattr(schedules, _SCHEDULES[cfg.pp_schedule])
+    if issubclass(cls, schedules.PipelineScheduleSingle):
+        return cast(
+            "PipelineScheduleSingle",
+            cls(stages[0], chunks, loss_fn=chunk_loss, scale_grads=False),
+        )
+    return cast(
+        "PipelineScheduleMulti",
+        cls(cast("list[Any]", stages), chunks, loss_fn=chunk_loss, scale_grads=False),
     )
 
-    if cfg.pp_schedule == "interleaved":
-        return ScheduleInterleaved1F1B(
-            cast("list[Any]", stages), chunks, loss_fn=chunk_loss, scale_grads=False
+
+def _check_placement(
+    schedule: PipelineScheduleSingle | PipelineScheduleMulti, n: int, cfg: ParallelConfig
+) -> None:
+    """The schedule's own stage -> rank map is the one the stages were placed by: a schedule
+    that expects another placement would send activations to the wrong rank."""
+    theirs = getattr(schedule, "stage_index_to_group_rank", None)
+    if theirs is None:  # single-stage schedules: stage i on rank i
+        return
+    ours = {s: rank_of_stage(s, cfg) for s in range(n)}
+    if dict(theirs) != ours:
+        raise RuntimeError(
+            f"parallel.pp_schedule = {cfg.pp_schedule}: torch's schedule places the stages "
+            f"{dict(theirs)}, meshrun placed them {ours} (parallel/pp/placement.py)"
         )
-    cls = ScheduleGPipe if cfg.pp_schedule == "gpipe" else Schedule1F1B
-    return cls(stages[0], chunks, loss_fn=chunk_loss, scale_grads=False)
 
 
 def _loss_parallel(pipe: Pipeline) -> AbstractContextManager[None]:

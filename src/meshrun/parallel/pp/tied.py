@@ -14,14 +14,15 @@ position on the non-pp dims), and:
 - the copy under the second name is marked ``meshrun_tied_replica`` so that gradient clipping
   counts the tied gradient once, as one process does.
 
-Refused before training, with the reason: a pair on two stages of one rank (interleaved
-schedules) and copies split differently (tensor parallel that shards the embedding and the
+Refused before training, with the reason: a pair on two stages of one rank (looped
+schedules with the pair's stages pp apart, and V-shaped ones: the first and last stage share
+rank 0) and copies split differently (tensor parallel that shards the embedding and the
 head on other dims).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +43,7 @@ class TiedPair:
 
     fqns: tuple[str, str]
     stages: tuple[int, int]
+    ranks: tuple[int, int]  # the pp ranks that hold them
 
 
 @dataclass
@@ -70,21 +72,25 @@ def _stage_of(fqn: str, parts: Sequence[StageParts]) -> int:
 
 
 def plan_tied(
-    tied: Sequence[tuple[str, str]], parts: Sequence[StageParts], pp: int
+    tied: Sequence[tuple[str, str]],
+    parts: Sequence[StageParts],
+    rank_of: Callable[[int], int],
 ) -> list[TiedPair]:
-    """The tied pairs that span two stages (a pair inside one stage stays one tensor)."""
+    """The tied pairs that span two stages (a pair inside one stage stays one tensor);
+    ``rank_of``: the pp rank of a stage (parallel/pp/placement.py)."""
     pairs = []
     for a, b in tied:
         sa, sb = _stage_of(a, parts), _stage_of(b, parts)
         if sa == sb:
             continue
-        if sa % pp == sb % pp:
+        if rank_of(sa) == rank_of(sb):
             raise ConfigError(
                 f"parallel.pp: the tied parameters {a} (stage {sa}) and {b} (stage {sb}) land "
-                f"on two stages of one rank ({len(parts)} stages over pp={pp}); meshrun keeps "
-                "ties between ranks only: use parallel.pp_schedule=1f1b or gpipe, or untie them"
+                f"on two stages of one rank ({len(parts)} stages, pp rank {rank_of(sa)}); "
+                "meshrun keeps ties between ranks only: use parallel.pp_schedule=1f1b or "
+                "gpipe, or untie them"
             )
-        pairs.append(TiedPair((a, b), (sa, sb)))
+        pairs.append(TiedPair((a, b), (sa, sb), (rank_of(sa), rank_of(sb))))
     return pairs
 
 
@@ -97,7 +103,7 @@ def _pair_groups(
     rows = mesh.mesh.movedim(names.index("pp"), -1).reshape(-1, pp).tolist()
     me = dist.get_rank()
     mine: dict[tuple[int, int], dist.ProcessGroup] = {}
-    for key in sorted({(p.stages[0] % pp, p.stages[1] % pp) for p in pairs}):
+    for key in sorted({p.ranks for p in pairs}):
         for row in rows:
             ranks = [row[key[0]], row[key[1]]]
             group = dist.new_group(ranks)
@@ -116,7 +122,7 @@ def bind_tied(
     pp_group = mesh["pp"].get_group()
     copies = []
     for pair in pairs:
-        key = (pair.stages[0] % pp, pair.stages[1] % pp)
+        key = pair.ranks
         src = dist.get_global_rank(pp_group, key[0])
         for fqn, stage_id in zip(pair.fqns, pair.stages, strict=True):
             if stage_id in ids:
