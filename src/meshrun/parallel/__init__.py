@@ -338,6 +338,7 @@ def maybe_apply_tp(
     if dims.tp == 1:
         return
     from meshrun.parallel.tp import apply_tp, build_tp_plan, count_split
+    from meshrun.parallel.tp_check import apply_checked_tp
 
     structure = structure or find_structure(model)
     if tp_plan is not None:
@@ -345,13 +346,23 @@ def maybe_apply_tp(
             structure, tp_plan=dict(tp_plan), tp_plan_source="tp_plan argument"
         )
     plan = build_tp_plan(model, structure, dims.tp, cfg.sequence_parallel, cfg.loss_parallel)
-    apply_tp(model, tp_mesh(mesh), plan, structure.tied)
+    tied = structure.tied
+    # The plan is checked against the model's own forward on meta tensors before the model
+    # changes (parallel/tp_check.py); context parallel's hooks exchange positions, so not there.
+    checked = apply_checked_tp(
+        *(model, plan, dims.tp),
+        lambda m: apply_tp(m, tp_mesh(mesh), plan, tied),
+        structure.example_input,
+        check=dims.cp == 1,
+        note=not cfg.compile,  # compiled blocks trace module hooks: no note there
+    )
     extras = [("sequence parallel", cfg.sequence_parallel), ("loss parallel", cfg.loss_parallel)]
     log.info(
         "tensor parallel over %d ranks: %d modules split%s (plan: %s)",
         *(dims.tp, count_split(model), "".join(f" (+ {n})" for n, on in extras if on)),
         structure.tp_plan_source or "given",
     )
+    log.info("tensor-parallel plan %s", checked.detail)
 
 
 def maybe_loss_parallel(cfg: ParallelConfig) -> AbstractContextManager[None]:

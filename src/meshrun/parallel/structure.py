@@ -61,7 +61,10 @@ class ModelSpec:
     them (final norm, head), in forward order, where the order they are registered in is not
     the forward's (``nn.Transformer`` registers ``encoder`` before a subclass's embedding).
     ``experts``: the expert containers of a mixture-of-experts model (:class:`ExpertsDecl`, or
-    its pattern), for ``parallel.ep``."""
+    its pattern), for ``parallel.ep``. ``example_input``: what the model's forward takes (a
+    tensor or a tuple of them, any values: only shapes and dtypes are used), to check a
+    tensor-parallel plan before step 1 where meshrun cannot derive one (token ids when the
+    first layer is an ``nn.Embedding``)."""
 
     blocks: str | None = None
     split_points: tuple[str, ...] = ()
@@ -72,6 +75,7 @@ class ModelSpec:
     num_heads: int | None = None
     num_kv_heads: int | None = None
     experts: str | ExpertsDecl | None = None
+    example_input: Any = field(default=None, compare=False)
 
 
 @dataclass(frozen=True)
@@ -95,6 +99,7 @@ class ModelStructure:
     fused_qkv: tuple[str, ...] = ()
     model_class: str = ""
     sources: dict[str, str] = field(default_factory=dict)
+    example_input: Any = field(default=None, compare=False)  # ModelSpec.example_input
 
     def block_names(self) -> list[str]:
         """The FQNs of the blocks, in order (empty when none were found)."""
@@ -174,6 +179,7 @@ def find_structure(model: nn.Module, spec: ModelSpec | None = None) -> ModelStru
         fused_qkv=_find_fused_qkv(model, blocks_fqn),
         model_class=type(model).__name__,
         sources=sources,
+        example_input=spec.example_input,
     )
 
 

@@ -203,7 +203,7 @@ def check_tp_plan(
                 f"parallel.tp = {tp} does not divide {name}.{dim} = {size} "
                 f"({type(style).__name__}); choose tp in {_divisors(size)}"
             )
-    _check_heads(model, structure, tp)
+    _check_heads(model, structure, tp, attention_modules(model, split))
     _check_tied(structure, split)
 
 
@@ -275,24 +275,57 @@ def _mlp_plan_hint(structure: ModelStructure) -> str:
     return "run.parallelize(model, tp_plan={'<up>': 'colwise', '<down>': 'rowwise'})"
 
 
-def _check_heads(model: nn.Module, structure: ModelStructure, tp: int) -> None:
+# Last names of the attention's own projections (q/k/v and the output), in the common
+# spellings: a plan that splits one of these splits the attention by heads.
+ATTENTION_PROJECTIONS = {"q", "k", "v", "q_proj", "k_proj", "v_proj", "wq", "wk", "wv"}
+ATTENTION_PROJECTIONS |= {"o_proj", "wo", "out_proj", "query", "key", "value"}
+
+
+def attention_modules(model: nn.Module, split: Mapping[str, object]) -> set[str]:
+    """The attention modules whose projections ``split`` splits: the parents of split layers
+    that are attention projections by name, or whose parent holds a head count or is named
+    like an attention (``attn``, ``attention``, ``self_attn``). An MLP-only plan gives none."""
+    out = set()
+    for name in split:
+        parent, _, last = name.rpartition(".")
+        if not parent:
+            continue  # a top-level layer (the head, the embedding) is no attention's part
+        owner = model.get_submodule(parent)
+        by_heads = any(isinstance(getattr(owner, a, None), int) for a in HEAD_ATTRS)
+        by_name = any("attn" in part or "attention" in part for part in parent.lower().split("."))
+        if last.lower() in ATTENTION_PROJECTIONS or by_heads or by_name:
+            out.add(parent)
+    return out
+
+
+def _check_heads(model: nn.Module, structure: ModelStructure, tp: int, split: set[str]) -> None:
+    """Whole heads on each rank, checked only where the plan splits an attention (``split``:
+    :func:`attention_modules`): the model's head counts, and those held by the split
+    attentions or the modules above them. An MLP-only plan leaves every attention whole on
+    every rank, and its heads need not divide (a GPT with 3 heads trains MLP-split on 2)."""
+    if not split:
+        return
     where = structure.sources.get("heads", "model")
     counts = [(where, structure.num_heads)]
     if structure.num_kv_heads != structure.num_heads:
         kv_name = "num_key_value_heads" if where.startswith("config.") else "kv heads"
         counts.append((f"{where.rpartition('.')[0] or 'model'}.{kv_name}", structure.num_kv_heads))
-    for name, module in model.named_modules():
+    above = {a.rsplit(".", i)[0] for a in split for i in range(a.count(".") + 1)} | {""}
+    for name in sorted(split | above):
+        module = model.get_submodule(name)
         counts += [(f"{name or 'model'}.{a}", getattr(module, a, None)) for a in HEAD_ATTRS]
-    # torch's attentions stay whole on every rank (splitting one is refused): their heads
-    # need no division.
-    whole = tuple(f"{n}." for n in torch_attention_modules(model))
+    whole = tuple(f"{n}." for n in torch_attention_modules(model))  # never split (refused)
     for label, n in counts:
-        if label.startswith(whole):
-            continue
-        if isinstance(n, int) and not isinstance(n, bool) and n % tp:
+        if (
+            isinstance(n, int)
+            and not isinstance(n, bool)
+            and n % tp
+            and not label.startswith(whole)
+        ):
             raise ConfigError(
                 f"parallel.tp = {tp} does not divide {label} = {n}: each tensor-parallel rank "
-                f"must hold whole heads; choose tp in {_divisors(n)}"
+                f"must hold whole heads; choose tp in {_divisors(n)}, or split the MLP only "
+                "(a tp_plan without the attention's projections)"
             )
 
 
