@@ -1,0 +1,99 @@
+"""The planner's layouts decided by traced memory (plan/trace.py) instead of the formula.
+
+For each layout shown, the user's model is traced under it; the traced reserved peak plus
+the memory outside the allocator (``Cluster.allowance_bytes``: the CUDA context, NCCL's
+buffers) decides "fits", and the formula's figure stays beside it. Layouts the trace cannot
+run (context or expert parallel) keep the formula's decision, with a note saying so.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from meshrun.plan.cost import Cluster, Estimate, Model, Training
+from meshrun.plan.search import Plan
+from meshrun.plan.trace import Traced, TraceLayout, trace
+
+
+@dataclass
+class TracedPlan:
+    """A plan re-decided by the trace: ``traced[i]`` is the trace of ``plan.estimates[i]``
+    (absent where not traced), ``seconds`` the time all traces took."""
+
+    plan: Plan
+    traced: dict[int, Traced]
+    seconds: float
+
+
+def trace_layout(e: Estimate, m: Model, t: Training, gpu: bool = True) -> TraceLayout | None:
+    """What one rank of ``e``'s layout runs, or None where the trace cannot run it."""
+    lay = e.layout
+    if lay.cp > 1 or lay.ep > 1 or not m.has_shape:
+        return None
+    in_flight = 1
+    if lay.pp > 1:  # 1F1B's first stage holds min(pp, m) micro-batches; GPipe all of them
+        in_flight = e.microbatches if lay.schedule == "gpipe" else min(lay.pp, e.microbatches)
+    return TraceLayout(
+        dp_replicate=lay.dp_replicate,
+        dp_shard=lay.dp_shard,
+        tp=lay.tp,
+        pp=lay.pp,
+        zero=lay.zero,
+        micro_batch=lay.micro_batch,
+        seq=m.seq,
+        ac=lay.activation_checkpointing,
+        precision=t.precision,
+        optimizer=t.optimizer,
+        in_flight=in_flight,
+        gpu=gpu,
+    )
+
+
+def trace_plan(
+    model: Any, plan: Plan, m: Model, t: Training, c: Cluster, top: int, gpu: bool = True
+) -> TracedPlan:
+    """Trace the first ``top`` layouts of ``plan`` (0: all) and decide their fit by the
+    trace; the plan comes back re-ranked."""
+    traced: dict[int, Traced] = {}
+    cache: dict[TraceLayout, Traced] = {}
+    estimates = list(plan.estimates)
+    for i, e in enumerate(estimates[: top or None]):
+        lay = trace_layout(e, m, t, gpu)
+        if lay is None:
+            e.notes.append("not traced (context/expert parallel): the formula decides")
+            continue
+        if lay not in cache:
+            cache[lay] = trace(model, lay)
+        traced[i] = cache[lay]
+        estimates[i] = decide(e, cache[lay], c)
+    order = sorted(range(len(estimates)), key=lambda i: _rank(estimates[i]))
+    ranked = Plan(plan.params, [estimates[i] for i in order], plan.evaluated)
+    remap = {new: traced[old] for new, old in enumerate(order) if old in traced}
+    return TracedPlan(ranked, remap, sum(x.seconds for x in cache.values()))
+
+
+def decide(e: Estimate, traced: Traced, c: Cluster) -> Estimate:
+    """``e`` with "fits" decided by the traced reserved peak plus the allowance."""
+    fits = traced.reserved + c.allowance_bytes <= c.memory_bytes
+    note = f"formula {e.memory.total / 1e9:.1f} GB, traced {needed(traced, c) / 1e9:.1f} GB"
+    return dataclasses.replace(e, fits=fits, notes=[*e.notes, note])
+
+
+def needed(traced: Traced, c: Cluster) -> float:
+    """Bytes the layout needs on one GPU by the trace: reserved peak plus the allowance."""
+    return traced.reserved + c.allowance_bytes
+
+
+def _rank(e: Estimate) -> tuple[float, ...]:
+    speed = -e.tokens_per_s if e.time is not None and e.fits else e.memory.total
+    return (not e.fits, speed)
+
+
+def gb(value: float) -> float:
+    return math.floor(value / 1e7 + 0.5) / 100
+
+
+__all__ = ["TracedPlan", "decide", "needed", "trace_layout", "trace_plan"]
