@@ -6,6 +6,8 @@ shrink under checkpointing; the reserved model is checked as arithmetic."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -59,3 +61,24 @@ def test_a_deep_model_is_traced_at_two_depths_and_extrapolated() -> None:
     assert whole.blocks == (3,) and deep.blocks == (2, 3)
     per_block = (deep.allocated - whole.allocated) / 3
     assert per_block > 0
+
+
+def test_plan_cli_decides_fits_by_the_trace_and_prints_both(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from meshrun.cli.main import main
+
+    (tmp_path / "tiny_model.py").write_text(
+        "from meshrun.demo.model import GPT, GPTConfig\n"
+        "def build():\n    return GPT(GPTConfig(seq_len=64, n_layer=2, n_head=2, d_model=64))\n"
+    )
+    layout = "dp_shard=2,zero=3,micro_batch=2"
+    argv = ["plan", "--model", f"{tmp_path}/tiny_model.py:build", "--gpus-per-node", "2"]
+    assert main([*argv, "--global-batch", "8", "--layout", layout, "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)["layouts"][0]
+    traced = row["traced_memory_gb"]
+    assert 0 < traced["allocated"] <= traced["reserved"] < traced["needed"]
+    assert any(n.startswith("formula ") and "traced" in n for n in row["notes"])
+    assert row["fits"] is (traced["needed"] <= 80.0)

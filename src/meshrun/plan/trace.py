@@ -181,17 +181,28 @@ def _stage_of(model: nn.Module, lay: TraceLayout, depth: int) -> nn.Module:
 
     structure = find_structure(model)
     if structure.blocks_fqn is None:
-        return copy.deepcopy(model)
+        return _without_init(copy.deepcopy(model))
     keep = min(depth, math.ceil(structure.n_blocks / lay.pp))
     container = model.get_submodule(structure.blocks_fqn)
     dropped = [(k, container._modules[k]) for k in structure.block_keys[keep:]]
     for k, _ in dropped:  # deep-copied without the dropped blocks, then put back
         del container._modules[k]
     try:
-        return copy.deepcopy(model)
+        return _without_init(copy.deepcopy(model))
     finally:
         container._modules.update(dropped)
         _reorder(container, structure.block_keys)
+
+
+def _without_init(model: nn.Module) -> nn.Module:
+    """Fake tensors hold no values: the copy's initialisation (which parallelize calls after
+    allocating a meta model) is a no-op, so a model without ``init_weights`` traces too."""
+    model.init_weights = _no_init  # type: ignore[assignment]
+    return model
+
+
+def _no_init() -> None:
+    return None
 
 
 def _reorder(container: nn.Module, keys: tuple[str, ...]) -> None:

@@ -9,7 +9,6 @@ run (context or expert parallel) keep the formula's decision, with a note saying
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,13 +59,20 @@ def trace_plan(
     traced: dict[int, Traced] = {}
     cache: dict[TraceLayout, Traced] = {}
     estimates = list(plan.estimates)
+    failed: str | None = None  # a model the trace cannot drive fails every layout alike
     for i, e in enumerate(estimates[: top or None]):
         lay = trace_layout(e, m, t, gpu)
-        if lay is None:
-            e.notes.append("not traced (context/expert parallel): the formula decides")
+        if lay is None or failed is not None:
+            why = failed or "context/expert parallel"
+            e.notes.append(f"not traced ({why}): the formula decides")
             continue
         if lay not in cache:
-            cache[lay] = trace(model, lay)
+            try:
+                cache[lay] = trace(model, lay)
+            except Exception as err:
+                failed = f"{type(err).__name__}: {first_line(err)}"
+                e.notes.append(f"not traced ({failed}): the formula decides")
+                continue
         traced[i] = cache[lay]
         estimates[i] = decide(e, cache[lay], c)
     order = sorted(range(len(estimates)), key=lambda i: _rank(estimates[i]))
@@ -92,8 +98,9 @@ def _rank(e: Estimate) -> tuple[float, ...]:
     return (not e.fits, speed)
 
 
-def gb(value: float) -> float:
-    return math.floor(value / 1e7 + 0.5) / 100
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0][:200] if text else "no message"
 
 
 __all__ = ["TracedPlan", "decide", "needed", "trace_layout", "trace_plan"]
