@@ -103,7 +103,7 @@ def _measure_rank(rank: int, name: str, layout: tuple[int, int, int, int], out: 
     dist.init_process_group("gloo", rank=rank, world_size=2)
     dp, tp, zero, ac = layout
     mesh = build_mesh(ParallelDims(1, 1, dp, tp), "cpu")
-    cfg = ParallelConfig(
+    cfg = ParallelConfig(  # meshrun's defaults otherwise, as the trace uses them
         dp_shard=dp, tp=tp, zero=zero, activation_checkpoint=ac, param_dtype="bfloat16"
     )
     model = parallelize(build(name), mesh, cfg, torch.device("cpu"))

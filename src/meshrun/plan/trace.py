@@ -252,7 +252,6 @@ def _lay_out(model: nn.Module, mesh: Any, lay: TraceLayout) -> nn.Module:
         zero=lay.zero,
         activation_checkpoint=0 if lay.ac == "none" else 1,
         param_dtype=dtype,  # type: ignore[arg-type]
-        sequence_parallel=lay.tp > 1,
     )
     laid = parallelize(model, mesh, cfg, torch.device("cpu"))
     if lay.ac == "selective":
