@@ -1,4 +1,4 @@
-"""Traced memory (plan/trace.py) against measured memory: the tables in docs/plan.md.
+"""Traced memory (parallel/memory_trace.py) against measured memory: the tables in docs/plan.md.
 
     PYTHONPATH=src python benchmarks/trace_vs_measured.py cpu        # the CPU table
     PYTHONPATH=src python benchmarks/trace_vs_measured.py published  # the published rows
@@ -74,7 +74,7 @@ def build(name: str) -> nn.Module:
 
 
 def traced(name: str, layout: tuple[int, int, int, int]) -> float:
-    from meshrun.plan.trace import TraceLayout, trace
+    from meshrun.parallel.memory_trace import TraceLayout, trace
 
     dp, tp, zero, ac = layout
     lay = TraceLayout(
@@ -97,7 +97,7 @@ def _measure_rank(rank: int, name: str, layout: tuple[int, int, int, int], out: 
 
     from meshrun.config import ParallelConfig
     from meshrun.parallel import build_optimizer, parallelize
-    from meshrun.plan.trace import _loss
+    from meshrun.parallel.memory_trace import _loss
     from meshrun.runtime.mesh import ParallelDims, build_mesh
 
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -168,7 +168,7 @@ def cpu_table() -> None:
 def published() -> None:
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from meshrun.plan.trace import TraceLayout, trace
+    from meshrun.parallel.memory_trace import TraceLayout, trace
 
     start = time.perf_counter()
     config = LlamaConfig(

@@ -1,5 +1,5 @@
 """Before step 1: run.parallelize refuses a meta-built model whose traced peak is over the
-configured memory (plan/fit.py), on every rank, naming the figures and the layouts that fit;
+configured memory (train/fit.py), on every rank, naming the figures and the layouts that fit;
 a layout that fits goes through, and its check's cost is measured."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from tests._dist import run_distributed
 import meshrun
 from meshrun.config import ConfigError
 from meshrun.demo.model import GPT, GPTConfig
-from meshrun.plan.fit import check_fit
+from meshrun.train.fit import check_fit
 
 pytestmark = pytest.mark.timeout(240)
 

@@ -1,4 +1,4 @@
-"""Traced memory (plan/trace.py): one rank's step on fake tensors in a fake world.
+"""Traced memory (parallel/memory_trace.py): one rank's step on fake tensors in a fake world.
 
 The model states are known exactly, so the trace's parameter and optimizer bytes are checked
 against them under each data-parallel layout; activations must grow with the micro-batch and
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from meshrun.demo.model import GPT, GPTConfig
-from meshrun.plan.trace import FRAGMENTATION, SEGMENT, TraceLayout, reserved_bytes, trace
+from meshrun.parallel.memory_trace import FRAGMENTATION, SEGMENT, TraceLayout, reserved_bytes, trace
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -108,7 +108,7 @@ class ParallelConfig:
     memory_limit_gb: float = setting(
         0.0,
         "Memory per device, GB (1e9 bytes), that run.parallelize checks a meta-built model's "
-        "traced peak against before step 1 (plan/fit.py); 0 = the device's total on CUDA, "
+        "traced peak against before step 1 (train/fit.py); 0 = the device's total on CUDA, "
         "no check on CPU; -1 = never check.",
         min=-1.0,
     )

@@ -27,7 +27,7 @@ def local_param_bytes(model: nn.Module) -> tuple[int, int]:
 def rank_groups(mesh: DeviceMesh) -> list[str]:
     """For each mesh dim, the ranks that communicate along it, e.g. ``tp: [0, 1] [2, 3]``."""
     names = mesh.mesh_dim_names or ()
-    # The planner's trace (plan/trace.py) runs parallelize under FakeTensorMode: the mesh's
+    # The planner's trace (parallel/memory_trace.py) runs parallelize under FakeTensorMode: the mesh's
     # rank tensor stays a real one, read outside the fake mode.
     out = []
     with unset_fake_temporarily():

@@ -28,7 +28,6 @@ from meshrun.monitor import MetricsLogger
 from meshrun.monitor.comm import CommHook
 from meshrun.monitor.mfu import ModelFlops, constant_per_token, model_flops
 from meshrun.parallel import build_optimizer, maybe_loss_parallel
-from meshrun.plan.fit import check_fit
 from meshrun.runtime.cluster import ClusterEnv, detect
 from meshrun.runtime.logs import init_logging, report_uncaught
 from meshrun.runtime.mesh import ParallelDims
@@ -37,6 +36,7 @@ from meshrun.train import data as _data
 from meshrun.train import evaluate as _evaluate
 from meshrun.train import model as _model
 from meshrun.train import stepping as _stepping
+from meshrun.train.fit import check_fit
 from meshrun.train.loop import StepLoop
 from meshrun.train.startup import (
     build_machinery,
@@ -120,7 +120,7 @@ class Run:
         changed in place, or its DDP wrapper."""
         options.setdefault("comm_hook_wrap", self._loop.monitor.comm_hook_wrap())
         self.set_model_flops(model_flops(model, self.config.metrics.flops_per_sample))
-        check_fit(model, self.mesh, self.config, self.device)  # before step 1: plan/fit.py
+        check_fit(model, self.mesh, self.config, self.device)  # before step 1: train/fit.py
         c = self.config.parallel
         return _model.parallelize_model(model, self.mesh, c, self.device, self._state, **options)
 

@@ -3,7 +3,7 @@
 ``run.parallelize`` calls :func:`check_fit` on a model built on the meta device (nothing is
 allocated yet, so an OOM is still avoidable). The limit is ``parallel.memory_limit_gb``, else
 the CUDA device's total; on CPU with no configured limit nothing is traced (no cost). The
-trace (plan/trace.py) needs a fake process group as the default one, and the worker already
+trace (parallel/memory_trace.py) needs a fake process group as the default one, and the worker already
 has its real one: it runs in a forked child, which inherits the meta model and throws its copy
 of the real group away, and sends back its figures. Every rank traces the same layout, so
 every rank refuses with the same message, before any collective of the step.
@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from meshrun.config import Config, ConfigError
-from meshrun.plan.trace import TraceLayout
+from meshrun.parallel.memory_trace import TraceLayout
 
 ALLOWANCE_CUDA = 1e9  # the CUDA context and NCCL's buffers, outside the caching allocator
 
@@ -107,7 +107,7 @@ def _refusal(
     advice = f"layouts that fit: {said}" if said else "no layout on these ranks fits: add ranks"
     return (
         f"the layout {_describe(lay)} needs {need / 1e9:.3f} GB per device by its trace "
-        f"(plan/fit.py: one step on fake tensors), over {where} = {limit / 1e9:.3f} GB; "
+        f"(train/fit.py: one step on fake tensors), over {where} = {limit / 1e9:.3f} GB; "
         f"{advice}"
     )
 
@@ -152,7 +152,7 @@ def _child(model: nn.Module, layouts: list[TraceLayout], fd: int) -> None:
 
         logging.getLogger("meshrun").disabled = True  # the traced layouts are not the run's
         _forget_process_groups()
-        from meshrun.plan.trace import trace
+        from meshrun.parallel.memory_trace import trace
 
         reply: dict[str, Any] = {"reserved": [trace(model, lay).reserved for lay in layouts]}
     except BaseException as e:  # the child reports everything and exits

@@ -110,7 +110,7 @@ def fake_world(world: int) -> Iterator[None]:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        raise RuntimeError("a process group exists: trace in a fresh process (plan/fit.py)")
+        raise RuntimeError("a process group exists: trace in a fresh process (train/fit.py)")
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     try:
         yield
