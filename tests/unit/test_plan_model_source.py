@@ -95,7 +95,9 @@ class Net(nn.Module):
 
 
 def plan(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str, str]:
-    code = main(["plan", "--gpus-per-node", "2", "--global-batch", "8", "--top", "1", *args])
+    # --no-trace: these check what is read from the model (tests/unit/test_plan_trace.py traces)
+    argv = ["plan", "--no-trace", "--gpus-per-node", "2", "--global-batch", "8", "--top", "1"]
+    code = main([*argv, *args])
     out = capsys.readouterr()
     return code, out.out, out.err
 

@@ -309,7 +309,7 @@ def test_meshrun_plan_model_reads_an_hf_moe_config(
         "num_experts_per_tok": 2,
     }
     (tmp_path / "config.json").write_text(json.dumps(config))
-    argv = ["plan", "--model", str(tmp_path), "--seq", "16", "--gpus-per-node", "4"]
+    argv = ["plan", "--no-trace", "--model", str(tmp_path), "--seq", "16", "--gpus-per-node", "4"]
     assert main([*argv, "--global-batch", "8", "--json", "--top", "0"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["params"] == 29152 and doc["model"]["moe"]["expert_params"] == 12288

@@ -10,7 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from meshrun.cli import plan_links, plan_moe
+from meshrun.cli import plan_links, plan_moe, plan_trace
 from meshrun.cli.plan_checks import SHAPE_FLAGS, check_plan_numbers
 from meshrun.plan.cost import GB, Cluster, Estimate, Model, Recompute, Training
 from meshrun.plan.errors import PlanError
@@ -325,12 +325,15 @@ def cmd_plan(a: argparse.Namespace) -> int:
     else:
         eps, cps = plan_moe.searched_sizes(a)
         plan = search(model, training, cluster, micro, recompute, eps, cps)
+    traced = plan_trace.maybe_trace(a, plan, model, training, cluster)
+    plan = plan if traced is None else traced.plan
     advice = [] if plan.fitting else what_would_fit(model, training, cluster, plan)
     links = plan_links.links_report(a, model, training, cluster, plan.fitting[:1])  # --diloco
     elapsed = time.perf_counter() - start
     if a.json:
         doc = plan_json(plan, cluster, training, a.top, advice)
         doc["search_s"] = round(elapsed, 4)
+        plan_trace.add_json(doc, traced, cluster)
         if inferred is not None:
             doc["model"] = inferred.json
         if links is not None:
@@ -338,6 +341,7 @@ def cmd_plan(a: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
     else:
         print_table(plan, cluster, a.top)
+        plan_trace.print_traces(traced, cluster)
         for line in advice:
             print(f"nothing fits; {line}" if line is advice[0] else f"  - {line}")
         if links is not None:
@@ -433,6 +437,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="activation checkpointing modes to consider (none,selective,full)",
     )
     plan_moe.add_moe_args(p)
+    plan_trace.add_arguments(p)
     _add_cluster_args(p)
     plan_links.add_arguments(p)
     o = p.add_argument_group("output")

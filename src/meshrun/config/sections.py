@@ -112,6 +112,13 @@ class ParallelConfig:
     activation_checkpoint: int = setting(
         0, "Recompute every k-th block's activations in backward; 0 = off, 1 = every block.", min=0
     )
+    memory_limit_gb: float = setting(
+        0.0,
+        "Memory per device, GB (1e9 bytes), that run.parallelize checks a meta-built model's "
+        "traced peak against before step 1 (train/fit.py); 0 = the device's total on CUDA, "
+        "no check on CPU; -1 = never check.",
+        min=-1.0,
+    )
     param_dtype: Literal["float32", "bfloat16", "float16"] = setting(
         "float32",
         "Compute dtype: FSDP2 (zero 2/3) all-gathers parameters in it, DDP runs the forward "

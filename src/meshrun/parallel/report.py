@@ -10,6 +10,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh
 
 from meshrun.config import ParallelConfig
@@ -26,11 +27,14 @@ def local_param_bytes(model: nn.Module) -> tuple[int, int]:
 def rank_groups(mesh: DeviceMesh) -> list[str]:
     """For each mesh dim, the ranks that communicate along it, e.g. ``tp: [0, 1] [2, 3]``."""
     names = mesh.mesh_dim_names or ()
-    ranks = mesh.mesh
+    # The planner's trace (parallel/memory_trace.py) runs parallelize under FakeTensorMode: the mesh's
+    # rank tensor stays a real one, read outside the fake mode.
     out = []
-    for i, name in enumerate(names):
-        groups = ranks.movedim(i, -1).reshape(-1, ranks.shape[i]).tolist()
-        out.append(f"{name}: " + " ".join(str(g) for g in groups))
+    with unset_fake_temporarily():
+        ranks = mesh.mesh
+        for i, name in enumerate(names):
+            groups = ranks.movedim(i, -1).reshape(-1, ranks.shape[i]).tolist()
+            out.append(f"{name}: " + " ".join(str(g) for g in groups))
     return out
 
 

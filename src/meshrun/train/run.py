@@ -36,6 +36,7 @@ from meshrun.train import data as _data
 from meshrun.train import evaluate as _evaluate
 from meshrun.train import model as _model
 from meshrun.train import stepping as _stepping
+from meshrun.train.fit import check_fit
 from meshrun.train.loop import StepLoop
 from meshrun.train.startup import (
     build_machinery,
@@ -119,6 +120,7 @@ class Run:
         changed in place, or its DDP wrapper."""
         options.setdefault("comm_hook_wrap", self._loop.monitor.comm_hook_wrap())
         self.set_model_flops(model_flops(model, self.config.metrics.flops_per_sample))
+        check_fit(model, self.mesh, self.config, self.device)  # before step 1: train/fit.py
         c = self.config.parallel
         self._loop.former.remember(model)  # names an optimizer built before this (optim_params)
         return _model.parallelize_model(model, self.mesh, c, self.device, self._state, **options)

@@ -1,0 +1,425 @@
+"""Traced memory: one rank's share of a layout, counted by running the user's model.
+
+The model (built on the meta device) is laid out by meshrun's own ``parallelize`` on a fake
+world (torch's ``fake`` process-group backend: every collective is a no-op, so one process
+stands for rank 0 of N), allocated as ``FakeTensor``s (shapes and dtypes, no storage), and
+driven through one training step (forward, backward, AdamW/SGD step) under torch's memory
+trackers (``torch.distributed._tools``: ``FSDPMemTracker`` for ZeRO-2/3, ``MemTracker``
+otherwise). They count every tensor the step allocates by what it is (parameters, gradients,
+optimizer states, activations, all-gather and reduce-scatter buffers, temporaries) and keep the
+peak. Nothing is allocated and no GPU is needed.
+
+Identical blocks make the peak affine in their number, so a deep model is traced with a few
+blocks (``TRACED_BLOCKS``) and extrapolated along the line through the two counts; a model
+no deeper than that is traced whole. The optimizer's states are created before the tracked
+step (a step on zero gradients), so the tracked step is a steady-state one, not the first.
+
+Reserved memory (what ``torch.cuda.max_memory_reserved`` reports, what an OOM is about) is the
+allocated peak plus the caching allocator's waste: :func:`reserved_bytes` states the model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from functools import partial
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from meshrun.plan.errors import PlanError
+
+GiB = 2**30
+TRACED_BLOCKS = (2, 3)  # a deeper model is traced at these depths and extrapolated
+# The caching allocator's waste at the peak, as a fraction of the allocated bytes: blocks
+# split from 2 MiB-rounded segments and cached free blocks that do not fit the next request.
+# 3 % is torch's expandable segments (PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, which
+# torchtitan's launcher sets) and meshrun's CPU runs; docs/plan.md shows the rows it is
+# checked on. Without expandable segments the waste is larger and workload-dependent.
+FRAGMENTATION = 0.03
+SEGMENT = 2 * 2**20  # the allocator maps memory in 2 MiB pages/segments
+
+
+@dataclass(frozen=True)
+class TraceLayout:
+    """What one rank runs: the mesh degrees (pp: one stage of ``blocks / pp`` blocks holding
+    ``in_flight`` micro-batches' activations, as 1F1B's first stage does), the ZeRO stage, the
+    micro-batch and sequence, activation checkpointing and the precision."""
+
+    dp_replicate: int = 1
+    dp_shard: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    micro_batch: int = 1
+    seq: int = 1024
+    ac: str = "none"  # none | selective | full
+    precision: str = "bf16"  # bf16 | fp16 | fp32
+    optimizer: str = "adamw"  # adam | adamw | sgd
+    in_flight: int = 1  # micro-batches whose activations the stage holds at once
+    # A GPU target: the optimizer's multi-tensor path (torch's default there) and the
+    # communication streams' own allocator pools; False: a CPU run (no streams, per-tensor).
+    gpu: bool = True
+
+    @property
+    def world(self) -> int:
+        """The ranks of one pipeline stage (the fake world)."""
+        return self.dp_replicate * self.dp_shard * self.tp
+
+
+@dataclass
+class Traced:
+    """A traced peak: bytes by kind at the moment of the peak, its allocated and reserved
+    totals, the depths traced and the seconds it took."""
+
+    parts: dict[str, float]
+    allocated: float
+    reserved: float
+    blocks: tuple[int, ...]
+    seconds: float
+
+    def as_gb(self) -> dict[str, float]:
+        out = {k: round(v / 1e9, 3) for k, v in self.parts.items()}
+        out["allocated"] = round(self.allocated / 1e9, 3)
+        out["reserved"] = round(self.reserved / 1e9, 3)
+        return out
+
+
+def reserved_bytes(allocated: float, comm_pools: float = 0.0) -> float:
+    """The allocator's reserved peak for an allocated peak: the waste :data:`FRAGMENTATION`
+    on top, plus the communication streams' own pools (``comm_pools``: on a GPU FSDP2's
+    all-gather and reduce-scatter buffers live on side streams, whose cached blocks the
+    compute stream cannot reuse), rounded up to whole 2 MiB segments."""
+    total = allocated * (1.0 + FRAGMENTATION) + comm_pools
+    return math.ceil(total / SEGMENT) * SEGMENT
+
+
+# --- the fake world ------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def fake_world(world: int) -> Iterator[None]:
+    """Rank 0 of a fake world of ``world`` ranks as the default process group, for the
+    duration. Refused when a real process group exists (a worker forks first: fit.py)."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise RuntimeError("a process group exists: trace in a fresh process (train/fit.py)")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# --- one traced step -----------------------------------------------------------------------
+
+
+def trace(model: nn.Module, lay: TraceLayout) -> Traced:
+    """The peak of one training step of ``model`` (on the meta device; not changed) laid out
+    as ``lay``, traced on one rank of a fake world."""
+    start = time.perf_counter()
+    blocks = _block_count(model)
+    depths = (blocks,) if blocks <= TRACED_BLOCKS[-1] else TRACED_BLOCKS
+    peaks = [_trace_at(model, lay, d) for d in depths]
+    parts = peaks[0] if len(peaks) == 1 else _extrapolate(peaks, depths, blocks)
+    pools = parts.pop("comm_pools") * (1.0 if lay.gpu else 0.0)  # no streams on a CPU
+    allocated = sum(parts.values())
+    seconds = time.perf_counter() - start
+    return Traced(parts, allocated, reserved_bytes(allocated, pools), depths, seconds)
+
+
+def _extrapolate(
+    peaks: list[dict[str, float]], depths: tuple[int, ...], blocks: int
+) -> dict[str, float]:
+    (a, b), (da, db) = peaks[:2], depths[:2]
+    return {k: a[k] + (b[k] - a[k]) * (blocks - da) / (db - da) for k in a}
+
+
+def _trace_at(model: nn.Module, lay: TraceLayout, depth: int) -> dict[str, float]:
+    """One traced step with the stage's first ``depth`` blocks (all of them when ``depth``
+    is the stage's own count)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    stage = _stage_of(model, lay, depth)
+    vocab = _vocab(stage)
+    with fake_world(lay.world):
+        mesh = _mesh(lay)  # a real (CPU) tensor of ranks: built outside the fake mode
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            return _traced_stage(stage, mesh, vocab, lay)
+
+
+def _traced_stage(stage: nn.Module, mesh: Any, vocab: int, lay: TraceLayout) -> dict[str, float]:
+    laid = _lay_out(stage, mesh, lay)
+    optimizer = _optimizer(laid, lay)
+    tokens = torch.randint(0, vocab, (lay.micro_batch, lay.seq))
+    parts = _tracked_step(laid, optimizer, tokens, lay)
+    if lay.zero < 2 and lay.dp_replicate * lay.dp_shard > 1:
+        parts["grads"] = _ddp_buckets(laid)
+    return parts
+
+
+def _ddp_buckets(model: nn.Module) -> float:
+    """DDP keeps every gradient in its buckets (``gradient_as_bucket_view``, meshrun's
+    default) for the whole step: the gradients' bytes are resident at any peak."""
+    from meshrun.parallel.report import local_param_bytes
+
+    return float(local_param_bytes(model)[0])
+
+
+def _stage_of(model: nn.Module, lay: TraceLayout, depth: int) -> nn.Module:
+    """A copy of ``model`` (meta: nothing allocated) keeping its first ``depth`` blocks of the
+    first pipeline stage's ``ceil(blocks / pp)``. The first stage also keeps the embeddings and
+    the output layer here (an overestimate of one stage by the head and the loss)."""
+    from meshrun.parallel.structure import find_structure
+
+    structure = find_structure(model)
+    if structure.blocks_fqn is None:
+        return _without_init(copy.deepcopy(model))
+    keep = min(depth, math.ceil(structure.n_blocks / lay.pp))
+    container = model.get_submodule(structure.blocks_fqn)
+    dropped = [(k, container._modules[k]) for k in structure.block_keys[keep:]]
+    for k, _ in dropped:  # deep-copied without the dropped blocks, then put back
+        del container._modules[k]
+    try:
+        return _without_init(copy.deepcopy(model))
+    finally:
+        container._modules.update(dropped)
+        _reorder(container, structure.block_keys)
+
+
+def _without_init(model: nn.Module) -> nn.Module:
+    """Fake tensors hold no values: the copy's initialisation (which parallelize calls after
+    allocating a meta model) is a no-op, so a model without ``init_weights`` traces too."""
+    model.init_weights = _no_init  # type: ignore[assignment]
+    return model
+
+
+def _no_init() -> None:
+    return None
+
+
+def _reorder(container: nn.Module, keys: tuple[str, ...]) -> None:
+    modules = container._modules
+    ordered = {k: modules[k] for k in keys} | {k: v for k, v in modules.items() if k not in keys}
+    modules.clear()
+    modules.update(ordered)
+
+
+def _block_count(model: nn.Module) -> int:
+    from meshrun.parallel.structure import find_structure
+
+    return find_structure(model).n_blocks
+
+
+def _vocab(model: nn.Module) -> int:
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is None:
+        raise PlanError(
+            f"the trace feeds token ids, and {type(model).__name__} has no nn.Embedding to "
+            "take them; plan it by its shape (--layers --hidden ...) instead"
+        )
+    return int(embedding.num_embeddings)
+
+
+def _mesh(lay: TraceLayout) -> Any:
+    from meshrun.runtime.mesh import ParallelDims, build_mesh
+
+    # DDP's constructor broadcasts real storage (fake tensors have none): ZeRO-0/1 traces
+    # the tensor-parallel part alone and adds DDP's buckets (_ddp_buckets).
+    dp = (lay.dp_replicate, lay.dp_shard) if lay.zero >= 2 else (1, 1)
+    dims = ParallelDims(1, *dp, lay.tp)
+    return build_mesh(dims, "cpu") if dims.world_size > 1 else None
+
+
+def _lay_out(model: nn.Module, mesh: Any, lay: TraceLayout) -> nn.Module:
+    """meshrun's own parallelize on the fake mesh: what the run would build."""
+    from meshrun.config import ParallelConfig
+    from meshrun.parallel import parallelize
+
+    dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}[lay.precision]
+    ddp = lay.zero < 2
+    cfg = ParallelConfig(
+        dp_replicate=1 if ddp else lay.dp_replicate,
+        dp_shard=1 if ddp else lay.dp_shard,
+        tp=lay.tp,
+        zero=lay.zero,
+        activation_checkpoint=0 if lay.ac == "none" else 1,
+        param_dtype=dtype,  # type: ignore[arg-type]
+    )
+    laid = parallelize(model, mesh, cfg, torch.device("cpu"))
+    if lay.ac == "selective":
+        apply_selective(laid)
+    return laid
+
+
+def _optimizer(model: nn.Module, lay: TraceLayout) -> torch.optim.Optimizer:
+    """The optimizer with its states created (a step on zero gradients), untracked. Under
+    ZeRO-1 it holds this rank's share: parameters in order up to 1/dp of the bytes, as
+    ZeroRedundancyOptimizer's greedy partition about does."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    dp = lay.dp_replicate * lay.dp_shard
+    if lay.zero == 1 and dp > 1:
+        params = _share(params, dp)
+    opt: torch.optim.Optimizer
+    if lay.optimizer == "sgd":
+        opt = torch.optim.SGD(params, lr=0.1, momentum=0.9, foreach=lay.gpu)
+    else:
+        opt = torch.optim.AdamW(params, lr=1e-4, foreach=lay.gpu)
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return opt
+
+
+def _share(params: list[nn.Parameter], dp: int) -> list[nn.Parameter]:
+    budget = sum(p.numel() for p in params) / dp
+    out: list[nn.Parameter] = []
+    held = 0
+    for p in sorted(params, key=lambda q: q.numel()):
+        if held + p.numel() > budget and out:
+            break
+        out.append(p)
+        held += p.numel()
+    return out
+
+
+def _tracked_step(
+    model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, lay: TraceLayout
+) -> dict[str, float]:
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed.fsdp import FSDPModule
+
+    tracker: Any
+    if isinstance(model, FSDPModule):
+        tracker = FSDPMemTracker(model, opt)
+        tracker.track_inputs((tokens,))
+    else:
+        tracker = MemTracker()
+        tracker.track_external(model, opt, tokens)
+    with tracker:
+        losses = [_loss(model, tokens) for _ in range(lay.in_flight)]
+        for loss in losses:
+            loss.backward()
+        del losses
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    peak = tracker.get_tracker_snapshot("peak")
+    parts = _by_kind(next(iter(peak.values())) if peak else {})
+    parts["comm_pools"] = _comm_pools(tracker)
+    return parts
+
+
+def _comm_pools(tracker: Any) -> float:
+    """The most FSDP2's all-gather and reduce-scatter buffers held at any snapshot: on a GPU
+    they are allocated on their own CUDA streams, whose caching-allocator pools are not shared
+    with the compute stream's, so their peaks add to its peak in reserved memory."""
+    most = {"all gather": 0.0, "reduce scatter": 0.0}
+    for stats in getattr(tracker, "memory_tracking", {}).values():
+        for snaps in stats.snapshots.values():
+            for snap in snaps:
+                for per_device in snap.values():
+                    for k, v in per_device.items():
+                        name = getattr(k, "value", str(k)).lower()
+                        if name in most:
+                            most[name] = max(most[name], float(v))
+    return sum(most.values())
+
+
+def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """A language model's loss: next-token cross entropy on float32 logits (as the demo and
+    torchtitan compute it); any other output: the sum of its first tensor."""
+    out = model(tokens)
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        logits = out[0] if isinstance(out, (tuple, list)) else out
+    del out
+    if logits.dim() == 3:
+        flat = logits.flatten(0, 1).float()
+        return nn.functional.cross_entropy(flat, tokens.flatten() % logits.shape[-1])
+    return logits.float().sum()
+
+
+KINDS = {
+    "params": ("parameter", "sharded param", "unsharded param"),
+    "grads": ("gradient", "sharded grad", "unsharded grad"),
+    "optimizer": ("optstate",),
+    "activations": ("activation", "inputs", "other"),
+    "buffers": ("buffer", "all gather", "reduce scatter"),
+    "temporaries": ("temp",),
+}
+
+
+def _by_kind(snapshot: dict[Any, int]) -> dict[str, float]:
+    """The tracker's reference types folded into the planner's six kinds."""
+    values = {getattr(k, "value", str(k)).lower(): float(v) for k, v in snapshot.items()}
+    return {kind: sum(values.get(n, 0.0) for n in names) for kind, names in KINDS.items()}
+
+
+# --- selective activation checkpointing ----------------------------------------------------
+
+# Ops whose outputs selective checkpointing keeps: the matmuls (every second one is
+# recomputed) and the attention kernels, whose recomputation costs the most per byte kept.
+SAVED_OPS = (
+    "aten.mm.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten.max.default",
+)
+
+
+def apply_selective(model: nn.Module) -> None:
+    """Turn each checkpointed block's full recomputation into op-level selective
+    checkpointing (torch's ``create_selective_checkpoint_contexts``): keep the outputs of
+    :data:`SAVED_OPS` except every second matmul, recompute the rest."""
+    from meshrun.parallel.ac import is_checkpointed
+
+    for module in model.modules():
+        if is_checkpointed(module):
+            module.forward = _SelectiveForward(module.__dict__["forward"])
+
+
+class _SelectiveForward:
+    def __init__(self, full: Any) -> None:
+        self.full = full
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        full = self.full
+        head = (full.module,) if full.bound else ()
+        context = partial(create_selective_checkpoint_contexts, _policy())
+        return checkpoint(
+            full.function, *head, *args, use_reentrant=False, context_fn=context, **kwargs
+        )
+
+
+def _policy() -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    counts = {True: 0, False: 0}  # matmuls seen in the forward and in the recomputation
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        name = str(op)
+        if name == "aten.mm.default":
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        if name in SAVED_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy
+
+
+__all__ = ["FRAGMENTATION", "TraceLayout", "Traced", "apply_selective", "reserved_bytes", "trace"]
