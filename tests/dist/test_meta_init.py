@@ -5,7 +5,8 @@ attention with ``wq/wk/wv/wo``, a feed-forward, LayerNorm and an RMSNorm of its 
 position embeddings, an ``init_weights`` that calls each layer's ``reset_parameters()`` and
 ``nn.init.normal_``/``trunc_normal_``). One process builds it on meta and lets ``parallelize``
 allocate and initialise it; one 2-rank launch does the same under ZeRO-3, tensor parallel 2 and
-a 2-stage pipeline, gathers the full parameters (``full_tensor()``, every stage's) and the
+a 2-stage pipeline (a heavy 4-rank variant: HSDP 2x2, FSDP 2 x TP 2, PP 2 x ZeRO-3 2),
+gathers the full parameters (``full_tensor()``, every stage's) and the
 step-1 loss. Each must equal one process's: the parameters bitwise (the initialiser runs once
 on full tensors, from the same RNG stream), the loss within rounding. Before meshrun ran the
 initialiser on full tensors, every rank drew its shard from the same seed (a weight was one
@@ -183,15 +184,33 @@ LAYOUTS: dict[str, dict[str, Any]] = {
 }
 
 
-def meta_layouts(rank: int, world_size: int) -> dict[str, Any]:
+FOUR_RANKS: dict[str, dict[str, Any]] = {
+    "HSDP 2x2": {"zero": 3, "dp_replicate": 2},
+    "FSDP 2 x TP 2": {"zero": 3, "tp": 2},  # FSDP2 shards TP's shards: _StridedShard
+    "PP 2 x ZeRO-3 2": {"pp": 2, "zero": 3, "pp_microbatches": 2},
+}
+
+
+def meta_layouts(rank: int, world_size: int, layouts: dict[str, Any]) -> dict[str, Any]:
     dist.init_process_group("gloo")
-    return {name: under_layout(layout) for name, layout in LAYOUTS.items()}
+    return {name: under_layout(layout) for name, layout in layouts.items()}
 
 
 @pytest.mark.timeout(180)
 def test_meta_model_starts_from_one_process_values_under_each_layout() -> None:
+    check_against_one_process(LAYOUTS, 2)
+
+
+# heavy: test_meta_model_starts_from_one_process_values_under_each_layout (ZeRO-3, TP, PP)
+@pytest.mark.heavy
+@pytest.mark.timeout(240)
+def test_meta_model_on_four_ranks_hsdp_tp_x_fsdp_pp_x_zero3() -> None:
+    check_against_one_process(FOUR_RANKS, 4)
+
+
+def check_against_one_process(layouts: dict[str, Any], nproc: int) -> None:
     ref = one_process()
-    results = run_distributed(meta_layouts, 2, timeout=150)[0]
+    results = run_distributed(meta_layouts, nproc, layouts, timeout=200)[0]
     wrong = {}  # every layout's verdict in one message
     for name, got in results.items():
         assert set(got["params"]) == set(ref["params"]), name
