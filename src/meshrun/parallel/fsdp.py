@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from meshrun.parallel.meta_init import materialize_as_one_process
+
 # FSDP (with the DTensor it imports, about a second of CPU) is imported by apply_fsdp, so a DDP
 # run never imports it.
 if TYPE_CHECKING:
@@ -128,9 +130,7 @@ def init_weights_of(model: nn.Module, allocated: str = "it") -> Callable[[], Non
 
 
 def materialize(model: nn.Module, device: torch.device) -> None:
-    """Allocate a meta-device model (after sharding, only each rank's shards) and initialise it
-    with its ``init_weights()``: the full model never exists on one rank."""
-    init = init_weights_of(model)
-    model.to_empty(device=device)
-    with torch.no_grad():
-        init()
+    """Allocate a meta-device model (after its layout, only each rank's shards) and initialise
+    it with its ``init_weights()`` to one process's values: the initialiser runs once on
+    full-size host copies and each rank keeps its slice (parallel/meta_init.py)."""
+    materialize_as_one_process(model, init_weights_of(model), [model], device)
