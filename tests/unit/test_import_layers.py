@@ -290,7 +290,7 @@ def test_the_doc_names_the_layers_bottom_first() -> None:
     assert layers[0][0] == "config" and layers[-1][0] == "CLI"
     heights = layer_of(layers)
     assert heights["meshrun.config"] < heights["meshrun.parallel"] < heights["meshrun.cli"]
-    assert heights["meshrun.runtime"] < heights["meshrun.train"] < heights["meshrun.launch"]
+    assert heights["meshrun.runtime"] < heights["meshrun.launch"] < heights["meshrun.train"]
     assert height("meshrun.plan.cost", heights) == heights["meshrun.plan"]
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from meshrun import __version__
+from meshrun._version import __version__
 from meshrun.cli.args import Subparsers, add_network_flags, add_set, add_target, keep_separator
 from meshrun.cli.out import quiet_on_broken_pipe
 from meshrun.cli.torchrun import apply_launch_flags as apply_launch_flags

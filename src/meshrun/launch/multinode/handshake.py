@@ -106,7 +106,7 @@ def local_node_info(
 
     import torch
 
-    from meshrun import __version__
+    from meshrun._version import __version__
 
     return NodeInfo(
         hostname=socket.gethostname(),
