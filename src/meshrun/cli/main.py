@@ -213,7 +213,8 @@ def _check_target(target: str, module: str | None, no_python: bool | None) -> No
 
 
 def _use_secret_file(path: str) -> None:
-    from meshrun.launch.secret import SecretError, use_secret_file
+    from meshrun.launch.secret import use_secret_file
+    from meshrun.runtime.secret import SecretError
 
     try:
         use_secret_file(path, os.environ)

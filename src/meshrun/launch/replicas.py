@@ -25,9 +25,10 @@ from pathlib import Path
 
 from meshrun.config import CONFIG_ENV, Config, apply_overrides, load_config, validate_for_world
 from meshrun.config import write_config as write_config_file
-from meshrun.launch.secret import SECRET_ENV, resolve
+from meshrun.launch.secret import resolve
 from meshrun.runtime.logs import say_launch
 from meshrun.runtime.ports import LOCAL_HOST, free_port
+from meshrun.runtime.secret import SECRET_ENV
 
 __all__ = ["GroupPlan", "group_config", "launch_replica_groups", "run_lighthouse"]
 

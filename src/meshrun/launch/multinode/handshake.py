@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from meshrun.launch.secret import JobSecret, sanitize
+from meshrun.runtime.secret import JobSecret, sanitize
 
 # Fields that must be equal on every node, with the words used in messages.
 MUST_MATCH = {
