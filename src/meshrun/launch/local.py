@@ -294,8 +294,9 @@ def start_line(
 ) -> str:
     """The one banner line printed before the agent starts."""
     procs = "process" if spec.procs_per_node == 1 else "processes"
-    nnodes = spec.rendezvous.nodes.text
-    nodes = "node" if nnodes == "1" else "nodes"
+    target = spec.rendezvous.nodes
+    nnodes = target.text
+    nodes = "node" if (target.min_nodes, target.max_nodes) == (1, 1) else "nodes"
     parts = [
         f"meshrun launch: {spec.procs_per_node} {procs} x {nnodes} {nodes}",
         f"rendezvous {'static ' if spec.rdzv_backend == 'static' else ''}"

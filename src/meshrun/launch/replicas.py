@@ -85,7 +85,7 @@ def launch_replica_groups(plan: GroupPlan) -> int:
     """Start ``plan.groups`` torchrun jobs of ``nproc_per_node / groups`` processes; wait for
     all; return 0 when every group finished, else the first failing group's exit code. (The
     launcher has checked that the groups divide the processes and that the job is one node:
-    meshrun.cli.main._group_nproc.)"""
+    launch/prepare.py's group_nproc.)"""
     groups = plan.groups
     cfg = load_config(plan.config_path)
     nproc = plan.nproc_per_node // groups
