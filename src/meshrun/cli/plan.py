@@ -13,9 +13,9 @@ from typing import Any
 from meshrun.cli import plan_links, plan_moe
 from meshrun.plan.cost import GB, Cluster, Estimate, Model, Recompute, Training
 from meshrun.plan.errors import PlanError
-from meshrun.plan.hardware import GB_S, GPUS, TERA, get_gpu
 from meshrun.plan.search import Plan, evaluate_one, parse_layout, search, what_would_fit
 from meshrun.plan.user_model import Inferred, format_count, model_from_spec
+from meshrun.specs.gpus import GB_S, GPUS, TERA, get_gpu
 
 SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "ffn", "vocab", "seq")
 CALIBRATION_KEYS = {f.name for f in dataclasses.fields(Cluster)} - {"nodes", "gpus_per_node"}

@@ -98,22 +98,15 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("meshrun")
 
-# Tensor parallel (DTensor) and the pipeline load on first use (PEP 562); the pipeline's
-# builders stay importable from here by name, as they were before.
-_PIPELINE = [
-    "LossFn",
-    "Pipeline",
-    "build_pipeline",
-    "build_stage_modules",
-    "pipeline_eval",
-    "pipeline_step",
-]
+# Tensor parallel (DTensor) and the pipeline load on first use (PEP 562). The pipeline's
+# types and builders (Pipeline, LossFn, build_pipeline, ...) are parallel/pp/pipeline.py's.
 __getattr__ = lazy_exports(
     globals(),
     {
         "apply_tp": "meshrun.parallel.tp",
         "default_tp_plan": "meshrun.parallel.tp",
-        **dict.fromkeys(_PIPELINE, "meshrun.parallel.pp.pipeline"),
+        "pipeline_eval": "meshrun.parallel.pp.pipeline",
+        "pipeline_step": "meshrun.parallel.pp.pipeline",
         "bind_tied": "meshrun.parallel.pp.tied",
     },
 )
