@@ -79,7 +79,7 @@ def test_a_strict_argparse_script_runs_after_init(tmp_path: Path) -> None:
 
 
 def test_unwrap_peels_compile_and_refuses_a_pipeline() -> None:
-    from meshrun.parallel.pp.pipeline import Pipeline
+    from meshrun.parallel import Pipeline
 
     net = nn.Linear(2, 2)
     assert unwrap_module(torch.compile(net)) is net  # compiles nothing until called

@@ -28,7 +28,7 @@ from meshrun.runtime.mesh import dp_cp_group_name
 from meshrun.train.loop import StepLoop
 
 if TYPE_CHECKING:  # parallel/pp*.py load only when a pipeline is built
-    from meshrun.parallel.pp.pipeline import Pipeline
+    from meshrun.parallel import Pipeline
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 

@@ -28,7 +28,7 @@ from meshrun.train.loop import StepLoop
 
 if TYPE_CHECKING:
     from meshrun.hf.experts import ExpertShare
-    from meshrun.parallel.pp.pipeline import Pipeline  # loaded only when one is built
+    from meshrun.parallel import Pipeline  # parallel/pp*.py load only when one is built
 
 
 def parallelize_model(

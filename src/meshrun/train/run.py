@@ -51,7 +51,7 @@ from meshrun.train.startup import (
 if TYPE_CHECKING:  # FSDP's scaler loads only in an fp16 run, parallel/pp*.py with a pipeline
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    from meshrun.parallel.pp.pipeline import Pipeline
+    from meshrun.parallel import Pipeline
 
 _ACTIVE: Run | None = None
 _RETIRED: list[Run] = []  # closed runs, never destroyed before exit (see Run.close)

@@ -19,7 +19,7 @@ from meshrun.parallel import check_optimizer, maybe_loss_parallel
 from meshrun.train.loop import StepLoop
 
 if TYPE_CHECKING:  # parallel/pp*.py load only when a pipeline is built
-    from meshrun.parallel.pp.pipeline import Pipeline
+    from meshrun.parallel import Pipeline
 
 
 def backward(
