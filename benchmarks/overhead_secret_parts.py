@@ -21,8 +21,9 @@ from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
 from meshrun.launch.multinode.handshake import publish_attempt
 from meshrun.launch.rdzv_signed import forget_store, listen_store, register
-from meshrun.launch.secret import SECRET_ENV, resolve
+from meshrun.launch.secret import resolve
 from meshrun.runtime.ports import free_port
+from meshrun.runtime.secret import SECRET_ENV
 
 
 def rendezvous(backend: str, port: int, run_id: str) -> float:

@@ -28,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from meshrun.demo.model import GPT, GPTConfig
 from meshrun.plan.cost import GB, Cluster, Layout, Model, Training, evaluate
-from meshrun.plan.hardware import GPUS
+from meshrun.specs.gpus import GPUS
 
 
 def gpt_1b(tiny: bool) -> GPTConfig:
@@ -127,7 +127,7 @@ def gpu_table_name(device: torch.device) -> str:
     ):
         if key in name:
             return entry
-    raise SystemExit(f"GPU {name!r} is not in meshrun's table; add it to plan/hardware.py")
+    raise SystemExit(f"GPU {name!r} is not in meshrun's table; add it to specs/gpus.py")
 
 
 def main() -> None:

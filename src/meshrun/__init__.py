@@ -18,9 +18,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from meshrun._lazy import lazy_exports
+from meshrun._version import __version__
 from meshrun.config import Config, ConfigError, load_config
-
-__version__ = "0.1.0"
 
 # The rest loads on first use (PEP 562): the command line and the pure layers (config, plan)
 # then start in a fraction of a second instead of paying for torch.distributed's imports.

@@ -59,12 +59,3 @@ def _target(command: list[str], tmp_path: Path) -> list[str]:
     if command[0] == "plan":  # a small model on a small cluster: enough lines to fill no pipe
         return ["--params", "1e9", "--nodes", "1", "--gpus-per-node", "8", "--gpu", "h100-sxm"]
     return []
-
-
-def test_safe_text_strips_terminal_escapes_from_foreign_text() -> None:
-    from meshrun.cli.out import safe_text
-
-    raw = "ok\x1b]52;c;ZXZpbA==\x07\x1b[2J\rfake\x9b\nnext\tcol\x00"
-    assert safe_text(raw) == "ok?]52;c;ZXZpbA==??[2J?fake?\nnext\tcol?"
-    assert safe_text("a\nmeshrun launch: all good", one_line=True) == "a meshrun launch: all good"
-    assert safe_text("x" * 30, limit=10) == "x" * 10 + "... (20 more)"

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 import meshrun
-from meshrun.cli.main import _fit_micro_batch, _prepare, main
+from meshrun.cli.main import main
 from meshrun.config import (
     Config,
     ConfigError,
@@ -27,9 +27,17 @@ from meshrun.config import (
     validate,
     validate_for_world,
 )
+from meshrun.demo.batch import fit_micro_batch as _fit_micro_batch
+from meshrun.launch.prepare import prepare
+from meshrun.launch.spec import parse_nnodes
 from meshrun.launch.target import DEMO_CONFIG
 
 pytestmark = pytest.mark.timeout(30)
+
+
+def _prepare(cfg: Config, nproc: int, nnodes: str) -> Path:
+    """launch/prepare.py's prepare, for a --nnodes text."""
+    return prepare(cfg, nproc, parse_nnodes(nnodes))
 
 
 def _message(make: Any) -> str:

@@ -23,8 +23,8 @@ from meshrun.launch.multinode.handshake import (
     missing_ranks,
     waiting_message,
 )
-from meshrun.launch.secret import JobSecret
 from meshrun.runtime.ports import free_port
+from meshrun.runtime.secret import JobSecret
 
 SECRET = JobSecret(b"0123456789abcdef0123456789abcdef", "test")
 

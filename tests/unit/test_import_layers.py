@@ -3,7 +3,9 @@ of the doc's table (a folder per layer), imports only from its own layer or thos
 imports another package of its own layer only where the doc's allowed list says so, and no
 circle joins modules or subsystems (top-level packages and modules). Lazy imports inside
 functions count too (they close a circle as surely, only later); ``if TYPE_CHECKING:`` imports
-never run, but a circle through them is still a circle of meaning, so they count for circles.
+never run, and a package's lazy exports (meshrun/_lazy.py's ``lazy_exports`` maps) run only on
+first use, but both are dependencies of meaning: they count for circles and for direction (a
+type named from a higher layer, or a name handed on from one, is an import running back up).
 The pure layers the doc names import no ``torch.distributed`` and start no process group.
 
 The checker takes a source root, so a test can plant a breach in a copy of the tree and see
@@ -94,13 +96,39 @@ def _targets(mods: dict[str, Path], name: str, node: ast.Import | ast.ImportFrom
         yield sub if sub in mods else lazy.get(alias.name, base)
 
 
+def _lazy_targets(mods: dict[str, Path], tree: ast.AST) -> set[str]:
+    """The modules a ``lazy_exports(globals(), MAP)`` call names (``MAP`` a dict, or the name of
+    a module-level dict): each is imported on first use of one of its names."""
+    dicts = {
+        t.id: node.value
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+        for t in node.targets
+        if isinstance(t, ast.Name)
+    }
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        func = getattr(node, "func", None)
+        if not isinstance(node, ast.Call) or getattr(func, "id", None) != "lazy_exports":
+            continue
+        for arg in node.args[1:]:
+            table = dicts.get(arg.id) if isinstance(arg, ast.Name) else arg
+            for value in ast.walk(table) if table is not None else ():
+                if isinstance(value, ast.Constant) and value.value in mods:
+                    found.add(value.value)
+    return found
+
+
 def import_graph(src: Path = SRC, typing: bool = False) -> Graph:
-    """Module -> the meshrun modules it imports (``typing=True``: ``TYPE_CHECKING`` ones too)."""
+    """Module -> the meshrun modules it imports (``typing=True``: ``TYPE_CHECKING`` ones and
+    the modules of its lazy exports too)."""
     mods = modules(src)
     graph: Graph = {}
     for name, path in mods.items():
         tree = ast.parse(path.read_text())
         deps = {t for node in _imports(tree, typing) for t in _targets(mods, name, node)}
+        if typing:
+            deps |= _lazy_targets(mods, tree)
         # A module's own package __init__ runs before it anyway: not an edge of its own.
         graph[name] = {d for d in deps if d != name and not name.startswith(d + ".")}
     return graph
@@ -269,8 +297,24 @@ def check(src: Path, doc_text: str) -> list[str]:
     ]
     problems += [f"import circle between modules: {c}" for c in cycles(graph)]
     problems += [f"import circle between subsystems: {c}" for c in cycles(subsystem_graph(graph))]
-    typed = [c for c in cycles(import_graph(src, typing=True)) if c not in cycles(graph)]
+    typing = import_graph(src, typing=True)
+    typed = [c for c in cycles(typing) if c not in cycles(graph)]
     problems += [f"import circle through TYPE_CHECKING imports: {c}" for c in typed]
+    # Type-only imports and lazy exports keep the direction too (reported once, where only
+    # they run up or across).
+    ran = set(upward_imports(graph, heights))
+    problems += [
+        f"upward import (type-only or lazy export): {a} imports {b}"
+        for a, b in upward_imports(typing, heights)
+        if (a, b) not in ran
+    ]
+    across = set(same_layer_imports(graph, heights, allowed))
+    problems += [
+        "import within a layer not allowed by docs/architecture.md (type-only or lazy "
+        f"export): {a} imports {b}"
+        for a, b in same_layer_imports(typing, heights, allowed)
+        if (a, b) not in across
+    ]
     problems += [f"not pure: {p}" for p in impure(src, pure_paths(doc_text))]
     return problems
 
@@ -290,7 +334,7 @@ def test_the_doc_names_the_layers_bottom_first() -> None:
     assert layers[0][0] == "config" and layers[-1][0] == "CLI"
     heights = layer_of(layers)
     assert heights["meshrun.config"] < heights["meshrun.parallel"] < heights["meshrun.cli"]
-    assert heights["meshrun.runtime"] < heights["meshrun.train"] < heights["meshrun.launch"]
+    assert heights["meshrun.runtime"] < heights["meshrun.launch"] < heights["meshrun.train"]
     assert height("meshrun.plan.cost", heights) == heights["meshrun.plan"]
 
 
@@ -384,4 +428,26 @@ def test_a_planted_type_checking_circle_fails(tmp_path: Path) -> None:
     mfu.write_text(text)
     assert check(tree, DOC.read_text()) == [
         "import circle through TYPE_CHECKING imports: ['meshrun.monitor.metrics', 'meshrun.monitor.mfu']"
+    ]
+
+
+def test_a_planted_upward_type_only_import_and_lazy_export_fail(tmp_path: Path) -> None:
+    tree = _copy(tmp_path)
+    state = tree / "runtime" / "state.py"  # runtime layer, naming a data/ type
+    state.write_text(
+        state.read_text().replace(
+            "if TYPE_CHECKING:\n",
+            "if TYPE_CHECKING:\n    from meshrun.data.sampler import ResumableSampler\n",
+        )
+    )
+    face = tree / "monitor" / "__init__.py"  # subsystems layer, handing on a report/ name
+    face.write_text(
+        face.read_text().replace(
+            '"memory_stats": "meshrun.monitor.memory",',
+            '"memory_stats": "meshrun.monitor.memory",\n        "write_report": "meshrun.report.html",',
+        )
+    )
+    assert check(tree, DOC.read_text()) == [
+        "upward import (type-only or lazy export): meshrun.monitor imports meshrun.report.html",
+        "upward import (type-only or lazy export): meshrun.runtime.state imports meshrun.data.sampler",
     ]

@@ -12,7 +12,7 @@ import pytest
 
 from meshrun.plan.bubble import bubble_fraction
 from meshrun.plan.cost import GB, Cluster, Layout, Model, Training, step_time
-from meshrun.plan.hardware import get_gpu
+from meshrun.specs.gpus import get_gpu
 
 PUBLISHED_RATIO = 128 / 100  # interleaved 1F1B / 1F1B, tokens/s per GPU
 

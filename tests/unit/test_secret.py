@@ -20,14 +20,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 import sockets
 from meshrun.launch.multinode.handshake import Handshake, HandshakeError, JoinTarget, NodeInfo
 from meshrun.launch.rdzv_signed import SignedBackend, forget_store, listen_store
-from meshrun.launch.secret import (
-    SECRET_ENV,
-    SECRET_FILE_ENV,
-    JobSecret,
-    SecretError,
-    resolve,
-    sanitize,
-)
+from meshrun.launch.secret import SECRET_FILE_ENV, resolve
+from meshrun.runtime.secret import SECRET_ENV, JobSecret, SecretError, sanitize
 
 SECRET = JobSecret(b"0123456789abcdef0123456789abcdef", "test")
 OTHER = JobSecret(b"fedcba9876543210fedcba9876543210", "other")
@@ -80,6 +74,15 @@ def test_seal_binds_the_value_to_its_key_and_the_secret() -> None:
 def test_text_from_the_network_loses_its_control_characters() -> None:
     assert sanitize("\x1b[31mred\x1b[0m\nnext\x07") == "?[31mred?[0m?next?"
     assert sanitize("x" * 400, 10) == "x" * 10 + "..."
+
+
+def test_the_one_sanitizer_keeps_printable_ascii_only() -> None:
+    # runtime/secret.py's sanitizer serves the launcher and the replica groups alike: the
+    # stricter of the two it replaced. C1 controls (\x9b is a one-byte CSI), DEL, tab, new line
+    # and every non-ASCII code point (U+202E reverses what follows it on screen) become '?'.
+    raw = "ok\x1b]52;c;ZXZpbA==\x07\x1b[2J\rfake\x9b\nnext\tcol\x00\x7f caf\u00e9 \u202egnp.exe"
+    assert sanitize(raw) == "ok?]52;c;ZXZpbA==??[2J?fake??next?col?? caf? ?gnp.exe"
+    assert sanitize(" ~printable~ ") == " ~printable~ "
 
 
 # --- the signed rendezvous backend ----------------------------------------------------------

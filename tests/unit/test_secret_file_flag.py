@@ -10,13 +10,8 @@ from pathlib import Path
 import pytest
 
 from meshrun.launch.hostfile.remote import job_secret
-from meshrun.launch.secret import (
-    SECRET_ENV,
-    SECRET_FILE_ENV,
-    SecretError,
-    resolve,
-    use_secret_file,
-)
+from meshrun.launch.secret import SECRET_FILE_ENV, resolve, use_secret_file
+from meshrun.runtime.secret import SECRET_ENV, SecretError
 
 pytestmark = pytest.mark.timeout(30)
 KEY = "5a" * 32

@@ -19,6 +19,7 @@ from meshrun.launch.slurm.job import (
     SlurmError,
     apply_to_launch,
     derive,
+    given_from,
     in_allocation,
     tasks_per_node,
 )
@@ -158,16 +159,17 @@ def test_apply_to_launch_fills_only_what_nothing_set(capsys: pytest.CaptureFixtu
     args.rdzv_endpoint = None
     cfg = LaunchConfig(rdzv_id="from-config")  # a non-default config value counts as explicit
     try:
-        apply_to_launch(args, cfg, {**env, "SLURM_STEP_NODELIST": "gpu07,gpu08"})
+        given = given_from(vars(args), cfg)
+        filled = apply_to_launch(given, {**env, "SLURM_STEP_NODELIST": "gpu07,gpu08"})
         assert signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL  # the launcher survives
     finally:
         signal.signal(signal.SIGUSR1, saved)
-    assert (args.nnodes, args.node_rank, args.rdzv_id) == ("2", 1, None)
-    assert args.rdzv_endpoint.startswith("gpu07:") and args.nproc_per_node >= 1
+    assert (filled.nnodes, filled.node_rank, filled.rdzv_id) == ("2", 1, None)
+    assert filled.rdzv_endpoint is not None and filled.rdzv_endpoint.startswith("gpu07:")
+    assert filled.nproc_per_node is not None and filled.nproc_per_node >= 1
     assert "meshrun launch: SLURM job 4242: nnodes 2" in capsys.readouterr().err
-    untouched = argparse.Namespace(nnodes=None)
-    apply_to_launch(untouched, LaunchConfig(), {})  # outside SLURM: nothing happens
-    assert untouched.nnodes is None
+    untouched = apply_to_launch(given_from({}, LaunchConfig()), {})  # outside SLURM: nothing
+    assert untouched == Given()
 
 
 # --- sbatch rendering -------------------------------------------------------------------

@@ -120,10 +120,10 @@ def test_transformers_is_not_imported_for_other_models() -> None:
 
 
 def test_the_gpu_table_is_one_leaf_both_read() -> None:
-    import meshrun.plan.hardware
+    import meshrun.plan
     import meshrun.specs.gpus
 
-    assert meshrun.plan.hardware.GPUS is meshrun.specs.gpus.GPUS
+    assert meshrun.plan.GPUS is meshrun.specs.gpus.GPUS
     assert meshrun.specs.gpus.gpu_key("NVIDIA H100 80GB HBM3") == "h100-sxm"
     with pytest.raises(ConfigError, match="no bf16 tensor cores"):
         meshrun.specs.gpus.get_gpu("v100").peak_flops("bf16")

@@ -34,7 +34,7 @@ from meshrun.checkpoint.state import encode_tensors, split_state, state_digest
 from meshrun.checkpoint.zero1 import is_zero1, zero1_state_dict
 from meshrun.data.sampler import ResumableSampler
 from meshrun.parallel.ep_checkpoint import ep_state_views
-from meshrun.runtime.state import TrainState
+from meshrun.runtime.state import DataPosition, TrainState
 
 __all__ = ["PER_RANK", "SAMPLER_AT_SAVE", "Stateful", "Targets", "agree_replicated"]
 
@@ -56,7 +56,7 @@ class Targets:
         self.rank = rank
         self.model: nn.Module | None = None
         self.optimizer: torch.optim.Optimizer | None = None
-        self.sampler: ResumableSampler | None = None
+        self.sampler: DataPosition | None = None  # a ResumableSampler's, or the loop's
         self.named: dict[str, Stateful] = {}  # replicated: one copy saved, checked at save
         self.per_rank: dict[str, Stateful] = {}  # saved and restored by each rank
         # meshrun's own state laid out like the model (DiLoCo's synchronised weights and

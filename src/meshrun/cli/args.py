@@ -1,5 +1,5 @@
 """Arguments several subcommands share (launch, scale-test, slurm submit, k8s render), and the
-two shapes every subsystem's ``cli.py`` registers its commands with.
+two shapes every command group's module in ``cli/`` registers its commands with.
 
 Its own module so the subsystems' ``add_parser`` functions can use it without importing
 ``meshrun.cli.main``, which imports them.

@@ -1,5 +1,5 @@
 """``meshrun data prepare | verify``: the command-line face of data/prepare.py and shards.py;
-and ``meshrun bench data`` (:func:`add_bench_data`, mounted by diagnose/bench.py), the loader
+and ``meshrun bench data`` (:func:`add_bench_data`, mounted by cli/diagnose.py), the loader
 benchmark of data/bench.py."""
 
 from __future__ import annotations

@@ -45,6 +45,7 @@ from meshrun.launch.k8s.render import (
 )
 from meshrun.launch.k8s.yamlout import dump_documents
 from meshrun.launch.slurm.submit import DEFAULT_SIGNAL_BEFORE_S, SubmitSpec, render_sbatch, submit
+from meshrun.launch.spec import parse_nnodes
 from meshrun.launch.target import default_config, require_script
 
 # --- meshrun k8s render ----------------------------------------------------------------------
@@ -432,7 +433,8 @@ def plan_from_args(
             raise HostfileError(
                 f"{flag} cannot go with --hostfile: host i of the file is node rank i"
             )
-    if a.nnodes is not None and a.nnodes != str(len(hosts)):
+    nodes = parse_nnodes(a.nnodes) if a.nnodes is not None else None
+    if nodes is not None and (nodes.elastic or nodes.max_nodes != len(hosts)):
         raise HostfileError(
             f"--nnodes {a.nnodes!r} does not match --hostfile {a.hostfile!r}, which lists "
             f"{len(hosts)} hosts; drop --nnodes (elastic MIN:MAX is not available with a hostfile)"

@@ -1,7 +1,8 @@
 """The ``meshrun`` command line: argparse subcommands, each a few lines calling the library.
 
-Everything that can be checked before a process is spawned is checked here: the config (keys,
-types, ranges), the mesh against the world size, the batch arithmetic, the script's path.
+Everything that can be checked before a process is spawned is checked before one is: the flags
+and the script's path here, the config (keys, types, ranges) as it is read, and the mesh
+against the world size, the batch arithmetic and the run directory's claim by launch/prepare.py.
 """
 
 from __future__ import annotations
@@ -12,11 +13,10 @@ import gc
 import importlib
 import os
 import sys
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
-from meshrun import __version__
+from meshrun._version import __version__
 from meshrun.cli.args import Subparsers, add_network_flags, add_set, add_target, keep_separator
 from meshrun.cli.out import quiet_on_broken_pipe
 from meshrun.cli.torchrun import apply_launch_flags as apply_launch_flags
@@ -24,124 +24,16 @@ from meshrun.cli.torchrun import launch_flag_overrides as launch_flag_overrides
 from meshrun.config import (
     Config,
     ConfigError,
-    dp_size_for_world,
     load_config,
     resolve_global_batch,
-    set_value,
     split_overrides,
     to_toml,
     validate_for_world,
-    write_config,
 )
 from meshrun.demo.steps import steps_overrides
-from meshrun.launch.multinode.handshake import JoinTarget
-from meshrun.launch.spec import LaunchSpec, parse_nnodes
+from meshrun.launch.prepare import launch
 from meshrun.launch.target import DEMO_CONFIG, DEMO_MODULE, default_config
 from meshrun.runtime.logs import say_error
-
-
-def _prepare(cfg: Config, nproc: int, nnodes: str) -> Path:
-    """Validate for the world size and write the resolved config the workers will read: what
-    was left unset and is derived here (global batch, run directory) is written as the number
-    or path it became, and said on stderr. ``nnodes``: N or MIN:MAX (``meshrun ray launch``'s
-    workers as one-process nodes)."""
-    _resolve(cfg, nproc, parse_nnodes(nnodes))
-    return write_config(cfg, cfg.resolved_run_dir() / "config.toml")
-
-
-def _resolve(cfg: Config, nproc: int, nodes: JoinTarget) -> None:
-    """:func:`_prepare` up to the write: every check, and the values derived."""
-    world = nproc * nodes.max_nodes  # an elastic MIN:MAX job: its largest world
-    validate_for_world(cfg, world)
-    from meshrun.checkpoint.layout import resume_path_error  # pure: no torch import
-
-    if why := resume_path_error(cfg.checkpoint.resume):  # before any process is spawned
-        raise ConfigError(why)
-    _resolve_batch(cfg, nproc, nodes)
-    if not cfg.job.run_dir:  # a directory appears in the cwd: say where and how to move it
-        cfg.job.run_dir = str(cfg.resolved_run_dir())
-        print(
-            f"meshrun launch: job.run_dir unset: the run writes its config, logs, metrics and "
-            f"checkpoints to {cfg.job.run_dir} (in {Path.cwd()}); set --job.run_dir=DIR to "
-            "change it",
-            file=sys.stderr,
-        )
-
-
-def _resolve_batch(cfg: Config, nproc: int, nodes: JoinTarget) -> None:
-    """An unset global batch becomes a number, said on stderr: the one of the checkpoint the
-    run resumes (kept on a new world size), else micro_batch x data-parallel size. An elastic
-    MIN:MAX job gets one number for every world it may take after a restart: its largest
-    world's, or, where a smaller world's size does not divide that, the lcm's."""
-    from meshrun.checkpoint.resumed_batch import resume_global_batch  # pure: no torch import
-
-    low, high = nodes.min_nodes, nodes.max_nodes
-    worlds = [nproc * n for n in range(low, high + 1)] or [nproc * high]
-    if note := resume_global_batch(cfg):
-        print(f"meshrun launch: {note}", file=sys.stderr)
-        validate_for_world(cfg, nproc * high)  # the saved number must divide here too
-    elif note := resolve_global_batch(cfg, worlds):
-        elastic = f" over the worlds of --nnodes {nodes.text}" if len(worlds) > 1 else ""
-        print(f"meshrun launch: {note}{elastic}", file=sys.stderr)
-
-
-def _launch(
-    cfg: Config,
-    nproc: int,
-    script: str | None,
-    module: str | None,
-    script_args: list[str],
-    **spec_fields: Any,  # more LaunchSpec fields (meshrun launch: torchrun's flags)
-) -> int:
-    from meshrun.launch.local import launch_local
-    from meshrun.launch.multinode.nodes import shared_digest, shared_settings
-    from meshrun.launch.rundir import claim_run_dir
-
-    set_value(cfg, "launch.nproc_per_node", nproc)  # the resolved config records the count
-    # The [launch] text parsed here, once, for everything below (the checks of the world too).
-    spec = LaunchSpec.of(cfg.launch, procs_per_node=nproc, **spec_fields)
-    _resolve(cfg, _group_nproc(cfg, nproc, spec_fields), spec.rendezvous.nodes)
-    run_dir = cfg.resolved_run_dir()
-    config_path = run_dir / "config.toml"
-    spec = dataclasses.replace(  # what to run, and the resolved config's digest and path
-        spec,
-        script=script,
-        module=module,
-        script_args=script_args,
-        config_digest=shared_digest(cfg),
-        shared_config=shared_settings(cfg),
-        config_path=str(config_path),
-        run_dir=str(run_dir),
-    )
-    # One job per run directory: a busy one is refused before anything is written in it.
-    with claim_run_dir(run_dir, spec.rendezvous):
-        write_config(cfg, config_path)
-        return launch_local(spec)
-
-
-def _group_nproc(cfg: Config, nproc: int, spec_fields: Mapping[str, Any]) -> int:
-    """The processes per node of one replica group, which the layout and the derived global
-    batch are checked against. ``--replica-groups N`` splits this node's processes into N
-    groups (and records N in the config); without it, ``fault_tolerance.replica_groups > 1``
-    makes this launch one group of that many, started once per group (each with its own
-    ``group_index``)."""
-    groups = int(spec_fields.get("replica_groups") or 0)
-    if groups <= 1:
-        return nproc
-    if nproc % groups:
-        raise ConfigError(
-            f"--replica-groups {groups} does not divide --nproc-per-node {nproc}: each group "
-            f"gets nproc-per-node / N processes; use a divisor of {nproc}"
-        )
-    if cfg.launch.nnodes != "1":
-        raise ConfigError(
-            f"--replica-groups starts every group on this node, but --nnodes is "
-            f"{cfg.launch.nnodes!r}: across nodes start one `meshrun launch` per group with "
-            "--lighthouse HOST:PORT and --fault_tolerance.group_index=G "
-            "(docs/fault_tolerance.md)"
-        )
-    set_value(cfg, "fault_tolerance.replica_groups", groups)
-    return nproc // groups
 
 
 def _nproc(flag: int | None, cfg: Config) -> int:
@@ -210,7 +102,7 @@ def cmd_launch(a: argparse.Namespace) -> int:
     apply_launch_flags(cfg, a)
     script = None if module else target
     nproc = _nproc(None, cfg)
-    return _launch(cfg, nproc, script, module, args, **torchrun.spec)
+    return launch(cfg, nproc, script, module, args, **torchrun.spec)
 
 
 def _check_target(target: str, module: str | None, no_python: bool | None) -> None:
@@ -225,7 +117,8 @@ def _check_target(target: str, module: str | None, no_python: bool | None) -> No
 
 
 def _use_secret_file(path: str) -> None:
-    from meshrun.launch.secret import SecretError, use_secret_file
+    from meshrun.launch.secret import use_secret_file
+    from meshrun.runtime.secret import SecretError
 
     try:
         use_secret_file(path, os.environ)
@@ -234,11 +127,14 @@ def _use_secret_file(path: str) -> None:
 
 
 def _maybe_from_slurm(cfg: Config, a: argparse.Namespace) -> None:
-    import os
+    """Inside a SLURM allocation: the topology flags neither the command line nor the config
+    gave, from SLURM (launch/slurm/job.py)."""
+    from meshrun.launch.slurm.job import apply_to_launch, given_from
 
-    from meshrun.launch.slurm.job import apply_to_launch
-
-    apply_to_launch(a, cfg.launch, os.environ)
+    filled = apply_to_launch(given_from(vars(a), cfg.launch), os.environ)
+    for key, value in dataclasses.asdict(filled).items():
+        if value is not None:
+            setattr(a, key, value)
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -250,42 +146,11 @@ def cmd_demo(a: argparse.Namespace) -> int:
     cfg = load_config(DEMO_CONFIG, [*extra, *overrides])
     nproc = _nproc(a.nproc, cfg)
     if "data.micro_batch" not in keys:
-        _fit_micro_batch(cfg, nproc, keep_global="data.global_batch" in keys)
+        from meshrun.demo.batch import fit_micro_batch
+
+        fit_micro_batch(cfg, nproc, keep_global="data.global_batch" in keys)
     script_args = ["--size", a.size]
-    return _launch(cfg, nproc, None, DEMO_MODULE, script_args)
-
-
-def _fit_micro_batch(cfg: Config, nproc: int, keep_global: bool = False) -> None:
-    """Fit the demo's batch to any process count, said aloud, never silently: lower the
-    micro-batch so the global batch divides; where none does (3, 6, 7 ... processes for 32),
-    take the largest global batch up to the configured one that micro_batch (<= the
-    configured) x data-parallel size x accumulation makes (demo.toml). A global batch the user
-    passed is kept: then validation names what does not divide."""
-    g, m = cfg.data.global_batch, cfg.data.micro_batch
-    dp = dp_size_for_world(cfg, nproc)
-    chunks = cfg.parallel.pp_microbatches if cfg.parallel.pp > 1 else 1  # micro splits in them
-    micros = [k for k in range(m, 0, -1) if k % chunks == 0] or [m]
-    fits = [k for k in micros if g % (k * dp) == 0]
-    if fits or keep_global:
-        if fits and fits[0] != m:
-            print(
-                f"meshrun demo: data.micro_batch {m} -> {fits[0]} so that the global batch {g} "
-                f"divides over {dp} data-parallel processes",
-                file=sys.stderr,
-            )
-            cfg.data.micro_batch = fits[0]
-        return
-    # (global batch, micro) pairs at most g, the largest global batch first, then the largest
-    # micro-batch; one smallest micro-batch per rank when even that is more than g.
-    pairs = [(k * dp * (g // (k * dp)), k) for k in micros if k * dp <= g]
-    new_g, k = max(pairs) if pairs else (micros[-1] * dp, micros[-1])
-    print(
-        f"meshrun demo: data.global_batch {g} -> {new_g}, data.micro_batch {m} -> {k} "
-        f"(accumulation {new_g // (k * dp)}): no micro_batch <= {m} splits {g} samples over "
-        f"{dp} data-parallel processes; pass --data.global_batch=N to choose",
-        file=sys.stderr,
-    )
-    cfg.data.global_batch, cfg.data.micro_batch = new_g, k
+    return launch(cfg, nproc, None, DEMO_MODULE, script_args)
 
 
 def cmd_config_show(a: argparse.Namespace) -> int:
@@ -386,12 +251,6 @@ def _add_config(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     init.set_defaults(fn=cmd_config_init)
 
 
-def _add_ray_launch(sub: Subparsers) -> None:
-    from meshrun.cli.ray import add_parser
-
-    add_parser(sub, prepare=_prepare)  # the launch layer cannot import this module's _prepare
-
-
 def _lazy(module: str, name: str) -> Callable[[Subparsers], None]:
     """A subsystem's ``add_*(sub)``, imported when called: ``meshrun launch`` then loads only
     its own command's modules (the other commands' cost 0.3 s of CPU, measured)."""
@@ -414,7 +273,7 @@ SUBCOMMANDS: dict[str, Callable[[Subparsers], None]] = {
     "doctor": _lazy("meshrun.cli.diagnose", "add_doctor_parser"),
     "slurm": _lazy("meshrun.cli.launch", "add_slurm_parser"),
     "k8s": _lazy("meshrun.cli.launch", "add_k8s_parser"),
-    "ray": _add_ray_launch,
+    "ray": _lazy("meshrun.cli.ray", "add_parser"),
     "lighthouse": _lazy("meshrun.cli.ft", "add_parser"),
     "report": _lazy("meshrun.cli.report", "add_report_parser"),
     "compare": _lazy("meshrun.cli.compare", "add_parser"),

@@ -14,9 +14,9 @@ from meshrun.cli import plan_links, plan_moe, plan_trace
 from meshrun.cli.plan_checks import SHAPE_FLAGS, check_plan_numbers
 from meshrun.plan.cost import GB, Cluster, Estimate, Model, Recompute, Training
 from meshrun.plan.errors import PlanError
-from meshrun.plan.hardware import GB_S, GPUS, TERA, get_gpu
 from meshrun.plan.search import Plan, evaluate_one, parse_layout, search, what_would_fit
 from meshrun.plan.user_model import Inferred, format_count, model_from_spec
+from meshrun.specs.gpus import GB_S, GPUS, TERA, get_gpu
 
 CALIBRATION_KEYS = {f.name for f in dataclasses.fields(Cluster)} - {"nodes", "gpus_per_node"}
 

@@ -1,26 +1,23 @@
 """``meshrun ray launch``: the same script on a Ray cluster, started by Ray Train's TorchTrainer.
 
-The command checks and writes the resolved config exactly as ``meshrun launch`` does (the CLI
-on top hands its ``_prepare`` in: this layer may not import it), then hands the job to
-``ray_job.launch_ray``. Ray itself is imported only there, lazily: ``meshrun --help`` and
-``import meshrun`` never pay for it. See docs/ray.md.
+The command checks and writes the resolved config exactly as ``meshrun launch`` does
+(launch/prepare.py), then hands the job to ``ray_job.launch_ray``. Ray itself is imported only
+there, lazily: ``meshrun --help`` and ``import meshrun`` never pay for it. See docs/ray.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 from meshrun.cli.args import Subparsers, add_set, add_target
 from meshrun.config import Config, ConfigError, load_config, split_overrides
+from meshrun.launch.multinode.handshake import JoinTarget
+from meshrun.launch.prepare import prepare
 from meshrun.launch.target import default_config, require_script
 
 __all__ = ["add_parser"]
-
-# meshrun.cli.main's _prepare(cfg, nproc, nnodes) -> the resolved config's path.
-Prepare = Callable[[Config, int, str], Path]
 
 
 def _check_flags(a: argparse.Namespace) -> None:
@@ -87,10 +84,8 @@ def _cmd_launch(a: argparse.Namespace) -> int:
     backend = ray_backend(cfg, a.gpus_per_worker)
     # One Ray worker is one process: a --min-workers job is meshrun launch's MIN:MAX of
     # one-process nodes, so the batch is resolved over every world it may take.
-    nnodes = f"{a.min_workers}:{a.workers}" if a.min_workers else str(a.workers)
-    if a.prepare is None:  # add_parser was called without meshrun.cli.main's _prepare
-        raise RuntimeError("meshrun ray launch: registered without its config preparation")
-    config_path = a.prepare(cfg, 1, nnodes).resolve()
+    nodes = JoinTarget(a.min_workers or a.workers, a.workers)
+    config_path = prepare(cfg, 1, nodes).resolve()
     _warn_limits(cfg, a.max_restarts)
     spec = RayLaunchSpec(
         workers=a.workers,
@@ -110,9 +105,8 @@ def _cmd_launch(a: argparse.Namespace) -> int:
     return launch_ray(spec)
 
 
-def add_parser(sub: Subparsers, prepare: Prepare | None = None) -> None:
-    """``meshrun ray launch``; ``prepare`` is meshrun.cli.main's ``_prepare`` (the CLI on top
-    passes it: the launch layer cannot import the CLI)."""
+def add_parser(sub: Subparsers) -> None:
+    """``meshrun ray launch``."""
     p = sub.add_parser("ray", help="run a training script on a Ray cluster (the `ray` extra)")
     rsub = p.add_subparsers(dest="ray_cmd", required=True)
     launch = rsub.add_parser(
@@ -151,4 +145,4 @@ def add_parser(sub: Subparsers, prepare: Prepare | None = None) -> None:
     launch.add_argument("--config", help="TOML config file")
     add_set(launch)
     add_target(launch)
-    launch.set_defaults(fn=_cmd_launch, prepare=prepare)
+    launch.set_defaults(fn=_cmd_launch)

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from meshrun.config import Config, ConfigError, apply_overrides
+from meshrun.launch.spec import parse_nnodes
 from meshrun.launch.torchrun_flags import (
     BACKENDS,
     FLAGS,
@@ -196,7 +197,7 @@ def rendezvous(a: argparse.Namespace, notes: list[str]) -> tuple[str, dict[str, 
 
 
 def _standalone(a: argparse.Namespace, notes: list[str]) -> dict[str, Any]:
-    if a.nnodes is not None and a.nnodes.split(":")[-1] != "1":
+    if a.nnodes is not None and parse_nnodes(a.nnodes).max_nodes != 1:
         raise ConfigError(
             f"--standalone runs one node, but --nnodes is {a.nnodes!r}: drop --nnodes, or drop "
             "--standalone and give --rdzv-endpoint HOST:PORT for a multi-node job"
@@ -224,8 +225,8 @@ def _static(a: argparse.Namespace, notes: list[str]) -> tuple[str, dict[str, Any
     node without a port torchrun runs a local c10d rendezvous instead, and so does meshrun."""
     if a.rdzv_endpoint:
         return "static", {}
-    max_nodes = (a.nnodes or "1").split(":")[-1]
-    if a.master_port is None and max_nodes == "1":
+    max_nodes = parse_nnodes(a.nnodes).max_nodes if a.nnodes else 1
+    if a.master_port is None and max_nodes == 1:
         if a.master_addr is not None:
             notes.append(
                 f"--master-addr {a.master_addr} ignored: one node without --master-port runs "

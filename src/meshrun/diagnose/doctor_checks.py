@@ -62,7 +62,7 @@ def check_versions() -> Check:
     """Python, torch, meshrun, CUDA and NCCL versions (compared across nodes by the worker)."""
     import torch
 
-    from meshrun import __version__
+    from meshrun._version import __version__
 
     cuda = torch.version.cuda or "none"
     nccl = "none"

@@ -4,10 +4,10 @@ torchft's lighthouse admits any replica that asks: it has no authentication, and
 tells each group which store to join and which peer to heal from. So each group names itself
 with a replica id that carries the addresses it serves (its manager server and its store)
 and an HMAC of them made with the job secret (``MESHRUN_JOB_SECRET``, which the launcher
-exports to its workers). After every quorum each rank checks the quorum's participants: every
-id must carry a valid tag, and the two addresses this rank will connect to (the store the
-cross-group process group forms in, the manager of the peer it heals from) must be the ones
-that peer signed. A quorum that fails is refused before torchft acts on it (ft/replica.py).
+exports to its workers; its name, length, HMAC and sanitizer are runtime/secret.py's). After
+every quorum each rank checks the quorum's participants: every id must carry a valid tag, and
+the two addresses this rank will connect to (the store the cross-group process group forms in,
+the manager of the peer it heals from) must be the ones that peer signed. A quorum that fails is refused before torchft acts on it (ft/replica.py).
 
 The addresses are in the id because torchft hands a participant's id, not its address, to
 the quorum's members: a stranger replaying a real group's id with its own addresses (the
@@ -17,7 +17,6 @@ lighthouse's status page shows the ids) is caught when meshrun would connect to 
 from __future__ import annotations
 
 import base64
-import hashlib
 import hmac
 import os
 import re
@@ -26,23 +25,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from meshrun.config import ConfigError
+from meshrun.runtime.secret import MIN_CHARS, SECRET_ENV, mac, sanitize
 
-__all__ = [
-    "SECRET_ENV",
-    "Member",
-    "job_key",
-    "parse_id",
-    "quorum_problem",
-    "replica_id",
-    "sanitize",
-]
+__all__ = ["Member", "job_key", "parse_id", "quorum_problem", "replica_id"]
 
-SECRET_ENV = "MESHRUN_JOB_SECRET"  # what the launcher exports (launch/secret.py)
-MIN_CHARS = 16
 PREFIX = "meshrun_group_"
-_PURPOSE = b"meshrun-ft-replica\0"
+_PURPOSE = "meshrun-ft-replica"
 _TAG_HEX = 32
-_CONTROL = re.compile(r"[^\x20-\x7e]")
+_SHOWN = 80  # characters of a stranger's text in a refusal
 _ID = re.compile(r"^meshrun_group_(\d{4})\.([a-z2-7]+)\.([0-9a-f]{32})\.(\d+)$")
 
 
@@ -102,36 +92,25 @@ def quorum_problem(key: bytes, result: Any) -> str:
     for text in result.replica_ids:
         member = parse_id(key, text)
         if member is None:
-            return f"participant {sanitize(text)!r} carries no valid tag of this job"
+            return f"participant {sanitize(text, _SHOWN)!r} carries no valid tag of this job"
         members.append(member)
     if result.store_address not in {m.store for m in members}:
-        return f"its store {sanitize(result.store_address)!r} is no participant's"
+        return f"its store {sanitize(result.store_address, _SHOWN)!r} is no participant's"
     if result.heal:
         src = result.recover_src_replica_rank
         if src is None or not 0 <= src < len(members):
             return f"its heal source {src!r} is not a participant"
         if result.recover_src_manager_address != members[src].manager:
+            address = sanitize(result.recover_src_manager_address, _SHOWN)
             return (
-                f"its heal source address {sanitize(result.recover_src_manager_address)!r} is "
-                f"not the one group {members[src].group} signed"
+                f"its heal source address {address!r} is not the one group "
+                f"{members[src].group} signed"
             )
     return ""
 
 
-def sanitize(text: str, limit: int = 80) -> str:
-    """Text from the network as one printable line: no terminal escapes, cut at ``limit``."""
-    clean = _CONTROL.sub("?", text)
-    return clean if len(clean) <= limit else clean[:limit] + "..."
-
-
-def mac(key: bytes, purpose: str, payload: bytes) -> str:
-    """HMAC-SHA256 of ``payload`` bound to ``purpose`` (a value signed for one use does not
-    verify for another)."""
-    return hmac.new(key, purpose.encode() + b"\0" + payload, hashlib.sha256).hexdigest()
-
-
 def _tag(key: bytes, payload: str) -> str:
-    return hmac.new(key, _PURPOSE + payload.encode(), hashlib.sha256).hexdigest()[:_TAG_HEX]
+    return mac(key, _PURPOSE, payload.encode())[:_TAG_HEX]
 
 
 def _encode(text: str) -> str:

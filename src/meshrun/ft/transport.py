@@ -34,7 +34,7 @@ import torch
 from torch.utils._pytree import tree_map
 from torchft.checkpointing.transport import CheckpointTransport
 
-from meshrun.ft.auth import mac, sanitize
+from meshrun.runtime.secret import mac, sanitize
 
 __all__ = ["HealError", "SignedTransport"]
 
@@ -86,7 +86,7 @@ class SignedTransport(CheckpointTransport[dict[str, Any]]):
         url = urllib.parse.urlsplit(f"{metadata}{step}/full")
         if url.scheme != "http" or not url.hostname or url.port is None:
             raise HealError(
-                f"healing: the peer's checkpoint address {sanitize(metadata)!r} "
+                f"healing: the peer's checkpoint address {sanitize(metadata, 80)!r} "
                 "is not http://HOST:PORT/..."
             )
         conn = http.client.HTTPConnection(url.hostname, url.port, timeout=timeout.total_seconds())
@@ -101,7 +101,7 @@ class SignedTransport(CheckpointTransport[dict[str, Any]]):
             conn.close()
         if resp.status != 200:
             raise HealError(
-                f"healing: the peer answered {resp.status} ({sanitize(body.decode(errors='replace'))})"
+                f"healing: the peer answered {resp.status} ({sanitize(body.decode(errors='replace'), 80)})"
             )
         want = mac(self._key, _ANSWER, f"{step}\0".encode() + body)
         if not hmac.compare_digest(signature, want):

@@ -16,7 +16,7 @@ from typing import Any, Protocol, TypeAlias
 
 from meshrun.config import CONFIG_ENV
 from meshrun.launch.multinode.nodes import NetworkPlan
-from meshrun.launch.secret import SECRET_ENV, JobSecret
+from meshrun.runtime.secret import SECRET_ENV, JobSecret
 
 # torchrun's c10d rendezvous lets workers reuse the agent's TCP store by default; with
 # restarts that fails or hangs in 6 of 9 runs measured here, and never when disabled.

@@ -34,12 +34,13 @@ from meshrun.launch.multinode.netif import NetworkError
 from meshrun.launch.multinode.nodes import NetworkPlan
 from meshrun.launch.orphans import orphan_guard
 from meshrun.launch.rundir import claim_run_dir
-from meshrun.launch.secret import SECRET_ENV, JobSecret, SecretError, from_env, resolve
+from meshrun.launch.secret import resolve
 from meshrun.launch.spec import LaunchSpec, Rendezvous
 from meshrun.launch.torchrun_flags import FLAGS
 from meshrun.monitor.watchdog import hang_report, hang_states, watch_for_hangs
 from meshrun.runtime.logs import one_line, say_error, say_launch
 from meshrun.runtime.ports import LOCAL_HOST, free_port
+from meshrun.runtime.secret import SECRET_ENV, JobSecret, SecretError, from_env
 
 if TYPE_CHECKING:
     from meshrun.launch.replicas import GroupPlan
@@ -293,8 +294,9 @@ def start_line(
 ) -> str:
     """The one banner line printed before the agent starts."""
     procs = "process" if spec.procs_per_node == 1 else "processes"
-    nnodes = spec.rendezvous.nodes.text
-    nodes = "node" if nnodes == "1" else "nodes"
+    target = spec.rendezvous.nodes
+    nnodes = target.text
+    nodes = "node" if (target.min_nodes, target.max_nodes) == (1, 1) else "nodes"
     parts = [
         f"meshrun launch: {spec.procs_per_node} {procs} x {nnodes} {nodes}",
         f"rendezvous {'static ' if spec.rdzv_backend == 'static' else ''}"

@@ -43,8 +43,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
-from meshrun.launch.secret import JobSecret, from_env, sanitize
 from meshrun.runtime.logs import say_launch
+from meshrun.runtime.secret import JobSecret, from_env, sanitize
 
 BACKEND_NAME = "meshrun"
 _EMPTY = b"meshrun-rdzv-empty"  # the store's get blocks on a missing key: a sentinel instead

@@ -25,9 +25,10 @@ from pathlib import Path
 
 from meshrun.config import CONFIG_ENV, Config, apply_overrides, load_config, validate_for_world
 from meshrun.config import write_config as write_config_file
-from meshrun.launch.secret import SECRET_ENV, resolve
+from meshrun.launch.secret import resolve
 from meshrun.runtime.logs import say_launch
 from meshrun.runtime.ports import LOCAL_HOST, free_port
+from meshrun.runtime.secret import SECRET_ENV
 
 __all__ = ["GroupPlan", "group_config", "launch_replica_groups", "run_lighthouse"]
 
@@ -84,7 +85,7 @@ def launch_replica_groups(plan: GroupPlan) -> int:
     """Start ``plan.groups`` torchrun jobs of ``nproc_per_node / groups`` processes; wait for
     all; return 0 when every group finished, else the first failing group's exit code. (The
     launcher has checked that the groups divide the processes and that the job is one node:
-    meshrun.cli.main._group_nproc.)"""
+    launch/prepare.py's group_nproc.)"""
     groups = plan.groups
     cfg = load_config(plan.config_path)
     nproc = plan.nproc_per_node // groups

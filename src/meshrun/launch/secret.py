@@ -1,8 +1,9 @@
-"""The job secret: one random key per job that every node's launcher holds, so what meshrun
-reads back from a store anyone can reach (the rendezvous state, the handshake's records) is
-trusted only when it carries an HMAC made with it.
+"""Where the job secret comes from (the key, its HMAC and its sanitizer are runtime/secret.py's):
+one random key per job that every node's launcher holds, so what meshrun reads back from a
+store anyone can reach (the rendezvous state, the handshake's records) is trusted only when it
+carries an HMAC made with it.
 
-Where it comes from, first match wins:
+First match wins:
 
 1. ``MESHRUN_JOB_SECRET`` in the environment (a k8s Secret, ``srun``'s inherited env, CI);
 2. ``MESHRUN_JOB_SECRET_FILE`` (or ``meshrun launch --secret-file``): a file holding it,
@@ -18,77 +19,17 @@ line. Standard library only: nothing here imports torch.
 
 from __future__ import annotations
 
-import hashlib
-import hmac
 import os
-import re
 import secrets
 import stat
 import time
 from collections.abc import Callable, Mapping, MutableMapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
-SECRET_ENV = "MESHRUN_JOB_SECRET"
+from meshrun.runtime.secret import SECRET_ENV, JobSecret, SecretError, checked
+
 SECRET_FILE_ENV = "MESHRUN_JOB_SECRET_FILE"
 SECRET_FILE_NAME = "job.secret"
-MIN_CHARS = 16  # a secret shorter than this is guessable; 64 hex chars are generated
-_MAC_HEX = 64  # sha256
-_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f]")
-
-
-class SecretError(RuntimeError):
-    """No usable job secret; the message names the variable or the file and the fix."""
-
-
-@dataclass(frozen=True)
-class JobSecret:
-    """The job's key, and where it came from (for the start-up line, never the key)."""
-
-    key: bytes = field(repr=False)
-    source: str
-
-    def mac(self, purpose: str, payload: bytes) -> str:
-        """HMAC-SHA256 of ``payload`` bound to ``purpose`` (the store key it is written
-        under), so a signed value moved to another key does not verify."""
-        return hmac.new(self.key, purpose.encode() + b"\0" + payload, hashlib.sha256).hexdigest()
-
-    def seal(self, purpose: str, text: str) -> bytes:
-        """``text`` with its MAC in front: what is written to the store."""
-        payload = text.encode()
-        return self.mac(purpose, payload).encode() + b" " + payload
-
-    def unseal(self, purpose: str, raw: bytes) -> str | None:
-        """The text of a sealed value, or None when its MAC is not this job's (constant-time
-        comparison; the text is not looked at before the MAC matches)."""
-        mac, sep, payload = bytes(raw).partition(b" ")
-        if not sep or len(mac) != _MAC_HEX:
-            return None
-        if not hmac.compare_digest(mac, self.mac(purpose, payload).encode()):
-            return None
-        try:
-            return payload.decode()
-        except UnicodeDecodeError:
-            return None
-
-    def tag(self, run_id: str) -> str:
-        """A name derived from the key: store prefixes a stranger does not collide with."""
-        return self.mac("tag", run_id.encode())[:16]
-
-
-def sanitize(text: str, limit: int = 300) -> str:
-    """Text from the network made safe to print: control characters (terminal escapes, new
-    lines) replaced by '?', cut at ``limit`` characters."""
-    clean = _CONTROL.sub("?", text)
-    return clean if len(clean) <= limit else clean[:limit] + "..."
-
-
-def from_env(environ: Mapping[str, str] | None = None) -> JobSecret:
-    """The secret a launcher exported (``MESHRUN_JOB_SECRET``); a SecretError without it."""
-    value = (os.environ if environ is None else environ).get(SECRET_ENV, "")
-    if not value:
-        raise SecretError(f"{SECRET_ENV} is not set: start the job with meshrun launch")
-    return _checked(value, f"env {SECRET_ENV}")
 
 
 def resolve(
@@ -103,7 +44,7 @@ def resolve(
     may write ``RUN_DIR/job.secret`` if it is missing; otherwise it waits up to ``wait_s``
     for the node that creates it (a shared run directory), then says what to set."""
     if environ.get(SECRET_ENV):
-        return _checked(environ[SECRET_ENV], f"env {SECRET_ENV}")
+        return checked(environ[SECRET_ENV], f"env {SECRET_ENV}")
     if environ.get(SECRET_FILE_ENV):
         return read_file(
             Path(environ[SECRET_FILE_ENV]), f"{SECRET_FILE_ENV}={environ[SECRET_FILE_ENV]}"
@@ -164,7 +105,7 @@ def read_file(path: Path, named: str) -> JobSecret:
             f"the job secret {named} belongs to uid {info.st_uid}, not to you ({os.getuid()}); "
             "a file someone else wrote cannot be trusted: remove it or choose another run dir"
         )
-    return _checked(text, f"file {named}")
+    return checked(text, f"file {named}")
 
 
 def _create(path: Path) -> JobSecret:
@@ -178,13 +119,3 @@ def _create(path: Path) -> JobSecret:
     with os.fdopen(fd, "w") as out:
         out.write(value + "\n")
     return JobSecret(value.encode(), f"file {path} (new)")
-
-
-def _checked(value: str, source: str) -> JobSecret:
-    value = value.strip()
-    if len(value) < MIN_CHARS:
-        raise SecretError(
-            f"the job secret from {source} has {len(value)} characters; at least {MIN_CHARS} "
-            "are needed (generate one: python -c 'import secrets; print(secrets.token_hex(32))')"
-        )
-    return JobSecret(value.encode(), source)

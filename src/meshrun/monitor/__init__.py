@@ -1,11 +1,11 @@
-"""Monitoring: per-step metrics, memory figures and the end-of-run summary; run health;
-the run report.
+"""Monitoring: per-step metrics, memory figures and the end-of-run summary; run health.
 
 Entry point: `MetricsLogger`, fed numbers by the training loop (it holds no process
 group code); `memory_stats(device)` supplies the ``mem_*`` figures for its ``extra``.
 `StepMonitor` (one per run, built by the step loop) adds the step breakdown, the numerics
-guard, straggler checks, the replica check and the hang watchdog (docs/monitor.md). `write_report` (``meshrun
-report``) turns run directories into an HTML page with figures. Exports load on first use,
+guard, straggler checks, the replica check and the hang watchdog (docs/monitor.md). The run
+report (``meshrun report``) is a layer of its own above this one, ``meshrun.report``. Exports
+load on first use,
 so the command line does not import torch to parse its arguments.
 """
 
@@ -19,7 +19,6 @@ if TYPE_CHECKING:
     from meshrun.monitor.numerics import NonFiniteLossError
     from meshrun.monitor.replicas_check import ReplicaMismatchError
     from meshrun.monitor.step import StepMonitor
-    from meshrun.report.html import write_report
 
 __getattr__ = lazy_exports(
     globals(),
@@ -29,7 +28,6 @@ __getattr__ = lazy_exports(
         "MetricsLogger": "meshrun.monitor.metrics",
         "NonFiniteLossError": "meshrun.monitor.numerics",
         "ReplicaMismatchError": "meshrun.monitor.replicas_check",
-        "write_report": "meshrun.report.html",
         "StepMonitor": "meshrun.monitor.step",
     },
 )
@@ -41,5 +39,4 @@ __all__ = [
     "ReplicaMismatchError",
     "StepMonitor",
     "memory_stats",
-    "write_report",
 ]

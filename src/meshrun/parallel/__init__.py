@@ -63,6 +63,7 @@ from meshrun.parallel.zero import build_optimizer, check_optimizer
 from meshrun.runtime.mesh import ParallelDims, build_ep_mesh, fsdp_mesh, tp_mesh
 
 __all__ = [
+    "Pipeline",
     "apply_ac",
     "apply_comm_hook",
     "apply_compile",
@@ -98,22 +99,16 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("meshrun")
 
-# Tensor parallel (DTensor) and the pipeline load on first use (PEP 562); the pipeline's
-# builders stay importable from here by name, as they were before.
-_PIPELINE = [
-    "LossFn",
-    "Pipeline",
-    "build_pipeline",
-    "build_stage_modules",
-    "pipeline_eval",
-    "pipeline_step",
-]
+# Tensor parallel (DTensor) and the pipeline load on first use (PEP 562). The pipeline's
+# builders and its LossFn type are parallel/pp/pipeline.py's alone.
 __getattr__ = lazy_exports(
     globals(),
     {
         "apply_tp": "meshrun.parallel.tp",
         "default_tp_plan": "meshrun.parallel.tp",
-        **dict.fromkeys(_PIPELINE, "meshrun.parallel.pp.pipeline"),
+        "Pipeline": "meshrun.parallel.pp.pipeline",  # what parallelize_pipeline returns
+        "pipeline_eval": "meshrun.parallel.pp.pipeline",
+        "pipeline_step": "meshrun.parallel.pp.pipeline",
         "bind_tied": "meshrun.parallel.pp.tied",
     },
 )

@@ -6,8 +6,8 @@ one, :func:`evaluate` is the cost model itself. Formulas and sources: docs/plan.
 """
 
 from meshrun.plan.cost import Cluster, Estimate, Layout, Model, Training, evaluate, gpt_params
-from meshrun.plan.hardware import GPUS, get_gpu
 from meshrun.plan.search import Plan, PlanError, evaluate_one, search, what_would_fit
+from meshrun.specs.gpus import GPUS, get_gpu
 
 __all__ = [
     "GPUS",

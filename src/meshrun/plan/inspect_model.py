@@ -1,12 +1,12 @@
 """The shape of a model built on the meta device, each field with where it was found.
 
-Read in this order, the first that answers wins (command-line flags win over all, in cli.py):
+Read in this order, the first that answers wins (command-line flags win over all, in cli/plan.py):
 the model's config (a Hugging Face config, or a ``config``/``cfg``/``args`` object or dict on
 the module, with Hugging Face, GPT-2/nanoGPT and Llama names), then the modules themselves
 (the repeated blocks are the longest ``nn.ModuleList``/``nn.ModuleDict`` of modules of one
 class; heads from attention attributes on a block; hidden and vocab from the largest
 embedding; the MLP width and the q/k/v layout from a block's projections). What nothing
-answers is left out, and cli.py names the flag that gives it.
+answers is left out, and cli/plan.py names the flag that gives it.
 """
 
 from __future__ import annotations

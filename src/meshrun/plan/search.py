@@ -12,9 +12,9 @@ from dataclasses import dataclass, replace
 
 from meshrun.plan.cost import GB, Cluster, Estimate, Layout, Model, Recompute, Training, evaluate
 from meshrun.plan.errors import PlanError
-from meshrun.plan.hardware import GPUS
 from meshrun.plan.long_seq import cp_problem
 from meshrun.plan.moe import ep_stride, moe_problem
+from meshrun.specs.gpus import GPUS
 
 __all__ = ["Plan", "PlanError", "evaluate_one", "search", "what_would_fit"]
 

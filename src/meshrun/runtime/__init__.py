@@ -1,8 +1,9 @@
 """One process's place in the job, below every subsystem: which launcher started it
-(``cluster``, ``mpi_rendezvous``), the named DeviceMesh (``mesh``), rank-aware logs, the LR
-rules (``schedule``), the run directory's lock and shared-storage check (``runlock``,
-``storage``), host memory (``hostmem``), the shared :class:`TrainState` (``state``) and the
-one per-step agreement all-reduce (``agreement``)."""
+(``cluster``, ``mpi_rendezvous``), its device and backend (``device``), the named DeviceMesh
+(``mesh``), rank-aware logs, the LR rules (``schedule``), the run directory's lock and
+shared-storage check (``runlock``, ``storage``), host memory (``hostmem``), the shared
+:class:`TrainState` (``state``), the one per-step agreement all-reduce (``agreement``) and the
+job secret's key, HMAC and sanitizer (``secret``)."""
 
 from typing import TYPE_CHECKING
 

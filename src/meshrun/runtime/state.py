@@ -8,20 +8,30 @@ these public fields: neither reaches into the other's attributes.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import nn
 from torch.distributed import ProcessGroup
 
-if TYPE_CHECKING:  # names only: the state imports no meshrun subsystem, so any may import it
+if TYPE_CHECKING:
     from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-    from meshrun.data.iterable import ResumableIterable
-    from meshrun.data.sampler import ResumableSampler
+__all__ = ["DataPosition", "TrainState"]
 
-__all__ = ["TrainState"]
+
+class DataPosition(Protocol):
+    """A loader's position as the loop steps it and the checkpoints save it: data/'s
+    ResumableSampler and ResumableIterable. The state names no meshrun subsystem, not even as a
+    type, so every subsystem may import it."""
+
+    def step(self, global_samples: int | None = None) -> None: ...
+
+    def state_dict(self) -> dict[str, int]: ...
+
+    def load_state_dict(self, state: Mapping[str, int]) -> None: ...
 
 
 @dataclass
@@ -37,8 +47,8 @@ class TrainState:
     schedulers: list[torch.optim.lr_scheduler.LRScheduler] = field(default_factory=list)
     # The loader's position, set when run.steps(loader) begins: the loop steps it once per
     # optimizer step (a ResumableSampler's, or a ResumableIterable dataset's own).
-    sampler: ResumableSampler | None = None
-    iterable: ResumableIterable[Any] | None = None
+    sampler: DataPosition | None = None
+    iterable: DataPosition | None = None
     # fp16 loss scaler (parallel.param_dtype = float16), set by run.parallelize: it scales the
     # loss in backward, unscales before clipping and skips steps with inf/nan gradients.
     scaler: ShardedGradScaler | None = None

@@ -29,7 +29,6 @@ from meshrun.checkpoint.resumed_batch import resume_global_batch
 from meshrun.config import (
     CONFIG_ENV,
     Config,
-    ConfigError,
     apply_overrides,
     grad_accumulation,
     load_config,
@@ -42,6 +41,7 @@ from meshrun.monitor import MetricsLogger
 from meshrun.parallel.cp import cp_group
 from meshrun.runtime.agreement import StepAgreement
 from meshrun.runtime.cluster import ClusterEnv
+from meshrun.runtime.device import pick_device
 from meshrun.runtime.hostmem import set_mmap_threshold
 from meshrun.runtime.mesh import ParallelDims, build_mesh
 from meshrun.runtime.runlock import claim_at_start, release_rank0
@@ -65,30 +65,6 @@ __all__ = [
     "shut_down",
     "start_process",
 ]
-
-
-def pick_device(cfg: Config, env: ClusterEnv) -> tuple[torch.device, str]:
-    """cuda + nccl with one GPU per local rank, else cpu + gloo; never a silent fallback."""
-    want, backend = cfg.job.device, cfg.job.backend
-    has_cuda = torch.cuda.is_available()
-    if want == "cuda" and not has_cuda:
-        raise ConfigError("job.device = 'cuda' but no CUDA device is visible; use job.device=cpu")
-    use_cuda = want == "cuda" or (want == "auto" and has_cuda)
-    if backend == "nccl" and not use_cuda:
-        raise ConfigError("job.backend = 'nccl' needs CUDA devices; use job.backend=gloo on CPU")
-    if use_cuda:
-        if env.local_rank >= torch.cuda.device_count():
-            raise ConfigError(
-                f"local rank {env.local_rank} has no GPU: only {torch.cuda.device_count()} visible; "
-                "start at most one process per GPU (meshrun launch --nproc-per-node)"
-            )
-        torch.cuda.set_device(env.local_rank)
-        device = torch.device("cuda", env.local_rank)
-    else:
-        device = torch.device("cpu")
-    if backend == "auto":
-        backend = "nccl" if use_cuda else "gloo"
-    return device, backend
 
 
 def init_process_group(env: ClusterEnv, backend: str, device: torch.device, cfg: Config) -> None:

@@ -32,7 +32,8 @@ from meshrun.launch.hostfile.hosts import (
     remote_command,
     ssh_argv,
 )
-from meshrun.launch.secret import SECRET_ENV, SECRET_FILE_ENV, SecretError, resolve
+from meshrun.launch.secret import SECRET_FILE_ENV, resolve
+from meshrun.runtime.secret import SECRET_ENV, SecretError
 
 CHECK_TIMEOUT_S = 15.0  # per host, all hosts in parallel; ssh's own ConnectTimeout is shorter
 STOP_GRACE_S = 25.0  # > the guard's SIGTERM -> SIGKILL grace, so remote cleanup can finish

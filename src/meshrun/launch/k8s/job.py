@@ -20,7 +20,7 @@ from meshrun.config import (
     split_overrides,
     validate_for_world,
 )
-from meshrun.launch.secret import SECRET_ENV
+from meshrun.runtime.secret import SECRET_ENV
 
 Doc = dict[str, Any]
 

@@ -14,7 +14,7 @@ rendezvous (``rdzv_signed.py``) uses that very store in-process. Keys live under
 so records of an earlier launch on a long-lived store never count.
 
 Every value written (the attempt token, the records, the error, the done mark) is sealed with
-an HMAC of the job secret (``secret.py``) bound to its key: a value that does not verify is
+an HMAC of the job secret (runtime/secret.py) bound to its key: a value that does not verify is
 refused and named in one line (a stranger, or a node given another secret) and never decides
 anything; text read from the store is printed without control characters.
 
@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from typing import Any
 
-from meshrun.launch.secret import JobSecret, sanitize
+from meshrun.runtime.secret import JobSecret, sanitize
 
 # Fields that must be equal on every node, with the words used in messages.
 MUST_MATCH = {
@@ -106,7 +106,7 @@ def local_node_info(
 
     import torch
 
-    from meshrun import __version__
+    from meshrun._version import __version__
 
     return NodeInfo(
         hostname=socket.gethostname(),

@@ -129,7 +129,7 @@ def _check_backend(task: WorkerTask) -> None:
     import torch.distributed as dist
 
     from meshrun.runtime.cluster import detect
-    from meshrun.train.startup import pick_device
+    from meshrun.runtime.device import pick_device
 
     cfg = load_config(task.config_path, split_overrides(task.script_args)[0])
     _, want = pick_device(cfg, detect())

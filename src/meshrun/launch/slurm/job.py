@@ -23,7 +23,8 @@ from pathlib import Path
 from types import FrameType
 from typing import TypeVar
 
-from meshrun.config import ConfigError
+from meshrun.config import ConfigError, LaunchConfig
+from meshrun.config.launch_values import nnodes_range
 from meshrun.runtime.cluster import expand_hostlist, slurm_port
 
 DISABLE_ENV = "MESHRUN_SLURM"  # "0": ignore the allocation, launch as on a plain machine
@@ -116,7 +117,8 @@ def derive(
     nproc = _nproc(env, given.nproc_per_node, cpu_default, sources, notes)
     _check_cpus(env, nproc)
     master, sources["master_addr"] = _master(env, in_step, hostnames)
-    endpoint = "" if nnodes == "1" else f"{master}:{slurm_port(job_id)}"
+    one_node = nnodes_range(nnodes)[1] == 1  # N or MIN:MAX, parsed: "1:1" is one node too
+    endpoint = "" if one_node else f"{master}:{slurm_port(job_id)}"
     endpoint = _explicit(given.rdzv_endpoint, endpoint, "--rdzv-endpoint", {}, "", notes)
     rdzv_id = given.rdzv_id or f"slurm-{job_id}"
     return Topology(job_id, nnodes, node_rank, nproc, master, endpoint, rdzv_id, sources, notes)
@@ -265,32 +267,35 @@ _LAUNCH_DEFAULTS: dict[str, object] = {
 }
 
 
-def given_from(args: object, launch_cfg: object) -> Given:
-    """Explicit values: a ``meshrun launch`` flag, else a non-default ``[launch]`` key."""
+def given_from(flags: Mapping[str, object], launch_cfg: LaunchConfig) -> Given:
+    """Explicit values: a ``meshrun launch`` flag (``flags``: the parsed flags by name, None =
+    not given), else a non-default ``[launch]`` key."""
     found: dict[str, object] = {}
     for key, default in _LAUNCH_DEFAULTS.items():
-        flag = getattr(args, key, None)
+        flag = flags.get(key)
         value = getattr(launch_cfg, key, default)
         found[key] = flag if flag is not None else (value if value != default else None)
     return Given(**found)  # type: ignore[arg-type]
 
 
-def apply_to_launch(args: object, launch_cfg: object, env: Mapping[str, str]) -> None:
-    """Inside a SLURM allocation (a no-op outside one), set the ``meshrun launch`` arguments
-    that neither a flag nor the config gave from SLURM, print the derived line, and keep
-    the launcher alive through SLURM's pre-time-limit SIGUSR1."""
+def apply_to_launch(given: Given, env: Mapping[str, str]) -> Given:
+    """Inside a SLURM allocation, the ``meshrun launch`` values that neither a flag nor the
+    config gave, derived from SLURM (a field stays None where one was given or SLURM says
+    nothing; all None outside an allocation); prints the derived line and keeps the launcher
+    alive through SLURM's pre-time-limit SIGUSR1."""
     if not in_allocation(env):
-        return
-    given = given_from(args, launch_cfg)
+        return Given()
     topo = derive(env, given, cpu_default=_cpu_default)  # called only if needed: imports torch
+    filled: dict[str, object] = {}
     for key in _LAUNCH_DEFAULTS:
         value = getattr(topo, key)
         if getattr(given, key) is None and value != "":
-            setattr(args, key, value)
+            filled[key] = value
     print(topo.line(), file=sys.stderr, flush=True)
     for note in topo.notes:
         print(f"meshrun launch: note: {note}", file=sys.stderr, flush=True)
     forward_usr1_to_workers()
+    return Given(**filled)  # type: ignore[arg-type]
 
 
 def _cpu_default() -> int:
