@@ -29,6 +29,7 @@ from meshrun.checkpoint.resumed_batch import resume_global_batch
 from meshrun.config import (
     CONFIG_ENV,
     Config,
+    ConfigError,
     apply_overrides,
     grad_accumulation,
     load_config,
