@@ -49,13 +49,25 @@ def llama_405b_step(schedule: str, vpp: int) -> float:
         inter_latency=gpu.inter_latency,
     )
     m = Model(
-        layers=126, hidden=16384, heads=128, vocab=128256, seq=8192, kv_heads=8,
-        ffn=53248, gated_mlp=True,
-    )  # fmt: skip
+        layers=126,
+        hidden=16384,
+        heads=128,
+        vocab=128256,
+        seq=8192,
+        kv_heads=8,
+        ffn=53248,
+        gated_mlp=True,
+    )
     lay = Layout(
-        dp_shard=8, tp=8, pp=8, zero=3, micro_batch=4, activation_checkpointing="full",
-        schedule=schedule, vpp=vpp,
-    )  # fmt: skip
+        dp_shard=8,
+        tp=8,
+        pp=8,
+        zero=3,
+        micro_batch=4,
+        activation_checkpointing="full",
+        schedule=schedule,
+        vpp=vpp,
+    )
     return step_time(m, lay, Training(global_batch=256), c, microbatches=8).total
 
 

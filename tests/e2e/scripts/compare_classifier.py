@@ -1,5 +1,5 @@
 """A small classifier trained the way users write one, for `meshrun compare`'s test
-(tests/e2e/test_compare.py): its own flags, its own model, cross-entropy over the batch.
+(tests/e2e/test_compare_cli.py): its own flags, its own model, cross-entropy over the batch.
 
     meshrun compare --nproc 2 --steps 3 --layout zero=3 compare_classifier.py
     meshrun compare ... compare_classifier.py --reduction sum   # a loss that depends on the
