@@ -18,7 +18,8 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("tokens")
     (root / "in").mkdir()
     for i in range(5):
-        (root / "in" / f"{i}.txt").write_bytes(bytes(range(1, 256)) * (3 + i))  # every byte but NUL (binary)
+        # every byte value but NUL (data prepare refuses a NUL: a binary file)
+        (root / "in" / f"{i}.txt").write_bytes(bytes(range(1, 256)) * (3 + i))
     prepare(root / "in", root / "out", shard_tokens=1000, workers=1, log=lambda _: None)
     return root / "out"
 
