@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -97,3 +98,16 @@ def test_meshrun_plan_prints_the_band_and_the_dropped_fraction(
     assert layout["balanced_tokens_per_s"] == pytest.approx(layout["tokens_per_s"])
     assert main(ARGV) == 0
     assert "routing: balanced" in capsys.readouterr().out
+
+
+def test_a_measured_imbalance_is_read_from_a_runs_metrics(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    rows = [{"step": 1, "loss": 2.0}, {"step": 10, "moe_imbalance": 1.2}, {"moe_imbalance": 1.4}]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n{cut")
+    assert main([*ARGV, "--moe-routing", "dropless", "--moe-imbalance", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "at 1.3 x the mean (the mean of 2 logged moe_imbalance figures in" in out
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(rows[0]) + "\n")
+    assert main([*ARGV, "--moe-routing", "dropless", "--moe-imbalance", str(tmp_path)]) == 2
+    assert "has no moe_imbalance figure" in capsys.readouterr().err

@@ -349,7 +349,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
     else:
         print_table(plan, cluster, a.top)
-        print("\n".join(plan_moe.routing_lines(model, plan.estimates[: a.top or None])))
+        shown = plan.estimates[: a.top or None]
+        print("\n".join(plan_moe.routing_lines(model, shown, a.moe_imbalance_source)))
         plan_trace.print_traces(traced, cluster)
         for line in advice:
             print(f"nothing fits; {line}" if line is advice[0] else f"  - {line}")

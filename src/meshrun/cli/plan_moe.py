@@ -7,6 +7,7 @@ import argparse
 import math
 from dataclasses import replace
 
+from meshrun.cli.plan_imbalance import read_imbalance
 from meshrun.plan.cost import Estimate, Model, Training
 from meshrun.plan.errors import PlanError
 from meshrun.plan.inputs import Moe, MoeRouting
@@ -48,10 +49,11 @@ def add_moe_args(p: argparse.ArgumentParser) -> None:
     )
     g.add_argument(
         "--moe-imbalance",
-        type=float,
         dest="moe_imbalance",
-        help="the busiest expert's tokens over the mean, >= 1 (training's moe_imbalance metric; "
-        "needed by dropless; capacity: 1.0 when unset)",
+        metavar="F|RUN_DIR",
+        help="the busiest expert's tokens over the mean, >= 1, or a run directory (or its "
+        "metrics.jsonl) whose logged moe_imbalance figures give it (their mean); needed by "
+        "dropless; capacity: 1.0 when unset",
     )
     g.add_argument(
         "--moe-capacity-factor",
@@ -120,7 +122,10 @@ def _positive(flag: str, value: float | None, least: float, allowed: str) -> Non
 def routing_args(a: argparse.Namespace) -> MoeRouting:
     """The routing of ``--moe-routing``/``--moe-imbalance``/``--moe-capacity-factor``,
     checked: each flag only where its routing reads it."""
-    kind, f, c = a.moe_routing, a.moe_imbalance, a.moe_capacity_factor
+    kind, c = a.moe_routing, a.moe_capacity_factor
+    f, a.moe_imbalance_source = (
+        (None, "") if a.moe_imbalance is None else read_imbalance(a.moe_imbalance)
+    )
     if kind not in ROUTINGS:
         raise PlanError(
             f"--moe-routing {kind!r} is not allowed: choose {', '.join(ROUTINGS)} "
@@ -227,8 +232,9 @@ def band_json(e: Estimate) -> dict[str, float]:
     return {"balanced_tokens_per_s": e.balanced_tokens_per_s, "dropped_fraction": e.dropped}
 
 
-def routing_lines(m: Model, estimates: list[Estimate]) -> list[str]:
-    """What the MoE rows assume of the routing, under the table."""
+def routing_lines(m: Model, estimates: list[Estimate], source: str = "") -> list[str]:
+    """What the MoE rows assume of the routing, under the table (``source``: where a measured
+    imbalance was read)."""
     if m.moe is None or not estimates or estimates[0].time is None:
         return []
     r = m.moe.routing
@@ -237,11 +243,12 @@ def routing_lines(m: Model, estimates: list[Estimate]) -> list[str]:
             "routing: balanced (every expert at the mean: the fastest case, no band); give "
             "--moe-routing dropless --moe-imbalance F (training's moe_imbalance) for one"
         ]
-    what = f"dropless, the busiest expert at {r.imbalance:g} x the mean"
+    measured = f" ({source})" if source else ""
+    what = f"dropless, the busiest expert at {r.imbalance:g} x the mean{measured}"
     if r.kind == "capacity":
         what = (
             f"capacity factor {r.capacity:g} with the busiest expert at {r.imbalance:g} x the "
-            f"mean: {estimates[0].dropped:.1%} of the routed tokens dropped"
+            f"mean{measured}: {estimates[0].dropped:.1%} of the routed tokens dropped"
         )
     return [
         f"routing: {what}; tokens/s is under it, 'vs balanced' the same layout with every "
