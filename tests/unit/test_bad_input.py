@@ -14,6 +14,24 @@ import meshrun
 from meshrun.cli.main import main
 from meshrun.config import Config, ConfigError, JobConfig, OptimConfig, ParallelConfig
 
+_MOE_PLAN = [
+    *[
+        "--layers",
+        "4",
+        "--hidden",
+        "64",
+        "--heads",
+        "4",
+        "--vocab",
+        "128",
+        "--seq",
+        "32",
+        "--ffn",
+        "128",
+    ],
+    *["--experts", "8", "--top-k", "2", "--expert-ffn", "32", "--global-batch", "8"],
+]
+
 # Each row: the arguments (``{tmp}`` is the test's directory, holding the files made below)
 # and the words the one error line must hold: the flag or key, and the value.
 ROWS: list[tuple[str, list[str], list[str]]] = [
@@ -37,6 +55,46 @@ ROWS: list[tuple[str, list[str], list[str]]] = [
     ("plan --params nan", ["plan", "--params", "nan"], ["--params nan", "finite"]),
     ("plan --params inf", ["plan", "--params", "inf"], ["--params inf", "finite"]),
     ("plan --layers 0", ["plan", "--layers", "0"], ["--layers 0", ">= 1"]),
+    *(
+        (f"plan {name}", ["plan", *_MOE_PLAN, *flags], words)
+        for name, flags, words in (
+            ("--moe-routing typo", ["--moe-routing", "even"], ["--moe-routing 'even'", "dropless"]),
+            ("dropless alone", ["--moe-routing", "dropless"], ["dropless", "--moe-imbalance F"]),
+            (
+                "--moe-imbalance 0.8",
+                ["--moe-routing", "dropless", "--moe-imbalance", "0.8"],
+                ["--moe-imbalance 0.8", ">= 1.0"],
+            ),
+            (
+                "imbalance, balanced",
+                ["--moe-imbalance", "1.2"],
+                ["--moe-imbalance 1.2", "dropless"],
+            ),
+            (
+                "--moe-capacity-factor 0",
+                ["--moe-routing", "capacity", "--moe-capacity-factor", "0"],
+                ["--moe-capacity-factor 0", "> 0"],
+            ),
+            ("capacity alone", ["--moe-routing", "capacity"], ["--moe-capacity-factor C"]),
+            (
+                "capacity, dropless",
+                [
+                    "--moe-routing",
+                    "dropless",
+                    "--moe-imbalance",
+                    "1.2",
+                    "--moe-capacity-factor",
+                    "1",
+                ],
+                ["--moe-capacity-factor 1", "--moe-routing capacity"],
+            ),
+        )
+    ),
+    (
+        "plan routing, dense model",
+        ["plan", "--params", "7e9", "--moe-routing", "dropless", "--moe-imbalance", "1.2"],
+        ["--moe-routing dropless", "needs an MoE model"],
+    ),
     (
         "plan --emit-config DIR",
         ["plan", "--params", "7e9", "--emit-config", "{tmp}"],

@@ -175,6 +175,7 @@ def estimate_json(e: Estimate) -> dict[str, Any]:
     out["tokens_per_s"] = None if t is None else e.tokens_per_s
     out["mfu"] = None if t is None else e.mfu
     out["notes"] = e.notes
+    out.update(plan_moe.band_json(e))
     return out
 
 
@@ -219,7 +220,13 @@ def print_table(plan: Plan, c: Cluster, top: int) -> None:
     ):
         table.add_column(col, justify="right")
     if timed:
-        for col in ("step s", "comp/comm/bubble s", "tokens/s", "MFU"):
+        for col in (
+            "step s",
+            "comp/comm/bubble s",
+            "tokens/s",
+            "MFU",
+            *plan_moe.band_columns(shown),
+        ):
             table.add_column(col, justify="right")
     for i, e in enumerate(shown, 1):
         table.add_row(*_row(i, e, extra))
@@ -253,6 +260,7 @@ def _row(i: int, e: Estimate, extra: list[str]) -> list[str]:
             f"{t.compute:.3f}/{t.exposed_comm:.3f}/{t.bubble:.3f}",
             f"{e.tokens_per_s:,.0f}",
             f"{e.mfu:.1%}",
+            *plan_moe.band_cells(e),
         ]
     return row
 
@@ -341,6 +349,8 @@ def cmd_plan(a: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2))
     else:
         print_table(plan, cluster, a.top)
+        shown = plan.estimates[: a.top or None]
+        print("\n".join(plan_moe.routing_lines(model, shown, a.moe_imbalance_source)))
         plan_trace.print_traces(traced, cluster)
         for line in advice:
             print(f"nothing fits; {line}" if line is advice[0] else f"  - {line}")

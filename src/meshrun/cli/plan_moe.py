@@ -4,12 +4,16 @@ shape given by flags, expert- and context-parallel sizes to search, and their ta
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import replace
 
+from meshrun.cli.plan_imbalance import read_imbalance
 from meshrun.plan.cost import Estimate, Model, Training
 from meshrun.plan.errors import PlanError
-from meshrun.plan.inputs import Moe
+from meshrun.plan.inputs import Moe, MoeRouting
 from meshrun.plan.moe import moe_model
+
+ROUTINGS = ("balanced", "dropless", "capacity")
 
 MOE_FLAGS = ("experts", "top_k", "expert_ffn")
 
@@ -34,6 +38,28 @@ def add_moe_args(p: argparse.ArgumentParser) -> None:
         type=float,
         dest="capacity_factor",
         help="expert slots per routed token (1.0 = dropless, no padding)",
+    )
+    g.add_argument(
+        "--moe-routing",
+        default="balanced",
+        dest="moe_routing",
+        help="how the router loads the experts: balanced (every expert at the mean), dropless "
+        "(all tokens run; the busiest expert at --moe-imbalance x the mean) or capacity (an "
+        "expert keeps --moe-capacity-factor x the mean, the rest are dropped)",
+    )
+    g.add_argument(
+        "--moe-imbalance",
+        dest="moe_imbalance",
+        metavar="F|RUN_DIR",
+        help="the busiest expert's tokens over the mean, >= 1, or a run directory (or its "
+        "metrics.jsonl) whose logged moe_imbalance figures give it (their mean); needed by "
+        "dropless; capacity: 1.0 when unset",
+    )
+    g.add_argument(
+        "--moe-capacity-factor",
+        type=float,
+        dest="moe_capacity_factor",
+        help="with --moe-routing capacity: tokens an expert keeps, over the mean (> 0)",
     )
     g.add_argument("--head-dim", type=int, dest="head_dim", help="attention width per head")
     g.add_argument(
@@ -77,7 +103,62 @@ def apply_moe_args(a: argparse.Namespace, model: Model) -> Model:
         if model.moe is None:
             raise PlanError("--capacity-factor needs an MoE model: add --experts/--top-k/...")
         model = replace(model, moe=replace(model.moe, capacity_factor=a.capacity_factor))
+    routing = routing_args(a)
+    if routing != MoeRouting():
+        if model.moe is None:
+            raise PlanError(
+                f"--moe-routing {a.moe_routing} needs an MoE model: add --experts/--top-k/"
+                "--expert-ffn, or a --model that declares experts"
+            )
+        model = replace(model, moe=replace(model.moe, routing=routing))
     return model
+
+
+def _positive(flag: str, value: float | None, least: float, allowed: str) -> None:
+    if value is not None and not (math.isfinite(value) and value >= least and value > 0):
+        raise PlanError(f"{flag} {value:g} is not allowed: must be {allowed}")
+
+
+def routing_args(a: argparse.Namespace) -> MoeRouting:
+    """The routing of ``--moe-routing``/``--moe-imbalance``/``--moe-capacity-factor``,
+    checked: each flag only where its routing reads it."""
+    kind, c = a.moe_routing, a.moe_capacity_factor
+    f, a.moe_imbalance_source = (
+        (None, "") if a.moe_imbalance is None else read_imbalance(a.moe_imbalance)
+    )
+    if kind not in ROUTINGS:
+        raise PlanError(
+            f"--moe-routing {kind!r} is not allowed: choose {', '.join(ROUTINGS)} "
+            "(e.g. --moe-routing dropless --moe-imbalance 1.3)"
+        )
+    _positive("--moe-imbalance", f, 1.0, ">= 1.0 (the busiest expert's tokens over the mean)")
+    _positive("--moe-capacity-factor", c, 0.0, "> 0 (tokens an expert keeps, over the mean)")
+    if f is not None and kind == "balanced":
+        raise PlanError(
+            f"--moe-imbalance {f:g} needs --moe-routing dropless or capacity: balanced routing "
+            "puts every expert at the mean"
+        )
+    if c is not None and kind != "capacity":
+        raise PlanError(
+            f"--moe-capacity-factor {c:g} needs --moe-routing capacity (with {kind} routing no "
+            "token is dropped); for padded slots without drops use --capacity-factor"
+        )
+    if kind == "dropless" and f is None:
+        raise PlanError(
+            "--moe-routing dropless needs --moe-imbalance F: the busiest expert's tokens over "
+            "the mean (training's moe_imbalance metric), e.g. --moe-imbalance 1.3"
+        )
+    if kind == "capacity" and c is None:
+        raise PlanError(
+            "--moe-routing capacity needs --moe-capacity-factor C (tokens an expert keeps over "
+            "the mean, e.g. 1.0), with --moe-imbalance F for the drops"
+        )
+    if kind == "capacity" and a.capacity_factor is not None:
+        raise PlanError(
+            f"--capacity-factor {a.capacity_factor:g} pads slots without dropping; with "
+            "--moe-routing capacity give only --moe-capacity-factor"
+        )
+    return MoeRouting(kind, 1.0 if f is None else f, 0.0 if c is None else c)
 
 
 def _with_experts(a: argparse.Namespace, model: Model, given: list[str]) -> Model:
@@ -119,7 +200,61 @@ def columns(estimates: list[Estimate]) -> list[str]:
     return [k for k in ("ep", "cp") if any(getattr(e.layout, k) > 1 for e in estimates)]
 
 
-__all__ = ["add_moe_args", "apply_moe_args", "columns", "int_list", "parallel_sizes"]
+__all__ = [
+    "add_moe_args",
+    "apply_moe_args",
+    "band_cells",
+    "band_columns",
+    "band_json",
+    "columns",
+    "int_list",
+    "parallel_sizes",
+    "routing_args",
+    "routing_lines",
+]
+
+
+def band_columns(estimates: list[Estimate]) -> list[str]:
+    """The routing band's column when a layout shown was planned with uneven routing."""
+    return ["vs balanced"] if any(e.balanced_tokens_per_s for e in estimates) else []
+
+
+def band_cells(e: Estimate) -> list[str]:
+    """tokens/s under the routing given against balanced routing (the band's two ends)."""
+    if not e.balanced_tokens_per_s:
+        return []
+    return [f"{e.balanced_tokens_per_s:,.0f} ({e.tokens_per_s / e.balanced_tokens_per_s - 1:+.1%})"]
+
+
+def band_json(e: Estimate) -> dict[str, float]:
+    if not e.balanced_tokens_per_s:
+        return {}
+    return {"balanced_tokens_per_s": e.balanced_tokens_per_s, "dropped_fraction": e.dropped}
+
+
+def routing_lines(m: Model, estimates: list[Estimate], source: str = "") -> list[str]:
+    """What the MoE rows assume of the routing, under the table (``source``: where a measured
+    imbalance was read)."""
+    if m.moe is None or not estimates or estimates[0].time is None:
+        return []
+    r = m.moe.routing
+    if r.kind == "balanced":
+        return [
+            "routing: balanced (every expert at the mean: the fastest case, no band); give "
+            "--moe-routing dropless --moe-imbalance F (training's moe_imbalance) for one"
+        ]
+    measured = f" ({source})" if source else ""
+    what = f"dropless, the busiest expert at {r.imbalance:g} x the mean{measured}"
+    if r.kind == "capacity":
+        what = (
+            f"capacity factor {r.capacity:g} with the busiest expert at {r.imbalance:g} x the "
+            f"mean{measured}: {estimates[0].dropped:.1%} of the routed tokens dropped"
+        )
+    return [
+        f"routing: {what}; tokens/s is under it, 'vs balanced' the same layout with every "
+        "expert at the mean (the band: the busiest rank's expert compute, all-to-all and "
+        "expert activations scale with its load)"
+    ]
 
 
 def training_args(a: argparse.Namespace) -> Training:

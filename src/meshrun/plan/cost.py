@@ -35,11 +35,15 @@ from meshrun.plan.memory import stage_params as stage_params
 from meshrun.plan.moe import (
     a2a_calls_per_layer,
     a2a_split,
+    balanced,
+    dropped_fraction,
     ep_stride,
     expert_shard,
     expert_stage_params,
     moe_flops_per_iteration,
     moe_layer_count,
+    rank_load,
+    routed_flops,
 )
 
 
@@ -188,6 +192,9 @@ class StepTime:
 def step_time(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) -> StepTime:
     """Step time of a layout: compute at the achievable rate, exposed communication, bubble."""
     hw_flops = flops_per_iteration(m, t.global_batch, lay.activation_checkpointing)
+    # Routing: the busiest rank's experts run rank_load x the mean and every rank waits for it.
+    load = rank_load(m, lay)
+    hw_flops += (load - 1.0) * routed_flops(m, t.global_batch, lay.activation_checkpointing)
     if not t.tp_embeddings:  # every tp rank computes the whole output layer
         hw_flops += (lay.tp - 1) * logits_flops(m, t.global_batch, lay.activation_checkpointing)
     compute = hw_flops / (c.world * c.peak_flops * c.compute_efficiency)
@@ -216,12 +223,13 @@ def ep_comm(m: Model, lay: Layout, t: Training, c: Cluster, microbatches: int) -
     and their transposes backward (plan/moe.py), over the ep group: the bytes to ranks on the
     node at the intra-node bandwidth, those leaving it at the inter-node one, at once (DeepEP:
     once per node, :func:`a2a_split`); not hidden (each waits for the router before it and the
-    experts wait for it)."""
+    experts wait for it). The busiest rank's message (:func:`rank_load` x the mean) sets it."""
     if lay.ep == 1:
         return 0.0
     local = max(1, min(lay.ep, c.gpus_per_node // ep_stride(lay)))  # ep ranks on a node
     deepep = t.ep_dispatch == "deepep"
     inside, outside = a2a_split(m, lay, _act_elem_bytes(t), local, deepep)
+    inside, outside = inside * rank_load(m, lay), outside * rank_load(m, lay)
     one = max(inside / (c.intra_bw * c.comm_efficiency), outside / (c.inter_bw * c.comm_efficiency))
     one += (lay.ep - 1) * (c.inter_latency if outside else c.intra_latency)
     layers = math.ceil(moe_layer_count(m) / lay.pp)
@@ -417,6 +425,10 @@ class Estimate:
     tokens_per_s: float = 0.0
     mfu: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # MoE routing other than balanced: the band's other end (the same layout with every expert
+    # at the mean) and the routed tokens a capacity factor drops.
+    balanced_tokens_per_s: float = 0.0
+    dropped: float = 0.0
 
 
 def evaluate(m: Model, lay: Layout, t: Training, c: Cluster) -> Estimate:
@@ -429,4 +441,9 @@ def evaluate(m: Model, lay: Layout, t: Training, c: Cluster) -> Estimate:
     st = step_time(m, lay, t, c, microbatches)
     tokens = t.global_batch * m.seq / st.total
     mfu = model_flops_per_iteration(m, t.global_batch) / (st.total * c.world * c.peak_flops)
-    return Estimate(lay, microbatches, mem, st, fits, tokens, mfu)
+    est = Estimate(lay, microbatches, mem, st, fits, tokens, mfu)
+    if m.moe is not None and m.moe.routing.kind != "balanced":
+        even = step_time(balanced(m), lay, t, c, microbatches)
+        est.balanced_tokens_per_s = t.global_batch * m.seq / even.total
+        est.dropped = dropped_fraction(m.moe.routing)
+    return est

@@ -16,11 +16,25 @@ Recompute = Literal["none", "selective", "full"]
 Schedule = Literal["1f1b", "gpipe", "interleaved", "zb1p", "zbv", "dualpipev"]
 CpAttention = Literal["ring", "ulysses"]
 EpDispatch = Literal["all_to_all", "deepep"]
+RoutingKind = Literal["balanced", "dropless", "capacity"]
 
 GB = 1e9
 
 
 # --- inputs --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class MoeRouting:
+    """How the router spreads tokens over the experts (plan/moe.py's ``rank_load``):
+    ``balanced`` (every expert gets the mean), ``dropless`` (every token runs; the busiest
+    expert gets ``imbalance`` x the mean) or ``capacity`` (an expert keeps at most ``capacity``
+    x the mean and drops the rest). ``imbalance``: the busiest expert's load over the mean
+    (DeepSeek's MaxVio + 1), measured or given."""
+
+    kind: RoutingKind = "balanced"
+    imbalance: float = 1.0
+    capacity: float = 0.0  # capacity factor with drops (``kind == "capacity"`` only)
 
 
 @dataclass(frozen=True)
@@ -38,6 +52,7 @@ class Moe:
     moe_layers: int = 0
     capacity_factor: float = 1.0  # slots per routed token; 1.0 = dropless, no padding
     expert_params: int = 0
+    routing: MoeRouting = MoeRouting()
 
 
 @dataclass(frozen=True)

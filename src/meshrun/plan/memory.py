@@ -15,6 +15,7 @@ from meshrun.plan.moe import (
     expert_shard,
     expert_stage_params,
     moe_activation_per_token,
+    rank_load,
 )
 
 # --- memory (ZeRO paper accounting, Korthikanti activations) -------------------------------
@@ -44,7 +45,12 @@ def model_state_bytes(params: float, t: Training, zero: int, shard: int) -> tupl
 
 
 def activation_bytes_per_layer(
-    m: Model, micro_batch: int, tp: int, recompute: Recompute, fused: bool = False
+    m: Model,
+    micro_batch: int,
+    tp: int,
+    recompute: Recompute,
+    fused: bool = False,
+    load: float = 1.0,
 ) -> float:
     """Korthikanti et al. 2022, Table 2, with tensor and sequence parallelism over ``tp``:
     s*b*h*(34 + 5*a*s/h)/t, selective recomputation s*b*h*34/t, full recomputation 2*s*b*h/t.
@@ -56,7 +62,7 @@ def activation_bytes_per_layer(
     if recompute == "full":
         return 2.0 * s * b * h / tp
     if m.moe is not None:  # routed slots and shared experts instead of one MLP (plan/moe.py)
-        per_token = moe_activation_per_token(m)
+        per_token = moe_activation_per_token(m, load)  # the busiest rank's routed tokens
     else:
         per_token = 18.0 + (6.0 if m.gated_mlp else 4.0) * m.ffn_size / h
     if recompute == "none" and not fused:
@@ -89,10 +95,11 @@ def activation_bytes(m: Model, lay: Layout, t: Training, microbatches: int) -> f
         return 0.0
     b, ac, fused = lay.micro_batch, lay.activation_checkpointing, t.fused_attention
     tp = lay.tp * lay.cp  # both split the tokens' activations (tp by sequence parallelism)
-    per_layer = activation_bytes_per_layer(m, b, tp, ac, fused)
+    load = rank_load(m, lay)
+    per_layer = activation_bytes_per_layer(m, b, tp, ac, fused, load)
     stored = inflight_layers(m, lay, microbatches) * per_layer
     if ac == "full":
-        stored += activation_bytes_per_layer(m, b, tp, "none", fused)
+        stored += activation_bytes_per_layer(m, b, tp, "none", fused, load)
     stored += 4.0 * m.seq * b * m.vocab / (tp if t.tp_embeddings else lay.cp)
     # The published constants count 16-bit tensors; fp32 training doubles them.
     return stored * (2.0 if t.precision == "fp32" else 1.0)

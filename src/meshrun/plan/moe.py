@@ -14,6 +14,9 @@ activations, and expert parallel's all-to-all. docs/plan.md ("Mixture of experts
   experts and combines the results back: two all-to-alls forward and two backward, each
   moving tokens x hidden x top_k x capacity_factor x (ep-1)/ep elements per rank (Lepikhin et
   al. 2020, "GShard", Sec. 2.2; Megatron-Core's all-to-all token dispatcher).
+- Routing (:func:`rank_load`): balanced, dropless with the busiest expert at ``imbalance`` x
+  the mean, or a capacity factor that drops what is over it. Ranks wait for each other at
+  every all-to-all, so the busiest rank's expert work, message and activations set the step.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from meshrun.plan.inputs import Layout, Model, Moe, Recompute
+from meshrun.plan.inputs import Layout, Model, Moe, MoeRouting, Recompute
 
 # Names Hugging Face configs (and common own configs) give the routing, in the order tried.
 EXPERTS_NAMES = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
@@ -192,6 +195,58 @@ def moe_of_module(model: Any, values: Mapping[str, Any], hidden: int, where: str
     )
 
 
+# --- routing: how evenly the router loads the experts ------------------------------------
+
+
+def dropped_fraction(r: MoeRouting) -> float:
+    """Routed tokens a capacity factor drops (0 unless ``r.kind == "capacity"``). The loads
+    are taken as spread evenly from 2 - F to F times the mean (F = ``r.imbalance``: the mean 1,
+    the busiest F); an expert keeps C x the mean (C = ``r.capacity``), so the part of the
+    spread above C is lost: (F - C)^2 / (4 (F - 1)) when 2 - F <= C < F, 1 - C below it."""
+    if r.kind != "capacity":
+        return 0.0
+    f, c = max(r.imbalance, 1.0), r.capacity
+    if c >= f:
+        return 0.0
+    if c <= 2.0 - f:  # even the least loaded expert is over capacity (or F = 1, C < 1)
+        return 1.0 - c
+    return (f - c) ** 2 / (4.0 * (f - 1.0))
+
+
+def rank_load(m: Model, lay: Layout) -> float:
+    """The busiest rank's routed tokens over balanced routing's mean: it sets the expert
+    compute, the all-to-all's largest message and the experts' activations. With ep = 1 every
+    rank runs its own tokens through all the experts, so only the drops change it (1 -
+    dropped); with ep > 1 a rank runs its experts' tokens: the busiest expert's factor (dropless:
+    F; capacity: min(F, C)), an upper bound when a rank holds several experts."""
+    if m.moe is None:
+        return 1.0
+    r = m.moe.routing
+    if r.kind == "balanced":
+        return 1.0
+    if lay.ep == 1:
+        return 1.0 - dropped_fraction(r)
+    return min(r.imbalance, r.capacity) if r.kind == "capacity" else r.imbalance
+
+
+def routed_flops(m: Model, batch: int, recompute: Recompute = "none") -> float:
+    """The routed experts' hardware FLOPs of an iteration under balanced routing (capacity
+    padding and full recomputation's 4/3 included): what :func:`rank_load` scales."""
+    if m.moe is None:
+        return 0.0
+    routed = expert_params(m) * m.moe.top_k / m.moe.experts * m.moe.capacity_factor
+    return 6.0 * batch * m.seq * routed * (4.0 / 3.0 if recompute == "full" else 1.0)
+
+
+def balanced(m: Model) -> Model:
+    """``m`` with balanced routing: the other end of a routing's band."""
+    from dataclasses import replace
+
+    if m.moe is None or m.moe.routing.kind == "balanced":
+        return m
+    return replace(m, moe=replace(m.moe, routing=MoeRouting()))
+
+
 # --- the planner's MoE model ---------------------------------------------------------------
 
 
@@ -252,16 +307,17 @@ def moe_flops_per_iteration(
     return block_flops + 6.0 * tokens * m.hidden * m.vocab
 
 
-def moe_activation_per_token(m: Model) -> float:
+def moe_activation_per_token(m: Model, load: float = 1.0) -> float:
     """Korthikanti et al.'s per-token 16-bit activation bytes / hidden, averaged over the
     layers: a dense layer keeps 18 + (6 or 4)*ffn/h; an MoE layer keeps 18 for attention, norms
     and the MLP's input, plus per routed slot (top_k x capacity factor) the permuted copy of
     the token (2) and the expert's intermediates ((6 or 4)*expert_ffn/h), plus the shared
-    experts' ((6 or 4)*shared_ffn/h)."""
+    experts' ((6 or 4)*shared_ffn/h). ``load``: the rank's routed tokens over the mean
+    (:func:`rank_load`)."""
     assert m.moe is not None
     g = 6.0 if m.gated_mlp else 4.0
     h, moe = m.hidden, m.moe
-    slots = moe.top_k * moe.capacity_factor
+    slots = moe.top_k * moe.capacity_factor * load
     sparse = 18.0 + slots * (2.0 + g * moe.expert_ffn / h) + g * moe.shared_ffn / h
     dense = 18.0 + g * m.ffn_size / h
     n_moe = moe_layer_count(m)
@@ -371,7 +427,9 @@ __all__ = [
     "a2a_split",
     "active_params",
     "attention_width",
+    "balanced",
     "count_module",
+    "dropped_fraction",
     "ep_stride",
     "expert_params",
     "expert_shard",
@@ -379,5 +437,7 @@ __all__ = [
     "module_flops",
     "moe_flops_per_iteration",
     "moe_model",
+    "rank_load",
     "read_routing",
+    "routed_flops",
 ]
