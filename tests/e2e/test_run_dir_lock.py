@@ -92,6 +92,10 @@ def test_a_second_job_on_a_busy_run_dir_is_refused_and_the_first_is_unaffected(
         plain = _plain_torchrun(run, tmp_path)
         assert plain.returncode != 0
         assert f"is in use by another job: host {host} pid {pid}" in plain.stdout, plain.stdout
+        # One line per rank, no worker traceback (torchrun's own summary still follows).
+        refusals = [x for x in plain.stdout.splitlines() if "is in use by another job" in x]
+        assert sorted(x.split(":")[0] for x in refusals) == ["meshrun rank 0", "meshrun rank 1"]
+        assert "runlock.py" not in plain.stdout, plain.stdout
         assert (run / "config.toml").read_bytes() == config  # nothing of theirs written
         (tmp_path / "go").touch()
         out, _ = first.communicate(timeout=240)
