@@ -10,6 +10,7 @@ the next launch takes over with a line naming the dead holder.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -92,6 +93,10 @@ def test_a_second_job_on_a_busy_run_dir_is_refused_and_the_first_is_unaffected(
         plain = _plain_torchrun(run, tmp_path)
         assert plain.returncode != 0
         assert f"is in use by another job: host {host} pid {pid}" in plain.stdout, plain.stdout
+        # One line per rank, no worker traceback (torchrun's own summary still follows).
+        refusals = [x for x in plain.stdout.splitlines() if "is in use by another job" in x]
+        assert sorted(x.split(":")[0] for x in refusals) == ["meshrun rank 0", "meshrun rank 1"]
+        assert "runlock.py" not in plain.stdout, plain.stdout
         assert (run / "config.toml").read_bytes() == config  # nothing of theirs written
         (tmp_path / "go").touch()
         out, _ = first.communicate(timeout=240)
@@ -146,3 +151,42 @@ def test_the_lock_of_a_killed_job_is_taken_over_with_a_line(tmp_path: Path) -> N
     )
     assert again.returncode == 0, again.stderr[-3000:]
     assert f"taking over the lock of host {socket.gethostname()} pid {first.pid}" in again.stderr
+
+
+@pytest.mark.timeout(300)
+def test_a_launcher_killed_alone_leaves_the_run_dir_busy_while_its_workers_live(
+    tmp_path: Path,
+) -> None:
+    """The lock of ``meshrun launch`` ends with the launcher; its workers share a second one
+    for their lives, so a SIGKILL of the launcher alone no longer frees the directory."""
+    import sockets
+
+    run = tmp_path / "run"
+    first = subprocess.Popen(
+        _argv(run, 6),
+        env=_env(tmp_path, 3),
+        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+    )
+    workers: list[int] = []
+    try:
+        _wait_for(tmp_path / "paused", first)
+        workers = [p for p in sockets.tree(first.pid) if p != first.pid]
+        os.kill(first.pid, signal.SIGKILL)  # the launcher only
+        first.wait(30)
+        alive = [p for p in workers if Path(f"/proc/{p}").exists()]
+        assert alive, "the workers ended with their launcher: nothing to check here"
+        second = subprocess.run(
+            _argv(run, 6), env=_env(tmp_path, 0), text=True, capture_output=True, timeout=120
+        )
+        assert second.returncode == 2, second.stderr[-3000:]
+        assert f"run directory {run} is in use by another job: its workers still run" in (
+            second.stderr
+        ), second.stderr[-3000:]
+        assert "Traceback" not in second.stderr and "rendezvous" not in second.stderr
+    finally:
+        for pid in [first.pid, *workers]:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)

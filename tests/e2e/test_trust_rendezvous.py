@@ -176,6 +176,54 @@ def test_a_pickle_written_to_the_rendezvous_store_runs_nothing(tmp_path: Path) -
     assert [s for s, _ in job.losses()] == list(range(1, STEPS + 1))
 
 
+# --- (d) a state signed in an earlier launch, then the state deleted: restarts still work ----
+
+
+def _worker_pid(launcher: int, local_rank: int) -> int:
+    for pid in sockets.tree(launcher):
+        with suppress(OSError):
+            env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            if f"LOCAL_RANK={local_rank}".encode() in env:
+                return pid
+    pytest.fail(f"no worker with LOCAL_RANK={local_rank} under {launcher}")
+
+
+@pytest.mark.timeout(240)
+def test_a_state_of_an_earlier_launch_and_a_deleted_state_leave_restarts_working(
+    tmp_path: Path,
+) -> None:
+    """The run directory's job.secret is reused by every launch in it: a closed state signed
+    in an earlier launch verifies its HMAC, and once ended the job's restarts (exit 1); a
+    deleted state left every agent blocked on the store until its timeout (minutes, no
+    line). Both are refused or put back, by name, and a worker killed afterwards is
+    restarted."""
+    from meshrun.runtime.secret import checked
+
+    job = Job(tmp_path, "job", "--max-restarts", "1")
+    try:
+        host, port = job.endpoint()
+        job.wait_paused()
+        secret = checked((job.run_dir / "job.secret").read_text(), "the run dir")
+        client = TCPStore(host, port, is_master=False, timeout=timedelta(seconds=30))
+        key = "meshrun.rdzv/meshrun"
+        doc = json.loads(secret.unseal(key, bytes(client.get(key))) or "{}")
+        # What the earlier launch in this run directory signed: its nonce, closed, far ahead.
+        earlier = {**doc, "launch": "0123456789abcdef", "closed": True, "seq": doc["seq"] + 999}
+        client.set(key, secret.seal(key, json.dumps(earlier, sort_keys=True)))
+        job.wait_for_line(r"refused rendezvous state signed in another launch", 60)
+        client.delete_key(key)
+        # Both workers, paused (rank 0 alone would wait out the agent's 30 s SIGTERM grace).
+        for local_rank in (1, 0):
+            os.kill(_worker_pid(job.proc.pid, local_rank), signal.SIGKILL)
+        job.wait_for_line(r"worker group failed .*restart 1 of 1", 90)
+        rc = job.finish()
+    finally:
+        kill_tree(job.proc)
+    assert rc == 0, job.output[-4000:]
+    assert f"the rendezvous state {key} was deleted from the store; put back" in job.output
+    assert "RendezvousClosedError" not in job.output, job.output[-4000:]
+
+
 # --- (c) every listening socket of a one-node job is on loopback -----------------------------
 
 

@@ -9,7 +9,7 @@ import pickle
 import stat
 import threading
 import time
-from datetime import datetime, timezone
+from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
 
@@ -25,6 +25,7 @@ from meshrun.runtime.secret import SECRET_ENV, JobSecret, SecretError, sanitize
 
 SECRET = JobSecret(b"0123456789abcdef0123456789abcdef", "test")
 OTHER = JobSecret(b"fedcba9876543210fedcba9876543210", "other")
+NONCE = "0a1b2c3d4e5f6a7b"  # this launch's
 
 
 # --- where the secret comes from ----------------------------------------------------------
@@ -119,7 +120,7 @@ def _fields(state: _RendezvousState) -> dict[str, Any]:
 
 @pytest.mark.timeout(60)
 def test_the_state_round_trips_as_signed_json_and_no_pickle_is_stored(store: Any) -> None:
-    backend = SignedBackend(store, "job", SECRET, say=lambda _: None)
+    backend = SignedBackend(store, "job", SECRET, NONCE, say=lambda _: None)
     assert backend.get_state() is None
     result = backend.set_state(pickle.dumps(_state()))
     assert result is not None and result[2] is True
@@ -128,7 +129,7 @@ def test_the_state_round_trips_as_signed_json_and_no_pickle_is_stored(store: Any
     text = SECRET.unseal("meshrun.rdzv/job", raw)
     assert text is not None and json.loads(text)["participants"] == [["10.0.0.1", 42, 0, 0]]
     # A second node with the same secret reads the same state.
-    other = SignedBackend(TCPStore("127.0.0.1", store.port, is_master=False), "job", SECRET)
+    other = SignedBackend(TCPStore("127.0.0.1", store.port, is_master=False), "job", SECRET, NONCE)
     got = other.get_state()
     assert got is not None and _fields(pickle.loads(got[0])) == _fields(_state())
 
@@ -138,7 +139,7 @@ def test_a_forged_pickle_is_refused_named_and_replaced_by_the_last_good_state(
     store: Any, tmp_path: Path
 ) -> None:
     said: list[str] = []
-    backend = SignedBackend(store, "job", SECRET, say=said.append)
+    backend = SignedBackend(store, "job", SECRET, NONCE, say=said.append)
     good = backend.set_state(pickle.dumps(_state()))
     assert good is not None
     marker = tmp_path / "ran"
@@ -154,7 +155,13 @@ def test_a_forged_pickle_is_refused_named_and_replaced_by_the_last_good_state(
     forged = OTHER.seal(
         "meshrun.rdzv/job",
         json.dumps(
-            {"format": 1, "run_id": "job", "seq": 99, "participants": [["\x1b[2Jevil", 1, 0, 0]]}
+            {
+                "format": 2,
+                "run_id": "job",
+                "launch": NONCE,
+                "seq": 99,
+                "participants": [["\x1b[2Jevil", 1, 0, 0]],
+            }
         ),
     )
     store.set("meshrun.rdzv/job", forged)
@@ -165,7 +172,7 @@ def test_a_forged_pickle_is_refused_named_and_replaced_by_the_last_good_state(
 @pytest.mark.timeout(60)
 def test_an_older_signed_state_written_back_is_refused(store: Any) -> None:
     said: list[str] = []
-    backend = SignedBackend(store, "job", SECRET, say=said.append)
+    backend = SignedBackend(store, "job", SECRET, NONCE, say=said.append)
     first = backend.set_state(pickle.dumps(_state(1)))
     assert first is not None
     second = backend.set_state(pickle.dumps(_state(2)), first[1])
@@ -177,8 +184,80 @@ def test_an_older_signed_state_written_back_is_refused(store: Any) -> None:
     # The same signed state moved under another job id (same secret) does not verify there.
     store.set("meshrun.rdzv/job2", second[1])
     said.clear()
-    other = SignedBackend(store, "job2", SECRET, say=said.append)
+    other = SignedBackend(store, "job2", SECRET, NONCE, say=said.append)
     assert other.get_state() is None and "not signed" in said[0]
+
+
+@pytest.mark.timeout(60)
+def test_a_state_signed_in_an_earlier_launch_with_the_same_secret_is_refused(store: Any) -> None:
+    """The run directory's job.secret is reused by the next launch: a state recorded in the
+    earlier one (a closed rendezvous, a high seq) verifies its HMAC but not its nonce."""
+    said: list[str] = []
+    earlier = SignedBackend(store, "job", SECRET, "1111222233334444", say=said.append)
+    closed = _state(7)
+    closed.closed = True
+    recorded = earlier.set_state(pickle.dumps(closed))
+    assert recorded is not None
+    store.delete_key("meshrun.rdzv/job")
+    backend = SignedBackend(store, "job", SECRET, NONCE, say=said.append)
+    mine = backend.set_state(pickle.dumps(_state(1)))
+    assert mine is not None and mine[2] is True
+    store.set("meshrun.rdzv/job", recorded[1])  # the replay, seq far ahead of this launch's
+    got = backend.get_state()
+    assert got is not None and pickle.loads(got[0]).closed is False
+    assert pickle.loads(got[0]).round == 1
+    assert (
+        "refused rendezvous state signed in another launch (nonce 1111222233334444, this "
+        f"launch's is {NONCE}" in said[-1]
+    ), said
+    assert bytes(store.get("meshrun.rdzv/job")) == mine[1]  # put back
+
+
+@pytest.mark.timeout(60)
+def test_a_deleted_state_is_put_back_at_once_and_said() -> None:
+    """One delete_key on the store: the next read neither blocks until the store's timeout
+    (every agent stuck, restarts gone) nor forgets the job: the last good state comes back."""
+    server = listen_store("127.0.0.1", 0, 5)  # a blocking get would fail after 5 s
+    try:
+        said: list[str] = []
+        backend = SignedBackend(server, "job", SECRET, NONCE, say=said.append)
+        other = SignedBackend(
+            TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=5)),
+            "job",
+            SECRET,
+            NONCE,
+            say=said.append,
+        )
+        good = backend.set_state(pickle.dumps(_state(3)))
+        assert good is not None
+        server.delete_key("meshrun.rdzv/job")
+        started = time.monotonic()
+        got = backend.get_state()
+        assert time.monotonic() - started < 2
+        assert got is not None and _fields(pickle.loads(got[0])) == _fields(_state(3))
+        assert bytes(server.get("meshrun.rdzv/job")) == good[1]
+        assert said[:1] == [
+            "the rendezvous state meshrun.rdzv/job was deleted from the store; put back the "
+            "last good signed state this node holds, the job goes on (whoever can reach the "
+            "store's port can delete keys: keep it on a trusted network, docs/security.md)"
+        ]
+        # Deleted again, then a write with the token the handler holds: the store answers it
+        # with the token itself, and the handler would retry it forever; put back instead.
+        server.delete_key("meshrun.rdzv/job")
+        result = backend.set_state(pickle.dumps(_state(4)), good[1])
+        assert result is not None and result[2] is False and result[1] == good[1]
+        assert bytes(server.get("meshrun.rdzv/job")) == good[1] and len(said) == 2
+        result = backend.set_state(pickle.dumps(_state(4)), result[1])
+        assert result is not None and result[2] is True
+        got = other.get_state()  # another node reads the state written
+        assert got is not None and pickle.loads(got[0]).round == 4
+        # A corrupted value: refused and replaced the same way.
+        server.set("meshrun.rdzv/job", b"\x00garbage")
+        got = other.get_state()
+        assert got is not None and pickle.loads(got[0]).round == 4
+        assert "refused rendezvous state not signed" in said[-1]
+    finally:
+        forget_store(server)
 
 
 @pytest.mark.timeout(60)

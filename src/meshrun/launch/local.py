@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import secrets
 import signal
 import socket
 import sys
@@ -40,7 +41,7 @@ from meshrun.launch.torchrun_flags import FLAGS
 from meshrun.monitor.watchdog import hang_report, hang_states, watch_for_hangs
 from meshrun.runtime.logs import one_line, say_error, say_launch
 from meshrun.runtime.ports import LOCAL_HOST, free_port
-from meshrun.runtime.secret import SECRET_ENV, JobSecret, SecretError, from_env
+from meshrun.runtime.secret import NONCE_ENV, SECRET_ENV, JobSecret, SecretError, from_env
 
 if TYPE_CHECKING:
     from meshrun.launch.replicas import GroupPlan
@@ -133,6 +134,7 @@ def rendezvous_endpoint(spec: LaunchSpec, port: int) -> str:
 def launch_local(spec: LaunchSpec) -> int:
     """Run ``spec`` under torchrun's agent; return the exit code, never raise for a worker."""
     rdzv = spec.rendezvous  # parsed once, when the spec was made (launch/spec.py)
+    _new_launch_nonce()
     if spec.replica_groups > 1:
         from meshrun.launch.replicas import launch_replica_groups  # its threads: on use
 
@@ -157,6 +159,13 @@ def launch_local(spec: LaunchSpec) -> int:
             argv = build_torchrun_args(spec, port, network)
             print(start_line(spec, port, omp_threads, network), file=sys.stderr, flush=True)
             return _run_agent(argv, spec, known_runs, None)
+
+
+def _new_launch_nonce() -> None:
+    """A nonce for this launch, in the environment the agent (in-process, or a replica
+    group's process) reads: the signed rendezvous refuses states of any other launch
+    (launch/rdzv_signed.py). Several nodes replace it with the handshake's attempt token."""
+    os.environ[NONCE_ENV] = secrets.token_hex(8)
 
 
 def _claim(
@@ -284,6 +293,8 @@ def _checked_handshake(spec: LaunchSpec, network: NetworkPlan, target: JoinTarge
         from_env(),
     )
     nodes = handshake.run()
+    # Every node's signed rendezvous states carry the host's attempt token: one per launch.
+    os.environ[NONCE_ENV] = handshake.attempt
     names = ", ".join(n.hostname for n in sorted(nodes, key=lambda n: n.node_rank))
     say_launch(f"{len(nodes)} nodes joined [{names}]; versions and config agree")
     return store

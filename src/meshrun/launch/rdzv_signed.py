@@ -9,8 +9,13 @@ keeps the state as JSON with an HMAC of the job secret under a key of its own. T
 the handler asks for are made here from verified JSON, and the pickles it hands over are
 its own, made in this process: nothing read from the network is unpickled.
 
-A value that does not verify (a stranger's write, a replayed older state) is refused with
-one line, and the last good state is put back, so the job trains on. The store itself is
+A value that does not verify (a stranger's write, a replayed older state, a state signed in
+another launch of the same run directory, whose ``job.secret`` is reused) is refused with one
+line, and the last good state is put back, so the job trains on. Every signed state carries
+the launch's nonce (:data:`NONCE_ENV`: drawn by the launch, shared by its nodes through the
+handshake), so a state recorded in an earlier run never verifies in this one. A deleted state
+is put back the same way, from the last good state this agent holds, with one line: a store
+emptied under the job neither stops its restarts nor hangs its agents. The store itself is
 created by meshrun, bound to the address asked for (:func:`listen_store`), never to all
 interfaces as ``TCPStore`` does on its own.
 """
@@ -18,7 +23,9 @@ interfaces as ``TCPStore`` does on its own.
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import secrets
 import socket
 import sys
 import threading
@@ -44,11 +51,11 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from meshrun.runtime.logs import say_launch
-from meshrun.runtime.secret import JobSecret, from_env, sanitize
+from meshrun.runtime.secret import NONCE_ENV, JobSecret, from_env, sanitize
 
 BACKEND_NAME = "meshrun"
 _EMPTY = b"meshrun-rdzv-empty"  # the store's get blocks on a missing key: a sentinel instead
-_FORMAT = 1
+_FORMAT = 2  # 2: the launch nonce is part of the signed state
 # Stores this launcher created (the host's), by port: the handler uses them as they are (a
 # second server on the port would fail; the endpoint may name the address differently).
 _STORES: dict[int, TCPStore] = {}
@@ -118,7 +125,25 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.run import main as torchrun_main
 
     from_env()  # fail before the agent starts, naming the variable
+    os.environ.setdefault(NONCE_ENV, new_nonce())  # started alone: this process's launch
     torchrun_main(signed_backend_argv(sys.argv[1:] if argv is None else argv))
+
+
+def new_nonce() -> str:
+    """A fresh launch nonce (random, 16 hex characters)."""
+    return secrets.token_hex(8)
+
+
+def launch_nonce(environ: dict[str, str] | None = None) -> str:
+    """The nonce this launch's signed states carry (:data:`NONCE_ENV`); an error naming the
+    variable when the launcher set none."""
+    value = (os.environ if environ is None else environ).get(NONCE_ENV, "")
+    if not value:
+        raise RendezvousStateError(
+            f"{NONCE_ENV} is not set: the signed rendezvous binds its state to one launch; "
+            "start the job with meshrun launch (or python -m meshrun.launch.rdzv_signed)"
+        )
+    return value
 
 
 def create_signed_handler(params: RendezvousParameters) -> RendezvousHandler:
@@ -127,7 +152,7 @@ def create_signed_handler(params: RendezvousParameters) -> RendezvousHandler:
     same store (plain c10d) never meets this job's keys."""
     secret = from_env()
     store = _store_for(params)
-    backend = SignedBackend(store, params.run_id, secret)
+    backend = SignedBackend(store, params.run_id, secret, launch_nonce())
     prefixed = PrefixStore(f"meshrun.{secret.tag(params.run_id)}", store)
     return create_handler(prefixed, backend, params)
 
@@ -168,24 +193,29 @@ class SignedBackend(RendezvousBackend):
     """The rendezvous state as HMAC-signed JSON under ``meshrun.rdzv/<run id>``.
 
     ``seq`` counts the writes: each is the state it replaced plus one, so an older signed
-    state written back (a replay) is refused like a forgery."""
+    state written back (a replay) is refused like a forgery; ``launch`` is the launch's nonce,
+    so a state signed in another launch with the same secret is refused too."""
 
     def __init__(
         self,
         store: Store,
         run_id: str,
         secret: JobSecret,
+        nonce: str,
         say: Callable[[str], None] | None = None,
     ) -> None:
         if not run_id:
             raise ValueError("the rendezvous run id must not be empty")
-        self._store, self._run_id, self._secret = store, run_id, secret
+        if not nonce:
+            raise ValueError("the launch nonce must not be empty")
+        self._store, self._run_id, self._secret, self._nonce = store, run_id, secret, nonce
         self._key = f"meshrun.rdzv/{run_id}"
         self._say = say or say_launch
         self._seq = 0  # the highest write this node has seen
         self._good: bytes | None = None  # the last value that verified
         self._refused: set[bytes] = set()
         self._stranger_seen = False
+        self._deleted_seen = 0  # deletions this node has put back (one line each)
         self._call("compare_set", self._key, "", _EMPTY)
 
     @property
@@ -194,7 +224,25 @@ class SignedBackend(RendezvousBackend):
 
     def get_state(self) -> tuple[bytes, Token] | None:
         self._note_plain_c10d()
-        return self._decode(self._call("get", self._key))
+        return self._decode(self._read())
+
+    def _read(self) -> bytes:
+        """The stored value, never blocking: the store's ``get`` waits for a missing key until
+        its timeout (minutes, every agent stuck). A deleted state is put back at once, from
+        the last good state this node holds (the highest wins: an older one put back by
+        another node is refused by those who hold newer), and said in one line."""
+        missing = not self._call("check", [self._key])
+        restore = self._good if self._good is not None else _EMPTY
+        raw = bytes(self._call("compare_set", self._key, "", restore))
+        if missing:
+            self._deleted_seen += 1
+            held = "the last good signed state this node holds" if self._good else "an empty one"
+            self._say(
+                f"the rendezvous state {self._key} was deleted from the store; put back "
+                f"{held}, the job goes on (whoever can reach the store's port can delete keys: "
+                "keep it on a trusted network, docs/security.md)"
+            )
+        return raw
 
     def set_state(
         self, state: bytes, token: Token | None = None
@@ -206,6 +254,11 @@ class SignedBackend(RendezvousBackend):
         local: _RendezvousState = pickle.loads(state)
         sealed = self._seal(local, self._seq + 1)
         raw = bytes(self._call("compare_set", self._key, token or _EMPTY, sealed))
+        if raw != sealed:
+            # Not written. The store answers a compare-and-set on a deleted key with the
+            # expected value itself: the handler would retry the same token forever (every
+            # restart gone, no line). Read what is really there, a deleted state put back.
+            raw = self._read()
         decoded = self._decode(raw)
         if decoded is None:
             return None
@@ -214,7 +267,13 @@ class SignedBackend(RendezvousBackend):
     # --- JSON <-> state ---------------------------------------------------------------
 
     def _seal(self, state: _RendezvousState, seq: int) -> bytes:
-        doc = {"format": _FORMAT, "run_id": self._run_id, "seq": seq, **state_to_json(state)}
+        doc = {
+            "format": _FORMAT,
+            "run_id": self._run_id,
+            "launch": self._nonce,
+            "seq": seq,
+            **state_to_json(state),
+        }
         return self._secret.seal(self._key, json.dumps(doc, sort_keys=True))
 
     def _decode(self, raw: bytes) -> tuple[bytes, Token] | None:
@@ -223,19 +282,28 @@ class SignedBackend(RendezvousBackend):
             return None
         text = self._secret.unseal(self._key, raw)
         doc = _parse(text) if text is not None else None
-        if doc is None or doc["run_id"] != self._run_id or doc["seq"] < self._seq:
-            return self._refuse(
-                raw,
-                "not signed with this job's secret"
-                if doc is None
-                else "an older state written back",
-            )
+        if why := self._unfit(doc):
+            return self._refuse(raw, why)
+        assert doc is not None
         try:
             state = state_from_json(doc)
         except (KeyError, TypeError, ValueError) as err:  # signed, so a bug: say so plainly
             raise RendezvousStateError(f"the signed rendezvous state is malformed: {err}") from err
         self._seq, self._good = max(self._seq, doc["seq"]), raw
         return pickle.dumps(state), raw
+
+    def _unfit(self, doc: dict[str, Any] | None) -> str:
+        """Why a verified-or-not document is refused ('' when it is this launch's, current)."""
+        if doc is None or doc["run_id"] != self._run_id:
+            return "not signed with this job's secret"
+        if doc["launch"] != self._nonce:
+            return (
+                f"signed in another launch (nonce {sanitize(doc['launch'], 32)}, this launch's "
+                f"is {self._nonce}: a state recorded in an earlier run of this run directory)"
+            )
+        if doc["seq"] < self._seq:
+            return "an older state written back"
+        return ""
 
     def _refuse(self, raw: bytes, why: str) -> tuple[bytes, Token] | None:
         """Name the refused value once, put the last good state back over it, go on."""
@@ -281,6 +349,8 @@ def _parse(text: str) -> dict[str, Any] | None:
     if not isinstance(doc, dict) or doc.get("format") != _FORMAT:
         return None
     if not isinstance(doc.get("seq"), int) or not isinstance(doc.get("run_id"), str):
+        return None
+    if not isinstance(doc.get("launch"), str):
         return None
     return doc
 

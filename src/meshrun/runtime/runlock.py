@@ -12,7 +12,8 @@ turns ``flock`` into a POSIX lock the server keeps, so nodes sharing the directo
 other's; a file system without locks (Lustre mounted ``-o noflock``) gets a printed warning.
 The file holds the holder's host, PID, start time and job token (JSON) for the messages; the
 token, passed to the workers in ``MESHRUN_RUN_LOCK``, tells rank 0 that its own launcher holds
-the lock.
+the lock. The workers also share a second lock (``meshrun.workers.lock``) for their lives, so
+a launch refuses a directory whose launcher died (SIGKILL) while its workers run on.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ __all__ = [
     "RunDirError",
     "check_run_dir",
     "claim_at_start",
+    "hold_as_worker",
     "hold_run_dir",
     "job_token",
     "rank0_lock",
@@ -49,6 +51,10 @@ __all__ = [
 ]
 
 LOCK_NAME = "meshrun.lock"
+# Every worker holds a shared lock on this file for its life: the launcher's lock ends with
+# the launcher (a SIGKILL of it alone leaves its workers running), this one with the last
+# worker, so a new launch that finds it held knows the old job is not over.
+WORKERS_LOCK_NAME = "meshrun.workers.lock"
 TOKEN_ENV = "MESHRUN_RUN_LOCK"
 _READ_TRIES = 20  # a holder writes its record right after locking: a reader may come between
 
@@ -148,7 +154,56 @@ def _no_locks(run_dir: Path, say: Say) -> None:
     )
 
 
-def _take(run_dir: Path, token: str, say: Say, ours: str = "") -> int | None:
+def _workers_alive(run_dir: Path) -> bool:
+    """Whether processes of a job still hold the workers' lock (checked without waiting)."""
+    path = run_dir / WORKERS_LOCK_NAME
+    if not path.exists():
+        return False
+    fd = os.open(path, os.O_RDWR | os.O_CLOEXEC)
+    try:
+        if _try_lock(fd) is False:
+            return True
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    finally:
+        os.close(fd)
+
+
+def _workers_busy(run_dir: Path, old: Holder | None) -> RunDirBusy:
+    who = f"its launcher, {old.describe()}, has ended" if old else "its launcher has ended"
+    lock = run_dir / WORKERS_LOCK_NAME
+    return RunDirBusy(
+        f"run directory {run_dir} is in use by another job: its workers still run ({who}; "
+        f"they hold {lock}). Stop them first (fuser -v {lock} lists them) or give this job "
+        "its own directory (--job.run_dir=DIR)"
+    )
+
+
+_WORKER_FDS: dict[str, int] = {}  # run dir -> this worker's shared lock, held until exit
+
+
+def hold_as_worker(run_dir: str | Path) -> None:
+    """This process is one of the job's workers: share the workers' lock until it exits
+    (never released by hand: the kernel drops it with the process, however it ends)."""
+    path = Path(run_dir)
+    key = str(path.resolve())
+    if key in _WORKER_FDS:
+        return
+    try:
+        fd = os.open(path / WORKERS_LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    except OSError:  # not writable here: storage.py's check names it
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH)  # a launcher checking holds it exclusively a moment
+    except OSError:  # no locks on this file system: warned about with the run dir's lock
+        os.close(fd)
+        return
+    _WORKER_FDS[key] = fd
+
+
+def _take(
+    run_dir: Path, token: str, say: Say, ours: str = "", check_workers: bool = False
+) -> int | None:
     """Lock ``run_dir`` and write this process's record; returns the open file (None: no
     locks here, warned; or held by a process of this job, whose token is ``ours``). Raises
     :class:`RunDirBusy` naming the holder."""
@@ -164,6 +219,10 @@ def _take(run_dir: Path, token: str, say: Say, ours: str = "") -> int | None:
             return None
         raise _busy(run_dir, holder)
     old = read_holder(run_dir / LOCK_NAME) if os.fstat(fd).st_size else None
+    if check_workers and _workers_alive(run_dir):
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        os.close(fd)
+        raise _workers_busy(run_dir, old)
     if old is not None and old.token != token:
         say(
             f"run directory {run_dir}: taking over the lock of {old.describe()}, which has "
@@ -200,7 +259,7 @@ def hold_run_dir(
         with _exported(os.environ.get(TOKEN_ENV) if key in _HELD else token):
             yield
         return
-    fd = _take(path, token, say)
+    fd = _take(path, token, say, check_workers=True)
     _HELD[key] = -1 if fd is None else fd
     try:
         with _exported(token):
@@ -289,7 +348,13 @@ def claim_at_start(run_dir: str | Path, rank: int, environ: Mapping[str, str]) -
     (:func:`rank0_lock`) and, without a meshrun launcher, tells the others whether it could,
     so that every rank of a refused job stops with the same message instead of waiting for
     rank 0 in the first collective. Under ``meshrun launch`` (its token in the environment)
-    the launcher already refused a busy directory: no collective."""
+    the launcher already refused a busy directory: no collective. Every rank then shares the
+    workers' lock for its life (:func:`hold_as_worker`)."""
+    _claim(run_dir, rank, environ)
+    hold_as_worker(run_dir)
+
+
+def _claim(run_dir: str | Path, rank: int, environ: Mapping[str, str]) -> None:
     if environ.get(TOKEN_ENV):
         if rank == 0:
             rank0_lock(run_dir, environ)

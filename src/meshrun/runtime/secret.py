@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "MIN_CHARS",
+    "NONCE_ENV",
     "SECRET_ENV",
     "JobSecret",
     "SecretError",
@@ -31,6 +32,9 @@ __all__ = [
 ]
 
 SECRET_ENV = "MESHRUN_JOB_SECRET"
+# The launch's nonce, which every signed rendezvous state carries (launch/rdzv_signed.py): one
+# per launch, so a state signed in an earlier run with the same (reused) secret is refused.
+NONCE_ENV = "MESHRUN_RDZV_NONCE"
 MIN_CHARS = 16  # a secret shorter than this is guessable; 64 hex chars are generated
 _MAC_HEX = 64  # sha256
 # Everything but printable ASCII: C0 and C1 controls and DEL (a terminal escape from a stranger

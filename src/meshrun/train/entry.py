@@ -20,7 +20,8 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from meshrun.runtime.logs import report_uncaught
+from meshrun.runtime.logs import report_uncaught, say_error
+from meshrun.runtime.runlock import RunDirError
 from meshrun.train.run import close_active_run
 
 
@@ -32,9 +33,26 @@ def _exit_code(exc: BaseException) -> int:
     return 130 if isinstance(exc, KeyboardInterrupt) else 1
 
 
+def _one_line_refusals(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """A busy or unusable run directory (runtime/runlock.py) is met alike by every rank of a
+    job started without ``meshrun launch`` (plain torchrun, srun): one line each, exit 2, no
+    traceback, and nothing for torch's ``record`` to copy into the launcher's summary (it
+    records exceptions, not ``SystemExit``)."""
+
+    @functools.wraps(fn)
+    def refusing(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except RunDirError as exc:
+            say_error(f"rank {os.environ.get('RANK', '0')}", exc)
+            raise SystemExit(2) from None
+
+    return refusing
+
+
 def main(fn: Callable[..., Any]) -> Callable[..., None]:
     """Decorate a script's ``main()``; see the module docstring."""
-    recorded = record(fn)
+    recorded = record(_one_line_refusals(fn))
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> None:

@@ -294,6 +294,7 @@ class Handshake:
     say: Callable[[str], None]
     secret: JobSecret
     refused: dict[str, str] = field(default_factory=dict)  # key -> who it claims to be
+    attempt: str = ""  # the host's token, once read: this launch's rendezvous nonce too
 
     def run(self) -> list[NodeInfo]:
         try:
@@ -310,7 +311,8 @@ class Handshake:
 
     def _run(self) -> list[NodeInfo]:
         deadline = time.monotonic() + self.timeout_s
-        prefix = f"meshrun/{self.rdzv_id}/{self._attempt(deadline)}"
+        self.attempt = self._attempt(deadline)  # this launch's: its rendezvous nonce too
+        prefix = f"meshrun/{self.rdzv_id}/{self.attempt}"
         late = self._read(f"{prefix}/done") is not None
         slot = self.store.add(f"{prefix}/count", 1)
         self._write(f"{prefix}/node/{slot}", self.info.to_json())
