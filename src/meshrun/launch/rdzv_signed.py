@@ -124,12 +124,15 @@ def main(argv: list[str] | None = None) -> None:
 def create_signed_handler(params: RendezvousParameters) -> RendezvousHandler:
     """torch's dynamic handler over the signed backend; the store the workers' bootstrap
     keys go to is prefixed with a name derived from the secret, so a stranger's agent on the
-    same store (plain c10d) never meets this job's keys."""
+    same store (plain c10d) never meets this job's keys. The workers' store port is held
+    from the moment it is chosen (``rdzv_port.py``)."""
+    from meshrun.launch.rdzv_port import HeldPortHandler
+
     secret = from_env()
     store = _store_for(params)
     backend = SignedBackend(store, params.run_id, secret)
     prefixed = PrefixStore(f"meshrun.{secret.tag(params.run_id)}", store)
-    return create_handler(prefixed, backend, params)
+    return HeldPortHandler(create_handler(prefixed, backend, params))
 
 
 def _store_for(params: RendezvousParameters) -> Store:
