@@ -8,6 +8,7 @@ under one GIL, and a 256-node run took minutes here (docs/scale.md)."""
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 from types import ModuleType
 
@@ -20,6 +21,7 @@ def _bench() -> ModuleType:
     spec = importlib.util.spec_from_file_location("_rdzv_scale_bench", SCRIPT)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
 
