@@ -1,0 +1,257 @@
+"""Rendezvous at scale, simulated on one machine: N agents, no workers.
+
+The real parts: torch's ``TCPStore`` server (in a process of its own, so its CPU can be read
+from /proc), torch's ``DynamicRendezvousHandler`` (join, rounds, keep-alive), over meshrun's
+signed backend (``launch/rdzv_signed.py``, wrapped as ``create_signed_handler`` wraps it) or
+torch's own c10d backend. What is simulated: each agent is a thread of this process with a
+TCPStore client of its own and a node address of its own (``10.x.y.z``); no worker starts.
+
+Per N and backend:
+- ``first_s``: from all agents calling ``next_rendezvous`` together to the last one returning
+  (torch spreads round 0's joins over 0-0.3 s);
+- ``restart_s``: one node stops (no exit, no heartbeat: a dead host), the others call
+  ``next_rendezvous`` again; the time until the last returns in a round of N-1. It includes
+  torch's fixed waits: the dead node's heartbeats must be missed (``keep_alive_interval`` x
+  ``keep_alive_max_attempt``) and the last call (``last_call_timeout``); ``restart_work_s`` is
+  the time beyond them;
+- ``ops_per_node`` and ``kb_per_node``: the rendezvous state's store operations (get,
+  compare_set, ...) and the bytes they carry, both ways, per agent, over both rounds;
+- ``state_kb``: the size of the state value once N nodes joined;
+- ``store_cpu_s``: the store server process's CPU seconds over both rounds.
+
+    .venv/bin/python benchmarks/rdzv_scale.py --nodes 64,256,1024 [--backends meshrun,c10d]
+
+The agents' own Python (JSON or pickle, HMAC) shares this process's GIL: at large N the
+times measure the agents' work, serialised, more than the store's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import PrefixStore, TCPStore
+from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
+from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+
+from meshrun.launch.rdzv_signed import SignedBackend
+from meshrun.runtime.secret import SECRET_ENV, from_env
+
+KEEP_ALIVE_S, KEEP_ALIVE_TRIES, LAST_CALL_S = 5, 3, 1  # torch's defaults but the last call's 30
+_SERVER = (
+    "import sys\nfrom datetime import timedelta\nfrom torch.distributed import TCPStore\n"
+    "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False,"
+    " timeout=timedelta(seconds=600))\nprint(s.port, flush=True)\nsys.stdin.read()\n"
+)
+
+
+class Counting:
+    """A store proxy counting the operations an agent's backend makes and their bytes."""
+
+    def __init__(self, store: Any) -> None:
+        self._store, self.ops, self.bytes = store, 0, 0
+
+    def __getattr__(self, op: str) -> Any:
+        call = getattr(self._store, op)
+
+        def counted(*args: Any) -> Any:
+            result = call(*args)
+            self.ops += 1
+            self.bytes += sum(_size(a) for a in args) + _size(result)
+            return result
+
+        return counted
+
+
+def _size(value: Any) -> int:
+    if isinstance(value, (bytes, str)):
+        return len(value)
+    if isinstance(value, list):
+        return sum(_size(v) for v in value)
+    return 0
+
+
+class StoreServer:
+    """torch's TCPStore server in a child process; its CPU seconds read from /proc."""
+
+    def __init__(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SERVER], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+        )
+        assert self.proc.stdout is not None
+        self.port = int(self.proc.stdout.readline())
+
+    def cpu_s(self) -> float:
+        with open(f"/proc/{self.proc.pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+    def close(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+@dataclass
+class Agent:
+    handler: RendezvousHandler
+    counter: Counting
+
+
+def make_agent(backend: str, port: int, n: int, i: int, run_id: str) -> Agent:
+    params = RendezvousParameters(
+        backend=backend,
+        endpoint=f"127.0.0.1:{port}",
+        run_id=run_id,
+        min_nodes=n - 1,
+        max_nodes=n,
+        local_addr=f"10.{i // 65536}.{i // 256 % 256}.{i % 256}",
+        join_timeout=900,
+        last_call_timeout=LAST_CALL_S,
+        keep_alive_interval=KEEP_ALIVE_S,
+        keep_alive_max_attempt=KEEP_ALIVE_TRIES,
+    )
+    store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=900))
+    if backend == "meshrun":  # as create_signed_handler composes it, the store counted
+        secret = from_env()
+        counter = Counting(store)
+        signed = SignedBackend(counter, run_id, secret, say=lambda _: None)  # type: ignore[arg-type]
+        prefixed = PrefixStore(f"meshrun.{secret.tag(run_id)}", store)
+        return Agent(_held(create_handler(prefixed, signed, params)), counter)
+    c10d = C10dRendezvousBackend(store, run_id)
+    counter = Counting(c10d._store)
+    c10d._store = counter  # type: ignore[assignment]
+    return Agent(create_handler(store, c10d, params), counter)
+
+
+def stop_heartbeats(agent: Agent) -> None:
+    handler = getattr(agent.handler, "_inner", agent.handler)  # under HeldPortHandler
+    handler._stop_heartbeats()
+
+
+def _held(handler: RendezvousHandler) -> RendezvousHandler:
+    """As ``create_signed_handler`` wraps it; an older checkout (a "before" figure) has no
+    wrapper."""
+    try:
+        from meshrun.launch.rdzv_port import HeldPortHandler
+    except ImportError:
+        return handler
+    return HeldPortHandler(handler)
+
+
+def all_join(agents: list[Agent]) -> tuple[float, list[tuple[int, int]]]:
+    """Every agent's ``next_rendezvous`` at once; seconds until the last returned, and the
+    (rank, world size) each got."""
+    errors: list[BaseException] = []
+    got: list[tuple[int, int]] = []
+    start = threading.Barrier(len(agents) + 1)
+
+    def join(agent: Agent) -> None:
+        start.wait()
+        try:
+            info = agent.handler.next_rendezvous()
+            got.append((info.rank, info.world_size))
+        except BaseException as err:  # reported below, with the others
+            errors.append(err)
+
+    threads = [threading.Thread(target=join, args=(a,), daemon=True) for a in agents]
+    for t in threads:
+        t.start()
+    start.wait()
+    began = time.perf_counter()
+    for t in threads:
+        t.join()
+    if errors:
+        raise RuntimeError(f"{len(errors)} agents failed: {errors[0]!r}")
+    return time.perf_counter() - began, got
+
+
+def measure(backend: str, n: int) -> dict[str, Any]:
+    """One row of the table (see the module); raises if a round is not what it must be."""
+    os.environ.setdefault(SECRET_ENV, secrets.token_hex(32))
+    os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as meshrun launch sets it
+    server = StoreServer()
+    try:
+        run_id = f"scale{n}"
+        agents = [make_agent(backend, server.port, n, i, run_id) for i in range(n)]
+        cpu0 = server.cpu_s()
+        first, got = all_join(agents)
+        _check_round(got, n)
+        state = agents[0].counter._store.get(
+            f"meshrun.rdzv/{run_id}" if backend == "meshrun" else f"torch.rendezvous.{run_id}"
+        )
+        dead = agents.pop()
+        stop_heartbeats(dead)  # the host is gone: no exit, no heartbeat
+        restart, got = all_join(agents)
+        _check_round(got, n - 1)
+        cpu = server.cpu_s() - cpu0
+        for agent in agents:
+            stop_heartbeats(agent)
+        waits = KEEP_ALIVE_S * KEEP_ALIVE_TRIES + LAST_CALL_S
+        return Row(
+            backend=backend,
+            nodes=n,
+            first_s=round(first, 2),
+            restart_s=round(restart, 2),
+            restart_work_s=round(max(0.0, restart - waits), 2),
+            ops_per_node=round(statistics.mean(a.counter.ops for a in [*agents, dead]), 1),
+            kb_per_node=round(statistics.mean(a.counter.bytes for a in agents) / 1024, 1),
+            state_kb=round(len(state) / 1024, 1),
+            store_cpu_s=round(cpu, 2),
+        ).__dict__
+    finally:
+        server.close()
+
+
+def _check_round(got: list[tuple[int, int]], n: int) -> None:
+    ranks = sorted(rank for rank, _ in got)
+    if ranks != list(range(n)) or {world for _, world in got} != {n}:
+        raise RuntimeError(f"a round of {n} nodes gave ranks {ranks[:8]}... and worlds {got[:4]}")
+
+
+@dataclass
+class Row:
+    backend: str
+    nodes: int
+    first_s: float
+    restart_s: float
+    restart_work_s: float
+    ops_per_node: float
+    kb_per_node: float
+    state_kb: float
+    store_cpu_s: float
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", default="64,256,1024,4096", help="simulated node counts")
+    p.add_argument("--backends", default="meshrun,c10d", help="meshrun (signed), c10d or both")
+    p.add_argument("--json", help="append each row to this file as a JSON line")
+    a = p.parse_args(argv)
+    print(
+        "| backend | nodes | first round s | restart s | beyond fixed waits s | "
+        "ops/node | KiB/node | state KiB | store CPU s |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    for n in [int(x) for x in a.nodes.split(",")]:
+        for backend in a.backends.split(","):
+            row = measure(backend, n)
+            print("| " + " | ".join(str(v) for v in row.values()) + " |", flush=True)
+            if a.json:
+                with open(a.json, "a") as f:
+                    f.write(json.dumps(row) + "\n")
+
+
+if __name__ == "__main__":
+    main()
