@@ -12,8 +12,10 @@ from typing import Any
 import pytest
 
 import meshrun.launch.local
-from meshrun.cli.main import _prepare, main
+from meshrun.cli.main import main
 from meshrun.config import ConfigError, grad_accumulation, load_config, validate_for_world
+from meshrun.launch.prepare import prepare
+from meshrun.launch.spec import parse_nnodes
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -65,7 +67,7 @@ def test_one_launch_per_group_derives_the_same_global_batch_as_every_group(
 ) -> None:
     keys = [("fault_tolerance.replica_groups", "4"), ("fault_tolerance.group_index", "1")]
     cfg = load_config(None, [*keys, ("job.run_dir", str(tmp_path))])
-    written = load_config(_prepare(cfg, 2, "1"))  # this group: 2 processes, dp 2
+    written = load_config(prepare(cfg, 2, parse_nnodes("1")))  # this group: 2 processes, dp 2
     assert written.data.global_batch == 8 * 2 * 4
     assert "8 x 2 x 4 = 64" in capsys.readouterr().err
     assert grad_accumulation(written.data, 2 * 4) == 1  # what the group's workers divide by

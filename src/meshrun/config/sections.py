@@ -12,6 +12,7 @@ import dataclasses
 import functools
 import hashlib
 import json
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal, get_type_hints
@@ -429,10 +430,14 @@ def check_across_sections(cfg: Config) -> None:
     """Keys that are only wrong together. Checked on the whole tree (not per section) so that
     a TOML file's value may be fixed by a later override before anything runs."""
     if cfg.optim.warmup_steps > cfg.optim.steps:
-        raise ConfigError(
+        # A warning, not an error: short runs of a longer config (smoke tests, the demo's
+        # --steps, scale-test) keep their schedule; the run says so instead of staying silent.
+        warnings.warn(
             f"optim.warmup_steps = {cfg.optim.warmup_steps} exceeds optim.steps = "
-            f"{cfg.optim.steps}: the run would end inside its warmup and never reach optim.lr; "
-            f"set optim.warmup_steps <= {cfg.optim.steps} or raise optim.steps"
+            f"{cfg.optim.steps}: the run ends inside its warmup and never reaches optim.lr; "
+            f"set optim.warmup_steps <= {cfg.optim.steps} or raise optim.steps",
+            UserWarning,
+            stacklevel=2,
         )
     p = cfg.parallel
     if p.ddp_comm_hook != "none" and p.zero >= 2:

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 __all__ = ["materialize_as_one_process"]
 
@@ -203,7 +204,10 @@ def _refuse_unset(after: list[tuple[_Slot, Tensor | None]]) -> None:
 
 
 def _has_nan(t: Tensor) -> bool:
-    return bool(torch.isnan(t.detach()).any()) if not t.is_meta else False
+    # Meta and fake tensors (the planner's trace) hold no values to look at.
+    if t.is_meta or isinstance(t, FakeTensor):
+        return False
+    return bool(torch.isnan(t.detach()).any())
 
 
 def _keep_slice(s: _Slot, value: Tensor | None) -> None:
