@@ -188,6 +188,9 @@ def _worker_pid(launcher: int, local_rank: int) -> int:
     pytest.fail(f"no worker with LOCAL_RANK={local_rank} under {launcher}")
 
 
+# heavy: tests/unit/test_secret.py shows the replayed state of another launch refused and a
+# deleted state put back on the real store; this launch shows it through a real restart.
+@pytest.mark.heavy
 @pytest.mark.timeout(240)
 def test_a_state_of_an_earlier_launch_and_a_deleted_state_leave_restarts_working(
     tmp_path: Path,
