@@ -49,6 +49,8 @@ from meshrun.launch.rdzv_signed import SignedBackend
 from meshrun.runtime.secret import SECRET_ENV, from_env
 
 KEEP_ALIVE_S, KEEP_ALIVE_TRIES, LAST_CALL_S = 5, 3, 1  # torch's defaults but the last call's 30
+LAUNCH_NONCE = "rdzv-scale-bench"  # one simulated launch: every agent signs with this nonce
+
 _SERVER = (
     "import sys\nfrom datetime import timedelta\nfrom torch.distributed import TCPStore\n"
     "s = TCPStore('127.0.0.1', 0, is_master=True, wait_for_workers=False,"
@@ -126,7 +128,7 @@ def make_agent(backend: str, port: int, n: int, i: int, run_id: str) -> Agent:
     if backend == "meshrun":  # as create_signed_handler composes it, the store counted
         secret = from_env()
         counter = Counting(store)
-        signed = SignedBackend(counter, run_id, secret, say=lambda _: None)  # type: ignore[arg-type]
+        signed = SignedBackend(counter, run_id, secret, LAUNCH_NONCE, say=lambda _: None)  # type: ignore[arg-type]
         prefixed = PrefixStore(f"meshrun.{secret.tag(run_id)}", store)
         return Agent(_held(create_handler(prefixed, signed, params)), counter)
     c10d = C10dRendezvousBackend(store, run_id)
