@@ -56,7 +56,8 @@ def _launch_argv(
     for opt in ssh.ssh_opts:
         argv += ["--ssh-opt", opt]
     argv += ["--nproc-per-node", "1", "-m", "meshrun.demo", "--size", "tiny"]
-    argv += [f"--optim.steps={steps}", f"--job.run_dir={run_dir}", *extra]
+    # A warmup inside the run: the launcher prints no warning of its own (lines stay whole).
+    argv += [f"--optim.steps={steps}", "--optim.warmup_steps=1", f"--job.run_dir={run_dir}", *extra]
     return net.argv(0, argv)
 
 

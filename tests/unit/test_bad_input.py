@@ -13,7 +13,7 @@ import pytest
 
 import meshrun
 from meshrun.cli.main import main
-from meshrun.config import Config, ConfigError, JobConfig, ParallelConfig
+from meshrun.config import Config, ConfigError, ConfigWarning, JobConfig, ParallelConfig
 
 _MOE_PLAN = [
     *[
@@ -202,5 +202,20 @@ def test_a_warmup_beyond_the_run_is_said(tmp_path: Path) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert load_config(path, [("optim.steps", "1000")]).optim.warmup_steps == 200
-    with pytest.warns(UserWarning, match=r"optim.warmup_steps = 200 exceeds optim.steps = 100"):
+    with pytest.warns(ConfigWarning, match=r"optim.warmup_steps = 200 exceeds optim.steps = 100"):
         load_config(path)
+
+
+def test_the_meshrun_program_prints_a_config_warning_as_one_line(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Not Python's file:line plus meshrun's own source line: one line naming the keys."""
+    from meshrun.cli.main import _one_line_config_warning
+
+    others: list[str] = []
+    show = _one_line_config_warning(lambda message, *args: others.append(str(message)))
+    show(ConfigWarning("optim.warmup_steps = 9 exceeds optim.steps = 3"), ConfigWarning, "f", 1)
+    show(UserWarning("a library's"), UserWarning, "f", 1)
+    err = capsys.readouterr().err
+    assert err == "meshrun: warning: optim.warmup_steps = 9 exceeds optim.steps = 3\n"
+    assert others == ["a library's"]

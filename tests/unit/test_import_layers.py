@@ -14,6 +14,7 @@ it fail."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 import shutil
 from collections.abc import Iterator
@@ -119,15 +120,24 @@ def _lazy_targets(mods: dict[str, Path], tree: ast.AST) -> set[str]:
     return found
 
 
+@functools.cache
+def _scan(text: str, typing: bool) -> tuple[ast.AST, tuple[ast.Import | ast.ImportFrom, ...]]:
+    """A file's tree and import statements, once per text: the planted-breach tests check
+    copies of the tree that differ from it in one file (the walks cost most of their time)."""
+    tree = ast.parse(text)
+    return tree, tuple(_imports(tree, typing))
+
+
 def import_graph(src: Path = SRC, typing: bool = False) -> Graph:
     """Module -> the meshrun modules it imports (``typing=True``: ``TYPE_CHECKING`` ones and
     the modules of its lazy exports too)."""
     mods = modules(src)
     graph: Graph = {}
     for name, path in mods.items():
-        tree = ast.parse(path.read_text())
-        deps = {t for node in _imports(tree, typing) for t in _targets(mods, name, node)}
-        if typing:
+        text = path.read_text()
+        tree, imports = _scan(text, typing)
+        deps = {t for node in imports for t in _targets(mods, name, node)}
+        if typing and "lazy_exports" in text:
             deps |= _lazy_targets(mods, tree)
         # A module's own package __init__ runs before it anyway: not an edge of its own.
         graph[name] = {d for d in deps if d != name and not name.startswith(d + ".")}
@@ -271,8 +281,8 @@ def impure(src: Path, prefixes: list[str]) -> list[str]:
     for name, path in sorted(modules(src).items()):
         if not any(name == p or name.startswith(p + ".") for p in prefixes):
             continue
-        tree = ast.parse(path.read_text())
-        for node in _imports(tree):
+        tree, imports = _scan(path.read_text(), False)
+        for node in imports:
             mods = [a.name for a in node.names] if isinstance(node, ast.Import) else []
             if isinstance(node, ast.ImportFrom) and node.module:
                 mods = [node.module] + [f"{node.module}.{a.name}" for a in node.names]

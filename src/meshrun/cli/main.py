@@ -13,6 +13,7 @@ import gc
 import importlib
 import os
 import sys
+import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -24,6 +25,7 @@ from meshrun.cli.torchrun import launch_flag_overrides as launch_flag_overrides
 from meshrun.config import (
     Config,
     ConfigError,
+    ConfigWarning,
     load_config,
     resolve_global_batch,
     split_overrides,
@@ -309,6 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args_list = list(sys.argv[1:] if argv is None else argv)
     # Only the command's own parser when one is named (--help and errors before it: all).
     parser = build_parser(args_list[0] if args_list[:1] and args_list[0] in SUBCOMMANDS else None)
+    if argv is None:  # the `meshrun` program: its own config warnings in one line each
+        warnings.showwarning = _one_line_config_warning(warnings.showwarning)
     try:
         rest, overrides = _take_overrides(args_list)
         a = parser.parse_args(rest)
@@ -325,6 +329,20 @@ def main(argv: Sequence[str] | None = None) -> int:
             # With torch loaded, the interpreter's final collections cost 0.5 s of CPU on this
             # machine (measured) after the job ended; torchrun pays them, frozen objects skip.
             gc.freeze()
+
+
+def _one_line_config_warning(show: Callable[..., None]) -> Callable[..., None]:
+    """Python prints a warning as its source file and line plus the code there: for a config
+    warning that is meshrun's code, not the user's. One ``meshrun: warning:`` line instead
+    (each host's line stays whole under a hostfile launch); other warnings go to ``show``."""
+
+    def showwarning(message: Warning | str, category: type[Warning], *args: object) -> None:
+        if issubclass(category, ConfigWarning):
+            print(f"meshrun: warning: {message}", file=sys.stderr, flush=True)
+        else:
+            show(message, category, *args)
+
+    return showwarning
 
 
 def reference_markdown() -> str:

@@ -10,7 +10,7 @@ value goes through the same checks: each section's ``__post_init__`` (``sections
 flag. What needs the world size is in ``world.py``; ``fields.py`` holds the value checks.
 """
 
-from meshrun.config.fields import CONFIG_ENV, ConfigError, check_section
+from meshrun.config.fields import CONFIG_ENV, ConfigError, ConfigWarning, check_section
 from meshrun.config.launch_values import nnodes_range, parse_endpoint, parse_rdzv_conf
 from meshrun.config.load import (
     apply_mapping,
@@ -53,6 +53,7 @@ __all__ = [
     "CheckpointConfig",
     "Config",
     "ConfigError",
+    "ConfigWarning",
     "DataConfig",
     "JobConfig",
     "LaunchConfig",

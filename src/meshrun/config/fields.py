@@ -22,6 +22,11 @@ class ConfigError(ValueError):
     """A bad config key or value; the message names the key, the value and what is allowed."""
 
 
+class ConfigWarning(UserWarning):
+    """A config that runs but likely not as meant (the message names the keys and the fix);
+    the ``meshrun`` program prints it as one line."""
+
+
 def setting(default: Any, doc: str, **checks: Any) -> Any:
     """A dataclass field carrying its documentation and range checks (``min``, ``max``)."""
     return field(default=default, metadata={"doc": doc, **checks})

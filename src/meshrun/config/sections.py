@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Literal, get_type_hints
 
 from meshrun.config.checkpoint_local import check_local_tier
 from meshrun.config.fault_tolerance import FaultToleranceConfig
-from meshrun.config.fields import ConfigError, check_section, key_of, setting
+from meshrun.config.fields import ConfigError, ConfigWarning, check_section, key_of, setting
 from meshrun.config.job_values import check_job_name, check_run_dir
 from meshrun.config.launch_values import check_launch_values
 from meshrun.config.monitor import MonitorConfig
@@ -436,7 +436,7 @@ def check_across_sections(cfg: Config) -> None:
             f"optim.warmup_steps = {cfg.optim.warmup_steps} exceeds optim.steps = "
             f"{cfg.optim.steps}: the run ends inside its warmup and never reaches optim.lr; "
             f"set optim.warmup_steps <= {cfg.optim.steps} or raise optim.steps",
-            UserWarning,
+            ConfigWarning,
             stacklevel=2,
         )
     p = cfg.parallel

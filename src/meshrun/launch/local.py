@@ -133,8 +133,12 @@ def rendezvous_endpoint(spec: LaunchSpec, port: int) -> str:
 
 def launch_local(spec: LaunchSpec) -> int:
     """Run ``spec`` under torchrun's agent; return the exit code, never raise for a worker."""
+    with _launch_nonce():
+        return _launch(spec)
+
+
+def _launch(spec: LaunchSpec) -> int:
     rdzv = spec.rendezvous  # parsed once, when the spec was made (launch/spec.py)
-    _new_launch_nonce()
     if spec.replica_groups > 1:
         from meshrun.launch.replicas import launch_replica_groups  # its threads: on use
 
@@ -161,11 +165,21 @@ def launch_local(spec: LaunchSpec) -> int:
             return _run_agent(argv, spec, known_runs, None)
 
 
-def _new_launch_nonce() -> None:
+@contextmanager
+def _launch_nonce() -> Iterator[None]:
     """A nonce for this launch, in the environment the agent (in-process, or a replica
     group's process) reads: the signed rendezvous refuses states of any other launch
-    (launch/rdzv_signed.py). Several nodes replace it with the handshake's attempt token."""
+    (launch/rdzv_signed.py). Several nodes replace it with the handshake's attempt token.
+    Put back afterwards: tests and tools launch in-process, one launch after another."""
+    before = os.environ.get(NONCE_ENV)
     os.environ[NONCE_ENV] = secrets.token_hex(8)
+    try:
+        yield
+    finally:
+        if before is None:
+            os.environ.pop(NONCE_ENV, None)
+        else:
+            os.environ[NONCE_ENV] = before
 
 
 def _claim(
