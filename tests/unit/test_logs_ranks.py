@@ -24,6 +24,7 @@ log.warning("rank %d's own", rank, extra=OWN_RANK)
 log.warning("about this host", extra=OWN_HOST)
 log.error("an error")
 warnings.warn("a library warning", UserWarning)
+logging.getLogger("meshrun.script").info("a child logger's line")  # the script's own
 """
 
 
@@ -36,7 +37,7 @@ def _rank(tmp_path: Path, rank: int, local_rank: int) -> tuple[list[str], str]:
 
 @pytest.mark.timeout(90)
 def test_rank_0_prints_every_warning_once(tmp_path: Path) -> None:
-    console, _ = _rank(tmp_path, 0, 0)
+    console, file = _rank(tmp_path, 0, 0)
     assert console[:5] == [
         "meshrun: info line",
         "meshrun warning: same on every rank",
@@ -45,6 +46,11 @@ def test_rank_0_prints_every_warning_once(tmp_path: Path) -> None:
         "meshrun error: an error",
     ]
     assert any("UserWarning: a library warning" in line for line in console)
+    # A logger under meshrun's (``meshrun.script``) is printed and filed as meshrun's own;
+    # its records once reached the file handler without the rank its format names.
+    assert "meshrun: a child logger's line" in console
+    assert not any("Logging error" in line for line in console), console
+    assert "[rank 0] a child logger's line" in file
 
 
 @pytest.mark.timeout(90)
@@ -57,3 +63,4 @@ def test_another_rank_prints_only_its_own(tmp_path: Path, local_rank: int) -> No
     assert console == [*expected, "meshrun [rank 3] error: an error"], json.dumps(console)
     for text in ("info line", "same on every rank", "about this host", "a library warning"):
         assert text in file  # the rank's own record keeps all of it
+    assert "[rank 3] a child logger's line" in file

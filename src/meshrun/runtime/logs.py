@@ -66,7 +66,7 @@ def init_logging(
         h.close()
     log.setLevel(logging.DEBUG)
     log.propagate = False
-    log.filters = [_RankFilter(rank)]
+    log.filters = []  # the rank goes on the file handler: a child logger's records reach it too
 
     console = logging.StreamHandler(sys.stderr)
     # Rank 0 shows everything at the chosen level; other ranks only what needs attention.
@@ -81,6 +81,7 @@ def init_logging(
         fh = logging.FileHandler(path, mode="a")
         fh.setLevel(logging.DEBUG)
         fh.setFormatter(logging.Formatter("%(asctime)s %(levelname)s [rank %(rank)s] %(message)s"))
+        fh.addFilter(_RankFilter(rank))
         log.addHandler(fh)
     _route_python_warnings(log, rank)
     return log
