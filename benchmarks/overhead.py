@@ -36,7 +36,7 @@ starts are the scripts in ``benchmarks/overhead_workers/``.
 - ``secret`` (``--pairs 8 --baseline-src DIR``): what the job secret costs at start: launch
   (``python -m meshrun launch --nproc-per-node N``) to the end of the first step of
   ``with_meshrun.py first-step``, this checkout's ``src`` against ``DIR`` (the ``src`` of a
-  checkout without the secret, e.g. ``git worktree add /tmp/pre 7b1302d~1``), each first on
+  checkout without the secret, e.g. ``git archive f78e750 src | tar -x -C /tmp/pre``), each first on
   ``PYTHONPATH``, alternating. Target +0.05 s.
 - ``secret-parts`` (``--pairs 30``): the secret's parts in one process, less disturbed by a
   busy machine: the secret file, the bound rendezvous store with its signed attempt mark and
@@ -137,7 +137,7 @@ def check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.mode == "secret" and (args.baseline_src is None or not args.baseline_src.is_dir()):
         p.error(
             f"--mode secret needs --baseline-src DIR, the src folder of a checkout without the "
-            f"job secret (got {args.baseline_src}); e.g. git worktree add /tmp/pre 7b1302d~1"
+            f"job secret (got {args.baseline_src}); e.g. git archive f78e750 src | tar -x -C /tmp/pre"
         )
 
 
