@@ -4,44 +4,24 @@
 
 Every mode measures its variants in one run, interleaved, so that a machine getting slower
 or faster hits them alike, and prints ``/proc/loadavg`` before and after. The processes it
-starts are the scripts in ``benchmarks/overhead_workers/``.
+starts are the scripts in ``benchmarks/overhead_workers/``; benchmarks/README.md has each
+mode's method, targets and figures.
 
-- ``step`` (default; ``--pairs 3 --steps 30 --skip 3 --size small --launch-pairs 6``): a
-  meshrun script against a hand-written DDP loop. Two workers train the demo GPT on the same
-  data, from the same weights, with the same optimizer, schedule, micro-batch and
-  accumulation: A ``plain.py`` (torch only: ``init_process_group("gloo")``, DDP,
-  ``no_sync()``, AdamW) and B ``with_meshrun.py`` (``meshrun.init``,
-  ``run.parallelize/dataloader/steps/backward/optimizer_step``), each started by torchrun's
-  agent (``python -m torch.distributed.run --standalone --nproc-per-node N``,
-  OMP_NUM_THREADS=1), in pairs A B A B. Rank 0 of each writes its per-step wall and CPU times
-  (warm-up left out) and the seconds from the moment this script started the launcher to the
-  end of the first optimizer step. Printed: the per-step ratio meshrun/plain (median over
-  pairs of each pair's ratio of median step times; target <= 1.02), the same for CPU time,
-  (b) the startup ratio and median pair difference (target +0.25 s), the raw numbers per pair
-  and the final losses (equal when both trained the same thing). Then ``--launch-pairs``
-  pairs of (a), as ``--mode launch`` prints them (0: none).
-- ``launch`` (``--pairs 6``): (a) the launcher alone: the ``torchrun`` and ``meshrun``
-  programs of this interpreter's environment (``torchrun --standalone`` against ``meshrun
-  launch``) starting ``plain.py --bare`` (process group, one all-reduce, exit) in N
-  processes, torchrun first in odd pairs. Per run: wall seconds from the start of the
-  launcher to its exit, and the CPU seconds of the launcher and everything it started
-  (``RUSAGE_CHILDREN``). Printed: medians, median pair ratio and difference (target +0.15 s
-  wall).
-- ``breakdown`` (``--steps 20 --skip 2 --reps 200``) and ``insitu`` (``--steps 50 --skip
-  5``): where the per-step time goes, inside one torchrun world of N processes
-  (``diagnose.py``, rank 0 prints): whole steps interleaved step by step (plain, plain with
-  torch's DDP defaults, plain + a scalar all-reduce, meshrun logging every step, meshrun not
-  logging) and each per-step extra alone in a tight loop; or the step loop's own functions
-  timed in place during a real run.
-- ``secret`` (``--pairs 8 --baseline-src DIR``): what the job secret costs at start: launch
-  (``python -m meshrun launch --nproc-per-node N``) to the end of the first step of
-  ``with_meshrun.py first-step``, this checkout's ``src`` against ``DIR`` (the ``src`` of a
-  checkout without the secret, e.g. ``git archive f78e750 src | tar -x -C /tmp/pre``), each first on
-  ``PYTHONPATH``, alternating. Target +0.05 s.
-- ``secret-parts`` (``--pairs 30``): the secret's parts in one process, less disturbed by a
-  busy machine: the secret file, the bound rendezvous store with its signed attempt mark and
-  one 1-node rendezvous through meshrun's signed backend against torch's c10d (each on a
-  fresh store); medians and the median pair difference.
+- ``step`` (default): a meshrun script (``with_meshrun.py``) against a hand-written DDP loop
+  (``plain.py``), both training the demo GPT identically under torchrun, in pairs: the
+  per-step ratio (target <= 1.02), the CPU-time ratio, (b) launch to the end of the first
+  step (target +0.25 s), the final losses (equal); then ``--launch-pairs`` pairs of (a).
+- ``launch``: (a) ``meshrun launch`` against ``torchrun --standalone`` starting ``plain.py
+  --bare`` (process group, one all-reduce, exit): wall and CPU of launcher + workers,
+  alternating pairs (target +0.15 s wall).
+- ``breakdown`` / ``insitu``: where the per-step time goes, in one torchrun world
+  (``diagnose.py``): whole steps interleaved and each extra alone / the step loop's own
+  functions timed in place.
+- ``secret``: launch to the end of the first step with this checkout's ``src`` against
+  ``--baseline-src DIR`` (a checkout without the job secret, e.g. ``git archive f78e750 src |
+  tar -x -C /tmp/pre``), alternating pairs (target +0.05 s).
+- ``secret-parts``: in one process, the secret file, the bound store and a signed 1-node
+  rendezvous against a free port and c10d's rendezvous.
 
 ``--out FILE`` writes a mode's figures as JSON (not ``breakdown``/``insitu``, which print).
 """
@@ -93,7 +73,16 @@ HYPER = {
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    defaults = (  # None: a flag without a default
+        f"{mode}: "
+        + " ".join(f"--{k.replace('_', '-')} {'...' if v is None else v}" for k, v in d.items())
+        for mode, d in MODES.items()
+    )
+    p = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        epilog="each mode's flags and defaults:\n  " + "\n  ".join(defaults),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--mode", default="step", choices=list(MODES))
     p.add_argument("--pairs", "--repeats", type=int, help="interleaved pairs (rounds)")
     p.add_argument("--steps", type=int, help="optimizer steps per run (breakdown: per kind)")
