@@ -1,4 +1,5 @@
-"""What the two overhead workers share: their flags, their clock and their result file.
+"""What the two training workers of ``benchmarks/overhead.py --mode step`` share: their flags,
+their clock and their result file.
 
 Standard library only, so the plain worker stays a torch-only script. Both workers get the
 same hyperparameters from ``benchmarks/overhead.py`` as flags; neither has defaults of its own
@@ -21,7 +22,9 @@ T0_ENV = "OVERHEAD_T0"
 
 
 def parse_worker_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description="one overhead-benchmark worker (see overhead.py)")
+    p = argparse.ArgumentParser(
+        description="one training worker of benchmarks/overhead.py --mode step"
+    )
     p.add_argument("--result", type=Path, required=True, help="JSON written by rank 0")
     p.add_argument("--run-dir", type=Path, help="meshrun's run directory (meshrun worker only)")
     p.add_argument("--steps", type=int, required=True)

@@ -1,11 +1,16 @@
-"""Variant A of the overhead benchmark: a hand-written DDP loop for the demo GPT, torch only.
+"""The torch-only side of ``benchmarks/overhead.py``: what anyone would write without meshrun.
 
-What anyone would write without meshrun: ``init_process_group("gloo")``, DDP, AdamW, a
-warmup + cosine LambdaLR, gradient accumulation with ``no_sync()`` on the non-boundary
-micro-steps and the loss scaled by 1/accum. It reads the same global batches as meshrun's
-``run.dataloader`` (same seeded permutation, rank r taking every world-th sample of each
-global batch), so both variants train on the same data from the same initial weights and
-their losses can be compared. Started by ``benchmarks/overhead.py`` through torchrun.
+``plain.py --result ... --steps ...`` (``--mode step``, variant A): a hand-written DDP loop for
+the demo GPT: ``init_process_group("gloo")``, DDP, AdamW, a warmup + cosine LambdaLR, gradient
+accumulation with ``no_sync()`` on the non-boundary micro-steps and the loss scaled by
+1/accum. It reads the same global batches as meshrun's ``run.dataloader`` (same seeded
+permutation, rank r taking every world-th sample of each global batch), so both variants train
+on the same data from the same initial weights and their losses can be compared.
+
+``plain.py --bare`` (``--mode launch``): what any launcher must start. It joins the process
+group, runs one all-reduce (so every rank really met the others) and leaves; the launcher's
+own cost is then most of what differs between two launchers. It reads no flags and loads no
+demo module.
 """
 
 from __future__ import annotations
@@ -20,12 +25,11 @@ from types import ModuleType
 
 import torch
 import torch.distributed as dist
-from overhead_common import Clock, parse_worker_args, write_result
+from common import Clock, parse_worker_args, write_result
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.utils.data import DataLoader
 
-CLOCK = Clock()
-DEMO_DIR = Path(__file__).resolve().parents[1] / "src" / "meshrun" / "demo"
+DEMO_DIR = Path(__file__).resolve().parents[2] / "src" / "meshrun" / "demo"
 DATA_DIR = DEMO_DIR.parent / "data"
 
 
@@ -64,14 +68,23 @@ def rank_indices(
     return out
 
 
-def main() -> None:
+def bare() -> None:
+    dist.init_process_group("gloo")
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    assert value.item() == dist.get_world_size(), value
+    dist.destroy_process_group()
+
+
+def train() -> None:
+    clock = Clock()
     args = parse_worker_args()
     model_mod, corpus_mod = load_demo_module("model"), load_demo_module("corpus")
-    CLOCK.mark("imported")
+    clock.mark("imported")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     accum = args.global_batch // (args.micro_batch * world)
-    CLOCK.mark("initialized")
+    clock.mark("initialized")
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     cfg = model_mod.demo_config(args.size)
@@ -89,14 +102,14 @@ def main() -> None:
         )
 
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor)
-    CLOCK.mark("model")
+    clock.mark("model")
 
     train, _ = corpus_mod.build_demo_datasets(cfg.seq_len, limit_bytes=args.corpus_bytes)
     indices = rank_indices(len(train), args.steps, args.global_batch, rank, world, args.seed)
     batches = iter(DataLoader(train, batch_size=args.micro_batch, sampler=indices))
-    CLOCK.mark("data")
+    clock.mark("data")
 
-    CLOCK.start_steps()
+    clock.start_steps()
     loss_sum = torch.zeros(())
     for _ in range(args.steps):
         loss_sum = torch.zeros(())
@@ -111,7 +124,7 @@ def main() -> None:
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
-        CLOCK.end_step()
+        clock.end_step()
 
     # The last step's loss over the whole global batch, once, after the timed steps.
     mean = loss_sum / accum
@@ -120,7 +133,7 @@ def main() -> None:
         write_result(
             args.result,
             "plain",
-            CLOCK,
+            clock,
             args.skip,
             final_loss=float(mean) / world,
             world_size=world,
@@ -130,9 +143,13 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:] == ["--bare"]:
+        bare()
+    else:
+        train()
     # Leave as @meshrun.main does: Gloo's threads can abort the interpreter's teardown
-    # (SIGABRT, "terminate called without an active exception") after the result is written.
+    # (SIGABRT, "terminate called without an active exception"; 8-40% of bare runs measured
+    # here) after the result is written: a failed run would stop the benchmark.
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
