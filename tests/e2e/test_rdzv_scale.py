@@ -1,8 +1,8 @@
-"""benchmarks/rdzv_scale.py at CI size: 64 simulated agents (threads, no workers) through
+"""benchmarks/rdzv_scale.py at CI size: 32 simulated agents (threads, no workers) through
 torch's rendezvous handler over meshrun's signed backend and a real TCPStore server. The
 benchmark itself checks each round (ranks 0..N-1, one world size); here also that the signed
 state grows linearly with the nodes and that each node's store operations stay within a few
-per peer. 256 nodes and more are the heavy variant: on 2 shared cores all agents' Python runs
+per peer. 64 nodes and more are the heavy variants: on 2 shared cores all agents' Python runs
 under one GIL, and a 256-node run took minutes here (docs/scale.md)."""
 
 from __future__ import annotations
@@ -26,18 +26,28 @@ def _bench() -> ModuleType:
     return module
 
 
+def _check(row: dict[str, object], nodes: int) -> None:
+    assert float(row["state_kb"]) * 1024 / nodes < 200, row  # bytes per node in the one value
+    # A join is a few tries and a poll a second, not one operation per peer each; the lost-write
+    # re-read merged beside the per-launch nonce made it 217 at 64 nodes (83.7 once fixed,
+    # tests/unit/test_secret.py counts a read and a lost write exactly).
+    assert float(row["ops_per_node"]) < 40 + 1.5 * nodes, row
+
+
 @pytest.mark.timeout(300)
-# heavy, and failing at this commit: after the per-launch nonce and the deleted-state read
-# (trust38) were merged beside the benchmark's cost cut (port38), the 64-agent run failed after
-# 245 s here (passed in 57 s on each branch alone); to be found before it returns to CI.
+def test_32_nodes_join_and_restart_with_one_gone() -> None:
+    _check(_bench().measure("meshrun", 32), 32)
+
+
+# heavy: test_32_nodes_join_and_restart_with_one_gone shows the same join and restart; 64 agents
+# took 77 s on 2 shared cores (the restart's 16 s of torch's waits included), past one CI test.
 @pytest.mark.heavy
+@pytest.mark.timeout(300)
 def test_64_nodes_join_and_restart_with_one_gone() -> None:
-    row = _bench().measure("meshrun", 64)
-    assert row["state_kb"] * 1024 / 64 < 200, row  # bytes per node in the one signed value
-    assert row["ops_per_node"] < 4 * 64, row  # a join is a few tries, not one per peer each
+    _check(_bench().measure("meshrun", 64), 64)
 
 
-# heavy: test_64_nodes_join_and_restart_with_one_gone shows the same at 64 nodes.
+# heavy: test_32_nodes_join_and_restart_with_one_gone shows the same at 32 nodes.
 @pytest.mark.heavy
 @pytest.mark.timeout(7200)
 @pytest.mark.parametrize("nodes", [256, 1024, 4096])

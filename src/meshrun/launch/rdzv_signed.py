@@ -56,6 +56,7 @@ from meshrun.runtime.secret import NONCE_ENV, JobSecret, from_env, sanitize
 
 BACKEND_NAME = "meshrun"
 _EMPTY = b"meshrun-rdzv-empty"  # the store's get blocks on a missing key: a sentinel instead
+_PROBE = b"meshrun-rdzv-probe"  # expected by a read, never written: see SignedBackend._read
 _FORMAT = 2  # 2: the launch nonce is part of the signed state
 # How often an agent looks for a plain c10d agent's key: once per keep-alive, not per read
 # (a read per poll doubled the store operations of a 64-node rendezvous).
@@ -239,18 +240,31 @@ class SignedBackend(RendezvousBackend):
         """The stored value, never blocking: the store's ``get`` waits for a missing key until
         its timeout (minutes, every agent stuck). A deleted state is put back at once, from
         the last good state this node holds (the highest wins: an older one put back by
-        another node is refused by those who hold newer), and said in one line."""
-        missing = not self._call("check", [self._key])
+        another node is refused by those who hold newer), and said in one line.
+
+        One store operation when the state is there, as a ``get`` would be: a compare-and-set
+        expecting a value never written (:data:`_PROBE`) changes nothing and answers the stored
+        value, or, on a missing key, the expected value itself. Only then a second one puts
+        the state back (a check before every read tripled a 64-node rendezvous's operations)."""
+        raw = bytes(self._call("compare_set", self._key, _PROBE, _PROBE))
+        if raw != _PROBE:
+            return raw
+        return self._put_back()
+
+    def _put_back(self) -> bytes:
+        """The key answered as missing: put the last good state back (or the empty one, or
+        whatever another node put back first) and say so."""
         restore = self._good if self._good is not None else _EMPTY
         raw = bytes(self._call("compare_set", self._key, "", restore))
-        if missing:
-            self._deleted_seen += 1
-            held = "the last good signed state this node holds" if self._good else "an empty one"
-            self._say(
-                f"the rendezvous state {self._key} was deleted from the store; put back "
-                f"{held}, the job goes on (whoever can reach the store's port can delete keys: "
-                "keep it on a trusted network, docs/security.md)"
-            )
+        if raw == _PROBE:  # not missing: someone stored the probe itself, refused as unsigned
+            return raw
+        self._deleted_seen += 1
+        held = "the last good signed state this node holds" if self._good else "an empty one"
+        self._say(
+            f"the rendezvous state {self._key} was deleted from the store; put back "
+            f"{held}, the job goes on (whoever can reach the store's port can delete keys: "
+            "keep it on a trusted network, docs/security.md)"
+        )
         return raw
 
     def set_state(
@@ -263,14 +277,17 @@ class SignedBackend(RendezvousBackend):
         local: _RendezvousState = pickle.loads(state)
         seq = self._seq + 1
         sealed = self._seal(local, seq)
-        raw = bytes(self._call("compare_set", self._key, token or _EMPTY, sealed))
+        expected = token or _EMPTY
+        raw = bytes(self._call("compare_set", self._key, expected, sealed))
         if raw == sealed:  # ours won: no need to verify and parse what we just wrote
             self._seq, self._good, self._good_state = seq, sealed, state
             return state, sealed, True
-        # Not written. The store answers a compare-and-set on a deleted key with the expected
-        # value itself: the handler would retry the same token forever (every restart gone,
-        # no line). Read what is really there, a deleted state put back.
-        raw = self._read()
+        # Not written: the store answered with the value it holds (another node's write, the
+        # common case under contention: decoded as it is, no second operation), or, on a
+        # deleted key, with the expected value itself: the handler would retry that token
+        # forever (every restart gone, no line). Then the state is put back and read.
+        if raw == expected:
+            raw = self._put_back()
         decoded = self._decode(raw)
         if decoded is None:
             return None
