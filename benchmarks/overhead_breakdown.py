@@ -22,6 +22,7 @@ alike:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import tempfile
 import time
@@ -68,6 +69,13 @@ def meshrun_step(run: meshrun.Run, model: Any, opt: Any, steps: Iterator[Any]) -
         run.optimizer_step(opt)
 
 
+def set_log_every(run: meshrun.Run, every: int) -> None:
+    """metrics.log_every for the rest of the run: the loop's figures are frozen, so its loop
+    gets a copy of the machinery with the other figure (the same parts)."""
+    run._loop.parts = dataclasses.replace(run._parts, log_every=every)
+    run._parts.metrics.log_every = every
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--size", default="small", choices=["tiny", "small"])
@@ -97,7 +105,7 @@ def main() -> None:
 
         def meshrun_logging(every: int) -> Callable[[], None]:
             def step() -> None:
-                run._loop.log_every = run._metrics.log_every = every
+                set_log_every(run, every)
                 meshrun_step(run, model, opt, steps)
 
             return step
@@ -121,13 +129,13 @@ def main() -> None:
                     wall[name].append(time.perf_counter() - t)
                     cpu[name].append(time.process_time() - c)
 
-        run._loop.log_every = run._metrics.log_every = 1  # the default: every step is logged
+        set_log_every(run, 1)  # the default: every step is logged
         loss = torch.tensor(2.5)
         batch = next(iter(mesh_loader))
         extras = {
             "memory_stats (per logged step)": lambda: memory_stats(run.device),
             "loss all-reduce (per logged step)": lambda: dist.all_reduce(loss.clone(), group=group),
-            "metrics row: jsonl + console (rank 0)": lambda: run._metrics.log_step(
+            "metrics row: jsonl + console (rank 0)": lambda: run._parts.metrics.log_step(
                 1, loss=2.5, lr=1e-3, step_time_s=0.5, samples=32, tokens=4096, extra={}
             ),
             "to_device x accum": lambda: [to_device(batch, run.device) for _ in range(run.accum)],
