@@ -225,9 +225,9 @@ def build_machinery(
     env: ClusterEnv,
 ) -> Machinery:
     """Every part ``Run`` drives, built once and in this order: the metrics logger, the train
-    state, the one per-step agreement; under ``fault_tolerance.replica_groups > 1`` this
-    group's torchft Manager (and DiLoCo's synchronisation); the step monitor; the
-    checkpointer. ``accum`` is over every replica group's data-parallel ranks already."""
+    state, the one per-step agreement, this group's torchft Manager (replica groups), the step
+    monitor, DiLoCo's synchronisation (``fault_tolerance.diloco``), the checkpointer.
+    ``accum`` is over every replica group's data-parallel ranks already."""
     metrics = build_metrics(cfg, run_dir, env.rank == 0, env.world_size)
     # What is trained and where it is: the loop advances it, checkpoints save it.
     state = TrainState()
