@@ -112,9 +112,9 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     nparams = sum(p.numel() for p in model.parameters())
     times: dict[str, list[float]] = {}
     for i in range(args.repeats):
-        run._state.step = i + 1  # a new step each time: save() returns early for a saved step
+        run._parts.state.step = i + 1  # a new step each time: save() returns early for a saved step
         times.setdefault("meshrun save", []).append(timed(run.save_checkpoint))
-        run._state.step += 100
+        run._parts.state.step += 100
         blocked, durable, overlapped = _async_save(run, model)
         times.setdefault("meshrun async: blocked", []).append(blocked)
         times.setdefault("meshrun async: durable", []).append(durable)
@@ -140,7 +140,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
     ckpt = meshrun.checkpoint.list_checkpoints(root / "m")[-1].path
     nbytes = dir_bytes(ckpt)
     run.config.checkpoint.resume = str(ckpt)
-    times["meshrun resume"] = [timed(run._checkpointer.resume) for _ in range(args.repeats)]
+    times["meshrun resume"] = [timed(run._parts.checkpointer.resume) for _ in range(args.repeats)]
     times["torch.load rank 0"] = [
         timed(lambda: torch.load(root / "full.pt", weights_only=True) if rank == 0 else None)
         for _ in range(args.repeats)
@@ -166,14 +166,14 @@ def _async_save(run: Any, model: nn.Module) -> tuple[float, float, float]:
     with ``forward+backward`` alone."""
     dist.barrier()
     t0 = time.perf_counter()
-    run._checkpointer.save_async()
+    run._parts.checkpointer.save_async()
     blocked = time.perf_counter() - t0
     t1 = time.perf_counter()
     _fwd_bwd(model)
     t2 = time.perf_counter()
-    run._checkpointer.before_update()
+    run._parts.checkpointer.before_update()
     blocked += time.perf_counter() - t2
-    run._checkpointer.wait()
+    run._parts.checkpointer.wait()
     dist.barrier()
     return blocked, time.perf_counter() - t0, t2 - t1
 

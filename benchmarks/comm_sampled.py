@@ -54,7 +54,7 @@ def worker(a: argparse.Namespace) -> None:
     model = run.parallelize(GPT(cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=run.scaled_lr())
     train, _ = build_demo_datasets(cfg.seq_len, limit_bytes=a.corpus_bytes)
-    sampler = run._loop.monitor.sampler
+    sampler = run._parts.monitor.sampler
     profiled: dict[int, Any] = {}
     calls: dict[str, list[float]] = {"start_s": [], "stop_s": []}
     start, stop = sampler.start, sampler.stop

@@ -371,14 +371,14 @@ def async_save_round(run: Any, t: Trained) -> dict[str, float]:
         run.backward(t.model(x, y))
         if "call_s" in out:
             t0 = time.perf_counter()
-            run._checkpointer.before_update()
+            run._parts.checkpointer.before_update()
             out["wait_s"] = time.perf_counter() - t0
         run.optimizer_step(t.opt)
         if "call_s" not in out:
             out["t0"] = t0 = time.perf_counter()
-            run._checkpointer.save_async()
+            run._parts.checkpointer.save_async()
             out["call_s"] = time.perf_counter() - t0
-    run._checkpointer.wait()  # committed (collective)
+    run._parts.checkpointer.wait()  # committed (collective)
     out["durable_s"] = time.perf_counter() - out["t0"]
     require("wait_s" in out, "the async save was not followed by an update")
     return out

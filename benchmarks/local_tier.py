@@ -91,7 +91,7 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
         run.optimizer_step(opt)
         if run.step == 1:
             run.save_checkpoint()
-    ck = run._checkpointer
+    ck = run._parts.checkpointer
     assert ck.local is not None
     shared = Resume(ck.cfg, ck.facts, ck.targets)
     own = ck.local.node_dir / ck.local.history / step_name(2) / shard_name(rank)

@@ -73,7 +73,7 @@ def worker(a: argparse.Namespace) -> None:
     model = run.parallelize(GPT(cfg))
     opt = torch.optim.AdamW(model.parameters(), lr=run.scaled_lr())
     train, _ = build_demo_datasets(cfg.seq_len, limit_bytes=a.corpus_bytes)
-    monitor = run._loop.monitor
+    monitor = run._parts.monitor
     on, timeout = monitor.settings, monitor.watchdog.timeout_s
     off = dataclasses.replace(on, straggler_every=0, step_timeout_s=0.0)
     for batch in run.steps(run.dataloader(train)):

@@ -145,7 +145,7 @@ def worker(a: argparse.Namespace) -> None:
     ]
     run = meshrun.init(argv=argv)
     result = {"exchange": bench_exchange(a, run.device), "steps": bench_steps(a, run)}
-    result["exchanges"] = run._loop.monitor.agreement.exchanges
+    result["exchanges"] = run._parts.monitor.agreement.exchanges
     if run.is_main:
         Path(a.run_dir, "result.json").write_text(json.dumps(result))
     run.close()

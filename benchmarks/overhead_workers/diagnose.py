@@ -26,6 +26,7 @@ adjusted when those move (a name that is gone fails at the start, naming it).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import statistics
 import time
@@ -95,6 +96,13 @@ def start(run_dir: str, steps: int, size: str) -> tuple[meshrun.Run, Any, Any, A
 # --- breakdown ---------------------------------------------------------------------------
 
 
+def set_log_every(run: meshrun.Run, every: int) -> None:
+    """metrics.log_every for the rest of the run: the loop's figures are frozen, so its loop
+    gets a copy of the machinery with the other figure (the same parts)."""
+    run._loop.parts = dataclasses.replace(run._parts, log_every=every)
+    run._parts.metrics.log_every = every
+
+
 def timed(fn: Callable[[], Any], reps: int) -> float:
     """Median seconds of ``reps`` calls of ``fn``."""
     times = []
@@ -136,7 +144,7 @@ def step_kinds(
 
     def meshrun_logging(every: int) -> Step:
         def step() -> None:
-            run._loop.log_every = run._metrics.log_every = every
+            set_log_every(run, every)
             for _ in range(run.accum):
                 batch = next(steps)
                 run.backward(model(batch["input"], batch["target"]))
@@ -159,7 +167,7 @@ def extras(
     run: meshrun.Run, model: Any, loader: Any, plain_batches: Iterator[Any]
 ) -> dict[str, Callable[[], object]]:
     """Each per-step extra alone, at the default of every step logged."""
-    run._loop.log_every = run._metrics.log_every = 1
+    set_log_every(run, 1)
     group = run.mesh.get_group("dp") if run.mesh is not None else None
     loss = torch.tensor(2.5)
     batch = next(iter(loader))
@@ -167,7 +175,7 @@ def extras(
     return {
         "memory_stats (per logged step)": lambda: memory_stats(run.device),
         "loss all-reduce (per logged step)": lambda: dist.all_reduce(loss.clone(), group=group),
-        "metrics row: jsonl + console (rank 0)": lambda: run._metrics.log_step(
+        "metrics row: jsonl + console (rank 0)": lambda: run._parts.metrics.log_step(
             1, loss=2.5, lr=1e-3, step_time_s=0.5, samples=32, tokens=4096, extra={}
         ),
         "to_device x accum": lambda: repeat(run.accum, lambda: to_device(batch, run.device)),

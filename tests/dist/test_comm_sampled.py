@@ -24,11 +24,12 @@ from test_layouts import build_model, loss_of
 from test_layouts_pp import lm_loss
 
 from _dist import run_distributed
-from meshrun.config import MonitorConfig, ParallelConfig, check_layout
-from meshrun.train.loop import StepLoop
-from meshrun.runtime.mesh import ParallelDims, build_mesh
-from meshrun.monitor import MetricsLogger
+from meshrun.config import Config, MonitorConfig, ParallelConfig, check_layout
 from meshrun.parallel import parallelize, parallelize_pipeline, pipeline_step
+from meshrun.runtime.cluster import ClusterEnv
+from meshrun.runtime.mesh import ParallelDims, build_mesh
+from meshrun.train.loop import StepLoop
+from meshrun.train.startup import build_machinery
 
 EVERY = 2
 STEPS = 8  # TP and PP
@@ -40,20 +41,14 @@ PARTS = ("data_wait_s", "forward_s", "backward_s", "optimizer_s", "sync_s", "loo
 
 
 def make_loop(rank: int, run_dir: str, steps: int, dp: int) -> StepLoop:
-    metrics = MetricsLogger(run_dir, is_main=rank == 0, total_steps=steps, progress=False)
-    monitor = MonitorConfig(comm_sample_every=EVERY, straggler_every=0, step_timeout_s=0)
-    return StepLoop(
-        accum=1,
-        global_batch=MICRO * dp,
-        micro_batch=MICRO,
-        total_steps=steps,
-        grad_clip=1.0,
-        log_every=1,
-        device=CPU,
-        dp_group=None,
-        metrics=metrics,
-        monitor=monitor,
-    )
+    """The step loop as meshrun.init builds it, over no mesh (the test's layout is its own)."""
+    cfg = Config()
+    cfg.optim.steps, cfg.optim.grad_clip = steps, 1.0
+    cfg.metrics.log_every, cfg.metrics.progress = 1, False
+    cfg.data.micro_batch, cfg.data.global_batch = MICRO, MICRO * dp
+    cfg.monitor = MonitorConfig(comm_sample_every=EVERY, straggler_every=0, step_timeout_s=0)
+    env = ClusterEnv("torchelastic", rank, 2, rank, 2, 0, "127.0.0.1", 0, "localhost")
+    return StepLoop(build_machinery(cfg, Path(run_dir), 1, CPU, None, env))
 
 
 def batches(steps: int) -> list[torch.Tensor]:
@@ -73,9 +68,9 @@ def train(rank: int, layout: dict[str, Any], run_dir: str, steps: int, inject: b
     model = parallelize(build_model(), mesh, cfg, CPU)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     loop = make_loop(rank, run_dir, steps, dims.dp)
-    loop.state.models.append(model)
+    loop.parts.state.models.append(model)
     for tokens in loop.steps(batches(steps)):
-        step = loop.state.step + 1
+        step = loop.parts.state.step + 1
         loss = loss_of(model, tokens)
         if inject and step >= INJECT_FROM and step % EVERY == 0:
             if rank == 1:
@@ -83,7 +78,7 @@ def train(rank: int, layout: dict[str, Any], run_dir: str, steps: int, inject: b
             dist.all_reduce(torch.ones(1))  # rank 0 waits INJECT_S in here
         loop.backward(loss)
         loop.optimizer_step(opt)
-    loop.metrics.close()
+    loop.parts.metrics.close()
 
 
 def train_pp(rank: int, run_dir: str) -> None:
@@ -91,12 +86,12 @@ def train_pp(rank: int, run_dir: str) -> None:
     pipe = parallelize_pipeline(build_model(n_layer=4), mesh, cfg, CPU, lm_loss)
     opt = torch.optim.SGD(pipe.parameters(), lr=0.1)
     loop = make_loop(rank, run_dir, STEPS, dims.dp)
-    loop.state.models.extend(pipe.modules)
-    loop.state.pp_group = pipe.group
+    loop.parts.state.models.extend(pipe.modules)
+    loop.parts.state.pp_group = pipe.group
     for tokens in loop.steps(batches(STEPS)):
         loop.record_loss(pipeline_step(pipe, tokens[:, :-1], tokens[:, 1:]))
         loop.optimizer_step(opt)
-    loop.metrics.close()
+    loop.parts.metrics.close()
 
 
 def world(rank: int, world_size: int, base: str) -> None:

@@ -120,7 +120,7 @@ def train(rank: int, world_size: int, run_dir: str) -> dict[str, Any]:
     loop(run.dataloader(data), DELAY_TO, None)
     out["slept_s"] = Slow.slept_s
     out["data_wait"] = run.data_wait  # this rank's wait in step DELAY_TO
-    out["skipped_steps"] = run._loop.monitor.skipped_steps
+    out["skipped_steps"] = run._parts.monitor.skipped_steps
     SLOW_COMM[0] = True
     loop(run.dataloader(Regression()), COMM_TO, None)
     SLOW_COMM[0] = False

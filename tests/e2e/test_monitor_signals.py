@@ -54,7 +54,7 @@ def main() -> None:
         # Stuck entering the per-step agreement (the one all-reduce that also carries whether to
         # checkpoint; wrapped here only to put the stall exactly there): the peers wait for it
         # in that collective.
-        agreement = run._checkpointer.agreement
+        agreement = run._parts.checkpointer.agreement
         exchange = agreement.exchange
         agreement.exchange = lambda step, **kw: (
             time.sleep(600) if step == stall_at else None

@@ -56,10 +56,10 @@ METHODS = [
 
 PROPERTIES = ["data_wait", "grad_norm", "grad_scaler", "is_step_end", "step"]
 
-# Set once by Run.__init__ and declared on the class. The machinery (the step loop, the train
-# state, the checkpointer, the metrics logger) is private: `_loop`, `_state`, ...; what scripts
-# read of it is a property above (`grad_norm`, `data_wait`) or a method (`timed_comm_hook`,
-# `log_event`, `summary`).
+# Set once by Run.__init__ and declared on the class. The machinery (train/machinery.py: the
+# train state, the checkpointer, the metrics logger, ...) and the step loop built from it are
+# private: `_parts`, `_loop`; what scripts read of them is a property above (`grad_norm`,
+# `data_wait`) or a method (`timed_comm_hook`, `log_event`, `summary`).
 FIELDS = [
     "accum",
     "backend",
@@ -106,7 +106,7 @@ def test_a_run_answers_to_exactly_these_names() -> None:
 
 def test_the_machinery_is_private() -> None:
     hints = typing.get_type_hints(meshrun.Run)
-    assert {"_loop", "_state", "_checkpointer", "_metrics"} <= set(hints)
+    assert {"_parts", "_loop"} <= set(hints)
     assert not {"loop", "state", "checkpointer", "metrics"} & set(dir(meshrun.Run))
 
 

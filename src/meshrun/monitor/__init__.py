@@ -2,7 +2,7 @@
 
 Entry point: `MetricsLogger`, fed numbers by the training loop (it holds no process
 group code); `memory_stats(device)` supplies the ``mem_*`` figures for its ``extra``.
-`StepMonitor` (one per run, built by the step loop) adds the step breakdown, the numerics
+`StepMonitor` (one per run, built at start-up) adds the step breakdown, the numerics
 guard, straggler checks, the replica check and the hang watchdog (docs/monitor.md). The run
 report (``meshrun report``) is a layer of its own above this one, ``meshrun.report``. Exports
 load on first use,

@@ -75,6 +75,7 @@ class StepMonitor:
         hostname: str,
         metrics: MetricsLogger,
         agreement: StepAgreement | None = None,
+        models: list[nn.Module] | None = None,
     ) -> None:
         self.settings = settings
         # The run's one per-step collective: the guard exchanges it; the checkpointer's
@@ -99,7 +100,8 @@ class StepMonitor:
         self.sampler = CommSampler(settings.comm_sample_every, device)
         self._step = 0  # optimizer steps done, for choosing the sampled ones
         self.host = HostStats(device)  # network bytes/s, NVML: sampled on logged steps
-        self.models: list[nn.Module] = []  # the loop's models (run.parallelize appends)
+        # The loop's models (run.parallelize appends to the train state's list, this one).
+        self.models: list[nn.Module] = [] if models is None else models
         distributed_now = dist.is_initialized()
         self.watchdog = Watchdog(
             metrics.run_dir,

@@ -21,11 +21,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from meshrun.monitor import MetricsLogger
 from meshrun.parallel.kinds import is_dtensor
 from meshrun.parallel.pp.kind import is_pipeline
 from meshrun.runtime.mesh import dp_cp_group_name
 from meshrun.train.loop import StepLoop
+from meshrun.train.machinery import Machinery
 
 if TYPE_CHECKING:  # parallel/pp*.py load only when a pipeline is built
     from meshrun.parallel import Pipeline
@@ -38,22 +38,23 @@ def evaluate(
     batches: Iterable[Any],
     loss_fn: LossFn | None,
     max_batches: int | None,
-    accum: int,
-    dp_size: int,
     mesh: DeviceMesh | None,
+    dp_size: int,
+    parts: Machinery,
     loop: StepLoop,
-    metrics: MetricsLogger,
 ) -> float:
     """``run.evaluate``: the mean loss over every rank's ``batches``, the same float on every
     rank (see the module docstring); its seconds are kept out of the next step's time."""
     t0 = time.perf_counter()
-    fn = _eval_loss_fn(model, loss_fn, accum)
-    totals = torch.zeros(2, dtype=torch.float64, device=loop.device)  # [sum, count]
-    with torch.no_grad(), loop.monitor.phase("eval", None), _eval_mode(model):
-        for batch, counted in _agreed_batches(batches, max_batches, loop, dp_size):
+    fn = _eval_loss_fn(model, loss_fn, parts.accum)
+    totals = torch.zeros(2, dtype=torch.float64, device=parts.device)  # [sum, count]
+    with torch.no_grad(), parts.monitor.phase("eval", None), _eval_mode(model):
+        for batch, counted in _agreed_batches(
+            batches, max_batches, dp_size, parts.device, loop.place
+        ):
             loss = fn(model, batch)  # a repeat too: its forward is collective
             if counted:
-                totals += _sum_and_count(loss, _batch_size(batch), loop.device)
+                totals += _sum_and_count(loss, _batch_size(batch), parts.device)
     if mesh is not None:
         # Under cp each rank's loss is its slice's: the mean is over dp x cp.
         dist.all_reduce(totals, group=mesh.get_group(dp_cp_group_name(mesh)))
@@ -61,7 +62,7 @@ def evaluate(
         raise ValueError("run.evaluate: no rank had a batch to evaluate (empty batches)")
     mean, seconds = float(totals[0] / totals[1]), time.perf_counter() - t0
     loop.outside_step(seconds)
-    metrics.log_event("eval", step=loop.state.step, loss=mean, seconds=seconds)
+    parts.metrics.log_event("eval", step=parts.state.step, loss=mean, seconds=seconds)
     return mean
 
 
@@ -93,16 +94,20 @@ def _eval_loss_fn(model: nn.Module | Pipeline, loss_fn: LossFn | None, accum: in
 
 
 def _agreed_batches(
-    batches: Iterable[Any], max_batches: int | None, loop: StepLoop, dp_size: int
+    batches: Iterable[Any],
+    max_batches: int | None,
+    dp_size: int,
+    device: torch.device,
+    place: Callable[[Any], Any],
 ) -> Iterator[tuple[Any, bool]]:
-    """(batch on the device, counted) until no rank has a batch left: every rank yields
+    """(batch placed by ``place``, counted) until no rank has a batch left: every rank yields
     the same number of times; a repeat of its last batch is not counted."""
     it, last, taken = iter(batches), None, 0
     while True:
         batch = next(it, None) if max_batches is None or taken < max_batches else None
         taken += 1
         mine = torch.tensor([batch is not None, batch is None and last is None])
-        agreed = _any_rank(mine, loop.device)
+        agreed = _any_rank(mine, device)
         if not agreed[0]:
             return
         if agreed[1]:  # some rank has nothing to repeat while others still evaluate
@@ -112,7 +117,7 @@ def _agreed_batches(
                 f"micro-batch samples; dp = {dp_size})"
             )
         if batch is not None:
-            last = loop.place(batch)  # on the device; under cp, this rank's slice
+            last = place(batch)  # on the device; under cp, this rank's slice
         yield last, batch is not None
 
 

@@ -13,36 +13,27 @@ from __future__ import annotations
 
 import logging
 import math
-import socket
 import time
 import weakref
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
-import torch.distributed as dist
-from torch.distributed import ProcessGroup
 
-from meshrun.config import MonitorConfig
 from meshrun.data.iterable import ResumableIterable
 from meshrun.data.loader import WaitClock
 from meshrun.data.permutation import mix_seed
 from meshrun.data.sampler import ResumableSampler
-from meshrun.monitor import MetricsLogger, StepMonitor, memory_stats
+from meshrun.monitor import memory_stats
 from meshrun.monitor.moe import moe_metrics
 from meshrun.monitor.throughput import resolve_tokens_per_sample
 from meshrun.parallel import set_grad_sync
 from meshrun.parallel.cp import shard_sequence
 from meshrun.parallel.grads import clip_grads_, grad_norm, grad_sq_share
 from meshrun.parallel.kinds import is_dtensor
-from meshrun.parallel.optim_params import FormerParams, check_current
+from meshrun.parallel.optim_params import check_current
 from meshrun.parallel.report import log_state_table
-from meshrun.runtime.agreement import StepAgreement
-from meshrun.runtime.state import TrainState
-
-if TYPE_CHECKING:  # built by startup.build_loop only under fault_tolerance.replica_groups > 1
-    from meshrun.ft.diloco import DiLoCoSync
-    from meshrun.ft.replica import ReplicaGroup
+from meshrun.train.machinery import Machinery
 
 log = logging.getLogger("meshrun")
 
@@ -86,79 +77,23 @@ def _first_tensor(batch: Any) -> torch.Tensor | None:
 
 
 class StepLoop:
-    """Counts micro-steps and optimizer steps for one run (one instance per ``Run``)."""
+    """Counts micro-steps and optimizer steps for one run (one instance per ``Run``), driving
+    the parts of its :class:`Machinery`."""
 
-    # Run after the user's loop body of each micro-step (``run.optimizer_step`` sets it: the
-    # checkpoint of a step is written there, once the user's own objects have moved).
-    on_step_end: Callable[[], object] | None = None
-    # job.seed and this rank's data-parallel coordinate over every replica group (set by
-    # startup.build_loop): torch's RNG stream once run.steps begins (seed_per_dp), unless a
-    # resume restored it.
-    seed: int = 0
-    dp_coord: int = 0
-    _rng_placed: bool = False
-    # parallel.cp > 1: each batch is cut to this rank's slice of the sequence (parallel/cp.py).
-    cp_group: ProcessGroup | None = None
-    # fault_tolerance.diloco_sync_every > 0 (set by startup.build_loop): each group steps
-    # alone and syncs with the others every H steps (ft/diloco.py), no per-step quorum.
-    diloco: DiLoCoSync | None = None
-
-    # Keyword-only, each a part the loop drives, passed once by train/startup.build_loop: a
-    # bundle object would only rename them (PLR0913 counts them all).
-    def __init__(  # noqa: PLR0913
-        self,
-        *,
-        accum: int,
-        global_batch: int,
-        micro_batch: int,
-        total_steps: int,
-        grad_clip: float,
-        log_every: int,
-        device: torch.device,
-        dp_group: ProcessGroup | None,
-        metrics: MetricsLogger,
-        monitor: MonitorConfig | None = None,
-        state: TrainState | None = None,
-        agreement: StepAgreement | None = None,
-        replicas: ReplicaGroup | None = None,
-    ) -> None:
-        if min(accum, global_batch, micro_batch) < 1:
-            # An unset global batch (0) is resolved before the loop (launcher or Run): a 0 here
-            # would count no samples per step and divide the loss by zero.
-            raise ValueError(
-                f"StepLoop needs resolved batch figures >= 1, got accum={accum}, "
-                f"global_batch={global_batch}, micro_batch={micro_batch}; derive an unset "
-                "data.global_batch with meshrun.config.resolve_global_batch first"
-            )
-        self.accum, self.global_batch, self.micro_batch = accum, global_batch, micro_batch
-        self.total_steps, self.grad_clip, self.log_every = total_steps, grad_clip, log_every
-        self.device, self.dp_group, self.metrics = device, dp_group, metrics
-        # Counters, models, schedulers, data position, scaler: shared with the checkpoints.
-        self.state = TrainState() if state is None else state
+    def __init__(self, parts: Machinery) -> None:
+        self.parts = parts  # every part it drives, built once by train/startup.py
+        self._rng_placed = False  # seed_per_dp: once per process, before the first forward
         self._state_reported = False  # the per-rank model-state table, once per process
-        self._boundary = accum == 1
+        self._boundary = parts.accum == 1
         self._loss_sum: torch.Tensor | None = None
         self._t_last, self._outside_s = time.perf_counter(), 0.0  # outside: see outside_step
         self._tokens_per_sample: int | None = None  # None: not known, samples/s only
         self.data_wait = WaitClock()  # this rank's time blocked on the loader, per step
         self.last_data_wait_s = 0.0  # that time in the last optimizer step (run.data_wait)
         self.grad_norm = math.nan  # the whole gradient's norm at the last step, before clipping
-        # Step breakdown, numerics guard (it exchanges the run's one per-step agreement),
-        # stragglers.
-        self.monitor = StepMonitor(
-            monitor or MonitorConfig(),
-            device=device,
-            distributed=dist.is_initialized(),
-            hostname=socket.gethostname(),
-            metrics=metrics,
-            agreement=agreement,
-        )
-        self.monitor.models = self.state.models  # DDP models get their all-reduce timed
-        self.replicas, self._target = replicas, total_steps  # torchft groups: ft/replica.py
+        self._target = parts.total_steps  # this run.steps' last step: no quorum beyond it
         self._boundary_calls = 0  # optimizer_step calls on a boundary (committed or not)
-        # The models' parameters before run.parallelize replaced them, and the optimizers
-        # already checked to hold the current ones (check_params).
-        self.former = FormerParams()
+        # The optimizers already checked to hold the models' current parameters (check_params).
         self._checked: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
     # --- the loop -------------------------------------------------------------------------
@@ -168,39 +103,41 @@ class StepLoop:
     ) -> Iterator[Any]:
         """Yield micro-batches (on the device) until ``steps`` optimizer steps are done in all.
         The hang watchdog is armed while this runs (monitor.step_timeout_s)."""
-        self.monitor.loop_starts(self.state.step)
+        parts = self.parts
+        parts.monitor.loop_starts(parts.state.step)
         try:
             yield from self._steps(loader, steps, tokens_per_sample)
         finally:
-            self.monitor.loop_ends()
+            parts.monitor.loop_ends()
 
     def _steps(
         self, loader: Iterable[Any], steps: int | None, tokens_per_sample: int | None
     ) -> Iterator[Any]:
-        target = self.total_steps if steps is None else steps
-        if self.state.step >= target:
+        parts = self.parts
+        target = parts.total_steps if steps is None else steps
+        if parts.state.step >= target:
             # Typically a resumed run that had already finished: say so rather than exit quietly.
             log.warning(
                 "nothing to train: already at step %d of %d (resumed from a finished run?); "
                 "raise optim.steps, use a new job.run_dir, or set checkpoint.resume=never",
-                self.state.step,
+                parts.state.step,
                 target,
             )
         self._begin(loader, target)
         first = True
-        while self.state.step < target:
+        while parts.state.step < target:
             produced = False
-            if self.replicas is not None:  # a new iteration starts at the sampler's position
-                self.replicas.data_moved = False
+            if parts.replicas is not None:  # a new iteration starts at the sampler's position
+                parts.replicas.data_moved = False
             for batch in self.data_wait.wrap(loader):
                 produced = True
                 if first:
                     self._inspect_first(batch, tokens_per_sample)
                     first = False
                 yield from self._one_micro_step(batch)
-                if self.state.step >= target:
+                if parts.state.step >= target:
                     return
-                if self.replicas is not None and self.replicas.data_moved:
+                if parts.replicas is not None and parts.replicas.data_moved:
                     break  # healed or uncommitted: read from the (new) position again
             if not produced:
                 raise RuntimeError("the data loader produced no batches: is the dataset empty?")
@@ -208,53 +145,58 @@ class StepLoop:
     def _begin(self, loader: Iterable[Any], target: int) -> None:
         """What a loop over ``loader`` sets up before its first batch: the data position the
         checkpoints save, the clocks, the per-rank RNG stream, the first quorum."""
+        parts = self.parts
         sampler = getattr(loader, "sampler", None)
-        self.state.sampler = sampler if isinstance(sampler, ResumableSampler) else None
+        parts.state.sampler = sampler if isinstance(sampler, ResumableSampler) else None
         dataset = getattr(loader, "dataset", None)
-        self.state.iterable = dataset if isinstance(dataset, ResumableIterable) else None
+        parts.state.iterable = dataset if isinstance(dataset, ResumableIterable) else None
         self._t_last, self._outside_s = time.perf_counter(), 0.0
         self._target = target
         if not self._rng_placed:  # once per process, before the first forward
             self._rng_placed = True
-            if not self.state.rng_restored:
-                seed_per_dp(self.seed, self.state.step, self.dp_coord)
-        if self.replicas is not None:
-            self.replicas.check_sampler(self.state.sampler)
+            if not parts.state.rng_restored:
+                seed_per_dp(parts.seed, parts.state.step, parts.dp_coord)
+        if parts.replicas is not None:
+            parts.replicas.check_sampler(parts.state.sampler)
         self._maybe_start_quorum()
 
     def _one_micro_step(self, batch: Any) -> Iterator[Any]:
-        self._boundary = self.state.micro == self.accum - 1
-        for m in self.state.models:
+        parts = self.parts
+        self._boundary = parts.state.micro == parts.accum - 1
+        for m in parts.state.models:
             set_grad_sync(m, self._boundary)
         before = self._boundary_calls
         batch = self.place(batch)
-        self.monitor.batch_ready()
+        parts.monitor.batch_ready()
         yield batch
         if self._boundary and self._boundary_calls == before:
             raise RuntimeError(
                 "the step loop reached an optimizer boundary but run.optimizer_step(optimizer) "
                 "was not called: call it once per micro-batch, after run.backward(loss)"
             )
-        self.state.micro = 0 if self._boundary else self.state.micro + 1
-        if self.on_step_end is not None:
-            self.on_step_end()
+        parts.state.micro = 0 if self._boundary else parts.state.micro + 1
+        # The save of the step just taken (run.optimizer_step reported it to the checkpointer),
+        # written once the user's loop body of that step is done; nothing when none is due.
+        parts.checkpointer.flush()
 
     def place(self, batch: Any) -> Any:
         """``batch`` on the device, and under context parallel this rank's slice of it."""
-        batch = to_device(batch, self.device)
-        return batch if self.cp_group is None else shard_sequence(batch, self.cp_group)
+        parts = self.parts
+        batch = to_device(batch, parts.device)
+        return batch if parts.cp_group is None else shard_sequence(batch, parts.cp_group)
 
     def _inspect_first(self, batch: Any, tokens_per_sample: int | None) -> None:
+        parts = self.parts
         t = _first_tensor(batch)
         self._tokens_per_sample = resolve_tokens_per_sample(batch, tokens_per_sample)
-        if t is not None and t.dim() >= 1 and t.shape[0] != self.micro_batch:
+        if t is not None and t.dim() >= 1 and t.shape[0] != parts.micro_batch:
             log.warning(
                 "the loader's batch has %d samples but data.micro_batch = %d: throughput figures "
                 "and the global batch (%d) assume data.micro_batch; build the loader with "
                 "run.dataloader(...) or set --data.micro_batch=%d",
                 t.shape[0],
-                self.micro_batch,
-                self.global_batch,
+                parts.micro_batch,
+                parts.global_batch,
                 t.shape[0],
             )
 
@@ -273,11 +215,12 @@ class StepLoop:
 
     def backward(self, loss: torch.Tensor) -> None:
         """``(loss / accumulation).backward()``, recording the loss for the metrics."""
+        parts = self.parts
         self.record_loss(loss)
-        t0 = self.monitor.backward_starts()
-        scaled = loss / self.accum
-        (scaled if self.state.scaler is None else self.state.scaler.scale(scaled)).backward()
-        self.monitor.add("backward_s", t0)
+        t0 = parts.monitor.backward_starts()
+        scaled = loss / parts.accum
+        (scaled if parts.state.scaler is None else parts.state.scaler.scale(scaled)).backward()
+        parts.monitor.add("backward_s", t0)
 
     def record_loss(self, loss: torch.Tensor) -> None:
         """Count a micro-step's loss in the metrics (the pipeline step's backward is its own)."""
@@ -289,30 +232,32 @@ class StepLoop:
     def check_params(self, optimizer: torch.optim.Optimizer) -> None:
         """Once per optimizer, at its first step: it holds the models' current parameters
         (parallel/optim_params.py), else the error names the first one it does not."""
+        parts = self.parts
         if optimizer not in self._checked:
-            world = self.monitor.agreement.world
-            check_current(optimizer, self.state.models, self.former, distributed=world > 1)
+            world = parts.monitor.agreement.world
+            check_current(optimizer, parts.state.models, parts.former, distributed=world > 1)
             self._checked.add(optimizer)
 
     def optimizer_step(self, optimizer: torch.optim.Optimizer) -> bool:
         """Step (and zero) the optimizer on a boundary micro-step; return whether this was one.
         A step the numerics guard skips (NaN/Inf loss on some rank) still counts as a step;
         under replica groups a step the quorum does not commit does not (False)."""
+        parts = self.parts
         if not self._boundary:
             return False
         self._boundary_calls += 1
         # Every rank learns whether any rank's loss is NaN/Inf; all skip (or stop) together.
         # The clip's gradient norm rides in the same collective (a share per rank:
         # parallel/grads.py); under replica groups it is taken after their average instead.
-        clip = self.grad_clip > 0 and (self.replicas is None or self.diloco is not None)
+        clip = parts.grad_clip > 0 and (parts.replicas is None or parts.diloco is not None)
         share = self._grad_sq(optimizer) if clip else None
-        guard = self.monitor.guard(self._loss_sum, self.accum, self.state.step + 1, share)
+        guard = parts.monitor.guard(self._loss_sum, parts.accum, parts.state.step + 1, share)
         if share is not None:
-            self.grad_norm = self.monitor.agreement.agreed(self.state.step + 1).grad_norm
+            self.grad_norm = parts.monitor.agreement.agreed(parts.state.step + 1).grad_norm
         t0 = time.perf_counter()
-        if self.diloco is not None:
+        if parts.diloco is not None:
             return self._diloco_step(optimizer, guard.loss, guard.finite, t0)
-        if self.replicas is not None:
+        if parts.replicas is not None:
             return self._replicated_step(optimizer, guard.loss, guard.finite, t0)
         if guard.finite:
             self._apply_update(optimizer, self.grad_norm)
@@ -331,13 +276,15 @@ class StepLoop:
         (the position did not move) and the next quorum reconfigures around a lost group."""
         from meshrun.ft.replica import scaled_lr
 
-        assert self.replicas is not None
-        self.replicas.apply_pending_optimizer(optimizer)
-        outcome = self.replicas.sync(loss, finite)
+        parts = self.parts
+
+        assert parts.replicas is not None
+        parts.replicas.apply_pending_optimizer(optimizer)
+        outcome = parts.replicas.sync(loss, finite)
         if not outcome.committed:  # no step taken: False, so nothing runs "after a step"
             optimizer.zero_grad(set_to_none=True)
             self._loss_sum = None
-            self.replicas.data_moved = True
+            parts.replicas.data_moved = True
             self._maybe_start_quorum()
             return False
         # The live groups' shares only (fault_tolerance.missing_group = shrink, ft/data.py):
@@ -360,19 +307,20 @@ class StepLoop:
         """The boundary under DiLoCo: the group's own (inner) step, as without replica groups,
         counted even when skipped, then torchft's outer synchronisation every H / fragments
         steps (it may heal this group: the step and data position are then its peer's)."""
-        assert self.diloco is not None and self.replicas is not None
-        self.diloco.attach(self.state.models, optimizer)
-        self.replicas.apply_pending_optimizer(optimizer)
-        self.diloco.before_update()
+        parts = self.parts
+        assert parts.diloco is not None and parts.replicas is not None
+        parts.diloco.attach(parts.state.models, optimizer)
+        parts.replicas.apply_pending_optimizer(optimizer)
+        parts.diloco.before_update()
         if finite:
             self._apply_update(optimizer, self.grad_norm)
-        samples = self.diloco.samples(self.global_batch)
+        samples = parts.diloco.samples(parts.global_batch)
         lr = self._advance(optimizer, t0, samples)
-        step = self.state.step
-        outer = self.diloco.after_step()
-        if self.state.step != step:  # healed at the sync: the step is the peer's
-            self.monitor.agreement.moved_to(self.state.step)
-        ft: dict[str, float | str] = {"live_groups": self.replicas.live_groups}
+        step = parts.state.step
+        outer = parts.diloco.after_step()
+        if parts.state.step != step:  # healed at the sync: the step is the peer's
+            parts.monitor.agreement.moved_to(parts.state.step)
+        ft: dict[str, float | str] = {"live_groups": parts.replicas.live_groups}
         if outer is not None:
             ft |= {"outer_fragment": outer.fragment, "committed": outer.committed}
         self._record(lr, loss, samples, ft)
@@ -383,49 +331,53 @@ class StepLoop:
     ) -> float:
         """After an update: one step more, the schedulers and the data position (by
         ``samples``, default the whole global batch) moved; returns the step's LR."""
-        samples = self.global_batch if samples is None else samples
+        parts = self.parts
+        samples = parts.global_batch if samples is None else samples
         lr = float(optimizer.param_groups[0]["lr"])
         optimizer.zero_grad(set_to_none=True)
-        self.monitor.add("optimizer_s", t0)
-        for s in self.state.schedulers:
+        parts.monitor.add("optimizer_s", t0)
+        for s in parts.state.schedulers:
             s.step()
-        self.state.step += 1
-        if self.state.sampler is not None:
-            self.state.sampler.step(samples)
-        if self.state.iterable is not None:
-            self.state.iterable.step(samples)
+        parts.state.step += 1
+        if parts.state.sampler is not None:
+            parts.state.sampler.step(samples)
+        if parts.state.iterable is not None:
+            parts.state.iterable.step(samples)
         return lr
 
     def _maybe_start_quorum(self) -> None:
         """The next step's quorum; under DiLoCo torchft asks for one at each sync instead."""
-        if self.replicas is not None and self.diloco is None and self.state.step < self._target:
-            self.replicas.start_step()
+        parts = self.parts
+        if parts.replicas is not None and parts.diloco is None and parts.state.step < self._target:
+            parts.replicas.start_step()
 
     def _grad_sq(self, optimizer: torch.optim.Optimizer) -> Callable[[], float]:
         """This rank's share of the squared norm of the (unscaled) gradient, for the agreement:
         each parameter is held by world / pp ranks (its stage's)."""
+        parts = self.parts
         params = [p for g in optimizer.param_groups for p in g["params"]]
-        pp = 1 if self.state.pp_group is None else self.state.pp_group.size()
-        holders = self.monitor.agreement.world // pp
-        scaler = self.state.scaler  # fp16: the gradients are still scaled here
+        pp = 1 if parts.state.pp_group is None else parts.state.pp_group.size()
+        holders = parts.monitor.agreement.world // pp
+        scaler = parts.state.scaler  # fp16: the gradients are still scaled here
         scale = 1.0 if scaler is None else float(scaler.get_scale())
         return lambda: grad_sq_share(params, holders) / scale**2
 
     def _apply_update(self, optimizer: torch.optim.Optimizer, norm: float | None = None) -> None:
         """Unscale, clip by ``norm`` (None: taken here, after the replica groups' average),
         step."""
-        if self.state.scaler is not None:
-            self.state.scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
-        if self.grad_clip > 0:
+        parts = self.parts
+        if parts.state.scaler is not None:
+            parts.state.scaler.unscale_(optimizer)  # clip the true gradient, not the scaled one
+        if parts.grad_clip > 0:
             params = [p for g in optimizer.param_groups for p in g["params"]]
             if norm is None:  # the norm of the whole gradient, also when it is sharded
-                self.grad_norm = norm = grad_norm(params, pp_group=self.state.pp_group)
-            clip_grads_(params, self.grad_clip, norm)  # one float64 coefficient on every rank
-        if self.state.scaler is None:
+                self.grad_norm = norm = grad_norm(params, pp_group=parts.state.pp_group)
+            clip_grads_(params, parts.grad_clip, norm)  # one float64 coefficient on every rank
+        if parts.state.scaler is None:
             optimizer.step()
         else:  # skipped on every rank alike when any rank found inf/nan (parallel/precision.py)
-            self.state.scaler.step(optimizer)
-            self.state.scaler.update()
+            parts.state.scaler.step(optimizer)
+            parts.state.scaler.update()
 
     # --- metrics -------------------------------------------------------------------------
 
@@ -438,34 +390,35 @@ class StepLoop:
     ) -> None:
         """``loss``: the global mean loss, from the guard's collective (NaN on a skipped step);
         ``samples``: those trained (default the global batch); ``ft``: replica-group figures."""
+        parts = self.parts
         now = time.perf_counter()
         step_time, self._t_last = now - self._t_last - self._outside_s, now
         outside, self._outside_s = self._outside_s, 0.0
-        logged = self.state.step % self.log_every == 0 or self.state.step == self.total_steps
+        logged = parts.state.step % parts.log_every == 0 or parts.state.step == parts.total_steps
         self._loss_sum = None
         wait = self._data_wait(step_time)
-        phases = self.monitor.end_step(self.state.step, step_time, wait["data_wait_s"])
-        self.metrics.log_step(
-            self.state.step,
+        phases = parts.monitor.end_step(parts.state.step, step_time, wait["data_wait_s"])
+        parts.metrics.log_step(
+            parts.state.step,
             loss=loss,
             lr=lr,
             step_time_s=step_time,
-            samples=self.global_batch if samples is None else samples,
+            samples=parts.global_batch if samples is None else samples,
             tokens=self._tokens_per_sample
-            and (self.global_batch if samples is None else samples) * self._tokens_per_sample,
+            and (parts.global_batch if samples is None else samples) * self._tokens_per_sample,
             extra={
-                **(memory_stats(self.device) | self.monitor.host.sample() if logged else {}),
+                **(memory_stats(parts.device) | parts.monitor.host.sample() if logged else {}),
                 # Tokens per expert since the last logged step (a collective on every rank).
-                **(moe_metrics(self.state.models) if logged else {}),
+                **(moe_metrics(parts.state.models) if logged else {}),
                 **wait,
                 # The clip's norm (without clipping it is not taken: docs/monitor.md).
-                **({"grad_norm": self.grad_norm} if self.grad_clip > 0 else {}),
+                **({"grad_norm": self.grad_norm} if parts.grad_clip > 0 else {}),
                 **phases,
                 **(ft or {}),
                 **({"eval_s": outside} if outside else {}),
             },
         )
-        self.monitor.add("loop_s", now)  # metrics and monitoring: the next step's time
+        parts.monitor.add("loop_s", now)  # metrics and monitoring: the next step's time
 
     def _data_wait(self, step_time: float) -> dict[str, float]:
         """This rank's loader wait in the step, in seconds and as a share of the step time."""

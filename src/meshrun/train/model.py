@@ -1,8 +1,8 @@
 """The model side of :class:`meshrun.Run`, as plain functions over explicit parts: the layout
 (``parallelize``, ``pipeline``), the pipeline's step and evaluation, the user's module inside
 the layout (``unwrap``), pretrained weights in, and the model's FLOPs for MFU. Each calls
-``meshrun.parallel`` / ``meshrun.monitor`` and records what it built in the run's
-:class:`~meshrun.runtime.state.TrainState`."""
+``meshrun.parallel`` / ``meshrun.monitor`` and records what it built in the train state of the
+run's :class:`~meshrun.train.machinery.Machinery`."""
 
 from __future__ import annotations
 
@@ -23,8 +23,8 @@ from meshrun.parallel import build_grad_scaler, parallelize, parallelize_pipelin
 from meshrun.parallel.ep import layout_of, user_module
 from meshrun.parallel.ep_dispatch import ep_state
 from meshrun.parallel.pp.kind import is_pipeline
-from meshrun.runtime.state import TrainState
 from meshrun.train.loop import StepLoop
+from meshrun.train.machinery import Machinery
 
 if TYPE_CHECKING:
     from meshrun.hf.experts import ExpertShare
@@ -35,16 +35,15 @@ def parallelize_model(
     model: nn.Module,
     mesh: DeviceMesh | None,
     cfg: ParallelConfig,
-    device: torch.device,
-    state: TrainState,
+    parts: Machinery,
     **options: Any,
 ) -> nn.Module:
     """``run.parallelize``: the configured layout applied, the result recorded as a model of
     the run, and the fp16 scaler built once (``parallel.param_dtype = float16``)."""
-    out = parallelize(model, mesh, cfg, device, **options)
-    state.models.append(out)
-    if state.scaler is None:
-        state.scaler = build_grad_scaler(cfg, device)
+    out = parallelize(model, mesh, cfg, parts.device, **options)
+    parts.state.models.append(out)
+    if parts.state.scaler is None:
+        parts.state.scaler = build_grad_scaler(cfg, parts.device)
     return out
 
 
@@ -53,13 +52,12 @@ def pipeline_model(
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
     mesh: DeviceMesh,
     cfg: ParallelConfig,
-    device: torch.device,
-    accum: int,
-    state: TrainState,
+    parts: Machinery,
     **options: Any,
 ) -> Pipeline:
     """``run.pipeline``: this rank's stages and their schedule, each chunk's loss divided by
     the accumulation (what ``run.backward`` does), recorded in the run's state."""
+    accum, device, state = parts.accum, parts.device, parts.state
 
     def scaled(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         return loss_fn(output, target) / accum  # what run.backward does, per chunk

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from meshrun.hf.names import clean_name
-from meshrun.train.loop import StepLoop
+from meshrun.train.machinery import Machinery
 from meshrun.train.model import unwrap_module
 
 __all__ = ["RECORD_DIR", "maybe_record_step", "record_file"]
@@ -30,26 +30,27 @@ def record_file(run_dir: Path, step: int, rank: int) -> Path:
     return run_dir / RECORD_DIR / f"step{step:05d}-rank{rank:05d}.safetensors"
 
 
-def maybe_record_step(loop: StepLoop) -> None:
+def maybe_record_step(parts: Machinery, is_step_end: bool) -> None:
     """Called by ``run.optimizer_step`` before the update: record this step when it is one of
-    the first ``monitor.record_steps`` and the last micro-step of its window."""
-    if loop.state.step < loop.monitor.settings.record_steps and loop.is_step_end:
-        _record(loop)
+    the first ``monitor.record_steps`` and ``is_step_end`` (the last micro-step of its
+    window)."""
+    if parts.state.step < parts.monitor.settings.record_steps and is_step_end:
+        _record(parts)
 
 
-def _record(loop: StepLoop) -> None:
+def _record(parts: Machinery) -> None:
     tensors: dict[str, torch.Tensor] = {}
-    for model in loop.state.models:  # a pipeline rank: its stage modules
+    for model in parts.state.models:  # a pipeline rank: its stage modules
         for name, param in unwrap_module(model).named_parameters():
             fqn = clean_name(name)
             tensors[f"value/{fqn}"] = _whole(param.detach())
             if param.grad is not None:  # a frozen or unused parameter has none
                 tensors[f"grad/{fqn}"] = _whole(param.grad)
     rank = dist.get_rank() if dist.is_initialized() else 0
-    if _writes(loop, rank):
+    if _writes(parts, rank):
         from safetensors.torch import save_file  # loaded only by a recording run
 
-        path = record_file(loop.metrics.run_dir, loop.state.step + 1, rank)
+        path = record_file(parts.metrics.run_dir, parts.state.step + 1, rank)
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path))
 
@@ -62,11 +63,11 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
     return full.detach().to("cpu", torch.float32, copy=True).contiguous()
 
 
-def _writes(loop: StepLoop, rank: int) -> bool:
+def _writes(parts: Machinery, rank: int) -> bool:
     """The first rank of each pipeline stage writes: the mesh's outermost dim is ``pp``
     (runtime/mesh.py), so a stage holds world / pp consecutive ranks."""
     if not dist.is_initialized():
         return True
-    pp_group = loop.state.pp_group
+    pp_group = parts.state.pp_group
     pp = 1 if pp_group is None else pp_group.size()
     return rank % (dist.get_world_size() // pp) == 0

@@ -1,8 +1,9 @@
 """``meshrun.init()`` and the :class:`Run` it returns: one class whose ``__init__`` reads the
 start-up order top to bottom (train/startup.py holds its steps) and whose public methods are
 each a short call into a plain function (train/model.py, data.py, stepping.py, evaluate.py, or
-the subsystem's own). The machinery (step loop, train state, checkpointer, metrics logger) is
-private; what a script reads of it is a property (``grad_norm``, ``data_wait``)."""
+the subsystem's own), which take the run's one ``Machinery`` whole (train/machinery.py). The
+machinery and the step loop built from it are private; what a script reads of them is a
+property (``grad_norm``, ``data_wait``)."""
 
 from __future__ import annotations
 
@@ -21,23 +22,22 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import DataLoader, Dataset
 
-from meshrun.checkpoint import Checkpointer, Stateful
+from meshrun.checkpoint import Stateful
 from meshrun.config import Config, ConfigError, grad_accumulation, validate_for_world, write_config
 from meshrun.data import ResumableSampler
-from meshrun.monitor import MetricsLogger
 from meshrun.monitor.comm import CommHook
 from meshrun.monitor.mfu import ModelFlops, constant_per_token, model_flops
 from meshrun.parallel import build_optimizer, maybe_loss_parallel
 from meshrun.runtime.cluster import ClusterEnv, detect
 from meshrun.runtime.logs import init_logging, report_uncaught
 from meshrun.runtime.mesh import ParallelDims
-from meshrun.runtime.state import TrainState
 from meshrun.train import data as _data
 from meshrun.train import evaluate as _evaluate
 from meshrun.train import model as _model
 from meshrun.train import stepping as _stepping
 from meshrun.train.fit import check_fit
 from meshrun.train.loop import StepLoop
+from meshrun.train.machinery import Machinery
 from meshrun.train.startup import (
     build_machinery,
     init_seeds,
@@ -80,10 +80,8 @@ class Run:
     is_main: bool
     run_dir: Path
     log: logging.Logger
-    _metrics: MetricsLogger
-    _state: TrainState
+    _parts: Machinery
     _loop: StepLoop
-    _checkpointer: Checkpointer
 
     def __init__(self, cfg: Config, env: ClusterEnv) -> None:
         self.config, self.cluster = cfg, env
@@ -105,9 +103,10 @@ class Run:
         self.run_dir = open_run_dir(cfg, env.hostname)
         self.log = init_logging(self.rank, self.run_dir, cfg.job.log_level, self.local_rank)
         init_seeds(cfg.job.seed, self.rank)
-        # 4. The machinery the methods drive: metrics, train state, step loop, checkpoints.
-        parts = build_machinery(cfg, self.run_dir, self.accum, self.device, self.mesh, env)
-        self._metrics, self._state, self._loop, self._checkpointer = parts
+        # 4. The machinery the methods drive (metrics, train state, monitor, checkpoints) and
+        # the step loop built whole from it.
+        self._parts = build_machinery(cfg, self.run_dir, self.accum, self.device, self.mesh, env)
+        self._loop = StepLoop(self._parts)
         self._closed = False
         # 5. Said once: the resolved config, the start line, the `start` event.
         _record_start(self)
@@ -118,12 +117,13 @@ class Run:
         """Apply the configured layout (see ``meshrun.parallel.parallelize`` for ``options``:
         ``tp_plan``, ``parallelize_fn``, ``wrap``); returns a real torch module: the model,
         changed in place, or its DDP wrapper."""
-        options.setdefault("comm_hook_wrap", self._loop.monitor.comm_hook_wrap())
+        options.setdefault("comm_hook_wrap", self._parts.monitor.comm_hook_wrap())
         self.set_model_flops(model_flops(model, self.config.metrics.flops_per_sample))
         check_fit(model, self.mesh, self.config, self.device)  # before step 1: train/fit.py
-        c = self.config.parallel
-        self._loop.former.remember(model)  # names an optimizer built before this (optim_params)
-        return _model.parallelize_model(model, self.mesh, c, self.device, self._state, **options)
+        self._parts.former.remember(model)  # names an optimizer built before this (optim_params)
+        return _model.parallelize_model(
+            model, self.mesh, self.config.parallel, self._parts, **options
+        )
 
     def pipeline(
         self,
@@ -138,9 +138,9 @@ class Run:
         if self.mesh is None:
             raise ConfigError("run.pipeline needs a process group: start with parallel.pp > 1")
         self.set_model_flops(model_flops(model, self.config.metrics.flops_per_sample))
-        parts = (self.mesh, self.config.parallel, self.device, self.accum, self._state)
-        self._loop.former.remember(model)
-        return _model.pipeline_model(model, loss_fn, *parts, **options)
+        self._parts.former.remember(model)
+        cfg = self.config.parallel
+        return _model.pipeline_model(model, loss_fn, self.mesh, cfg, self._parts, **options)
 
     def pipeline_step(
         self, pipe: Pipeline, inputs: torch.Tensor, targets: torch.Tensor
@@ -201,13 +201,13 @@ class Run:
     def set_model_flops(self, flops: ModelFlops | None) -> None:
         """Report MFU from ``flops`` (per sample or per token, monitor/mfu.py); None: none."""
         log = self.log if self.is_main else None
-        _model.report_model_flops(flops, self._metrics, self.config, self.device, log)
+        _model.report_model_flops(flops, self._parts.metrics, self.config, self.device, log)
 
     @property
     def grad_scaler(self) -> ShardedGradScaler | None:
         """The fp16 loss scaler (``parallel.param_dtype = float16``, after :meth:`parallelize`),
         else None; ``run.backward``/``run.optimizer_step`` use it and ``run.resume`` saves it."""
-        return self._state.scaler
+        return self._parts.state.scaler
 
     # --- data and learning rate (train/data.py) -----------------------------------------
 
@@ -217,7 +217,7 @@ class Run:
 
     def lr_scheduler(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         """Warmup + decay from ``[optim]``; stepped by ``run.optimizer_step``."""
-        return _data.registered_lr_scheduler(optimizer, self.config.optim, self._state)
+        return _data.registered_lr_scheduler(optimizer, self.config.optim, self._parts.state)
 
     def sampler(
         self, dataset_len: int, *, mode: Literal["train", "eval"] = "train"
@@ -260,7 +260,7 @@ class Run:
     def backward(self, loss: torch.Tensor) -> None:
         """``(loss / accumulation).backward()``; see train/loop.py for why this is the right scale.
         Under ``parallel.loss_parallel`` the backward runs inside ``loss_parallel()`` too."""
-        _stepping.backward(loss, self.config.parallel, self._loop, self._checkpointer)
+        _stepping.backward(loss, self.config.parallel, self._parts, self._loop)
 
     def loss_parallel(self) -> AbstractContextManager[None]:
         """Compute the loss inside this (``with run.loss_parallel(): loss = ...``): with
@@ -274,19 +274,19 @@ class Run:
         checkpoints); return whether this micro-step was the window's last (else nothing ran).
         A step the numerics guard skips still counts; under replica groups a step the quorum
         does not commit does not (False)."""
-        parts = (self.config.parallel, self.dp_size, self._loop, self._checkpointer)
-        return _stepping.optimizer_step(optimizer, *parts)
+        cfg = self.config.parallel
+        return _stepping.optimizer_step(optimizer, cfg, self.dp_size, self._parts, self._loop)
 
     def phase(self, name: str, timeout_s: float | None = None) -> AbstractContextManager[None]:
         """``with run.phase("eval"):`` gives the block the hang watchdog's longer limit
         (``timeout_s``, default ``monitor.phase_timeout_s``) instead of the step timeout."""
-        return self._loop.monitor.phase(name, timeout_s)
+        return self._parts.monitor.phase(name, timeout_s)
 
     @property
     def step(self) -> int:
         """Optimizer steps done so far. With gradient accumulation it holds for all the
         micro-steps of a window: guard per-step work with ``run.is_step_end`` too."""
-        return self._state.step
+        return self._parts.state.step
 
     @property
     def is_step_end(self) -> bool:
@@ -311,7 +311,7 @@ class Run:
         """``hook`` (a DDP comm hook) with its communication timed in the step's
         ``comm_exposed_s``: register the result on the DDP model :meth:`parallelize` returns,
         before the first step (a hook registered as it is is left untimed; docs/monitor.md)."""
-        return self._loop.monitor.comm.wrap(hook)
+        return self._parts.monitor.comm.wrap(hook)
 
     # --- checkpoints (train/stepping.py, checkpoint/) -----------------------------------
 
@@ -332,13 +332,12 @@ class Run:
         saved and restored per rank (same world size; another one is refused). Every object
         is saved at the end of the step's loop body, with the model and optimizer of that
         step (docs/checkpoint.md, Your own state)."""
-        parts = (self._loop, self._checkpointer, self._metrics)
-        return _stepping.resume(model, optimizer, loader, per_rank, named, *parts)
+        return _stepping.resume(model, optimizer, loader, per_rank, named, self._parts)
 
     def save_checkpoint(self) -> Path:
         """Checkpoint the current step now (collective: call on every rank)."""
         with self.phase("checkpoint"):
-            return self._checkpointer.save()
+            return self._parts.checkpointer.save()
 
     # --- evaluation and metrics (train/evaluate.py, monitor/) ---------------------------
 
@@ -362,20 +361,21 @@ class Run:
 
         Its time is not step time: the next step's line has it as ``eval_s``, and an ``eval``
         event in metrics.jsonl has the loss and the seconds."""
-        parts = (self.accum, self.dp_size, self.mesh, self._loop, self._metrics)
-        return _evaluate.evaluate(model, batches, loss_fn, max_batches, *parts)
+        return _evaluate.evaluate(
+            model, batches, loss_fn, max_batches, self.mesh, self.dp_size, self._parts, self._loop
+        )
 
     def log_event(self, event: str, **fields: Any) -> None:
         """Append ``{"event": event, "time": ..., **fields}`` to ``metrics.jsonl`` (rank 0
         writes it; a call on the other ranks does nothing), e.g. a validation loss of your own:
         ``run.log_event("eval", at_step=run.step, val_loss=loss)``."""
-        self._metrics.log_event(event, **fields)
+        self._parts.metrics.log_event(event, **fields)
 
     def summary(self) -> dict[str, float]:
         """This rank's totals so far: steps, time, median/mean step time, throughput
         (``tokens_per_s``, ``samples_per_s``), loss, peak memory; what the summary record of
         ``metrics.jsonl`` holds at the end (docs/monitor.md)."""
-        return self._metrics.summary()
+        return self._parts.metrics.summary()
 
     # --- teardown ------------------------------------------------------------------------
 
@@ -385,7 +385,7 @@ class Run:
         if self._closed:
             return
         self._closed = True
-        shut_down(self._loop, self._checkpointer, self._metrics, self.run_dir, failed)
+        shut_down(self._parts, self.run_dir, failed)
         if _ACTIVE is self:
             _ACTIVE = None
         # Keep this Run (and with it DDP's reducer and the Gloo groups) alive to the end of the
@@ -412,7 +412,7 @@ def _record_start(run: Run) -> None:
     if run.is_main:
         write_config(run.config, run.run_dir / "config.toml")
         _announce(run)
-    run._metrics.log_event(
+    run._parts.metrics.log_event(
         "start",
         world_size=run.world_size,
         dp=run.dp_size,

@@ -1,8 +1,9 @@
 """The steps of ``meshrun.init()``, in the order ``Run.__init__`` (train/run.py) calls them: the
 config (file, launcher, argv overrides, the global batch); the process-wide effects (the
 device, the process group and its mesh); the run directory and the seeds; the machinery (the
-metrics logger, the train state, the step loop, the checkpointer); and at the end the
-teardown ``Run.close`` runs. Each is called once per process."""
+metrics logger, the train state, the step monitor, the checkpointer, ...: one frozen
+``Machinery``, train/machinery.py, from which ``Run`` builds its step loop); and at the end
+the teardown ``Run.close`` runs. Each is called once per process."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import sys
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import NamedTuple
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -31,15 +32,15 @@ from meshrun.config import (
     Config,
     ConfigError,
     apply_overrides,
-    grad_accumulation,
     load_config,
     resolve_global_batch,
     split_overrides,
     to_toml,
     validate_for_world,
 )
-from meshrun.monitor import MetricsLogger
+from meshrun.monitor import MetricsLogger, StepMonitor
 from meshrun.parallel.cp import cp_group
+from meshrun.parallel.optim_params import FormerParams
 from meshrun.runtime.agreement import StepAgreement
 from meshrun.runtime.cluster import ClusterEnv
 from meshrun.runtime.device import pick_device
@@ -48,11 +49,14 @@ from meshrun.runtime.mesh import ParallelDims, build_mesh
 from meshrun.runtime.runlock import claim_at_start, release_rank0
 from meshrun.runtime.state import TrainState
 from meshrun.runtime.storage import check_shared_run_dir
-from meshrun.train.loop import StepLoop
+from meshrun.train.machinery import Machinery
+
+if TYPE_CHECKING:  # loaded only under fault_tolerance.replica_groups > 1
+    from meshrun.ft.diloco import DiLoCoSync
+    from meshrun.ft.replica import ReplicaGroup
 
 __all__ = [
     "Machinery",
-    "build_loop",
     "build_machinery",
     "build_metrics",
     "checkpoint_facts",
@@ -212,15 +216,6 @@ def build_metrics(cfg: Config, run_dir: Path, is_main: bool, world_size: int) ->
     )
 
 
-class Machinery(NamedTuple):
-    """What ``Run``'s methods drive (private to it)."""
-
-    metrics: MetricsLogger
-    state: TrainState
-    loop: StepLoop
-    checkpointer: Checkpointer
-
-
 def build_machinery(
     cfg: Config,
     run_dir: Path,
@@ -229,68 +224,78 @@ def build_machinery(
     mesh: DeviceMesh | None,
     env: ClusterEnv,
 ) -> Machinery:
-    """The metrics logger, the train state, the step loop and the checkpointer, sharing the
-    one per-step agreement."""
+    """Every part ``Run`` drives, built once and in this order: the metrics logger, the train
+    state, the one per-step agreement, this group's torchft Manager (replica groups), the step
+    monitor, DiLoCo's synchronisation (``fault_tolerance.diloco``), the checkpointer.
+    ``accum`` is over every replica group's data-parallel ranks already."""
     metrics = build_metrics(cfg, run_dir, env.rank == 0, env.world_size)
     # What is trained and where it is: the loop advances it, checkpoints save it.
     state = TrainState()
     # The one per-step collective: the loop exchanges it, the checkpoints read it.
     agreement = StepAgreement(device)
-    loop = build_loop(cfg, accum, device, mesh, metrics, state, agreement)
+    replicas = _replica_group(cfg, mesh, metrics, state)
+    monitor = StepMonitor(
+        cfg.monitor,
+        device=device,
+        distributed=dist.is_initialized(),
+        hostname=socket.gethostname(),
+        metrics=metrics,
+        agreement=agreement,
+        models=state.models,  # DDP models get their all-reduce timed
+    )
+    diloco = _diloco(cfg, replicas)
+    dp_coord, cp = _dp_coord(cfg, mesh, device), cp_group(mesh)
     facts = checkpoint_facts(cfg, run_dir, accum, device)
     checkpointer = Checkpointer(cfg.checkpoint, facts, state, metrics, agreement)
-    if loop.diloco is not None:  # the synchronised weights, the outer optimizer
-        checkpointer.register_internal("meshrun_diloco", loop.diloco)
-    return Machinery(metrics, state, loop, checkpointer)
-
-
-def build_loop(
-    cfg: Config,
-    accum: int,
-    device: torch.device,
-    mesh: DeviceMesh | None,
-    metrics: MetricsLogger,
-    state: TrainState,
-    agreement: StepAgreement,
-) -> StepLoop:
-    """The step loop; under ``fault_tolerance.replica_groups > 1`` with this group's torchft
-    Manager, and the accumulation over every group's data-parallel ranks."""
-    replicas = None
-    if cfg.fault_tolerance.enabled:
-        from meshrun.ft.replica import ReplicaGroup
-
-        dp = mesh.get_group("dp").size() if mesh is not None else 1
-        accum = grad_accumulation(cfg.data, dp, cfg.fault_tolerance.replica_groups)
-        replicas = ReplicaGroup(
-            cfg.fault_tolerance,
-            state,
-            metrics,
-            dp,
-            global_batch=cfg.data.global_batch,
-            lr_scaling=cfg.optim.lr_scaling,
-        )
-    loop = StepLoop(
+    if diloco is not None:  # the synchronised weights, the outer optimizer
+        checkpointer.register_internal("meshrun_diloco", diloco)
+    return Machinery(
         accum=accum,
         global_batch=cfg.data.global_batch,
         micro_batch=cfg.data.micro_batch,
         total_steps=cfg.optim.steps,
         grad_clip=cfg.optim.grad_clip,
         log_every=cfg.metrics.log_every,
+        seed=cfg.job.seed,
+        dp_coord=dp_coord,
         device=device,
-        dp_group=mesh.get_group("dp") if mesh is not None else None,
+        cp_group=cp,
         metrics=metrics,
-        monitor=cfg.monitor,
+        monitor=monitor,
         state=state,
-        agreement=agreement,
+        former=FormerParams(),
+        checkpointer=checkpointer,
         replicas=replicas,
+        diloco=diloco,
     )
-    if replicas is not None and cfg.fault_tolerance.diloco:
-        from meshrun.ft.diloco import DiLoCoSync
 
-        loop.diloco = DiLoCoSync(cfg.fault_tolerance, replicas)
-    loop.seed, loop.dp_coord = cfg.job.seed, _dp_coord(cfg, mesh, device)
-    loop.cp_group = cp_group(mesh)
-    return loop
+
+def _replica_group(
+    cfg: Config, mesh: DeviceMesh | None, metrics: MetricsLogger, state: TrainState
+) -> ReplicaGroup | None:
+    """This group's torchft Manager under ``fault_tolerance.replica_groups > 1``, else None."""
+    if not cfg.fault_tolerance.enabled:
+        return None
+    from meshrun.ft.replica import ReplicaGroup
+
+    dp = mesh.get_group("dp").size() if mesh is not None else 1
+    return ReplicaGroup(
+        cfg.fault_tolerance,
+        state,
+        metrics,
+        dp,
+        global_batch=cfg.data.global_batch,
+        lr_scaling=cfg.optim.lr_scaling,
+    )
+
+
+def _diloco(cfg: Config, replicas: ReplicaGroup | None) -> DiLoCoSync | None:
+    """DiLoCo's synchronisation every H steps (``fault_tolerance.diloco``), else None."""
+    if replicas is None or not cfg.fault_tolerance.diloco:
+        return None
+    from meshrun.ft.diloco import DiLoCoSync
+
+    return DiLoCoSync(cfg.fault_tolerance, replicas)
 
 
 def _dp_coord(cfg: Config, mesh: DeviceMesh | None, device: torch.device) -> int:
@@ -339,16 +344,14 @@ def run_digest(cfg: Config) -> str:
     return dataclasses.replace(cfg, fault_tolerance=ft).digest()
 
 
-def shut_down(
-    loop: StepLoop, checkpointer: Checkpointer, metrics: MetricsLogger, run_dir: Path, failed: bool
-) -> None:
+def shut_down(parts: Machinery, run_dir: Path, failed: bool) -> None:
     """``Run.close``: the loop's end, the last checkpoint committed (on success), the summary,
     a final barrier (on success) and ``destroy_process_group``, the run directory released."""
-    loop.monitor.loop_ends()
+    parts.monitor.loop_ends()
     if not failed:
         # An async checkpoint still being written is committed; node-local snapshots go.
-        checkpointer.finish()
-    metrics.close()
+        parts.checkpointer.finish()
+    parts.metrics.close()
     if dist.is_initialized():
         if not failed:
             # A barrier after a failure would wait for ranks that may never arrive.

@@ -79,13 +79,13 @@ def main() -> None:
         else:
             run.backward(lm_loss(model(inputs), targets))
         trained += index.tolist()
-        boundary = run._loop.state.micro == run.accum - 1
+        boundary = run._parts.state.micro == run.accum - 1
         if run.optimizer_step(opt):
             committed += 1
             base._record(run_dir / f"samples.rank{run.rank}.jsonl", run.step, trained)
         if boundary:
             trained = []
-    state = run._loop.state.sampler
+    state = run._parts.state.sampler
     out = {
         "step": run.step,
         "checksum": base._checksum(modules),

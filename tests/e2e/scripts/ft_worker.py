@@ -63,7 +63,7 @@ def _die() -> None:
 
 
 def _hook_allreduce(run: meshrun.Run, step: int, run_dir: Path) -> None:
-    manager = run._loop.replicas.manager  # type: ignore[union-attr]
+    manager = run._parts.replicas.manager  # type: ignore[union-attr]
     original = manager.allreduce
 
     def allreduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
@@ -84,7 +84,7 @@ def _hold_quorum(run: meshrun.Run, groups: int, hold_at: int) -> None:
     lighthouse, which refuses a quorum of half the live groups (no split brain), and a survivor
     that only waits for the restarted process to be up runs ahead of it until it requests. Both
     ranks of the group see the same live count, so both ask again alike."""
-    replicas = run._loop.replicas
+    replicas = run._parts.replicas
     assert replicas is not None
     original = replicas.start_step
     limit = int(os.environ.get("FT_ALONE", "3"))
@@ -109,7 +109,7 @@ def _hold_quorum(run: meshrun.Run, groups: int, hold_at: int) -> None:
 
 def _pause_before_quorum(run: meshrun.Run, step: int, run_dir: Path) -> None:
     """Test hook (FT_PAUSE_AT): before step ``step``'s quorum, say so and wait for `go`."""
-    replicas = run._loop.replicas
+    replicas = run._parts.replicas
     assert replicas is not None
     original = replicas.start_step
 
@@ -208,7 +208,7 @@ def main() -> None:
         loss = nn.functional.mse_loss(model(inputs), targets)
         run.backward(loss)
         trained += index.tolist()
-        boundary = run._loop.state.micro == run.accum - 1
+        boundary = run._parts.state.micro == run.accum - 1
         if run.optimizer_step(opt):
             committed += 1
             _record(run_dir / f"samples.rank{run.rank}.jsonl", run.step, trained)
@@ -216,7 +216,7 @@ def main() -> None:
                 time.sleep(sleep_s)
         if boundary:
             trained = []  # written, or not committed: the loop reads those positions again
-    sampler = run._loop.state.sampler
+    sampler = run._parts.state.sampler
     out = {
         "step": run.step,
         "checksum": _checksum(model),
