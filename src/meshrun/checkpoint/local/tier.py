@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 from meshrun.checkpoint.checks import CheckpointError
 from meshrun.checkpoint.facts import RunFacts, any_rank
 from meshrun.checkpoint.local.files import (
@@ -199,7 +199,7 @@ class LocalTier:
         mine = [(h.history, h.step, h.shard) for h in scan(self.node_dir)]
         shared = None
         if f.rank == 0:  # names only: validating the shared checkpoint is the shared path's
-            listed = layout.list_checkpoints(f.root)
+            listed = on_disk.list_checkpoints(f.root)
             shared = listed[-1].step if listed else None
         every: list[Any] = [(mine, shared)]
         if dist.is_initialized():
