@@ -13,9 +13,9 @@ from typing import TYPE_CHECKING
 from meshrun._lazy import lazy_exports
 
 if TYPE_CHECKING:
+    from meshrun.checkpoint.checkpointer import Checkpointer
     from meshrun.checkpoint.checks import CheckpointError
     from meshrun.checkpoint.facts import RunFacts
-    from meshrun.checkpoint.manager import Checkpointer
     from meshrun.checkpoint.on_disk import CheckpointInfo, list_checkpoints, problems
     from meshrun.checkpoint.targets import Stateful
 
@@ -26,7 +26,7 @@ __getattr__ = lazy_exports(
         "CheckpointInfo": "meshrun.checkpoint.on_disk",
         "list_checkpoints": "meshrun.checkpoint.on_disk",
         "problems": "meshrun.checkpoint.on_disk",
-        "Checkpointer": "meshrun.checkpoint.manager",
+        "Checkpointer": "meshrun.checkpoint.checkpointer",
         "RunFacts": "meshrun.checkpoint.facts",
         "Stateful": "meshrun.checkpoint.targets",
     },

@@ -1,4 +1,4 @@
-"""Checks and small helpers of the checkpoint manager: which checkpoint to resume, whether its
+"""Checks and small helpers of the Checkpointer: which checkpoint to resume, whether its
 tensors map onto this run, readable errors, RNG re-seeding and the layout's name."""
 
 from __future__ import annotations
