@@ -38,7 +38,8 @@ from meshrun.checkpoint.local.files import (
     write_atomically,
 )
 from meshrun.checkpoint.local.p2p import transfer
-from meshrun.checkpoint.local.plan import (
+from meshrun.checkpoint.local.restore import collect_shard, load_shard
+from meshrun.checkpoint.local.rules import (
     Choice,
     Held,
     choose_step,
@@ -52,7 +53,6 @@ from meshrun.checkpoint.local.plan import (
     step_name,
     superseded,
 )
-from meshrun.checkpoint.local.restore import collect_shard, load_shard
 from meshrun.checkpoint.targets import Targets
 from meshrun.config import CheckpointConfig
 from meshrun.monitor import MetricsLogger
