@@ -66,7 +66,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import meshrun.demo
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 from meshrun.checkpoint.export.dcp import tensor_table
 from meshrun.launch.guard import descendants
 
@@ -327,10 +327,10 @@ def note_checkpoints(run: Run, exclude: int | None = None) -> None:
     """Right after the fault: the newest committed checkpoint that verifies (checksums
     included); any committed one newer than it that does not is a checkpoint lost."""
     run.newest_before = None
-    for info in reversed(layout.list_checkpoints(run.ckpt_dir)):
+    for info in reversed(on_disk.list_checkpoints(run.ckpt_dir)):
         if info.step == exclude:
             continue
-        bad = layout.problems(info.path)
+        bad = on_disk.problems(info.path)
         if not bad:
             run.newest_before = info.step
             return
@@ -357,7 +357,7 @@ def fault_kill_step(run: Run, deadline: float) -> None:
 def fault_kill_save(run: Run, deadline: float) -> None:
     step = run.rng.choice(range(run.s.interval, run.s.steps + 1, run.s.interval))
     closes = run.rng.randint(0, 4)
-    tmp = layout.tmp_dir(run.ckpt_dir, step)
+    tmp = on_disk.tmp_dir(run.ckpt_dir, step)
     ino = Inotify()
     try:
         run.ckpt_dir.mkdir(parents=True, exist_ok=True)
@@ -400,7 +400,7 @@ def fault_kill_resume(run: Run, deadline: float) -> None:
     ino = Inotify()
     opens, target = 0, run.rng.randint(1, 10)
     try:
-        for info in layout.list_checkpoints(run.ckpt_dir):
+        for info in on_disk.list_checkpoints(run.ckpt_dir):
             ino.watch(info.path, IN_OPEN)
         while opens < target and time.monotonic() < deadline and run.running():
             # The new workers import torch for seconds before they read the checkpoint; once
@@ -487,7 +487,7 @@ def fault_disk_full(run: Run, deadline: float, fits: int) -> None:
     ino = Inotify()
     try:
         ino.watch(run.ckpt_dir, IN_CREATE)
-        tmp = layout.tmp_dir(run.ckpt_dir, step).name
+        tmp = on_disk.tmp_dir(run.ckpt_dir, step).name
         _wait_event(run, ino, deadline, lambda d, m, n: n == tmp)
     finally:
         ino.close()
@@ -507,7 +507,7 @@ def fault_corrupt(run: Run, deadline: float) -> None:
     code = run.wait_exit(deadline)
     if code != 0:
         raise FaultMissed(f"the run before the corruption ended with exit code {code}")
-    newest = layout.list_checkpoints(run.ckpt_dir)[-1]
+    newest = on_disk.list_checkpoints(run.ckpt_dir)[-1]
     victim = run.rng.choice(sorted(p for p in newest.path.iterdir() if p.is_file()))
     data = victim.read_bytes()
     if run.rng.random() < 0.5 or len(data) < 2:
@@ -518,7 +518,7 @@ def fault_corrupt(run: Run, deadline: float) -> None:
         victim.write_bytes(data[:at] + bytes([data[at] ^ 0x40]) + data[at + 1 :])
         how = f"byte {at} flipped"
     run.mark_fault(f"{newest.path.name}/{victim.name} {how}, then the same command again")
-    if not layout.problems(newest.path):
+    if not on_disk.problems(newest.path):
         run.failures.append(f"`meshrun ckpt verify` does not see the damage ({victim.name} {how})")
     note_checkpoints(run, exclude=newest.step)
     run.start()
@@ -554,8 +554,8 @@ def check_losses(run: Run, ref: Reference) -> list[str]:
 
 
 def check_tensors(run: Run, ref: Reference) -> list[str]:
-    final = layout.step_dir(run.ckpt_dir, run.s.steps)
-    bad = layout.problems(final)
+    final = on_disk.step_dir(run.ckpt_dir, run.s.steps)
+    bad = on_disk.problems(final)
     if bad:
         return [f"final checkpoint: {'; '.join(bad)}"]
     got = load_tensors(final)
@@ -569,8 +569,8 @@ def check_tensors(run: Run, ref: Reference) -> list[str]:
 
 def check_checkpoints(run: Run) -> None:
     """Every checkpoint left verifies; the resume after the fault took the newest valid one."""
-    for info in layout.list_checkpoints(run.ckpt_dir):
-        bad = layout.problems(info.path)
+    for info in on_disk.list_checkpoints(run.ckpt_dir):
+        bad = on_disk.problems(info.path)
         if bad:
             run.lost.append(f"{info.path.name} invalid at the end: {'; '.join(bad)}")
     if run.newest_before is None:
@@ -712,7 +712,7 @@ def reference(config: str, s: Settings) -> Reference:
     if code != 0:
         tail = (run_dir / "launcher.log").read_text(errors="replace")[-3000:]
         raise SystemExit(f"reference run {config} failed (exit {code}):\n{tail}")
-    final = layout.step_dir(run_dir / "ckpt", s.steps)
+    final = on_disk.step_dir(run_dir / "ckpt", s.steps)
     losses = {r["step"]: r["loss"] for r in read_records(run_dir / "metrics.jsonl") if is_step(r)}
     pages = sum(math.ceil(p.stat().st_size / 4096) * 4096 for p in final.iterdir())
     return Reference(losses, load_tensors(final), pages)

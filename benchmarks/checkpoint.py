@@ -50,7 +50,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 import meshrun
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 
 WIDTH = 2048
 
@@ -181,7 +181,7 @@ def _async_save(run: Any, model: nn.Module) -> tuple[float, float, float]:
 def _save_then_hash(state: Any, target: Path, rank: int) -> None:
     """How meshrun hashed before it hashed while writing: save, then re-read its own shards."""
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(target), sync_files=True))
-    layout.hash_files(target, [p.name for p in target.glob(f"__{rank}_*.distcp")])
+    on_disk.hash_files(target, [p.name for p in target.glob(f"__{rank}_*.distcp")])
 
 
 def _clone_all(state: Any) -> list[torch.Tensor]:

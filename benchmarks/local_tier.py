@@ -39,7 +39,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import meshrun
-from meshrun.checkpoint.local.plan import shard_name, step_name
+from meshrun.checkpoint.local.rules import shard_name, step_name
 from meshrun.checkpoint.resume import Resume
 
 WIDTH = 1024

@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 
 import meshrun
 from _dist import run_distributed
-from meshrun.checkpoint import CheckpointError, layout
+from meshrun.checkpoint import CheckpointError, on_disk
 from meshrun.checkpoint.checks import pick
 from meshrun.cli.main import main as cli_main
 
@@ -144,18 +144,18 @@ def test_resume_on_other_world_sizes_keeps_batch_data_and_loss(tmp_path: Path) -
     saved = tmp_path / "ckpt4"
     ref = run_distributed(train, 4, make_config(tmp_path / "r4", saved, "never", SAVE_AT, zero=3))
     ref_ids = ids_per_step(ref)
-    assert [c.step for c in layout.list_checkpoints(saved)] == [SAVE_AT, STEPS]
+    assert [c.step for c in on_disk.list_checkpoints(saved)] == [SAVE_AT, STEPS]
     # every sample of the first epoch exactly once over the 6 steps of 16 (96 samples)
     assert sorted(i for s in ref_ids.values() for i in s) == list(range(96))
     # 2 ranks resume with "auto" from a copy whose newest checkpoint has a tampered shard: they
     # must skip it (warning naming the file) and take step 3; 1 rank resumes step 3 by path.
     tampered = tmp_path / "tampered"
     shutil.copytree(saved, tampered)
-    flip_one_byte(layout.step_dir(tampered, STEPS) / "__1_0.distcp")
-    layout.tmp_dir(tampered, 9).mkdir()  # what a save killed midway leaves behind
+    flip_one_byte(on_disk.step_dir(tampered, STEPS) / "__1_0.distcp")
+    on_disk.tmp_dir(tampered, 9).mkdir()  # what a save killed midway leaves behind
     with pytest.raises(CheckpointError, match=r"__1_0\.distcp: SHA-256"):
-        pick(tampered, str(layout.step_dir(tampered, STEPS)))  # resume=PATH fails loudly
-    resume = {2: "auto", 1: str(layout.step_dir(saved, SAVE_AT))}
+        pick(tampered, str(on_disk.step_dir(tampered, STEPS)))  # resume=PATH fails loudly
+    resume = {2: "auto", 1: str(on_disk.step_dir(saved, SAVE_AT))}
     for world, accum in ((2, 4), (1, 8)):
         ckpt = tampered if world == 2 else tmp_path / "ckpt1"
         cfg = make_config(tmp_path / f"r{world}", ckpt, resume[world], 0)
@@ -188,7 +188,7 @@ def check_cli_verify_and_export(tmp: Path, saved: Path, tampered: Path, probe_lo
     assert cli_main(["ckpt", "verify", str(tampered)]) == 1
     for name in ("model.safetensors", "model.pt"):
         out = tmp / name
-        assert cli_main(["ckpt", "export", str(layout.step_dir(saved, STEPS)), str(out)]) == 0
+        assert cli_main(["ckpt", "export", str(on_disk.step_dir(saved, STEPS)), str(out)]) == 0
         sd = load_file(out) if name.endswith("safetensors") else torch.load(out, weights_only=True)
         plain = build_model()
         plain.load_state_dict(sd, strict=True)
@@ -256,9 +256,9 @@ def test_disk_full_is_a_clear_error_and_the_previous_checkpoint_stays(tmp_path: 
             assert "step 2 failed" in r["error"] and "previous checkpoint (step 1)" in r["error"]
             assert r["intact"] and r["step"] == 3
         assert "(disk full)" in got[0]["error"] + got[1]["error"]
-        assert [c.step for c in layout.list_checkpoints(small)] == [1]
-        assert layout.problems(Path(got[0]["first"])) == []
-        assert not layout.tmp_dir(small, 2).exists()  # the space was given back
+        assert [c.step for c in on_disk.list_checkpoints(small)] == [1]
+        assert on_disk.problems(Path(got[0]["first"])) == []
+        assert not on_disk.tmp_dir(small, 2).exists()  # the space was given back
     finally:
         subprocess.run(["umount", str(small)], check=False)
 
@@ -290,10 +290,10 @@ def test_async_save_holds_the_state_of_its_step_and_reports_times(tmp_path: Path
     cfg = make_config(tmp_path / "run", tmp_path / "ckpt", "never", 2)
     cfg.checkpoint.async_, cfg.checkpoint.keep_last = True, 10
     got = run_distributed(train_async, 2, cfg)
-    assert [c.step for c in layout.list_checkpoints(tmp_path / "ckpt")] == [2, 4, 6]
+    assert [c.step for c in on_disk.list_checkpoints(tmp_path / "ckpt")] == [2, 4, 6]
     for step in (2, 4, 6):
-        path = layout.step_dir(tmp_path / "ckpt", step)
-        assert layout.problems(path) == []
+        path = on_disk.step_dir(tmp_path / "ckpt", step)
+        assert on_disk.problems(path) == []
         out = tmp_path / f"s{step}.pt"
         assert cli_main(["ckpt", "export", str(path), str(out)]) == 0
         saved = torch.load(out, weights_only=True)
@@ -315,7 +315,7 @@ def test_new_global_batch_is_an_error_unless_allowed_then_lr_rescaled(tmp_path: 
         return cfg
 
     [ref] = run_distributed(train, 1, config("never", GLOBAL_BATCH))
-    at = str(layout.step_dir(ckpt, SAVE_AT))
+    at = str(on_disk.step_dir(ckpt, SAVE_AT))
     with pytest.raises(pytest.fail.Exception, match=r"allow_new_global_batch"):
         run_distributed(train, 1, config(at, 2 * GLOBAL_BATCH))
     [got] = run_distributed(train, 1, config(at, 2 * GLOBAL_BATCH, allow=True))

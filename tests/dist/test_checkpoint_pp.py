@@ -20,7 +20,7 @@ from torch import Tensor
 
 import meshrun
 from _dist import run_distributed
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 from meshrun.demo.model import GPT, demo_config
 
 STEPS, SAVE_AT = 4, 2
@@ -72,7 +72,7 @@ def train(rank: int, world: int, root: str, resume: str, interval: int) -> dict[
 @pytest.mark.timeout(240)
 def test_pipeline_checkpoint_resumes_bitwise(tmp_path: Path) -> None:
     straight = run_distributed(train, 2, str(tmp_path), "never", SAVE_AT, timeout=150)
-    path = layout.step_dir(tmp_path / "ckpt", SAVE_AT)
+    path = on_disk.step_dir(tmp_path / "ckpt", SAVE_AT)
     keys = set(dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata)
     model_keys = {f"model.{k}" for k in build_model().state_dict()}
     assert model_keys <= keys, sorted(model_keys - keys)[:5]  # the unsplit model's names

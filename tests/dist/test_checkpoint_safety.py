@@ -24,7 +24,7 @@ from torch.utils.data import Dataset
 
 import meshrun
 from _dist import run_distributed
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 
 
 class Pairs(Dataset[dict[str, torch.Tensor]]):
@@ -77,22 +77,22 @@ def train(
 
 
 def rehash(d: Path) -> None:
-    manifest = json.loads((d / layout.MANIFEST).read_text())
-    manifest["files"][".metadata"] = layout.hash_files(d, [".metadata"])[".metadata"]
+    manifest = json.loads((d / on_disk.MANIFEST).read_text())
+    manifest["files"][".metadata"] = on_disk.hash_files(d, [".metadata"])[".metadata"]
     blob = json.dumps(manifest, indent=1, sort_keys=True).encode()
-    (d / layout.MANIFEST).write_bytes(blob)
-    (d / layout.COMPLETE).write_text(hashlib.sha256(blob).hexdigest())
+    (d / on_disk.MANIFEST).write_bytes(blob)
+    (d / on_disk.COMPLETE).write_text(hashlib.sha256(blob).hexdigest())
 
 
 @pytest.mark.timeout(300)
 def test_resume_and_init_from_refuse_a_crafted_metadata(tmp_path: Path) -> None:
     root = str(tmp_path)
     run_distributed(train, 2, root, "never", "", 2, timeout=120)
-    step = layout.step_dir(tmp_path / "ckpt", 2)
+    step = on_disk.step_dir(tmp_path / "ckpt", 2)
     marker = tmp_path / "marker"
     (step / ".metadata").write_bytes(pickle.dumps(WritesMarker(marker)))
     rehash(step)
-    assert layout.problems(step, checksums=True) != []  # crafted, yet every checksum matches
+    assert on_disk.problems(step, checksums=True) != []  # crafted, yet every checksum matches
     named = run_distributed(train, 2, root, str(step), "", timeout=120)
     for r in named:
         assert "CheckpointError" in r["error"] and "refers to builtins.exec" in r["error"], r

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 from meshrun.checkpoint.writer import hashing_writer
 from meshrun.cli.main import main as cli_main
 
@@ -24,10 +24,10 @@ def test_digests_made_while_writing_equal_a_reread_and_verify(tmp_path: Path) ->
     dcp.save(state, storage_writer=writer)
     shards = sorted(p.name for p in (tmp_path / "ck").glob("*.distcp"))
     assert shards and sorted(fs.digests) == shards
-    assert fs.digests == layout.hash_files(tmp_path / "ck", shards)  # same bytes, same SHA-256
-    manifest = layout.build_manifest(tmp_path / "ck", step=1, meta={}, known=fs.digests)
-    layout.commit_dir(tmp_path / "ck", tmp_path / "step_00000001", manifest)
-    assert layout.problems(tmp_path / "step_00000001") == []
+    assert fs.digests == on_disk.hash_files(tmp_path / "ck", shards)  # same bytes, same SHA-256
+    manifest = on_disk.build_manifest(tmp_path / "ck", step=1, meta={}, known=fs.digests)
+    on_disk.commit_dir(tmp_path / "ck", tmp_path / "step_00000001", manifest)
+    assert on_disk.problems(tmp_path / "step_00000001") == []
     loaded = {"model": {k: torch.empty_like(v) for k, v in state["model"].items()}}
     dcp.load(loaded, checkpoint_id=str(tmp_path / "step_00000001"))
     assert all(torch.equal(loaded["model"][k], v) for k, v in state["model"].items())
@@ -50,8 +50,8 @@ def test_launch_refuses_a_bad_resume_path_before_spawning(
     ck = tmp_path / "step_00000004"
     ck.mkdir()
     (ck / "a.bin").write_bytes(b"x" * 10)
-    manifest = layout.build_manifest(ck, step=4, meta={})
-    layout.commit_dir(ck, tmp_path / "step_00000005", manifest)
+    manifest = on_disk.build_manifest(ck, step=4, meta={})
+    on_disk.commit_dir(ck, tmp_path / "step_00000005", manifest)
     (tmp_path / "step_00000005" / "a.bin").write_bytes(b"x" * 4)  # truncated
     assert _launch(tmp_path, str(tmp_path / "step_00000005")) == 2
     err = capsys.readouterr().err

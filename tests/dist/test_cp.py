@@ -322,7 +322,7 @@ def test_cp_checkpoint_resumes_at_another_cp(case: str, tmp_path: Path) -> None:
     """Saved at cp = 2 (step 3 of 6), resumed at cp = 1 with dp 2 (each rank whole sequences,
     the same global batch of 4): the data position is kept and steps 4-6 lose what the
     uninterrupted cp = 2 run lost, within 1e-6. ZeRO-3's shards are resharded by DCP."""
-    from meshrun.checkpoint import layout
+    from meshrun.checkpoint import on_disk
 
     (world, saved), (world2, resumed_at) = RESUMES[case]
     ckpt = tmp_path / "ckpt"
@@ -330,7 +330,7 @@ def test_cp_checkpoint_resumes_at_another_cp(case: str, tmp_path: Path) -> None:
     run_distributed(train_resumable, world, cfg, timeout=200)
     ref = logged_losses(tmp_path / "ref")
     assert sorted(ref) == list(range(1, RESUME_STEPS + 1))
-    at = str(layout.step_dir(ckpt, SAVE_AT))
+    at = str(on_disk.step_dir(ckpt, SAVE_AT))
     cfg = resume_config(tmp_path / "cp1", tmp_path / "ckpt1", at, world2, **resumed_at)
     got = run_distributed(train_resumable, world2, cfg, timeout=200)
     assert {g["start"] for g in got} == {SAVE_AT}

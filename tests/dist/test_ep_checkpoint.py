@@ -25,7 +25,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 import meshrun
 import moe_models
 from _dist import run_distributed
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 from meshrun.parallel.structure import ModelSpec
 
 GLOBAL_BATCH, SAVE_AT, STEPS = 8, 3, 6
@@ -87,7 +87,7 @@ def test_ep_resume_bitwise_and_at_another_ep(tmp_path: Path, kind: str, world: i
     ckpt = tmp_path / "ckpt"
     cfg = make_config(tmp_path / "ref", ckpt, "never", 2, world)
     ref = run_distributed(train, world, cfg, kind, timeout=200)
-    assert [c.step for c in layout.list_checkpoints(ckpt)] == [SAVE_AT, STEPS]
+    assert [c.step for c in on_disk.list_checkpoints(ckpt)] == [SAVE_AT, STEPS]
     rows = metrics_rows(tmp_path / "ref")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     for r in rows:
@@ -98,7 +98,7 @@ def test_ep_resume_bitwise_and_at_another_ep(tmp_path: Path, kind: str, world: i
         assert r["moe_imbalance"] >= 1.0
     if kind == "qwen2_moe" and world == 2:
         check_hf_export(ckpt, tmp_path / "hf", ref[0]["params"])
-    at = str(layout.step_dir(ckpt, SAVE_AT))
+    at = str(on_disk.step_dir(ckpt, SAVE_AT))
     for ep in (2, 1):
         cfg = make_config(tmp_path / f"ep{ep}", tmp_path / f"ckpt{ep}", at, ep, world)
         got = run_distributed(train, world, cfg, kind, timeout=200)
@@ -126,7 +126,7 @@ def check_hf_export(ckpt: Path, out: Path, params: dict[str, torch.Tensor]) -> N
 
     from meshrun.checkpoint.export import export_hf
 
-    export_hf(layout.step_dir(ckpt, STEPS), out)
+    export_hf(on_disk.step_dir(ckpt, STEPS), out)
     loaded = Qwen2MoeForCausalLM.from_pretrained(out).state_dict()
     assert loaded.keys() == params.keys()
     assert all(torch.equal(loaded[k], params[k]) for k in params)

@@ -25,7 +25,7 @@ from torch.utils.data import Dataset
 import byo_models
 import meshrun
 from _dist import run_distributed
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 from meshrun.cli.main import main as cli_main
 
 STEPS = 2
@@ -150,7 +150,7 @@ def merged(ranks: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def export(root: Path, name: str, out: Path, *extra: str) -> int:
-    ckpt = layout.step_dir(root / name / "ckpt", STEPS)
+    ckpt = on_disk.step_dir(root / name / "ckpt", STEPS)
     return cli_main(["ckpt", "export", str(ckpt), str(out), "--hf", *extra])
 
 

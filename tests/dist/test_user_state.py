@@ -21,7 +21,7 @@ from torch import nn
 
 import meshrun
 from _dist import run_distributed
-from meshrun.checkpoint import CheckpointError, layout
+from meshrun.checkpoint import CheckpointError, on_disk
 
 STEPS = 4
 
@@ -105,7 +105,7 @@ def test_user_scheduler_is_saved_at_the_step_of_the_model(tmp_path: Path) -> Non
     results = run_distributed(user_scheduler, 2, tmp_path)
     for step in (2, 4):
         saved = json.loads(
-            (layout.step_dir(tmp_path / "checkpoints", step) / "state.json").read_text()
+            (on_disk.step_dir(tmp_path / "checkpoints", step) / "state.json").read_text()
         )
         assert saved["plain"]["user"]["sched"]["last_epoch"] == step
     assert results[0]["last_epoch"] == STEPS

@@ -21,7 +21,7 @@ from torch.utils.data import TensorDataset
 
 import meshrun
 from _dist import run_distributed
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 
 STEPS, SAVE_AT = 6, 3
 
@@ -66,7 +66,7 @@ def train(
 
 def straight(rank: int, world: int, root: str) -> dict[str, Any]:
     out = train(Path(root), resume="never", interval=SAVE_AT, async_=True)
-    meta = dcp.FileSystemReader(str(layout.step_dir(Path(root) / "ckpt", SAVE_AT))).read_metadata()
+    meta = dcp.FileSystemReader(str(on_disk.step_dir(Path(root) / "ckpt", SAVE_AT))).read_metadata()
     out["owners"] = {  # which shard files hold each optimizer tensor
         k: {meta.storage_data[i].relative_path for i in meta.storage_data if i.fqn == k}
         for k in meta.state_dict_metadata
@@ -76,7 +76,7 @@ def straight(rank: int, world: int, root: str) -> dict[str, Any]:
 
 
 def resumed(rank: int, world: int, root: str, zero: int = 1) -> dict[str, Any]:
-    path = layout.step_dir(Path(root) / "ckpt", SAVE_AT)
+    path = on_disk.step_dir(Path(root) / "ckpt", SAVE_AT)
     return train(Path(root), resume=str(path), interval=0, zero=zero)
 
 

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
 
 import meshrun.demo
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 
 STEPS = 24
 INTERVAL = 4
@@ -53,8 +53,8 @@ def launch(
 
 
 def final_tensors(run_dir: Path) -> dict[str, torch.Tensor]:
-    path = layout.step_dir(run_dir / "checkpoints", STEPS)
-    assert layout.problems(path) == [], f"final checkpoint {path} invalid"
+    path = on_disk.step_dir(run_dir / "checkpoints", STEPS)
+    assert on_disk.problems(path) == [], f"final checkpoint {path} invalid"
     flat, _ = flatten_state_dict(_load_state_dict_from_keys(checkpoint_id=str(path)))
     return flat
 
@@ -140,7 +140,7 @@ def test_killed_during_save_resumes_previous_checkpoint(
     assert proc.wait(timeout=240) == 0, (tmp_path / "launcher.log").read_text()[-3000:]
     assert (tmp_path / "killed.txt").exists()
     log = (tmp_path / "launcher.log").read_text()
-    previous = layout.step_dir(tmp_path / "checkpoints", kill_at - INTERVAL)
+    previous = on_disk.step_dir(tmp_path / "checkpoints", kill_at - INTERVAL)
     assert f"resumed from {previous} (step {kill_at - INTERVAL}" in log, log[-3000:]
     assert_bitwise_equal(final_tensors(tmp_path), reference)
 
@@ -155,11 +155,11 @@ def test_sigterm_to_launcher_saves_current_step_and_exits(tmp_path: Path) -> Non
     proc.send_signal(signal.SIGTERM)
     code = proc.wait(timeout=60)
     log = (tmp_path / "launcher.log").read_text()
-    [saved] = layout.list_checkpoints(tmp_path / "checkpoints")
+    [saved] = on_disk.list_checkpoints(tmp_path / "checkpoints")
     print(f"SIGTERM -> exit {code}; checkpoint of step {saved.step}")
     assert code == 128 + signal.SIGTERM, log[-3000:]  # the documented code of `meshrun launch`
     # Ended by the save, not by torchrun's SIGKILL of the workers 30 s after the signal.
     assert "ending it with SIGKILL" not in log, log[-3000:]
     assert "preempted (SIGTERM)" in log, log[-3000:]
-    assert layout.problems(saved.path) == []
+    assert on_disk.problems(saved.path) == []
     assert saved.step >= 5 and saved.step == steps_logged(tmp_path)

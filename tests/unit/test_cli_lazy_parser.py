@@ -53,7 +53,7 @@ def test_launch_does_not_import_the_other_commands() -> None:
         "import sys, meshrun.cli.main; meshrun.cli.main.build_parser('launch');"
         "print(sorted(m for m in sys.modules if m.split('.')[1:2] in"
         " (['plan'], ['diagnose'], ['data'], ['ft']) or m in"
-        " ('meshrun.report.summary', 'meshrun.cli.ckpt', 'rich')))"
+        " ('meshrun.report.analysis', 'meshrun.cli.ckpt', 'rich')))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout

@@ -381,14 +381,14 @@ def test_k8s_renders_eight_per_node_with_defaults(capsys: pytest.CaptureFixture[
 
 
 def _checkpoint(root: Path, step: int, global_batch: int) -> Path:
-    from meshrun.checkpoint import layout
+    from meshrun.checkpoint import on_disk
 
-    tmp = layout.tmp_dir(root, step)
+    tmp = on_disk.tmp_dir(root, step)
     tmp.mkdir(parents=True)
     (tmp / "state.json").write_text("{}")
-    manifest = layout.build_manifest(tmp, step=step, meta={"global_batch": global_batch})
-    final = layout.step_dir(root, step)
-    layout.commit_dir(tmp, final, manifest)
+    manifest = on_disk.build_manifest(tmp, step=step, meta={"global_batch": global_batch})
+    final = on_disk.step_dir(root, step)
+    on_disk.commit_dir(tmp, final, manifest)
     return final
 
 

@@ -27,7 +27,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 import byo_models
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 from meshrun.checkpoint.export.hf import parse_size
 from meshrun.checkpoint.hf_files import hf_files
 from meshrun.cli.main import main as cli_main
@@ -35,14 +35,14 @@ from meshrun.cli.main import main as cli_main
 
 def commit_checkpoint(root: Path, sd: dict[str, torch.Tensor], files: dict[str, str]) -> Path:
     """A committed checkpoint of ``sd`` under ``model.`` (as meshrun's saves name it)."""
-    tmp, final = layout.tmp_dir(root, 1), layout.step_dir(root, 1)
+    tmp, final = on_disk.tmp_dir(root, 1), on_disk.step_dir(root, 1)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({f"model.{k}": v for k, v in sd.items()}, checkpoint_id=str(tmp))
     for name, text in files.items():
         (tmp / name).write_text(text)
-    layout.commit_dir(tmp, final, layout.build_manifest(tmp, step=1, meta={}))
-    assert layout.problems(final) == []
+    on_disk.commit_dir(tmp, final, on_disk.build_manifest(tmp, step=1, meta={}))
+    assert on_disk.problems(final) == []
     return final
 
 

@@ -23,7 +23,7 @@ HEAVY = ["pipelining", "tensor", "fsdp", "optim", "checkpoint"]
 UNUSED = [
     "meshrun.checkpoint.local.tier",
     "meshrun.checkpoint.local.files",
-    "meshrun.checkpoint.local.plan",
+    "meshrun.checkpoint.local.rules",
     "meshrun.checkpoint.local.p2p",
     "meshrun.checkpoint.local.restore",
     "meshrun.checkpoint.async_save",

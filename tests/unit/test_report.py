@@ -15,7 +15,7 @@ import pytest
 
 from meshrun.cli.main import main as cli_main
 from meshrun.diagnose.scale import parse_sizes
-from meshrun.report.summary import ReportError, analyse, load_run, scaling
+from meshrun.report.analysis import ReportError, analyse, load_run, scaling
 
 STEP_S = 0.1
 EVAL_S = 0.3

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from test_report import STEP_S, T0, restarted_run, start, step_row, write_run
 
-from meshrun.report.summary import analyse, load_run
+from meshrun.report.analysis import analyse, load_run
 
 LOST_S = 0.4  # the uncommitted attempt of step 4: from step 3's line to its ft_uncommitted
 

@@ -41,7 +41,7 @@ from torch import nn
 from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-from meshrun.checkpoint import CheckpointError, layout
+from meshrun.checkpoint import CheckpointError, on_disk
 from meshrun.checkpoint.checks import check_keys, pick
 from meshrun.checkpoint.init_from import load_initial_weights
 from meshrun.checkpoint.safe_metadata import MetadataError, read_metadata
@@ -69,27 +69,27 @@ def small_model() -> nn.Module:
 
 def commit_checkpoint(root: Path, sd: dict[str, torch.Tensor]) -> Path:
     """A committed checkpoint of ``sd`` under ``model.`` (as meshrun's saves name it)."""
-    tmp, final = layout.tmp_dir(root, 1), layout.step_dir(root, 1)
+    tmp, final = on_disk.tmp_dir(root, 1), on_disk.step_dir(root, 1)
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
         warnings.simplefilter("ignore", UserWarning)
         dcp.save({f"model.{k}": v for k, v in sd.items()}, checkpoint_id=str(tmp))
-    layout.commit_dir(tmp, final, layout.build_manifest(tmp, step=1, meta={"world_size": 1}))
-    assert layout.problems(final) == []
+    on_disk.commit_dir(tmp, final, on_disk.build_manifest(tmp, step=1, meta={"world_size": 1}))
+    assert on_disk.problems(final) == []
     return final
 
 
 def rehash(d: Path, files: dict[str, Path] | None = None) -> None:
     """Rewrite the manifest and its marker so that every listed file's checksum matches (what
     anyone who can write the directory can do); ``files``: extra entries -> the file hashed."""
-    manifest = json.loads((d / layout.MANIFEST).read_text())
+    manifest = json.loads((d / on_disk.MANIFEST).read_text())
     for rel in list(manifest["files"]):
         if (d / rel).is_file():
-            manifest["files"][rel] = layout.hash_files(d, [rel])[rel]
+            manifest["files"][rel] = on_disk.hash_files(d, [rel])[rel]
     for rel, real in (files or {}).items():
-        manifest["files"][rel] = {"size": real.stat().st_size, "sha256": layout.sha256_file(real)}
+        manifest["files"][rel] = {"size": real.stat().st_size, "sha256": on_disk.sha256_file(real)}
     blob = json.dumps(manifest, indent=1, sort_keys=True).encode()
-    (d / layout.MANIFEST).write_bytes(blob)
-    (d / layout.COMPLETE).write_text(hashlib.sha256(blob).hexdigest())
+    (d / on_disk.MANIFEST).write_bytes(blob)
+    (d / on_disk.COMPLETE).write_text(hashlib.sha256(blob).hexdigest())
 
 
 @pytest.fixture
@@ -150,11 +150,11 @@ def test_metadata_pointing_outside_or_at_pickled_bytes_is_refused(tmp_path: Path
             meta.storage_data[k] = _StorageInfo("../../secret", info.offset, info.length)
 
     _edit_metadata(d, outside)
-    [why] = layout.problems(d)
+    [why] = on_disk.problems(d)
     assert "'../../secret'" in why and "not a file name of the checkpoint" in why
     e = commit_checkpoint(tmp_path / "b", small_model().state_dict())
     _edit_metadata(e, lambda meta: meta.state_dict_metadata.update(x=BytesStorageMetadata()))
-    [why] = layout.problems(e)
+    [why] = on_disk.problems(e)
     assert "entry 'x' is a BytesStorageMetadata" in why
 
 
@@ -184,7 +184,7 @@ def test_symlink_inside_the_directory_is_fine(tmp_path: Path) -> None:
     (d / "notes" / "a.txt").write_text("x")
     os.symlink("notes/a.txt", d / "alias.txt")
     rehash(d, {"alias.txt": d / "notes" / "a.txt"})
-    assert layout.problems(d) == []
+    assert on_disk.problems(d) == []
 
 
 # --- Hugging Face directories --------------------------------------------------------------
@@ -293,7 +293,7 @@ def test_a_table_that_disagrees_with_its_data_is_refused(
         entry.properties = TensorProperties(dtype=torch.int64)
 
     _edit_metadata(d, as_int64)
-    [why] = layout.problems(d)
+    [why] = on_disk.problems(d)
     assert "'model.w' is declared torch.int64 of [64, 64] (32768 bytes)" in why, why
     assert cli_main(["ckpt", "export", str(d), str(tmp_path / "out.safetensors")]) == 1
     assert not (tmp_path / "out.safetensors").exists()
@@ -306,7 +306,7 @@ def test_a_table_that_disagrees_with_its_data_is_refused(
             )
 
     _edit_metadata(e, past_the_end)
-    [why] = layout.problems(e)
+    [why] = on_disk.problems(e)
     assert "is said to lie at bytes" in why and "refused" in why, why
     assert cli_main(["ckpt", "inspect", str(e)]) == 2
     assert "Traceback" not in capsys.readouterr().out

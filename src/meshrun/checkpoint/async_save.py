@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 from meshrun.checkpoint.checks import first_cause
 from meshrun.checkpoint.commit import Commit
 from meshrun.checkpoint.facts import any_rank
@@ -93,7 +93,7 @@ class AsyncSaves:
             # interleave with the training's collectives on the default group.
             self._group = dist.new_group(backend="gloo")
         t0 = time.perf_counter()
-        tmp = layout.tmp_dir(self.commit.root, step)
+        tmp = on_disk.tmp_dir(self.commit.root, step)
         tensors, plain = collect()
         self.commit.prepare(tmp, digests())
         pending = _Pending(step, tmp, plain, t0)
@@ -186,7 +186,7 @@ class AsyncSaves:
         if self.commit.facts.rank == 0:
             log.info(
                 "checkpoint %s (async): training blocked %.2f s, durable after %.2f s",
-                layout.step_dir(self.commit.root, p.step),
+                on_disk.step_dir(self.commit.root, p.step),
                 p.blocked_s,
                 time.perf_counter() - p.t0,
             )

@@ -1,4 +1,4 @@
-"""Checks and small helpers of the checkpoint manager: which checkpoint to resume, whether its
+"""Checks and small helpers of the Checkpointer: which checkpoint to resume, whether its
 tensors map onto this run, readable errors, RNG re-seeding and the layout's name."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 from meshrun.data.sampler import mix_seed
 
 __all__ = [
@@ -68,15 +68,15 @@ def pick(root: Path, mode: str) -> str | None:
     if mode == "never":
         return None
     if mode != "auto":
-        bad = layout.problems(Path(mode))
+        bad = on_disk.problems(Path(mode))
         if bad:
             raise CheckpointError(
                 f"checkpoint.resume = {mode!r} is not a valid checkpoint: {'; '.join(bad)}; "
                 "pick another (meshrun ckpt list), or use checkpoint.resume=auto"
             )
         return str(Path(mode))
-    for info in reversed(layout.list_checkpoints(root)):
-        bad = layout.problems(info.path)
+    for info in reversed(on_disk.list_checkpoints(root)):
+        bad = on_disk.problems(info.path)
         if not bad:
             return str(info.path)
         log.warning("skipping checkpoint %s: %s", info.path, "; ".join(bad))

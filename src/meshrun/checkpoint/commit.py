@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch.distributed as dist
 
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 from meshrun.checkpoint.checks import CheckpointError, space_text
 from meshrun.checkpoint.facts import RunFacts, any_rank
 from meshrun.checkpoint.hf_files import HF_FILES
@@ -68,7 +68,7 @@ class Commit:
         """This rank's RNG states and its per-rank objects (``plain[PER_RANK]``), as JSON."""
         name = rank_file(self.facts.rank)
         mine = {**capture_rng(), "per_rank": plain.get(PER_RANK, {})}
-        layout.write_file_durably(tmp / name, json.dumps(mine).encode())
+        on_disk.write_file_durably(tmp / name, json.dumps(mine).encode())
 
     def my_digests(self, tmp: Path, fs: HashingFileSystem) -> dict[str, Any]:
         """Size and SHA-256 of the files this rank wrote: its shards were hashed while DCP wrote
@@ -79,7 +79,7 @@ class Commit:
         stray = {p.name for p in tmp.glob(f"__{rank}_*.distcp")} - set(mine)
         if stray:  # DCP wrote a shard around the hashing seam: hash it the slow way
             log.warning("%s: shards %s were not hashed while written; re-reading", tmp, stray)
-        mine.update(layout.hash_files(tmp, [*sorted(stray), rank_file(rank)]))
+        mine.update(on_disk.hash_files(tmp, [*sorted(stray), rank_file(rank)]))
         return mine
 
     def finish(
@@ -95,7 +95,7 @@ class Commit:
         self._agree(error, step, "writing its shards", tmp)
         hashed = self._gather_hashes(mine)
         if self.facts.rank == 0:
-            final = layout.step_dir(self.root, step)
+            final = on_disk.step_dir(self.root, step)
             error = self._commit(tmp, final, step, plain, hashed, layout_name)
         self._agree(error, step, "the commit on rank 0", tmp)
 
@@ -116,16 +116,16 @@ class Commit:
         layout_name: str,
     ) -> BaseException | None:
         try:
-            layout.write_file_durably(
+            on_disk.write_file_durably(
                 tmp / STATE_FILE, json.dumps(self._global_state(step, plain)).encode()
             )
             for name, text in plain.get(HF_FILES, {}).items():  # listed in the manifest too
-                layout.write_file_durably(tmp / name, text.encode())
+                on_disk.write_file_durably(tmp / name, text.encode())
             meta = self._meta(layout_name)
-            manifest = layout.build_manifest(tmp, step=step, meta=meta, known=hashed)
+            manifest = on_disk.build_manifest(tmp, step=step, meta=meta, known=hashed)
             if final.exists():  # an older save of the same step (e.g. before a restart)
                 shutil.rmtree(final)
-            layout.commit_dir(tmp, final, manifest)
+            on_disk.commit_dir(tmp, final, manifest)
             self._apply_retention(step)
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)  # free the space; the previous one stays
@@ -157,8 +157,8 @@ class Commit:
 
     def _apply_retention(self, newest: int) -> None:
         c = self.cfg
-        found = {info.step: info.path for info in layout.list_checkpoints(self.root)}
-        for step in layout.retention(
+        found = {info.step: info.path for info in on_disk.list_checkpoints(self.root)}
+        for step in on_disk.retention(
             found, keep_last=c.keep_last, keep_every=c.keep_every, newest_valid=newest
         ):
             shutil.rmtree(found[step], ignore_errors=True)
@@ -183,7 +183,7 @@ class Commit:
         ) from error
 
     def newest_valid_step(self, checksums: bool = True) -> int | None:
-        for info in reversed(layout.list_checkpoints(self.root)):
-            if not layout.problems(info.path, checksums=checksums):
+        for info in reversed(on_disk.list_checkpoints(self.root)):
+            if not on_disk.problems(info.path, checksums=checksums):
                 return info.step
         return None

@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 from meshrun.checkpoint.checks import CheckpointError, pick
 from meshrun.checkpoint.pipeline import PipelineView
 from meshrun.hf.reading import is_hf_directory
@@ -39,7 +39,7 @@ def load_initial_weights(path: Path, model: nn.Module, device: torch.device, ran
     """Fill ``model`` (collective: every rank) from ``path``; returns what was loaded, for the
     log line."""
     # A meshrun checkpoint may hold a config.json too (saved for export): its manifest decides.
-    meshrun_dir = (path / layout.MANIFEST).is_file() or bool(layout.list_checkpoints(path))
+    meshrun_dir = (path / on_disk.MANIFEST).is_file() or bool(on_disk.list_checkpoints(path))
     if not meshrun_dir and is_hf_directory(path):
         from meshrun.hf.load import load_pretrained
 
@@ -62,8 +62,8 @@ def _step_dir(path: Path) -> Path:
             f"checkpoint.init_from = {str(path)!r} is not a directory; give a meshrun checkpoint "
             "(a step directory or a checkpoint root) or a Hugging Face directory"
         )
-    if (path / layout.MANIFEST).is_file():
-        bad = layout.problems(path)
+    if (path / on_disk.MANIFEST).is_file():
+        bad = on_disk.problems(path)
         if bad:
             raise CheckpointError(
                 f"checkpoint.init_from = {str(path)!r} is not a valid checkpoint: "

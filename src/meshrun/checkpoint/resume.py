@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 from meshrun.checkpoint.checks import (
     CheckpointError,
     check_keys,
@@ -152,7 +152,7 @@ class Resume:
             return None
         model, optimizer = self.targets.resolve()
         saved = json.loads((path / STATE_FILE).read_text())
-        manifest = layout.read_manifest(path)
+        manifest = on_disk.read_manifest(path)
         lr_factor = self._check_batch(path, manifest)
         old = (int(manifest["world_size"]), int(manifest["dp_size"]))
         names = saved.get("per_rank", [])

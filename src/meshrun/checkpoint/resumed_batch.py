@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from meshrun.checkpoint.layout import list_checkpoints, problems, read_manifest
+from meshrun.checkpoint.on_disk import list_checkpoints, problems, read_manifest
 from meshrun.config import Config
 
 __all__ = ["resume_global_batch"]

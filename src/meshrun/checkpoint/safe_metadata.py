@@ -19,7 +19,7 @@ torch dtypes, the layout lookup, ``pathlib`` paths), then checks what it read:
 ``read_metadata`` returns the metadata read here, so nothing is unpickled by DCP itself.
 The tensors are then read by DCP with ``torch.load(weights_only=True)``.
 
-``layout.problems`` (``meshrun ckpt list``) imports this module (and torch) only when a
+``on_disk.problems`` (``meshrun ckpt list``) imports this module (and torch) only when a
 checkpoint's manifest lists a ``.metadata``.
 """
 
@@ -49,7 +49,7 @@ __all__ = [
     "read_metadata",
 ]
 
-METADATA = ".metadata"  # layout.DCP_METADATA
+METADATA = ".metadata"  # on_disk.DCP_METADATA
 _DCP_META = "torch.distributed.checkpoint.metadata"
 # (module, name) a DCP metadata file refers to; dtypes are added from torch itself.
 _ALLOWED = {
@@ -123,7 +123,7 @@ def read_metadata(directory: Path, files: Collection[str] | None = None) -> Meta
 
 def metadata_problems(directory: Path, files: Collection[str]) -> list[str]:
     """Why the ``.metadata`` of ``directory`` must not be loaded (empty: it may); for
-    ``layout.problems``, which every command and resume runs before DCP opens a checkpoint."""
+    ``on_disk.problems``, which every command and resume runs before DCP opens a checkpoint."""
     if METADATA not in files:
         return []  # not a DCP checkpoint's manifest: nothing meshrun would unpickle
     try:

@@ -14,7 +14,7 @@ per-parameter values (rare) are gathered to rank 0's JSON with one small all-gat
 
 Under pipeline parallelism ZeRO steps plain aliases of the stage parameters (marked
 ``meshrun_view_of``, see ``Pipeline.local_parameters``), named here by the parameter they alias;
-each rank's param groups name only its stages' parameters, so the manager joins them over the
+each rank's param groups name only its stages' parameters, so the Checkpointer joins them over the
 stages (``gather_optim_plain``) and each rank loads back its own (``partial``).
 """
 

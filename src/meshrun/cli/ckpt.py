@@ -7,7 +7,7 @@ import json
 import sys
 from pathlib import Path
 
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 from meshrun.runtime.logs import say_error
 
 __all__ = ["add_parser"]
@@ -22,9 +22,9 @@ def _dir_size(path: Path) -> int:
 
 def _targets(path: Path) -> list[Path]:
     """A checkpoint directory itself, or every checkpoint under a root."""
-    if (path / layout.MANIFEST).exists() or (path / layout.COMPLETE).exists():
+    if (path / on_disk.MANIFEST).exists() or (path / on_disk.COMPLETE).exists():
         return [path]
-    return [c.path for c in layout.list_checkpoints(path)]
+    return [c.path for c in on_disk.list_checkpoints(path)]
 
 
 def cmd_list(a: argparse.Namespace) -> int:
@@ -36,14 +36,14 @@ def cmd_list(a: argparse.Namespace) -> int:
             f"{root} {what}; give a run's checkpoint directory, e.g. runs/NAME/checkpoints",
         )
         return 2
-    found = layout.list_checkpoints(root)
+    found = on_disk.list_checkpoints(root)
     pending = sorted(p.name for p in root.glob("step_*.tmp")) if root.is_dir() else []
     if not found and not pending:
         print(f"no checkpoints under {root}")
         return 0
     print(f"{'step':>10}  {'size':>10}  status")
     for c in found:
-        bad = layout.problems(c.path, checksums=a.checksums)
+        bad = on_disk.problems(c.path, checksums=a.checksums)
         status = "valid" if not bad else "INVALID: " + "; ".join(bad)
         print(f"{c.step:>10}  {_dir_size(c.path) / 1e6:>8.1f}MB  {status}")
     for name in pending:
@@ -56,11 +56,11 @@ def cmd_inspect(a: argparse.Namespace) -> int:
     # Sizes, paths and DCP's metadata (through the restricted unpickler) before anything is
     # read from it: a crafted checkpoint is named here, never loaded.
     # The checksums too, unless asked not to: a bit flipped in a data file is named here.
-    bad = layout.problems(path, checksums=not a.no_checksums)
+    bad = on_disk.problems(path, checksums=not a.no_checksums)
     if bad:
         say_error("ckpt inspect", f"{path} is not a valid checkpoint: {'; '.join(bad)}", sys.stdout)
         return 2
-    manifest = layout.read_manifest(path)
+    manifest = on_disk.read_manifest(path)
     meta = {k: v for k, v in manifest.items() if k != "files"}
     print(json.dumps(meta, indent=1, sort_keys=True))
     print(
@@ -82,7 +82,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
         return 1
     failed = 0
     for path in targets:
-        bad = layout.problems(path, checksums=True)
+        bad = on_disk.problems(path, checksums=True)
         failed += bool(bad)
         print(f"{path}: " + ("OK (all checksums match)" if not bad else "INVALID"))
         for why in bad:
@@ -92,7 +92,7 @@ def cmd_verify(a: argparse.Namespace) -> int:
 
 def cmd_export(a: argparse.Namespace) -> int:
     path = Path(a.path)
-    bad = layout.problems(path)
+    bad = on_disk.problems(path)
     if bad:
         print(f"{path} is not a valid checkpoint: {'; '.join(bad)}")
         return 1

@@ -6,8 +6,8 @@ from __future__ import annotations
 import argparse
 
 from meshrun.cli.args import Subparsers, add_command
+from meshrun.report.analysis import ReportError
 from meshrun.report.html import summary_lines, write_report
-from meshrun.report.summary import ReportError
 from meshrun.runtime.logs import say_error
 
 

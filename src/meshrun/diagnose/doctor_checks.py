@@ -379,7 +379,7 @@ def disk_free(directory: Path) -> tuple[Path, int]:
 def checkpoint_estimate(directory: Path, keep_last: int) -> int | None:
     """Bytes the kept checkpoints will take: the newest one's size x (keep_last + 1, the one
     being written); None when there is no checkpoint yet to measure."""
-    from meshrun.checkpoint.layout import list_checkpoints
+    from meshrun.checkpoint.on_disk import list_checkpoints
 
     found = list_checkpoints(directory)
     if not found:

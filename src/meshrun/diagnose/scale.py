@@ -24,8 +24,8 @@ from meshrun.config import (
     validate_for_world,
 )
 from meshrun.launch.target import default_config, require_script
+from meshrun.report.analysis import ReportError
 from meshrun.report.html import summary_lines, write_report
-from meshrun.report.summary import ReportError
 from meshrun.runtime.logs import say_error
 
 __all__ = ["ScaleRequest", "parse_sizes", "run_dirs", "run_scale_test", "scale_configs"]

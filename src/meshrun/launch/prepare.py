@@ -40,7 +40,7 @@ def resolve(cfg: Config, nproc: int, nodes: JoinTarget) -> None:
     """:func:`prepare` up to the write: every check, and the values derived."""
     world = nproc * nodes.max_nodes  # an elastic MIN:MAX job: its largest world
     validate_for_world(cfg, world)
-    from meshrun.checkpoint.layout import resume_path_error  # pure: no torch import
+    from meshrun.checkpoint.on_disk import resume_path_error  # pure: no torch import
 
     if why := resume_path_error(cfg.checkpoint.resume):  # before any process is spawned
         raise ConfigError(why)

@@ -11,7 +11,7 @@ import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from meshrun.report.summary import PARTS, ReportError, RunFigures, Scaling
+from meshrun.report.analysis import PARTS, ReportError, RunFigures, Scaling
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from meshrun.report import figures
-from meshrun.report.summary import (
+from meshrun.report.analysis import (
     PARTS,
     ReportError,
     RunFigures,

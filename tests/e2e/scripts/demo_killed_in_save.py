@@ -7,12 +7,12 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 from meshrun.demo import train
 
 KILL_AT = int(os.environ["KILL_IN_SAVE_AT"])
 MARKER = Path(os.environ["KILL_MARKER"])
-_commit = layout.commit_dir
+_commit = on_disk.commit_dir
 
 
 def commit_or_die(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
@@ -22,5 +22,5 @@ def commit_or_die(tmp: Path, final: Path, manifest: dict[str, Any]) -> None:
     _commit(tmp, final, manifest)
 
 
-layout.commit_dir = commit_or_die
+on_disk.commit_dir = commit_or_die
 train.main()

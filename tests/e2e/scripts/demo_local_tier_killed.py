@@ -10,7 +10,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
-from meshrun.checkpoint.manager import Checkpointer
+from meshrun.checkpoint.checkpointer import Checkpointer
 from meshrun.demo import train
 
 STEPS = [int(s) for s in os.environ["KILL_AFTER"].split(",")]

@@ -1,5 +1,5 @@
 """The node-local tier: snapshots in host memory or on a local disk between the shared saves
-(``tier``), which rank's copy covers which shard (``plan``), the files and their checksums
+(``tier``), which rank's copy covers which shard (``rules``), the files and their checksums
 (``files``), a lost node's copy fetched from its peer (``p2p``) and the restore (``restore``).
 See docs/checkpoint.md."""
 

@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from meshrun.checkpoint.checks import CheckpointError
-from meshrun.checkpoint.local.plan import Held, parse_history, parse_shard, parse_step
+from meshrun.checkpoint.local.rules import Held, parse_history, parse_shard, parse_step
 from meshrun.parallel.kinds import is_dtensor
 
 __all__ = [

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 from meshrun.checkpoint.checks import CheckpointError
 from meshrun.checkpoint.facts import RunFacts, any_rank
 from meshrun.checkpoint.local.files import (
@@ -38,7 +38,8 @@ from meshrun.checkpoint.local.files import (
     write_atomically,
 )
 from meshrun.checkpoint.local.p2p import transfer
-from meshrun.checkpoint.local.plan import (
+from meshrun.checkpoint.local.restore import collect_shard, load_shard
+from meshrun.checkpoint.local.rules import (
     Choice,
     Held,
     choose_step,
@@ -52,7 +53,6 @@ from meshrun.checkpoint.local.plan import (
     step_name,
     superseded,
 )
-from meshrun.checkpoint.local.restore import collect_shard, load_shard
 from meshrun.checkpoint.targets import Targets
 from meshrun.config import CheckpointConfig
 from meshrun.monitor import MetricsLogger
@@ -199,7 +199,7 @@ class LocalTier:
         mine = [(h.history, h.step, h.shard) for h in scan(self.node_dir)]
         shared = None
         if f.rank == 0:  # names only: validating the shared checkpoint is the shared path's
-            listed = layout.list_checkpoints(f.root)
+            listed = on_disk.list_checkpoints(f.root)
             shared = listed[-1].step if listed else None
         every: list[Any] = [(mine, shared)]
         if dist.is_initialized():

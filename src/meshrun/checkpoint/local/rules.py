@@ -1,7 +1,7 @@
 """The pure part of the node-local checkpoint tier: names, the peer mapping, the choice of the
 step to restore, retention. No process group and no file I/O here (unit-tested alone).
 
-Layout of one node's directory (``checkpoint.local_dir``)::
+One node's directory (``checkpoint.local_dir``)::
 
     <local_dir>/w00004-<config digest>/step_000000120/rank_00003.pt
 

@@ -1,11 +1,11 @@
-"""The pure part of checkpoints: directory naming, the manifest, validation and retention.
+"""A checkpoint on disk (the pure part): directory naming, the manifest, validation, retention.
 
 No process group here: a checkpoint directory is judged from its ``manifest.json`` (files,
 sizes, SHA-256), its ``COMPLETE`` marker (the manifest's own SHA-256) and the files on disk.
 Every file a manifest names must lie inside the checkpoint directory (a relative path without
 ``..``, and no symlink resolving outside it), and DCP's pickled ``.metadata`` is read only
 through the restricted unpickler of ``safe_metadata.py``: a checkpoint that fails either is
-invalid, so no command and no resume loads it. Layout of one checkpoint::
+invalid, so no command and no resume loads it. One checkpoint on disk::
 
     <root>/step_00000120/            renamed into place only after COMPLETE was written
         .metadata  __0_0.distcp ...  torch.distributed.checkpoint (tensors only)

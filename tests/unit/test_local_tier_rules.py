@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from meshrun.checkpoint.local.files import decode, encode, scan, to_local, write_atomically
-from meshrun.checkpoint.local.plan import (
+from meshrun.checkpoint.local.rules import (
     Held,
     choose_step,
     history_name,

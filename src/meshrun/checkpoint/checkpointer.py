@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 from meshrun.checkpoint.checks import CheckpointError, first_cause, layout_text
 from meshrun.checkpoint.commit import Commit
 from meshrun.checkpoint.facts import RunFacts
@@ -187,7 +187,7 @@ class Checkpointer:
         """Write a checkpoint of the current state at ``step`` (default: the run's step)."""
         step = self.state.step if step is None else step
         self.wait()  # an async save still in flight is committed first
-        final, tmp = layout.step_dir(self.root, step), layout.tmp_dir(self.root, step)
+        final, tmp = on_disk.step_dir(self.root, step), on_disk.tmp_dir(self.root, step)
         if self.last_saved == step and final.is_dir():
             return final
         import torch.distributed.checkpoint as dcp  # at the first save: ~1 s of CPU to import

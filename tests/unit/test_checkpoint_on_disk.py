@@ -11,7 +11,7 @@ import pytest
 import torch
 from torch.distributed.checkpoint.metadata import Metadata
 
-from meshrun.checkpoint import layout
+from meshrun.checkpoint import on_disk
 from meshrun.checkpoint.state import (
     StateError,
     capture_rng,
@@ -22,39 +22,39 @@ from meshrun.checkpoint.state import (
 
 
 def make_checkpoint(root: Path, step: int) -> Path:
-    tmp = layout.tmp_dir(root, step)
+    tmp = on_disk.tmp_dir(root, step)
     tmp.mkdir(parents=True)
     (tmp / "__0_0.distcp").write_bytes(bytes(range(256)) * 4)
     (tmp / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={}, storage_data={})))
-    final = layout.step_dir(root, step)
-    manifest = layout.build_manifest(tmp, step=step, meta={"world_size": 2})
-    layout.commit_dir(tmp, final, manifest)
+    final = on_disk.step_dir(root, step)
+    manifest = on_disk.build_manifest(tmp, step=step, meta={"world_size": 2})
+    on_disk.commit_dir(tmp, final, manifest)
     return final
 
 
 def test_names_sort_by_step_and_tmp_dirs_are_not_checkpoints(tmp_path: Path) -> None:
-    assert layout.parse_step(layout.step_dir(tmp_path, 120).name) == 120
-    assert layout.parse_step(layout.tmp_dir(tmp_path, 120).name) is None
+    assert on_disk.parse_step(on_disk.step_dir(tmp_path, 120).name) == 120
+    assert on_disk.parse_step(on_disk.tmp_dir(tmp_path, 120).name) is None
     for step in (100, 20, 3):
         make_checkpoint(tmp_path, step)
-    layout.tmp_dir(tmp_path, 200).mkdir()  # a save that was killed
-    assert [c.step for c in layout.list_checkpoints(tmp_path)] == [3, 20, 100]
+    on_disk.tmp_dir(tmp_path, 200).mkdir()  # a save that was killed
+    assert [c.step for c in on_disk.list_checkpoints(tmp_path)] == [3, 20, 100]
 
 
 def test_committed_checkpoint_is_valid_and_manifest_lists_files(tmp_path: Path) -> None:
     d = make_checkpoint(tmp_path, 5)
-    assert layout.problems(d) == []
-    manifest = json.loads((d / layout.MANIFEST).read_text())
+    assert on_disk.problems(d) == []
+    manifest = json.loads((d / on_disk.MANIFEST).read_text())
     assert set(manifest["files"]) == {"__0_0.distcp", ".metadata"}
     assert manifest["step"] == 5 and manifest["world_size"] == 2
-    assert not layout.tmp_dir(tmp_path, 5).exists()
+    assert not on_disk.tmp_dir(tmp_path, 5).exists()
 
 
 def test_truncated_shard_is_named(tmp_path: Path) -> None:
     d = make_checkpoint(tmp_path, 5)
     with open(d / "__0_0.distcp", "r+b") as fh:
         fh.truncate(100)
-    [why] = layout.problems(d)
+    [why] = on_disk.problems(d)
     assert "__0_0.distcp" in why and "truncated" in why
 
 
@@ -63,27 +63,27 @@ def test_altered_shard_fails_checksum_only_when_checked(tmp_path: Path) -> None:
     data = bytearray((d / "__0_0.distcp").read_bytes())
     data[10] ^= 0xFF  # same size, one byte changed
     (d / "__0_0.distcp").write_bytes(bytes(data))
-    [why] = layout.problems(d)
+    [why] = on_disk.problems(d)
     assert "__0_0.distcp" in why and "SHA-256" in why
-    assert layout.problems(d, checksums=False) == []
+    assert on_disk.problems(d, checksums=False) == []
 
 
 def test_missing_marker_and_edited_manifest(tmp_path: Path) -> None:
     d = make_checkpoint(tmp_path, 5)
-    manifest = json.loads((d / layout.MANIFEST).read_text())
+    manifest = json.loads((d / on_disk.MANIFEST).read_text())
     manifest["files"]["__0_0.distcp"]["size"] = 1
-    (d / layout.MANIFEST).write_text(json.dumps(manifest))
-    assert "does not match" in layout.problems(d)[0]
-    (d / layout.COMPLETE).unlink()
-    assert "COMPLETE" in layout.problems(d)[0]
+    (d / on_disk.MANIFEST).write_text(json.dumps(manifest))
+    assert "does not match" in on_disk.problems(d)[0]
+    (d / on_disk.COMPLETE).unlink()
+    assert "COMPLETE" in on_disk.problems(d)[0]
 
 
 def test_retention_keeps_last_every_and_newest_valid() -> None:
     steps = [10, 20, 30, 40, 50, 60]
-    assert layout.retention(steps, keep_last=2, keep_every=0, newest_valid=60) == {10, 20, 30, 40}
-    assert layout.retention(steps, keep_last=2, keep_every=30, newest_valid=60) == {10, 20, 40}
+    assert on_disk.retention(steps, keep_last=2, keep_every=0, newest_valid=60) == {10, 20, 30, 40}
+    assert on_disk.retention(steps, keep_last=2, keep_every=30, newest_valid=60) == {10, 20, 40}
     # the newest *valid* one survives even when newer (broken) ones fill keep_last
-    assert 40 not in layout.retention(steps, keep_last=1, keep_every=0, newest_valid=40)
+    assert 40 not in on_disk.retention(steps, keep_last=1, keep_every=0, newest_valid=40)
 
 
 def test_split_merge_roundtrip_keeps_tensors_out_of_json() -> None:
