@@ -227,7 +227,13 @@ def check(name: str, results: list[dict[str, Any]], run_dir: Path, slice_shape: 
 @pytest.mark.timeout(180)
 @pytest.mark.parametrize(
     ("name", "extra"),
-    [("llama", {}), ("qwen2", {}), ("gpt", {}), ("llama", {"activation_checkpoint": 1})],
+    [
+        ("llama", {}),
+        # heavy: qwen2 and llama_ac; llama and gpt stay (a transformers model, a hand-written one)
+        pytest.param("qwen2", {}, marks=pytest.mark.heavy),
+        ("gpt", {}),
+        pytest.param("llama", {"activation_checkpoint": 1}, marks=pytest.mark.heavy),
+    ],
     ids=["llama", "qwen2", "gpt", "llama_ac"],
 )
 def test_cp2_trains_like_one_process(name: str, extra: dict[str, int], tmp_path: Path) -> None:
@@ -251,7 +257,9 @@ LAYOUTS_ON_4 = {
 @pytest.mark.parametrize(
     "layout",
     [
-        "dp_shard2_zero3",
+        # heavy (CI's time): test_cp2_trains_like_one_process shows cp with DDP; FSDP2 over
+        # other meshes runs in CI in tests/dist/test_layouts.py
+        pytest.param("dp_shard2_zero3", marks=pytest.mark.heavy),
         # heavy: test_cp2_trains_like_one_process shows DDP with cp (over dp x cp = 1 x 2)
         pytest.param("dp_shard2_ddp", marks=pytest.mark.heavy),
         # heavy: dp_shard2_zero3 shows FSDP2 over dp x cp, tests/dist/test_layouts.py's
@@ -313,7 +321,9 @@ RESUMES = {
 @pytest.mark.parametrize(
     "case",
     [
-        "cp2_to_cp1_dp2",
+        # heavy (CI's time, 4 ranks twice): a checkpoint resumed on another layout runs in CI in
+        # tests/dist/test_checkpoint.py (other world sizes) and test_ep_checkpoint.py (other ep)
+        pytest.param("cp2_to_cp1_dp2", marks=pytest.mark.heavy),
         # heavy: cp2_to_cp1_dp2 shows a cp checkpoint resumed at another cp size
         pytest.param("cp2_dp2_zero3_to_cp1_dp2_zero3", marks=pytest.mark.heavy),
     ],

@@ -118,9 +118,10 @@ LAYOUTS = {
 
 
 # heavy: zero1, pp2_zero0, pp2_zero3, pp2_tp2; [pp2_zero1] stays (pipeline + run.optimizer branch)
-# cp2 stays (the demo's CP evaluation), fsdp2_x_tp2 below (loss parallel); the pipeline layouts'
+# fsdp2_x_tp2 below (loss parallel); the pipeline layouts'
 # numerics run in CI in test_layouts_pp.py and test_pp_zero1.py.
-HEAVY_LAYOUTS = ("zero1", "pp2_zero0", "pp2_zero3", "pp2_tp2")
+# cp2 too (CI's time): context parallel's training and refusals run in CI in test_cp.py.
+HEAVY_LAYOUTS = ("zero1", "cp2", "pp2_zero0", "pp2_zero3", "pp2_tp2")
 
 
 @pytest.mark.timeout(600)  # with the one-process reference on the first call; 2 busy cores

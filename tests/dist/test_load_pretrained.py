@@ -333,6 +333,9 @@ def pp_peak_rss(rank: int, world_size: int, d: Path) -> dict[str, Any]:
     return {"base": base, "peak": peak, "report": report, "stage": stage_bytes, "ok": equal}
 
 
+# heavy (CI's time): loading under each layout stays in CI
+# (test_load_pretrained_under_zero3_tp_ddp_pp_matches_from_pretrained)
+@pytest.mark.heavy
 @pytest.mark.timeout(400)
 def test_peak_rss_per_rank_is_its_shard_or_stage_plus_one_tensor(tmp_path: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -36,6 +36,9 @@ def launch(run_dir: Path, kill_at: int) -> tuple[dict[int, float], str]:
     return losses, proc.stderr
 
 
+# heavy (CI's time): expert-parallel resume bitwise runs in CI in tests/dist/test_ep_checkpoint.py,
+# killed runs resuming in test_resume_chaos.py
+@pytest.mark.heavy
 @pytest.mark.timeout(600)
 def test_ep_killed_run_resumes_bitwise(tmp_path: Path) -> None:
     ref, _ = launch(tmp_path / "ref", 0)

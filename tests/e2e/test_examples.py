@@ -101,6 +101,8 @@ def test_demo_module_runs_under_meshrun_launch(tmp_path: Path) -> None:
     assert [r["step"] for r in steps_of(tmp_path)] == [1, 2, 3]
 
 
+# heavy (CI's time): the minimal example runs in CI on three processes (test_world_sizes.py)
+@pytest.mark.heavy
 @pytest.mark.timeout(200)
 def test_ddp_minimal_example(tmp_path: Path) -> None:
     p = meshrun(

@@ -77,6 +77,9 @@ def _rank_sums(group: Path) -> list[str]:
     return [json.loads((group / f"checksum.rank{r}.json").read_text())["checksum"] for r in (0, 1)]
 
 
+# heavy (CI's time): replica groups train what plain data parallelism trains in CI (test_ft.py),
+# pipelines in tests/dist/test_layouts_pp.py
+@pytest.mark.heavy
 @pytest.mark.timeout(600)
 def test_pipeline_inside_replica_groups_trains_what_plain_pp_trains(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -191,6 +194,9 @@ def test_a_killed_zero1_group_heals_each_ranks_optimizer_partition(tmp_path: Pat
         assert "healed from group 0" in log
 
 
+# heavy (CI's time): the local tier's restores run in CI in test_local_tier.py, healing in
+# test_ft.py
+@pytest.mark.heavy
 @pytest.mark.timeout(600)
 def test_a_killed_group_with_the_local_tier_restores_it_then_heals_from_its_peer(
     tmp_path: Path,
@@ -220,6 +226,9 @@ def test_a_killed_group_with_the_local_tier_restores_it_then_heals_from_its_peer
         assert (again["step"], again["checksum"]) == (STEPS, before["checksum"]), again
 
 
+# heavy (CI's time): healing from a peer group runs in CI in test_ft.py and
+# test_a_killed_tensor_parallel_group_heals_both_shards_from_its_peer
+@pytest.mark.heavy
 @pytest.mark.timeout(600)
 def test_groups_resumed_at_different_steps_heal_the_one_behind(tmp_path: Path) -> None:
     """The whole job again after both groups stopped, group 1's newest checkpoint lost: group 0

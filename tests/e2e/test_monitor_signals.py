@@ -279,6 +279,8 @@ def test_a_rank_stopped_while_every_rank_is_in_a_long_phase_is_ended_by_the_laun
     assert "in phase checkpoint" in report and "rank 0 (" in report, report
 
 
+# heavy (CI's time): the watchdog's hang reports stay in CI in this file's other tests
+@pytest.mark.heavy
 @pytest.mark.timeout(180)
 def test_a_rank_whose_own_deadline_is_far_reports_when_another_rank_does(
     jobs: Callable[..., subprocess.Popen[str]],

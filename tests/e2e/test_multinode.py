@@ -181,6 +181,9 @@ def test_an_interface_that_does_not_exist_is_named_with_the_real_ones(tmp_path: 
     assert "--interface 'eth9' does not exist" in out and "eth-mr" in out and "lo" in out
 
 
+# heavy (CI's time): an unreachable rendezvous host stays in CI
+# (test_a_node_alone_names_who_is_missing_..., test_doctor.py's unreachable master)
+@pytest.mark.heavy
 def test_an_endpoint_nobody_answers_is_named_after_the_join_timeout(tmp_path: Path) -> None:
     with nodes(2) as cluster:
         cluster.net.unplug(0)  # the endpoint's own host, off the network
@@ -191,6 +194,9 @@ def test_an_endpoint_nobody_answers_is_named_after_the_join_timeout(tmp_path: Pa
     assert "--rdzv-endpoint is the address of one of the nodes" in out
 
 
+# heavy (CI's time): the handshake's refusals stay in CI
+# (test_two_nodes_with_different_configs_both_stop_naming_the_key)
+@pytest.mark.heavy
 def test_two_nodes_claiming_one_rank_both_stop_naming_both_hosts(tmp_path: Path) -> None:
     with nodes(2) as cluster:
         for i in (0, 1):

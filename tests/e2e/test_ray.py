@@ -185,6 +185,10 @@ def test_a_killed_worker_is_retried_and_resumes_bitwise(
     assert sorted(set(steps)) == list(range(1, STEPS + 1))
 
 
+# heavy (CI's time): a smaller world keeping the global batch runs in CI under meshrun launch
+# (tests/dist/test_checkpoint.py); Ray's retry in
+# test_a_killed_worker_is_retried_and_resumes_bitwise
+@pytest.mark.heavy
 @pytest.mark.timeout(1500)
 def test_fewer_workers_than_asked_keep_the_global_batch(head: Namespace, tmp_path: Path) -> None:
     run_dir = tmp_path / "ray"

@@ -78,6 +78,9 @@ def test_standalone_stdout_to_a_file_is_byte_identical_to_torchruns(tmp_path: Pa
     assert logs and "rank 1 on stderr" in logs[-1].read_text()
 
 
+# heavy (CI's time): torchrun's own command lines stay in CI in this file's byte-identical and
+# static multinode tests
+@pytest.mark.heavy
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
 def test_torchruns_other_flags_reach_the_agent_with_torchruns_meaning(tmp_path: Path) -> None:
     """A command line with many of torchrun's flags, underscore spelling, as torchrun runs it:
@@ -143,6 +146,9 @@ def test_torchruns_static_multinode_line_on_one_host_works_as_in_torchrun(tmp_pa
     assert out_m.splitlines() == [*_rank_lines(2), "done"]
 
 
+# heavy (CI's time): torchrun's own command lines stay in CI in this file's byte-identical and
+# static multinode tests
+@pytest.mark.heavy
 @pytest.mark.timeout(2 * RUN_TIMEOUT_S + 30)
 def test_nproc_per_node_auto_and_cpu_count_cpu_cores_as_torchrun(tmp_path: Path) -> None:
     if torch.accelerator.is_available():
