@@ -144,6 +144,9 @@ def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+# heavy (CI's time): the CNN's BatchNorm under data parallelism stays in CI
+# (test_cnn_under_ddp_evaluates_with_rank0s_statistics_without_a_warning)
+@pytest.mark.heavy
 @pytest.mark.timeout(420)
 def test_cnn_under_zero3_keeps_per_rank_statistics_and_says_so(
     tmp_path: Path, capfd: pytest.CaptureFixture[str]

@@ -87,6 +87,9 @@ def _history(tmp: Path, node: int) -> Path:
     return hist
 
 
+# heavy (CI's time): the local tier restoring from itself and from a peer stays in CI in
+# tests/e2e/test_local_tier.py
+@pytest.mark.heavy
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("zero", [3, pytest.param(1, marks=pytest.mark.heavy)])
 def test_local_tier_restores_a_sharded_run_and_a_lost_node_from_its_peer(

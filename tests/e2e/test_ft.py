@@ -228,7 +228,7 @@ def _repeated_kills(tmp_path: Path, flags: list[str], *more: str, ranks: int = 1
     assert broken == kills, (broken, kills)
 
 
-# heavy: test_two_groups_of_zero3_survive_repeated_kills_healing_shard_by_shard (the same kills)
+# heavy: a killed group healing from its peer stays in CI (test_ft_layouts.py's TP group)
 @pytest.mark.heavy
 @pytest.mark.timeout(900)
 def test_repeated_kills_five_heals_while_the_other_group_keeps_training(tmp_path: Path) -> None:
@@ -245,6 +245,9 @@ def test_a_death_inside_the_all_reduce_leaves_that_step_uncommitted(tmp_path: Pa
     assert "Connection" in str(broken[0]["error"]) or "closed" in str(broken[0]["error"])
 
 
+# heavy (CI's time): a killed group healing both shards from its peer stays in CI
+# (test_ft_layouts.py's tensor-parallel group)
+@pytest.mark.heavy
 @pytest.mark.timeout(900)
 def test_two_groups_of_zero3_survive_repeated_kills_healing_shard_by_shard(tmp_path: Path) -> None:
     """2 groups x 2 processes, ZeRO-3 (FSDP2) inside each, KILLS kills: rank r heals from rank r."""

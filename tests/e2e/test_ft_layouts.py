@@ -139,7 +139,7 @@ def test_a_killed_pipeline_group_heals_both_stages_from_its_peer(
     _kill_one_of_two(tmp_path, 5, *PP_KEYS)
 
 
-# heavy: test_pipeline_inside_replica_groups_trains_what_plain_pp_trains; TP: the killed TP group
+# heavy: replica groups training like plain DP stay in CI (test_ft.py); TP: the killed TP group
 @pytest.mark.heavy
 @pytest.mark.timeout(600)
 def test_tensor_parallel_inside_replica_groups_trains_what_plain_tp_x_fsdp_trains(
@@ -164,7 +164,7 @@ def test_a_killed_tensor_parallel_group_heals_both_shards_from_its_peer(
     _kill_one_of_two(tmp_path, 5, "--parallel.tp=2")
 
 
-# heavy: test_pipeline_inside_replica_groups_trains_what_plain_pp_trains; test_ft.py's ZeRO-3 groups
+# heavy: replica groups training like plain DP stay in CI (test_ft.py)
 @pytest.mark.heavy
 @pytest.mark.timeout(600)
 def test_zero1_inside_replica_groups_trains_what_plain_zero1_trains(tmp_path: Path) -> None:

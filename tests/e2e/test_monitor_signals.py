@@ -256,6 +256,9 @@ def run_stalled(
     return proc, out, report
 
 
+# heavy (CI's time): stopped and stalled ranks reported by the watchdog stay in CI in this file's
+# other tests
+@pytest.mark.heavy
 @pytest.mark.timeout(180)
 def test_a_rank_stopped_while_every_rank_is_in_a_long_phase_is_ended_by_the_launcher(
     tmp_path: Path, jobs: Callable[..., subprocess.Popen[str]]
@@ -310,6 +313,9 @@ def test_a_rank_that_skips_a_collective_is_named_by_sequence_number(
     assert "gloo:" in report
 
 
+# heavy (CI's time): stopped and stalled ranks reported by the watchdog stay in CI in this file's
+# other tests
+@pytest.mark.heavy
 @pytest.mark.timeout(150)
 def test_a_rank_stuck_in_the_checkpoint_agreement_is_a_hang_within_the_step_timeout(
     jobs: Callable[..., subprocess.Popen[str]],

@@ -149,6 +149,9 @@ def test_mpich_trains_like_meshrun_launch(reference: list[float], tmp_path: Path
 # --- two hosts -----------------------------------------------------------------------------
 
 
+# heavy (CI's time): mpirun on one host stays in CI (test_mpirun_trains_like_meshrun_launch);
+# hosts in namespaces in test_hostfile.py
+@pytest.mark.heavy
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S)
 def test_mpirun_across_two_hosts(reference: list[float], tmp_path: Path) -> None:
     """mpirun in host 0 starts rank 0 there and rank 1 on host 1 over ssh (``-H``): rank 0's
@@ -187,7 +190,7 @@ def _ssh_wrapper(path: Path, ssh: sshd.SshSetup) -> str:
 
 
 @pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S)
-# heavy: test_mpirun_across_two_hosts (two hosts) and test_mpich_trains_like_meshrun_launch (MPICH)
+# heavy: MPICH on one host stays in CI (test_mpich_trains_like_meshrun_launch)
 @pytest.mark.heavy
 def test_mpich_across_two_hosts(reference: list[float], tmp_path: Path) -> None:
     """MPICH's Hydra in host 0 starts rank 1 on host 1 over ssh (``-hosts``, ``-launcher

@@ -27,6 +27,9 @@ def meshrun(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
+# heavy (CI's time): the planner reading a calibration stays in CI in
+# tests/unit/test_plan_calibration.py
+@pytest.mark.heavy
 def test_bench_writes_a_calibration_that_plan_reads(tmp_path: Path) -> None:
     bench = meshrun(
         "bench",
