@@ -50,26 +50,25 @@ def launch_environment(
     Restoring matters because tests and tools call ``launch_local`` in-process, and the
     agent both writes os.environ and installs its own SIGINT/SIGTERM handlers.
     """
-    saved_env = dict(os.environ)
     saved_handlers = _save_signal_handlers()
     try:
-        os.environ.update(spec.extra_env)
-        if network is not None:
-            os.environ.update(network.env)  # GLOO/NCCL_SOCKET_IFNAME the user had not set
-        else:
-            if os.path.exists("/sys/class/net/lo"):  # Linux's loopback name
-                os.environ.setdefault(GLOO_IFNAME_ENV, "lo")
-        if secret is not None:  # the handshake, the agent's rendezvous and the workers read it
-            os.environ[SECRET_ENV] = secret.key.decode()
-        os.environ.setdefault(SHARE_STORE_ENV, "1")  # only if the user did not choose
-        if spec.config_path:
-            # Absolute, so a worker that changes directory still finds it.
-            os.environ[CONFIG_ENV] = os.path.abspath(spec.config_path)
-        omp_threads = _omp_num_threads(spec, os.environ)
-        os.environ["OMP_NUM_THREADS"] = omp_threads
-        yield omp_threads
+        with restored_environ():
+            os.environ.update(spec.extra_env)
+            if network is not None:
+                os.environ.update(network.env)  # GLOO/NCCL_SOCKET_IFNAME the user had not set
+            else:
+                if os.path.exists("/sys/class/net/lo"):  # Linux's loopback name
+                    os.environ.setdefault(GLOO_IFNAME_ENV, "lo")
+            if secret is not None:  # the handshake, the agent's rendezvous and the workers read it
+                os.environ[SECRET_ENV] = secret.key.decode()
+            os.environ.setdefault(SHARE_STORE_ENV, "1")  # only if the user did not choose
+            if spec.config_path:
+                # Absolute, so a worker that changes directory still finds it.
+                os.environ[CONFIG_ENV] = os.path.abspath(spec.config_path)
+            omp_threads = _omp_num_threads(spec, os.environ)
+            os.environ["OMP_NUM_THREADS"] = omp_threads
+            yield omp_threads
     finally:
-        _restore_environ(saved_env)
         _restore_signal_handlers(saved_handlers)
 
 
@@ -87,6 +86,17 @@ def _usable_cores() -> int:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1
+
+
+@contextmanager
+def restored_environ() -> Iterator[None]:
+    """``os.environ`` as it was on entry, put back on exit (what the block set, changed or
+    removed): an in-process launch leaves its caller's environment as it found it."""
+    saved = dict(os.environ)
+    try:
+        yield
+    finally:
+        _restore_environ(saved)
 
 
 def _restore_environ(saved: dict[str, str]) -> None:

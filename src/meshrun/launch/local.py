@@ -22,7 +22,7 @@ from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
-from meshrun.launch.environment import launch_environment
+from meshrun.launch.environment import launch_environment, restored_environ
 from meshrun.launch.multinode import nodes as multinode
 from meshrun.launch.multinode.handshake import (
     Handshake,
@@ -170,16 +170,11 @@ def _launch_nonce() -> Iterator[None]:
     """A nonce for this launch, in the environment the agent (in-process, or a replica
     group's process) reads: the signed rendezvous refuses states of any other launch
     (launch/rdzv_signed.py). Several nodes replace it with the handshake's attempt token.
-    Put back afterwards: tests and tools launch in-process, one launch after another."""
-    before = os.environ.get(NONCE_ENV)
-    os.environ[NONCE_ENV] = secrets.token_hex(8)
-    try:
+    The whole environment is put back afterwards, whichever path the launch took: tests and
+    tools launch in-process, one launch after another."""
+    with restored_environ():
+        os.environ[NONCE_ENV] = secrets.token_hex(8)
         yield
-    finally:
-        if before is None:
-            os.environ.pop(NONCE_ENV, None)
-        else:
-            os.environ[NONCE_ENV] = before
 
 
 def _claim(
