@@ -62,7 +62,13 @@ Say = Callable[[str], None]
 
 
 class RunDirError(ConfigError):
-    """The run directory is busy, not the same directory on every rank, or not writable."""
+    """The run directory is busy, not the same directory on every rank, or not writable.
+    ``every_rank``: every rank of the job raises it at the same point (a verdict that was
+    broadcast or gathered), so they may wait for each other before they leave."""
+
+    def __init__(self, message: str, *, every_rank: bool = False) -> None:
+        super().__init__(message)
+        self.every_rank = every_rank
 
 
 class RunDirBusy(RunDirError):
@@ -374,7 +380,7 @@ def _claim(run_dir: str | Path, rank: int, environ: Mapping[str, str]) -> None:
         # Rank 0's verdict (a str between the job's own processes, which passed its handshake).
         said = [str(error) if error is not None else "", isinstance(error, RunDirBusy)]
         dist.broadcast_object_list(said, src=0)
-        if rank != 0 and said[0]:
-            raise (RunDirBusy if said[1] else RunDirError)(str(said[0]))
+        if said[0]:
+            raise (RunDirBusy if said[1] else RunDirError)(str(said[0]), every_rank=True)
     if error is not None:
         raise error

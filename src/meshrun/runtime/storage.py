@@ -118,7 +118,7 @@ def check_shared_run_dir(run_dir: Path, host: str, wait_s: float = LOOK_S) -> No
             name[1] = f"job.run_dir {run_dir}: rank 0 on {host} cannot write in it: {e}"
     dist.broadcast_object_list(name, src=0)  # after the write: the name says the file exists
     if name[1]:
-        raise RunDirError(name[1])
+        raise RunDirError(name[1], every_rank=True)
     marker = run_dir / name[0]
     mine = Sighting(dist.get_rank(), host, str(run_dir.resolve()), _look(marker, wait_s))
     sightings: list[Sighting | None] = [None] * dist.get_world_size()
@@ -127,4 +127,4 @@ def check_shared_run_dir(run_dir: Path, host: str, wait_s: float = LOOK_S) -> No
         marker.unlink(missing_ok=True)
     message = unshared_message([s for s in sightings if s is not None], name[0])
     if message:
-        raise RunDirError(message)
+        raise RunDirError(message, every_rank=True)

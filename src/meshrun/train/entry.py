@@ -10,6 +10,7 @@ abort. The exit code is the function's return value (an int), 1 on an exception,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
@@ -45,9 +46,21 @@ def _one_line_refusals(fn: Callable[..., Any]) -> Callable[..., Any]:
             return fn(*args, **kwargs)
         except RunDirError as exc:
             say_error(f"rank {os.environ.get('RANK', '0')}", exc)
+            if exc.every_rank:
+                _wait_for_every_rank_to_say_it()
             raise SystemExit(2) from None
 
     return refusing
+
+
+def _wait_for_every_rank_to_say_it() -> None:
+    """Every rank met the same verdict at the same point: none leaves before all have printed,
+    since the first exit makes torchrun stop the others, whose line would then be lost."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        with contextlib.suppress(Exception):  # a peer already gone: nothing left to wait for
+            dist.barrier()
 
 
 def main(fn: Callable[..., Any]) -> Callable[..., None]:
