@@ -1,13 +1,14 @@
 """The one multi-process helper of the test suite: run a function in N real processes.
 
-    def check(rank: int, world_size: int, scale: float) -> float:  # module level: spawn pickles it
+    def check(rank: int, world_size: int, scale: float) -> float:  # module level: it is pickled
         run = meshrun.init(cfg, argv=[])  # or dist.init_process_group("gloo", timeout=...)
         ...
         return value
 
     values = run_distributed(check, 2, 0.5)  # [rank 0's value, rank 1's value]
 
-Each child gets the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
+Each child is forked from a server that imported torch once (see ``_context``), and gets the
+test's environment plus the torchrun variables (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE,
 MASTER_ADDR, MASTER_PORT) and OMP_NUM_THREADS=1, so the code under test starts its process group
 exactly as under ``torchrun``. A rank that raises fails the test with its traceback; a run that
 outlives ``timeout`` is killed and fails naming the ranks that had not finished.
@@ -26,9 +27,10 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Mapping
-from multiprocessing import get_context
+from multiprocessing import forkserver, get_context
 from multiprocessing.connection import Connection, wait
-from multiprocessing.context import SpawnProcess
+from multiprocessing.context import BaseContext
+from multiprocessing.process import BaseProcess
 from typing import Any, NoReturn, cast
 
 import pytest
@@ -41,11 +43,16 @@ EXIT_S = 15.0  # how long the ranks get to leave once all have returned
 Outcome = tuple[str, Any]
 
 
+# Imported once by the fork server (see _context); never meshrun: its modules may read the
+# environment when imported, and a child must see the test's.
+PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.tensor")
+_server_started: list[bool] = []
+
 _next_port: list[int] = []  # this process's next candidate below the ephemeral range
 
 
 def free_port() -> int:
-    """A port that is free now and below the kernel's ephemeral range. The spawned ranks bind
+    """A port that is free now and below the kernel's ephemeral range. The ranks bind
     it seconds later (after importing torch); a port from the ephemeral range (what binding
     port 0 returns) can be taken in between by any socket that connects somewhere on this
     machine, and was (EADDRINUSE in a full suite). Each pytest-xdist worker, and each process,
@@ -88,21 +95,22 @@ def run_distributed(
     timeout: float = 90.0,
     env: Mapping[str, str] | None = None,
 ) -> list[Any]:
-    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return each
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` new processes; return each
     rank's (picklable) return value in rank order. ``env`` is added to every child's
     environment, after (so over) the torchrun variables."""
-    ctx = get_context("spawn")
+    ctx = _context()
     # fn and args travel as bytes and are unpickled only after the environment is set: importing
     # fn's module imports torch, which reads OMP_NUM_THREADS once.
     blob = pickle.dumps((fn, world_size, args))
     common = {
+        **os.environ,  # the test's environment now (monkeypatch included), as spawn would give
         "WORLD_SIZE": str(world_size),
         "LOCAL_WORLD_SIZE": str(world_size),
         "MASTER_ADDR": "127.0.0.1",
         "MASTER_PORT": str(free_port()),
         "OMP_NUM_THREADS": "1",
     }
-    procs: list[SpawnProcess] = []
+    procs: list[BaseProcess] = []
     readers: dict[Connection, int] = {}
     try:
         for rank in range(world_size):
@@ -176,7 +184,30 @@ def _describe_problems(
     return "\n".join(parts)
 
 
+def _context() -> BaseContext:
+    """Children fork from a server that imported torch once per test process: torch's import
+    is 2-3 s of CPU, which every rank of every run paid when they were spawned. The server
+    starts with
+    OMP_NUM_THREADS=1, read once when torch loads OpenMP; each child then takes the test's
+    whole environment (:func:`_child`), as a spawned process would."""
+    ctx = get_context("forkserver")
+    if not _server_started:
+        ctx.set_forkserver_preload(list(PRELOAD))
+        saved = os.environ.get("OMP_NUM_THREADS")
+        os.environ["OMP_NUM_THREADS"] = "1"
+        try:
+            forkserver.ensure_running()
+        finally:
+            if saved is None:
+                del os.environ["OMP_NUM_THREADS"]
+            else:
+                os.environ["OMP_NUM_THREADS"] = saved
+        _server_started.append(True)
+    return ctx
+
+
 def _child(rank: int, env: dict[str, str], blob: bytes, conn: Connection) -> None:
+    os.environ.clear()
     os.environ.update(env)
     try:
         fn, world_size, args = pickle.loads(blob)
