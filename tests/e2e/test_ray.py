@@ -12,7 +12,8 @@ the module's jobs through ``--address``; one more, local, runtime checks the no-
 * the demo, 8 steps, by ``meshrun ray launch --workers 2`` logs the per-step losses of
   ``meshrun launch --nproc-per-node 2``, bit for bit (same seed, same global batch);
 * a worker SIGKILLed after step 6 is retried by Ray (``--max-restarts 1``): the script resumes
-  from step 4's checkpoint and every loss it logs equals the uninterrupted run's;
+  from step 4's checkpoint and every loss it logs equals the uninterrupted run's (in CI on a
+  local runtime, where the retried worker then fails with no restart left: the summary below);
 * ``--workers 3 --min-workers 2`` on the head's 2 CPUs trains on 2 workers, says so, and keeps
   the global batch the driver resolved for both worlds (accumulation absorbs it);
 * with no ``--address`` a local runtime is started and stopped (nothing is left running in
@@ -150,7 +151,8 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> dict[int, float]:
     return found
 
 
-# heavy: test_a_killed_worker_is_retried_and_resumes_bitwise compares every Ray loss with this reference
+# heavy: test_a_killed_worker_resumes_bitwise_then_a_failure_is_summarised_and_the_runtime_stopped
+# compares every Ray loss with this reference
 @pytest.mark.heavy
 @pytest.mark.timeout(1500)
 def test_demo_under_ray_gives_the_losses_of_meshrun_launch(
@@ -164,6 +166,9 @@ def test_demo_under_ray_gives_the_losses_of_meshrun_launch(
     assert "2 process(es)" in out and "cpu + gloo" in out, out[-3000:]  # Ray's group: gloo
 
 
+# heavy (CI's time): the same retry on a runtime meshrun starts itself, in
+# test_a_killed_worker_resumes_bitwise_then_a_failure_is_summarised_and_the_runtime_stopped
+@pytest.mark.heavy
 @pytest.mark.timeout(1500)
 def test_a_killed_worker_is_retried_and_resumes_bitwise(
     head: Namespace, reference: dict[int, float], tmp_path: Path
@@ -187,7 +192,7 @@ def test_a_killed_worker_is_retried_and_resumes_bitwise(
 
 # heavy (CI's time): a smaller world keeping the global batch runs in CI under meshrun launch
 # (tests/dist/test_checkpoint.py); Ray's retry in
-# test_a_killed_worker_is_retried_and_resumes_bitwise
+# test_a_killed_worker_resumes_bitwise_then_a_failure_is_summarised_and_the_runtime_stopped
 @pytest.mark.heavy
 @pytest.mark.timeout(1500)
 def test_fewer_workers_than_asked_keep_the_global_batch(head: Namespace, tmp_path: Path) -> None:
@@ -203,6 +208,58 @@ def test_fewer_workers_than_asked_keep_the_global_batch(head: Namespace, tmp_pat
     assert "ranks on hosts: " in out and "(gloo)" in out, out[-4000:]
 
 
+@pytest.mark.timeout(1500)
+def test_a_killed_worker_resumes_bitwise_then_a_failure_is_summarised_and_the_runtime_stopped(
+    reference: dict[int, float], tmp_path: Path
+) -> None:
+    """One Ray runtime start (tens of seconds) for three checks: no ``--address`` starts a
+    local runtime; rank 1 SIGKILLed after step 6 is retried and resumes from step 4's
+    checkpoint bit for bit; the retried rank 1 then raises after step 7 with no restart
+    left, and the failure is summarised (rank, host, cause, traceback); the runtime stops."""
+    _need_root()
+    root = Path(tempfile.mkdtemp(prefix="mrray-"))
+    ns = Namespace(root)
+    try:
+        run_dir = tmp_path / "ray"
+        run_dir.mkdir()
+        marker = tmp_path / "killed"
+        argv = [sys.executable, "-m", "meshrun", "ray", "launch", "--workers", "2"]
+        argv += ["--max-restarts", "1", "--config", str(DEMO_CONFIG)]
+        argv += [str(SCRIPTS / "ray_demo_killed_once.py"), "--kill-at-step", "6"]
+        argv += ["--kill-marker", str(marker), "--raise-at-step", "7", *DEMO_ARGS]
+        proc = ns.run([*argv, f"--job.run_dir={run_dir}"], 840, run_dir / "launcher.log")
+        out = proc.stdout
+        assert proc.returncode == 1, out[-4000:]
+        assert "starting a local Ray runtime for this job" in out, out[-4000:]
+        assert "2 process(es)" in out and "cpu + gloo" in out, out[-4000:]  # Ray's group: gloo
+        assert marker.is_file(), "rank 1 never killed itself"
+        assert "meshrun ray launch: worker group failed (rank 1" in out, out[-4000:]
+        assert "Ray restarts it (1 of --max-restarts 1)" in out, out[-4000:]
+        assert "meshrun: resumed from " in out and "(step 4," in out, out[-4000:]
+        got = losses(run_dir)
+        print(f"reference: {reference}\nkilled and resumed: {got}")
+        steps = [step for step, _ in got]
+        assert steps.count(5) == 2, steps  # logged before the kill, redone from step 4's checkpoint
+        assert all(loss == reference[step] for step, loss in got), got  # bit for bit
+        assert set(range(1, 7)) <= set(steps), steps
+        assert "no restart left (--max-restarts 1)" in out, out[-4000:]
+        summary = out[out.index("meshrun ray launch: rank 1 failed first (host ") :]
+        assert "cause : exit code 1" in summary, summary
+        assert "error : ValueError: bad batch on rank 1 at step 7" in summary, summary
+        assert "traceback (from the error file written by @record):" in summary, summary
+        assert "check_batch" in summary, summary  # the script's own frame
+        deadline = time.monotonic() + 60  # a bound for the runtime's exit, not a timing assert
+        while ns.pids() and time.monotonic() < deadline:
+            time.sleep(1)
+        assert ns.pids() == [], "the local Ray runtime outlived meshrun ray launch"
+    finally:
+        ns.remove()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+# heavy (CI's time): the local runtime and the failure summary are checked in
+# test_a_killed_worker_resumes_bitwise_then_a_failure_is_summarised_and_the_runtime_stopped
+@pytest.mark.heavy
 @pytest.mark.timeout(900)
 def test_local_runtime_is_stopped_and_a_failure_is_summarised(tmp_path: Path) -> None:
     _need_root()
