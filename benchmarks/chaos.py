@@ -17,7 +17,7 @@ never by sleeping on a guess:
   restarted group while it reads the checkpoint it resumes from (the n-th file opened);
 - ``kill_agent``: SIGKILL of the launcher's whole process group (the torchrun agent), as a
   lost node would see it; torch starts each worker in its own session, so it is the
-  launcher's guard (launch/orphans.py) that ends them: the benchmark reports how long that
+  launcher's guard (launch/agent/orphans.py) that ends them: the benchmark reports how long that
   took and kills any still running after 30 s; then the same command is run again;
 - ``stop``: SIGSTOP of a random worker, left stopped: the hang watchdog
   (``monitor.step_timeout_s``) of the others must end the group, the agent restarts it;
@@ -68,7 +68,7 @@ import torch.distributed.checkpoint as dcp
 import meshrun.demo
 from meshrun.checkpoint import on_disk
 from meshrun.checkpoint.export.dcp import tensor_table
-from meshrun.launch.guard import descendants
+from meshrun.launch.hostfile.guard import descendants
 
 FAULTS = ("kill_step", "kill_save", "kill_resume", "kill_agent", "stop", "disk_full", "corrupt")
 ALIASES = {"kill": ("kill_step", "kill_save", "kill_resume"), "all": FAULTS}
@@ -430,7 +430,7 @@ def fault_kill_agent(run: Run, deadline: float) -> None:
     os.killpg(run.proc.pid, signal.SIGKILL)
     run.mark_fault(f"SIGKILL of the agent's process group after step {k}")
     run.exit_codes.append(run.proc.wait())
-    # meshrun launch's guard (launch/orphans.py) ends the job's processes when its launcher is
+    # meshrun launch's guard (launch/agent/orphans.py) ends the job's processes when its launcher is
     # SIGKILLed: SIGTERM (a meshrun worker saves its preemption checkpoint), SIGKILL 10 s
     # later. Measured here: how long the workers lasted, and any still running after 30 s.
     killed_at = time.monotonic()

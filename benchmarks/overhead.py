@@ -432,8 +432,8 @@ def mode_secret_parts(args: argparse.Namespace) -> dict[str, Any]:
     from torch.distributed.elastic.rendezvous.registry import get_rendezvous_handler
 
     from meshrun.launch.multinode.handshake import publish_attempt
-    from meshrun.launch.rdzv_signed import forget_store, listen_store, new_nonce, register
-    from meshrun.launch.secret import resolve
+    from meshrun.launch.trust.rendezvous import forget_store, listen_store, new_nonce, register
+    from meshrun.launch.trust.secret import resolve
     from meshrun.runtime.ports import free_port
     from meshrun.runtime.secret import NONCE_ENV, SECRET_ENV
 

@@ -2,7 +2,7 @@
 
 The real parts: torch's ``TCPStore`` server (in a process of its own, so its CPU can be read
 from /proc), torch's ``DynamicRendezvousHandler`` (join, rounds, keep-alive), over meshrun's
-signed backend (``launch/rdzv_signed.py``, wrapped as ``create_signed_handler`` wraps it) or
+signed backend (``launch/trust/rendezvous.py``, wrapped as ``create_signed_handler`` wraps it) or
 torch's own c10d backend. What is simulated: each agent is a thread of this process with a
 TCPStore client of its own and a node address of its own (``10.x.y.z``); no worker starts.
 
@@ -45,7 +45,7 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousPa
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-from meshrun.launch.rdzv_signed import SignedBackend
+from meshrun.launch.trust.rendezvous import SignedBackend
 from meshrun.runtime.secret import SECRET_ENV, from_env
 
 KEEP_ALIVE_S, KEEP_ALIVE_TRIES, LAST_CALL_S = 5, 3, 1  # torch's defaults but the last call's 30
@@ -146,7 +146,7 @@ def _held(handler: RendezvousHandler) -> RendezvousHandler:
     """As ``create_signed_handler`` wraps it; an older checkout (a "before" figure) has no
     wrapper."""
     try:
-        from meshrun.launch.rdzv_port import HeldPortHandler
+        from meshrun.launch.agent.store_port import HeldPortHandler
     except ImportError:
         return handler
     return HeldPortHandler(handler)

@@ -253,7 +253,7 @@ def test_the_guard_stops_its_command_and_orphans_when_stdin_closes(tmp_path: Pat
         "print(p.pid, flush=True); time.sleep(300)"
     )
     guard = subprocess.Popen(
-        [sys.executable, "-m", "meshrun.launch.guard", "--", sys.executable, "-c", child],
+        [sys.executable, "-m", "meshrun.launch.hostfile.guard", "--", sys.executable, "-c", child],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
     )

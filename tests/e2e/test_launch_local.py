@@ -19,18 +19,18 @@ from typing import Any
 import pytest
 
 from meshrun.config import LaunchConfig
-from meshrun.launch.local import (
+from meshrun.launch.agent.failures import (
+    describe_exit,
+    find_attempt_dir,
+    order_failures,
+    summarize_failures,
+)
+from meshrun.launch.agent.local import (
     LaunchSpec,
     build_torchrun_args,
     default_nproc_per_node,
     launch_local,
     start_line,
-)
-from meshrun.launch.summary import (
-    describe_exit,
-    find_attempt_dir,
-    order_failures,
-    summarize_failures,
 )
 from meshrun.runtime.ports import free_port
 
@@ -312,7 +312,7 @@ def test_ctrl_c_stops_the_workers_and_returns_130(tmp_path: Path) -> None:
     # In a subprocess: the signal must reach a launcher, not pytest.
     code = (
         "import sys\n"
-        "from meshrun.launch.local import LaunchSpec, launch_local\n"
+        "from meshrun.launch.agent.local import LaunchSpec, launch_local\n"
         f"spec = LaunchSpec(procs_per_node=2, script={str(SCRIPTS / 'sleep_until_stopped.py')!r},"
         f" run_dir={str(tmp_path)!r})\n"
         "sys.exit(launch_local(spec))\n"

@@ -1,4 +1,4 @@
-"""A SIGKILLed ``meshrun launch`` takes its workers with it (launch/orphans.py, Linux).
+"""A SIGKILLed ``meshrun launch`` takes its workers with it (launch/agent/orphans.py, Linux).
 
 torch elastic starts each worker in its own session, so before the guard a ``kill -9`` of the
 launcher (or of its process group) left them running. First the guard alone, under a small
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.launch.orphans import TOKEN_ENV, job_processes, signal_job
+from meshrun.launch.agent.orphans import TOKEN_ENV, job_processes, signal_job
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux /proc")
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -33,7 +33,7 @@ DEADLINE_S = 60.0  # generous on a loaded 2-core machine: the grace is 10 s (2 s
 # SIGTERM that came before the shell ran its trap would end that worker at the first signal.
 FAKE_LAUNCHER = """
 import os, signal, subprocess, sys, time
-from meshrun.launch.orphans import TOKEN_ENV, orphan_guard
+from meshrun.launch.agent.orphans import TOKEN_ENV, orphan_guard
 def ignore_term():
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
 with orphan_guard(grace_s=2.0):

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 import netns
-from meshrun.launch.agent_watch import EXIT_AFTER_S, RDZV_GRACE_S
+from meshrun.launch.agent.watch import EXIT_AFTER_S, RDZV_GRACE_S
 
 pytestmark = pytest.mark.slow
 SCRIPTS = Path(__file__).parent / "scripts"
@@ -315,7 +315,7 @@ def test_a_host_cut_off_from_the_network_exits(tmp_path: Path, how: str) -> None
             bound_s = EXIT_AFTER_S + STARTUP_S
         else:
             # The worker's watchdog ends it after the step timeout; the launcher leaves once no
-            # worker has run for the join timeout + RDZV_GRACE_S (agent_watch.py).
+            # worker has run for the join timeout + RDZV_GRACE_S (launch/agent/watch.py).
             bound_s = step_timeout_s + join_s + RDZV_GRACE_S + STARTUP_S
         rc, out = cluster.wait(1, bound_s)  # a host that does not leave fails here
         pids = subprocess.run(

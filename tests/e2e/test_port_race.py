@@ -1,5 +1,5 @@
 """No port race at launch: the workers' store port (MASTER_PORT) is held from the moment the
-rendezvous chooses it until rank 0 listens on it (launch/rdzv_port.py).
+rendezvous chooses it until rank 0 listens on it (launch/agent/store_port.py).
 
 torch picks MASTER_PORT by binding port 0 and closing it; rank 0 binds it again seconds later.
 A thread binding port 0 over and over on the same machine took it in 3 of 5 launches before
@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from torch.distributed import TCPStore
 
-from meshrun.launch.rdzv_port import hold_port
+from meshrun.launch.agent.store_port import hold_port
 
 DRIVER = Path(__file__).parent / "scripts" / "port_race_launches.py"
 

@@ -14,8 +14,8 @@ from typing import Any
 
 import pytest
 
-from meshrun.launch.agent_watch import AgentWatch, describe_failures
-from meshrun.launch.summary import HangStates, summarize_failures
+from meshrun.launch.agent.failures import HangStates, summarize_failures
+from meshrun.launch.agent.watch import AgentWatch, describe_failures
 from meshrun.monitor.watchdog import (
     ENDED_FILE,
     HANG_DIR,

@@ -334,7 +334,7 @@ def check(src: Path, doc_text: str) -> list[str]:
 
 def test_the_scanner_sees_lazy_and_relative_imports() -> None:
     graph = import_graph()
-    assert "meshrun.launch.local" in graph["meshrun.cli.diagnose"]  # inside a function
+    assert "meshrun.launch.agent.local" in graph["meshrun.cli.diagnose"]  # inside a function
     assert "meshrun.config" in graph["meshrun"]
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 

@@ -16,7 +16,7 @@ import yaml
 from meshrun.cli.main import main
 from meshrun.config import ConfigError
 from meshrun.launch.k8s.render import KINDS, K8sJob, check_job, render
-from meshrun.launch.secret import resolve
+from meshrun.launch.trust.secret import resolve
 from meshrun.runtime.secret import SECRET_ENV
 
 pytestmark = pytest.mark.timeout(60)

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from meshrun.config import LaunchConfig, launch_values
-from meshrun.launch import local
+from meshrun.launch.agent import local
 from meshrun.launch.spec import LaunchSpec
 
 PARSERS = ("nnodes_range", "parse_endpoint", "parse_rdzv_conf")

@@ -9,7 +9,7 @@ import pytest
 
 from meshrun.cli.main import main
 from meshrun.config import Config, ConfigError, LaunchConfig
-from meshrun.launch.local import LaunchSpec, build_torchrun_args, start_line
+from meshrun.launch.agent.local import LaunchSpec, build_torchrun_args, start_line
 from meshrun.launch.multinode import netif
 from meshrun.launch.multinode import nodes as multinode
 

@@ -14,7 +14,7 @@ import pytest
 from meshrun.cli.main import main
 from meshrun.cli.ray import ray_backend
 from meshrun.config import Config, ConfigError
-from meshrun.launch.ray.summary import DIED, read_failures, summarize
+from meshrun.launch.ray.failures import DIED, read_failures, summarize
 
 
 @pytest.mark.parametrize(

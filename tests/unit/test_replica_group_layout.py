@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-import meshrun.launch.local
+import meshrun.launch.agent.local
 from meshrun.cli.main import main
 from meshrun.config import ConfigError, grad_accumulation, load_config, validate_for_world
 from meshrun.launch.prepare import prepare
@@ -30,7 +30,9 @@ def _launch(
     script = tmp_path / "train.py"
     script.write_text("")
     specs: list[Any] = []
-    monkeypatch.setattr(meshrun.launch.local, "launch_local", lambda spec: specs.append(spec) or 0)
+    monkeypatch.setattr(
+        meshrun.launch.agent.local, "launch_local", lambda spec: specs.append(spec) or 0
+    )
     argv = ["launch", "--replica-groups", str(groups), "--nproc-per-node", "8", *flags.split()]
     return main([*argv, str(script), f"--job.run_dir={tmp_path / 'run'}", *keys]), specs
 

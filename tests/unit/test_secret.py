@@ -19,8 +19,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 import sockets
 from meshrun.launch.multinode.handshake import Handshake, HandshakeError, JoinTarget, NodeInfo
-from meshrun.launch.rdzv_signed import SignedBackend, forget_store, listen_store
-from meshrun.launch.secret import SECRET_FILE_ENV, resolve
+from meshrun.launch.trust.rendezvous import SignedBackend, forget_store, listen_store
+from meshrun.launch.trust.secret import SECRET_FILE_ENV, resolve
 from meshrun.runtime.secret import SECRET_ENV, JobSecret, SecretError, sanitize
 
 SECRET = JobSecret(b"0123456789abcdef0123456789abcdef", "test")

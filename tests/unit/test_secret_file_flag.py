@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from meshrun.launch.hostfile.remote import job_secret
-from meshrun.launch.secret import SECRET_FILE_ENV, resolve, use_secret_file
+from meshrun.launch.trust.secret import SECRET_FILE_ENV, resolve, use_secret_file
 from meshrun.runtime.secret import SECRET_ENV, SecretError
 
 pytestmark = pytest.mark.timeout(30)

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.launch.secret import SECRET_FILE_ENV, resolve
 from meshrun.launch.slurm.submit import SubmitSpec, render_sbatch
+from meshrun.launch.trust.secret import SECRET_FILE_ENV, resolve
 from meshrun.runtime.secret import SECRET_ENV
 
 pytestmark = pytest.mark.timeout(60)

@@ -15,7 +15,7 @@ from meshrun.cli import torchrun as cli_torchrun
 from meshrun.cli.main import build_parser, main
 from meshrun.cli.torchrun import resolve
 from meshrun.config import ConfigError, LaunchConfig
-from meshrun.launch.local import LaunchSpec, build_torchrun_args
+from meshrun.launch.agent.local import LaunchSpec, build_torchrun_args
 from meshrun.launch.torchrun_flags import FLAGS, OTHER_FLAGS, REFUSED, Flag, flag_argv
 
 pytestmark = pytest.mark.timeout(30)

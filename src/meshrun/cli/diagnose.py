@@ -33,7 +33,7 @@ BENCH_WORKER = "meshrun.diagnose.bench_worker"
 def cmd_bench(a: argparse.Namespace) -> int:
     from meshrun.config import ConfigError
     from meshrun.diagnose.bench_request import BenchRequest
-    from meshrun.launch.local import default_nproc_per_node, launch_local
+    from meshrun.launch.agent.local import default_nproc_per_node, launch_local
 
     nproc = a.nproc_per_node or default_nproc_per_node()
     cfg, nodes = _bench_config(a, nproc)
@@ -172,7 +172,7 @@ def cmd_doctor(a: argparse.Namespace) -> int:
 def options_from_args(a: argparse.Namespace) -> DoctorOptions:
     """Flags first, then the config file's keys, then defaults."""
     from meshrun.config import ConfigError, load_config
-    from meshrun.launch.local import default_nproc_per_node
+    from meshrun.launch.agent.local import default_nproc_per_node
 
     cfg = load_config(a.config, list(getattr(a, "overrides", [])))
     launch: Any = cfg.launch

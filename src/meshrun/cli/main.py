@@ -39,7 +39,7 @@ from meshrun.runtime.logs import say_error
 
 
 def _nproc(flag: int | None, cfg: Config) -> int:
-    from meshrun.launch.local import default_nproc_per_node
+    from meshrun.launch.agent.local import default_nproc_per_node
 
     n = flag if flag is not None else cfg.launch.nproc_per_node or default_nproc_per_node()
     if n < 1:
@@ -119,7 +119,7 @@ def _check_target(target: str, module: str | None, no_python: bool | None) -> No
 
 
 def _use_secret_file(path: str) -> None:
-    from meshrun.launch.secret import use_secret_file
+    from meshrun.launch.trust.secret import use_secret_file
     from meshrun.runtime.secret import SecretError
 
     try:

@@ -111,7 +111,7 @@ def _one_node(launch: LaunchConfig, nproc: int) -> LaunchConfig:
 def run_scale_test(req: ScaleRequest) -> int:
     """Run every size one after the other, then write OUT/report; the exit status."""
     from meshrun.config import write_config
-    from meshrun.launch.local import launch_local
+    from meshrun.launch.agent.local import launch_local
     from meshrun.launch.spec import LaunchSpec
 
     require_script("scale-test", req.target, req.module)

@@ -82,7 +82,7 @@ def launch(
 ) -> int:
     """Check and resolve ``cfg`` for ``nproc`` processes per node, claim its run directory,
     write the resolved config there and run the job through torchrun's agent."""
-    from meshrun.launch.local import launch_local
+    from meshrun.launch.agent.local import launch_local
     from meshrun.launch.multinode.nodes import shared_digest, shared_settings
     from meshrun.launch.rundir import claim_run_dir
 

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from meshrun.config import CONFIG_ENV, Config, apply_overrides, load_config, validate_for_world
 from meshrun.config import write_config as write_config_file
-from meshrun.launch.secret import resolve
+from meshrun.launch.trust.secret import resolve
 from meshrun.runtime.logs import say_launch
 from meshrun.runtime.ports import LOCAL_HOST, free_port
 from meshrun.runtime.secret import SECRET_ENV
@@ -135,16 +135,16 @@ def _start_group(
     tail = [f"--{k}={v}" for k, v in group_pairs(cfg, plan.groups, index, lighthouse, nproc)]
     argv = [*plan.argv_for(index, str(run_dir), str(path)), *tail]
     env = {**os.environ, **plan.extra_env, CONFIG_ENV: str(path.resolve())}
-    # The restarts need it (environment.py's SHARE_STORE_ENV); OMP threads: cores / processes.
+    # The restarts need it (agent/environment.py's SHARE_STORE_ENV); OMP threads: cores / processes.
     env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     cores = max(1, (os.cpu_count() or 1) // plan.nproc_per_node)
     env.setdefault("OMP_NUM_THREADS", str(cores))
     env.setdefault("RUST_LOG", "warn")  # torchft's servers log every quorum at info
     say_launch(f"group {index}: {nproc} process(es), run dir {run_dir}")
     # torchrun with meshrun's signed rendezvous: its store bound to the group's endpoint
-    # (loopback), its state signed JSON, never a pickle read back (launch/rdzv_signed.py).
+    # (loopback), its state signed JSON, never a pickle read back (launch/trust/rendezvous.py).
     return subprocess.Popen(
-        [sys.executable, "-m", "meshrun.launch.rdzv_signed", *argv],
+        [sys.executable, "-m", "meshrun.launch.trust.rendezvous", *argv],
         env=env,
         start_new_session=True,
     )

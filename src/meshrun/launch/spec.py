@@ -67,7 +67,7 @@ class LaunchSpec:
     rendezvous: Rendezvous = field(default_factory=Rendezvous)
     # The plain [launch] keys (LaunchConfig checked them): restarts, threads, network, timeout.
     max_restarts: int = 0
-    omp_num_threads: int = 0  # 0: cores / processes (launch/environment.py)
+    omp_num_threads: int = 0  # 0: cores / processes (launch/agent/environment.py)
     interface: str = ""
     join_timeout_s: float = 300.0
     script: str | None = None  # path of a Python script, or

@@ -4,7 +4,7 @@ and the one sanitizer for the text a stranger may have written.
 One random key per job that every node's launcher holds and exports to its workers as
 ``MESHRUN_JOB_SECRET``: what meshrun reads back from a store or a peer anyone can reach (the
 rendezvous state, the handshake's records, a torchft quorum, a heal's checkpoint) is trusted
-only when it carries an HMAC made with it. ``launch/secret.py`` resolves where the key comes
+only when it carries an HMAC made with it. ``launch/trust/secret.py`` resolves where the key comes
 from (the environment, a file, the run directory); ``ft/auth.py`` checks a quorum's
 participants with it; both read the names here. Standard library only: nothing here imports
 torch.
@@ -32,7 +32,7 @@ __all__ = [
 ]
 
 SECRET_ENV = "MESHRUN_JOB_SECRET"
-# The launch's nonce, which every signed rendezvous state carries (launch/rdzv_signed.py): one
+# The launch's nonce, which every signed rendezvous state carries (launch/trust/rendezvous.py): one
 # per launch, so a state signed in an earlier run with the same (reused) secret is refused.
 NONCE_ENV = "MESHRUN_RDZV_NONCE"
 MIN_CHARS = 16  # a secret shorter than this is guessable; 64 hex chars are generated

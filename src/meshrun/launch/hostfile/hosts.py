@@ -25,7 +25,7 @@ from meshrun.config import ConfigError
 DEFAULT_RDZV_PORT = 29500  # torchrun's own default
 SSH_CONNECT_TIMEOUT_S = 5
 SSH_ENV = "MESHRUN_SSH"  # extra ssh arguments, shell-quoted, e.g. "-i ~/.ssh/cluster_key"
-GUARD_MODULE = "meshrun.launch.guard"
+GUARD_MODULE = "meshrun.launch.hostfile.guard"
 READ_SECRET = 'IFS= read -r MESHRUN_JOB_SECRET && export MESHRUN_JOB_SECRET && exec "$@"'
 
 # What reaches the remote meshrun launch: what configures meshrun, threads, the collective

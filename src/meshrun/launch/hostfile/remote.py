@@ -1,7 +1,7 @@
 """Run a ``HostfilePlan`` over ssh: check the hosts, start one launch per host, stream their
 output with a ``[host]`` prefix, and stop them all when one fails or on Ctrl-C/SIGTERM.
 
-Stopping a host means closing its ssh client's stdin: the remote guard (``launch/guard.py``)
+Stopping a host means closing its ssh client's stdin: the remote guard (``launch/hostfile/guard.py``)
 sees the channel end and stops that host's ``meshrun launch`` (which stops its workers), so the
 host's last lines still arrive. A host that has not exited after ``STOP_GRACE_S`` gets its ssh
 client terminated, which ends the channel just the same.
@@ -32,7 +32,7 @@ from meshrun.launch.hostfile.hosts import (
     remote_command,
     ssh_argv,
 )
-from meshrun.launch.secret import SECRET_FILE_ENV, resolve
+from meshrun.launch.trust.secret import SECRET_FILE_ENV, resolve
 from meshrun.runtime.secret import SECRET_ENV, SecretError
 
 CHECK_TIMEOUT_S = 15.0  # per host, all hosts in parallel; ssh's own ConnectTimeout is shorter

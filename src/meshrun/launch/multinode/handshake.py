@@ -9,7 +9,7 @@ all agree and continue, or every node stops with the same message naming the hos
 
 The store is the one the agent's rendezvous uses: on the endpoint's node meshrun creates it
 before the agent, listening on the endpoint's address only, and the agent's ``meshrun``
-rendezvous (``rdzv_signed.py``) uses that very store in-process. Keys live under
+rendezvous (``launch/trust/rendezvous.py``) uses that very store in-process. Keys live under
 ``meshrun/<rdzv_id>/<attempt>/``, where the attempt is a token the host draws when it starts,
 so records of an earlier launch on a long-lived store never count.
 
@@ -231,7 +231,7 @@ def open_store(
     only (the agent's ``meshrun`` rendezvous uses this very store), else a client that
     retries for ``timeout_s`` and then explains what to check."""
     if is_host:
-        from meshrun.launch.rdzv_signed import listen_store
+        from meshrun.launch.trust.rendezvous import listen_store
 
         try:
             return listen_store(host, port, timeout_s)

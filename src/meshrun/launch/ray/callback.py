@@ -9,7 +9,7 @@ from typing import Any
 
 from ray.train import UserCallback
 
-from meshrun.launch.ray.summary import read_failures
+from meshrun.launch.ray.failures import read_failures
 
 __all__ = ["RestartAnnouncer"]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from meshrun.config import ConfigError
 from meshrun.launch.hostfile.hosts import forwarded_env
-from meshrun.launch.ray.summary import read_failures, summarize
+from meshrun.launch.ray.failures import read_failures, summarize
 from meshrun.launch.ray.worker import WorkerTask, train_fn
 
 __all__ = ["RayLaunchSpec", "import_ray", "launch_ray"]

@@ -299,7 +299,7 @@ def apply_to_launch(given: Given, env: Mapping[str, str]) -> Given:
 
 
 def _cpu_default() -> int:
-    from meshrun.launch.local import default_nproc_per_node
+    from meshrun.launch.agent.local import default_nproc_per_node
 
     return default_nproc_per_node()
 

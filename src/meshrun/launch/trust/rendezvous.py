@@ -124,7 +124,7 @@ def signed_backend_argv(argv: list[str]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """``python -m meshrun.launch.rdzv_signed TORCHRUN_ARGS``: torchrun with the signed
+    """``python -m meshrun.launch.trust.rendezvous TORCHRUN_ARGS``: torchrun with the signed
     rendezvous (for launchers that start the agent as a process of its own); the secret
     comes from ``MESHRUN_JOB_SECRET``."""
     from torch.distributed.run import main as torchrun_main
@@ -146,7 +146,7 @@ def launch_nonce(environ: dict[str, str] | None = None) -> str:
     if not value:
         raise RendezvousStateError(
             f"{NONCE_ENV} is not set: the signed rendezvous binds its state to one launch; "
-            "start the job with meshrun launch (or python -m meshrun.launch.rdzv_signed)"
+            "start the job with meshrun launch (or python -m meshrun.launch.trust.rendezvous)"
         )
     return value
 
@@ -155,8 +155,8 @@ def create_signed_handler(params: RendezvousParameters) -> RendezvousHandler:
     """torch's dynamic handler over the signed backend; the store the workers' bootstrap
     keys go to is prefixed with a name derived from the secret, so a stranger's agent on the
     same store (plain c10d) never meets this job's keys. The workers' store port is held
-    from the moment it is chosen (``rdzv_port.py``)."""
-    from meshrun.launch.rdzv_port import HeldPortHandler
+    from the moment it is chosen (``launch/agent/store_port.py``)."""
+    from meshrun.launch.agent.store_port import HeldPortHandler
 
     secret = from_env()
     store = _store_for(params)

@@ -39,8 +39,8 @@ from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
-from meshrun.launch.guard import descendants
-from meshrun.launch.orphans import orphan_guard
+from meshrun.launch.agent.orphans import orphan_guard
+from meshrun.launch.hostfile.guard import descendants
 from meshrun.monitor.watchdog import EXIT_HANG, local_workers
 
 RDZV_GRACE_S = 10.0  # beyond the join timeout: torch's own rendezvous timeout comes first
@@ -53,7 +53,7 @@ _STOP_SIGNALS = {int(s) for s in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, 
 def describe_failures(failures: Mapping[int, Any], limit: int = 4) -> str:
     """``rank 1: exit code 1, rank 0: exit code 124 (hang watchdog)`` from ProcessFailures.
     The ranks the agent itself stopped with SIGTERM (after the first failure) are left out."""
-    from meshrun.launch.summary import signal_name  # on a failure only
+    from meshrun.launch.agent.failures import signal_name  # on a failure only
 
     causes = {r: f for r, f in failures.items() if int(f.exitcode) != -signal.SIGTERM}
     failures = causes or failures

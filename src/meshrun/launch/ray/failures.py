@@ -1,5 +1,5 @@
 """The failure summary of a ``meshrun ray launch`` job: the rank that failed first, its host,
-cause and traceback, as ``meshrun launch`` prints for torchrun (summary.py).
+cause and traceback, as ``meshrun launch`` prints for torchrun (launch/agent/failures.py).
 
 Ray reports which workers failed (``WorkerGroupError.worker_failures``: world rank ->
 exception); each worker left ``RUN_DIR/logs/ray/rank<r>/`` files (launch/ray/worker.py): where it ran,
@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from meshrun.launch.summary import RULE, TRACEBACK_LINES, describe_exit
+from meshrun.launch.agent.failures import RULE, TRACEBACK_LINES, describe_exit
 
 __all__ = ["RankFailure", "read_failures", "summarize"]
 

@@ -1,4 +1,4 @@
-"""``python -m meshrun.launch.guard -- CMD...``: run CMD until the ssh session that started it ends.
+"""``python -m meshrun.launch.hostfile.guard -- CMD...``: run CMD until the ssh session that started it ends.
 
 A remote command started by ``ssh`` without a terminal gets no signal when the ssh client
 dies: it would keep training, orphaned. ``meshrun launch --hostfile`` therefore starts each
@@ -100,7 +100,9 @@ def main(argv: list[str]) -> int:
     if argv[:1] == ["--"]:
         argv = argv[1:]
     if not argv:
-        print("usage: python -m meshrun.launch.guard -- COMMAND [ARGS...]", file=sys.stderr)
+        print(
+            "usage: python -m meshrun.launch.hostfile.guard -- COMMAND [ARGS...]", file=sys.stderr
+        )
         return 2
     return run_guarded(argv)
 

@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     import subprocess
 
 TOKEN_ENV = "MESHRUN_JOB_TOKEN"
-GRACE_S = 10.0  # SIGTERM -> SIGKILL, as the launcher's own SIGTERM path (agent_watch)
+GRACE_S = 10.0  # SIGTERM -> SIGKILL, as the launcher's own SIGTERM path (watch.py)
 DONE = b"done\n"
 _POLL_S = 0.1
 # An empty environ of a live process is read again this often (execve takes well under 1 ms

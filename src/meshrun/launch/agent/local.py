@@ -5,7 +5,7 @@ to ``torch.distributed.run`` in this process (as ``accelerate launch`` does), so
 get the real agent: c10d rendezvous, restarts, per-rank logs. What meshrun adds is
 around it: sane defaults (a free local port, OMP threads per process), the one config
 channel to the workers (``MESHRUN_CONFIG``), a one-line banner, and on failure a
-one-screen summary naming the rank that failed first (see ``summary.py``).
+one-screen summary naming the rank that failed first (see ``failures.py``).
 """
 
 from __future__ import annotations
@@ -22,7 +22,8 @@ from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from typing import TYPE_CHECKING, Any
 
-from meshrun.launch.environment import launch_environment, restored_environ
+from meshrun.launch.agent.environment import launch_environment, restored_environ
+from meshrun.launch.agent.orphans import orphan_guard
 from meshrun.launch.multinode import nodes as multinode
 from meshrun.launch.multinode.handshake import (
     Handshake,
@@ -33,11 +34,10 @@ from meshrun.launch.multinode.handshake import (
 )
 from meshrun.launch.multinode.netif import NetworkError
 from meshrun.launch.multinode.nodes import NetworkPlan
-from meshrun.launch.orphans import orphan_guard
 from meshrun.launch.rundir import claim_run_dir
-from meshrun.launch.secret import resolve
 from meshrun.launch.spec import LaunchSpec, Rendezvous
 from meshrun.launch.torchrun_flags import FLAGS
+from meshrun.launch.trust.secret import resolve
 from meshrun.monitor.watchdog import hang_report, hang_states, watch_for_hangs
 from meshrun.runtime.logs import one_line, say_error, say_launch
 from meshrun.runtime.ports import LOCAL_HOST, free_port
@@ -169,7 +169,7 @@ def _launch(spec: LaunchSpec) -> int:
 def _launch_nonce() -> Iterator[None]:
     """A nonce for this launch, in the environment the agent (in-process, or a replica
     group's process) reads: the signed rendezvous refuses states of any other launch
-    (launch/rdzv_signed.py). Several nodes replace it with the handshake's attempt token.
+    (launch/trust/rendezvous.py). Several nodes replace it with the handshake's attempt token.
     The whole environment is put back afterwards, whichever path the launch took: tests and
     tools launch in-process, one launch after another."""
     with restored_environ():
@@ -200,7 +200,7 @@ def _local_store(spec: LaunchSpec) -> Iterator[int]:
     if spec.rdzv_backend != "c10d":
         yield free_port()
         return
-    from meshrun.launch.rdzv_signed import forget_store, listen_store
+    from meshrun.launch.trust.rendezvous import forget_store, listen_store
 
     store = listen_store(LOCAL_HOST, 0, timeout_s=max(60.0, spec.join_timeout_s))
     publish_attempt(store, spec.rendezvous.rdzv_id, from_env())
@@ -261,7 +261,7 @@ def _run_multinode(
     try:
         return _run_agent(argv, spec, known_runs, network)
     finally:
-        from meshrun.launch.rdzv_signed import forget_store
+        from meshrun.launch.trust.rendezvous import forget_store
 
         forget_store(store)
         del store
@@ -350,8 +350,8 @@ def _run_agent(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import get_args_parser, run
 
-    from meshrun.launch.agent_watch import RDZV_GRACE_S, watched_agent
-    from meshrun.launch.rdzv_signed import signed_backend_argv
+    from meshrun.launch.agent.watch import RDZV_GRACE_S, watched_agent
+    from meshrun.launch.trust.rendezvous import signed_backend_argv
 
     started = time.time()  # hang files older than this are from an earlier run
     stop_watch = threading.Event()
@@ -383,7 +383,7 @@ def _report_failure(
     failures: Mapping[int, Any], spec: LaunchSpec, known_runs: set[str], started: float
 ) -> int:
     # Read only when a run failed: a launch that succeeds never imports the summary.
-    from meshrun.launch.summary import HangStates, find_attempt_dir, summarize_failures
+    from meshrun.launch.agent.failures import HangStates, find_attempt_dir, summarize_failures
 
     attempt_dir = find_attempt_dir(spec.log_dir, spec.rendezvous.rdzv_id, known_runs)
     ended, waiting = hang_states(spec.run_dir, started)
