@@ -26,7 +26,7 @@ from test_layouts_pp import lm_loss
 from _dist import run_distributed
 from meshrun.config import Config, MonitorConfig, ParallelConfig, check_layout
 from meshrun.parallel import parallelize, parallelize_pipeline, pipeline_step
-from meshrun.runtime.cluster import ClusterEnv
+from meshrun.runtime.launcher_env import LauncherEnv
 from meshrun.runtime.mesh import ParallelDims, build_mesh
 from meshrun.train.loop import StepLoop
 from meshrun.train.startup import build_machinery
@@ -47,7 +47,7 @@ def make_loop(rank: int, run_dir: str, steps: int, dp: int) -> StepLoop:
     cfg.metrics.log_every, cfg.metrics.progress = 1, False
     cfg.data.micro_batch, cfg.data.global_batch = MICRO, MICRO * dp
     cfg.monitor = MonitorConfig(comm_sample_every=EVERY, straggler_every=0, step_timeout_s=0)
-    env = ClusterEnv("torchelastic", rank, 2, rank, 2, 0, "127.0.0.1", 0, "localhost")
+    env = LauncherEnv("torchelastic", rank, 2, rank, 2, 0, "127.0.0.1", 0, "localhost")
     return StepLoop(build_machinery(cfg, Path(run_dir), 1, CPU, None, env))
 
 

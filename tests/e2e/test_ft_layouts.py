@@ -93,15 +93,17 @@ def test_pipeline_inside_replica_groups_trains_what_plain_pp_trains(
     assert _check_pp_samples(groups) == STEPS * 16
 
 
-def _kill_one_of_two(run_dir: Path, kill: int, *keys: str) -> None:
+def _kill_one_of_two(run_dir: Path, kill: int, *keys: str, lost: int = 1) -> None:
     """One launch of 2 groups x 2 ranks reading one batch per group (PP stages, TP ranks)
-    where group 1's rank 0 dies at step ``kill``: group 0's two processes keep their PIDs and
-    that step does not commit on them, group 1 restarts both and heals both ranks from the
-    same ranks of group 0, every rank ends bitwise equal to its peer, each sample once."""
-    env = {"FT_KILL_STEPS": f"1:{kill}", "FT_HOLD_AT": str(STEPS - 3)}
+    where group ``lost``'s rank 0 dies at step ``kill``: the other group's two processes keep
+    their PIDs, that step does not commit on them, and they record the steps they take alone
+    (``live_groups`` 1: group 0 is no special writer); the lost group restarts both and heals
+    both ranks from the same ranks of its peer, every rank ends bitwise equal to its peer,
+    each sample once."""
+    env = {"FT_KILL_STEPS": f"{lost}:{kill}", "FT_HOLD_AT": str(STEPS - 3)}
     flags = [*PP, "--replica-groups", "2", "--max-restarts", "2"]
     _launch(run_dir, flags, env, 580, *keys, steps=STEPS)
-    survivor, healed = run_dir / "group0", run_dir / "group1"
+    survivor, healed = run_dir / f"group{1 - lost}", run_dir / f"group{lost}"
     assert len(_pids(survivor)) == 2 and len(_pids(healed)) == 4  # one restart of 2 ranks
     for group in (survivor, healed):
         for r in (0, 1):
@@ -114,11 +116,11 @@ def _kill_one_of_two(run_dir: Path, kill: int, *keys: str) -> None:
     } == first
     assert _rank_sums(survivor) == _rank_sums(healed)
     heals = _events(healed, "ft_heal")
-    assert len(heals) == 1 and heals[0]["source"] == "group 0", heals
+    assert len(heals) == 1 and heals[0]["source"] == f"group {1 - lost}", heals
     # Both ranks healed: each rank's own log says from whom (rank 1's state came from
-    # group 0's rank 1: its checksum above).
+    # the survivor's rank 1: its checksum above).
     for r in (0, 1):
-        assert "healed from group 0" in (healed / "logs" / f"rank{r}.log").read_text()
+        assert f"healed from group {1 - lost}" in (healed / "logs" / f"rank{r}.log").read_text()
     broken = [int(e["step"]) for e in _events(survivor, "ft_uncommitted")]  # type: ignore[call-overload]
     assert broken[0] == kill, broken
     alone = [
@@ -161,7 +163,8 @@ def test_a_killed_tensor_parallel_group_heals_both_shards_from_its_peer(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setattr(test_ft, "WORKER", PP_WORKER)
-    _kill_one_of_two(tmp_path, 5, "--parallel.tp=2")
+    # Group 0 is lost: group 1 trains alone and records it (live_groups 1) in its own metrics.
+    _kill_one_of_two(tmp_path, 5, "--parallel.tp=2", lost=0)
 
 
 # heavy: replica groups training like plain DP stay in CI (test_ft.py)

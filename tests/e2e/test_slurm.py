@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 import slurm
-from meshrun.runtime.cluster import slurm_port
+from meshrun.runtime.launcher_env import slurm_port
 
 pytestmark = pytest.mark.slow
 SCRIPTS = Path(__file__).parent / "scripts"

@@ -29,7 +29,7 @@ from meshrun.launch.slurm.submit import (
     render_sbatch,
     time_limit_seconds,
 )
-from meshrun.runtime.cluster import slurm_port
+from meshrun.runtime.launcher_env import slurm_port
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,5 +1,5 @@
 """One process's place in the job, below every subsystem: which launcher started it
-(``cluster``, ``mpi_rendezvous``), its device and backend (``device``), the named DeviceMesh
+(``launcher_env``, ``mpi_rendezvous``), its device and backend (``device``), the named DeviceMesh
 (``mesh``), rank-aware logs, the LR rules (``schedule``), the run directory's lock and
 shared-storage check (``runlock``, ``storage``), host memory (``hostmem``), the shared
 :class:`TrainState` (``state``), the one per-step agreement all-reduce (``agreement``) and the
@@ -10,18 +10,18 @@ from typing import TYPE_CHECKING
 from meshrun._lazy import lazy_exports
 
 if TYPE_CHECKING:
-    from meshrun.runtime.cluster import ClusterEnv, detect
+    from meshrun.runtime.launcher_env import LauncherEnv, detect
     from meshrun.runtime.mesh import ParallelDims
     from meshrun.runtime.state import TrainState
 
 __getattr__ = lazy_exports(
     globals(),
     {
-        "ClusterEnv": "meshrun.runtime.cluster",
-        "detect": "meshrun.runtime.cluster",
+        "LauncherEnv": "meshrun.runtime.launcher_env",
+        "detect": "meshrun.runtime.launcher_env",
         "ParallelDims": "meshrun.runtime.mesh",
         "TrainState": "meshrun.runtime.state",
     },
 )
 
-__all__ = ["ClusterEnv", "ParallelDims", "TrainState", "detect"]
+__all__ = ["LauncherEnv", "ParallelDims", "TrainState", "detect"]

@@ -7,10 +7,10 @@ from __future__ import annotations
 import torch
 
 from meshrun.config import Config, ConfigError
-from meshrun.runtime.cluster import ClusterEnv
+from meshrun.runtime.launcher_env import LauncherEnv
 
 
-def pick_device(cfg: Config, env: ClusterEnv) -> tuple[torch.device, str]:
+def pick_device(cfg: Config, env: LauncherEnv) -> tuple[torch.device, str]:
     """cuda + nccl with one GPU per local rank, else cpu + gloo; never a silent fallback."""
     want, backend = cfg.job.device, cfg.job.backend
     has_cuda = torch.cuda.is_available()

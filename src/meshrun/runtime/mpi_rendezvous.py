@@ -10,8 +10,8 @@ script imported ``mpi4py.MPI`` first, and so owns it): Open MPI's mpirun fails a
 processes called MPI_Init and exit without MPI_Finalize, as ``@meshrun.main``'s ``os._exit``
 does.
 
-Imported by ``cluster.detect`` only for a live environment with no ``MASTER_ADDR``; the pure
-fallbacks (one host, a port from the job id) stay in runtime/cluster.py. docs/mpirun.md.
+Imported by ``launcher_env.detect`` only for a live environment with no ``MASTER_ADDR``; the pure
+fallbacks (one host, a port from the job id) stay in runtime/launcher_env.py. docs/mpirun.md.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ from meshrun.data import ResumableSampler
 from meshrun.monitor.comm import CommHook
 from meshrun.monitor.mfu import ModelFlops, constant_per_token, model_flops
 from meshrun.parallel import build_optimizer, maybe_loss_parallel
-from meshrun.runtime.cluster import ClusterEnv, detect
+from meshrun.runtime.launcher_env import LauncherEnv, detect
 from meshrun.runtime.logs import init_logging, report_uncaught
 from meshrun.runtime.mesh import ParallelDims
 from meshrun.train import data as _data
@@ -66,7 +66,7 @@ class Run:
     lists them); its methods are the calls a training loop makes (docs/porting.md)."""
 
     config: Config
-    cluster: ClusterEnv
+    cluster: LauncherEnv
     rank: int
     world_size: int
     local_rank: int
@@ -83,7 +83,7 @@ class Run:
     _parts: Machinery
     _loop: StepLoop
 
-    def __init__(self, cfg: Config, env: ClusterEnv) -> None:
+    def __init__(self, cfg: Config, env: LauncherEnv) -> None:
         self.config, self.cluster = cfg, env
         self.rank, self.world_size, self.local_rank = env.rank, env.world_size, env.local_rank
         # 1. Every check before any effect: each value (also attributes set after the Config

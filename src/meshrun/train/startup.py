@@ -42,9 +42,9 @@ from meshrun.monitor import MetricsLogger, StepMonitor
 from meshrun.parallel.cp import cp_group
 from meshrun.parallel.optim_params import FormerParams
 from meshrun.runtime.agreement import StepAgreement
-from meshrun.runtime.cluster import ClusterEnv
 from meshrun.runtime.device import pick_device
 from meshrun.runtime.hostmem import set_mmap_threshold
+from meshrun.runtime.launcher_env import LauncherEnv
 from meshrun.runtime.mesh import ParallelDims, build_mesh
 from meshrun.runtime.runlock import claim_at_start, release_rank0
 from meshrun.runtime.state import TrainState
@@ -72,7 +72,7 @@ __all__ = [
 ]
 
 
-def init_process_group(env: ClusterEnv, backend: str, device: torch.device, cfg: Config) -> None:
+def init_process_group(env: LauncherEnv, backend: str, device: torch.device, cfg: Config) -> None:
     if dist.is_initialized():
         return
     if env.kind != "torchelastic":
@@ -181,7 +181,7 @@ def resolve_batch(cfg: Config, world_size: int) -> str:
 
 
 def start_process(
-    cfg: Config, env: ClusterEnv, dims: ParallelDims
+    cfg: Config, env: LauncherEnv, dims: ParallelDims
 ) -> tuple[torch.device, str, DeviceMesh | None]:
     """The device, the process group (when launched distributed) and the mesh over it."""
     device, backend = pick_device(cfg, env)
@@ -222,7 +222,7 @@ def build_machinery(
     accum: int,
     device: torch.device,
     mesh: DeviceMesh | None,
-    env: ClusterEnv,
+    env: LauncherEnv,
 ) -> Machinery:
     """Every part ``Run`` drives, built once and in this order: the metrics logger, the train
     state, the one per-step agreement, this group's torchft Manager (replica groups), the step

@@ -1,7 +1,7 @@
-"""``meshrun.runtime.cluster.detect()`` under an MPI launcher: the first thing ``meshrun.init()`` does,
+"""``meshrun.runtime.launcher_env.detect()`` under an MPI launcher: the first thing ``meshrun.init()`` does,
 without torch's imports (the error paths stop here). Prints what it found."""
 
-from meshrun.runtime.cluster import detect
+from meshrun.runtime.launcher_env import detect
 
 env = detect()
 print(

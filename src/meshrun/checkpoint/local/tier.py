@@ -56,7 +56,7 @@ from meshrun.checkpoint.local.rules import (
 from meshrun.checkpoint.targets import Targets
 from meshrun.config import CheckpointConfig
 from meshrun.monitor import MetricsLogger
-from meshrun.runtime.cluster import detect
+from meshrun.runtime.launcher_env import detect
 
 __all__ = ["LocalTier", "default_local_dir"]
 

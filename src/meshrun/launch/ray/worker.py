@@ -110,7 +110,7 @@ def _start_files(files: Path, rank: int) -> None:
 def _set_env(task: WorkerTask, files: Path) -> None:
     os.environ[CONFIG_ENV] = task.config_path
     os.environ["TORCHELASTIC_ERROR_FILE"] = str(files / "error.json")
-    # cluster.detect reads the node's rank as torchrun names it; Ray names it NODE_RANK.
+    # launcher_env.detect reads the node's rank as torchrun names it; Ray names it NODE_RANK.
     os.environ.setdefault("GROUP_RANK", os.environ.get("NODE_RANK", "0"))
     if os.path.isdir(task.cwd):  # relative paths as on the driver (Ray starts elsewhere)
         os.chdir(task.cwd)
@@ -128,8 +128,8 @@ def _check_backend(task: WorkerTask) -> None:
     would have chosen here, or the run would use another backend than its config says."""
     import torch.distributed as dist
 
-    from meshrun.runtime.cluster import detect
     from meshrun.runtime.device import pick_device
+    from meshrun.runtime.launcher_env import detect
 
     cfg = load_config(task.config_path, split_overrides(task.script_args)[0])
     _, want = pick_device(cfg, detect())

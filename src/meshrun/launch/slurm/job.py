@@ -25,7 +25,7 @@ from typing import TypeVar
 
 from meshrun.config import ConfigError, LaunchConfig
 from meshrun.config.launch_values import nnodes_range
-from meshrun.runtime.cluster import expand_hostlist, slurm_port
+from meshrun.runtime.launcher_env import expand_hostlist, slurm_port
 
 DISABLE_ENV = "MESHRUN_SLURM"  # "0": ignore the allocation, launch as on a plain machine
 T = TypeVar("T")

@@ -3,7 +3,7 @@ before anything is written) and the one call that hands it to ``sbatch``. By def
 script runs ``meshrun launch`` once per node, which derives the topology as launch/slurm/job.py
 describes; ``launcher="mpirun"`` or ``"srun"`` starts every worker directly instead (one SLURM
 task each), and ``meshrun.init()`` reads the ranks from Open MPI's or SLURM's variables
-(runtime/cluster.py, docs/slurm.md)."""
+(runtime/launcher_env.py, docs/slurm.md)."""
 
 from __future__ import annotations
 

@@ -6,7 +6,13 @@ import zlib
 
 import pytest
 
-from meshrun.runtime.cluster import ClusterError, derived_port, detect, expand_hostlist, slurm_port
+from meshrun.runtime.launcher_env import (
+    LauncherEnvError,
+    derived_port,
+    detect,
+    expand_hostlist,
+    slurm_port,
+)
 
 pytestmark = pytest.mark.timeout(10)
 
@@ -58,7 +64,7 @@ def test_torchelastic_env_without_run_id_or_optional_vars() -> None:
 
 
 def test_a_non_integer_rank_is_an_error_naming_the_variable() -> None:
-    with pytest.raises(ClusterError, match="RANK='x'"):
+    with pytest.raises(LauncherEnvError, match="RANK='x'"):
         detect({"RANK": "x", "WORLD_SIZE": "2", "LOCAL_RANK": "0"})
 
 
@@ -117,7 +123,7 @@ def test_slurm_step_nodelist_wins_over_the_job_nodelist() -> None:
 def test_slurm_without_a_nodelist_or_master_addr_is_an_error() -> None:
     env = _slurm_task(0)
     del env["SLURM_JOB_NODELIST"]
-    with pytest.raises(ClusterError, match="MASTER_ADDR"):
+    with pytest.raises(LauncherEnvError, match="MASTER_ADDR"):
         detect(env)
 
 
@@ -217,20 +223,20 @@ def test_derived_ports_are_in_range_and_differ_by_job() -> None:
 
 
 def test_mpi_across_hosts_without_master_addr_names_the_flags_to_pass() -> None:
-    with pytest.raises(ClusterError) as info:
+    with pytest.raises(LauncherEnvError) as info:
         detect(_ompi(0, 4, 2, OMPI_MCA_ess_base_jobid="7"))
     text = str(info.value)
     assert "OMPI_COMM_WORLD_SIZE=4" in text and "OMPI_COMM_WORLD_LOCAL_SIZE=2" in text
     assert "mpirun -x MASTER_ADDR=<address of rank 0's host> -x MASTER_PORT=29500" in text
     assert "pip install 'meshrun[mpi]'" in text
     mpich = {"PMI_RANK": "0", "PMI_SIZE": "4", "MPI_LOCALRANKID": "0", "MPI_LOCALNRANKS": "2"}
-    with pytest.raises(ClusterError, match=r"mpiexec -genv MASTER_ADDR .* -genv MASTER_PORT"):
+    with pytest.raises(LauncherEnvError, match=r"mpiexec -genv MASTER_ADDR .* -genv MASTER_PORT"):
         detect(mpich)
 
 
 def test_mpich_on_one_host_has_no_job_id_so_it_asks_for_the_port_only() -> None:
     env = {"PMI_RANK": "1", "PMI_SIZE": "2", "MPI_LOCALRANKID": "1", "MPI_LOCALNRANKS": "2"}
-    with pytest.raises(ClusterError, match="mpiexec -genv MASTER_PORT 29500") as info:
+    with pytest.raises(LauncherEnvError, match="mpiexec -genv MASTER_PORT 29500") as info:
         detect(env)
     assert "all on this host (rank 0 at 127.0.0.1)" in str(info.value)
     c = detect({**env, "MASTER_PORT": "29612"})
@@ -243,7 +249,7 @@ def test_mpich_on_one_host_has_no_job_id_so_it_asks_for_the_port_only() -> None:
 
 
 def test_mpi_without_a_local_size_is_not_taken_for_one_host() -> None:
-    with pytest.raises(ClusterError, match="MASTER_ADDR") as info:
+    with pytest.raises(LauncherEnvError, match="MASTER_ADDR") as info:
         detect({"OMPI_COMM_WORLD_RANK": "0", "OMPI_COMM_WORLD_SIZE": "2"})
     assert "OMPI_COMM_WORLD_RANK" in str(info.value)
 

@@ -2,7 +2,8 @@
 
 Each detector reads only environment variables, so this module is pure and unit-tested by
 passing a dict (the one exception, rank 0's address of an MPI job asked of MPI itself, lives
-in runtime/mpi_rendezvous.py and runs only on this process's own environment). The runtime turns the result into ``MASTER_ADDR``/``RANK``/... for ``env://``.
+in runtime/mpi_rendezvous.py and runs only on this process's own environment). The runtime
+turns the result into ``MASTER_ADDR``/``RANK``/... for ``env://``.
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 
-class ClusterError(RuntimeError):
+class LauncherEnvError(RuntimeError):
     """The environment describes a job that cannot be started (names the variable to set)."""
 
 
 @dataclass(frozen=True)
-class ClusterEnv:
+class LauncherEnv:
+    """This process's place in its job as its launcher wrote it in the environment (named for
+    the launcher, not a cluster: SLURM's and Ray's clusters are other things)."""
+
     kind: str  # "torchelastic" | "slurm" | "mpi" | "single"
     rank: int
     world_size: int
@@ -41,7 +45,9 @@ def _int(env: Mapping[str, str], name: str) -> int:
     try:
         return int(env[name])
     except ValueError:
-        raise ClusterError(f"environment variable {name}={env[name]!r} is not an integer") from None
+        raise LauncherEnvError(
+            f"environment variable {name}={env[name]!r} is not an integer"
+        ) from None
 
 
 def expand_hostlist(spec: str) -> list[str]:
@@ -70,8 +76,8 @@ def slurm_port(job_id: str) -> int:
     return derived_port(job_id)
 
 
-def _from_torchelastic(env: Mapping[str, str], host: str) -> ClusterEnv:
-    return ClusterEnv(
+def _from_torchelastic(env: Mapping[str, str], host: str) -> LauncherEnv:
+    return LauncherEnv(
         kind="torchelastic",
         rank=_int(env, "RANK"),
         world_size=_int(env, "WORLD_SIZE"),
@@ -84,14 +90,14 @@ def _from_torchelastic(env: Mapping[str, str], host: str) -> ClusterEnv:
     )
 
 
-def _from_slurm(env: Mapping[str, str], host: str) -> ClusterEnv:
+def _from_slurm(env: Mapping[str, str], host: str) -> LauncherEnv:
     nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST", "")
     hosts = expand_hostlist(nodelist)
     if not hosts and "MASTER_ADDR" not in env:
-        raise ClusterError("SLURM job without SLURM_JOB_NODELIST: set MASTER_ADDR")
+        raise LauncherEnvError("SLURM job without SLURM_JOB_NODELIST: set MASTER_ADDR")
     ntasks = _int(env, "SLURM_NTASKS")
     nnodes = int(env.get("SLURM_NNODES", "1"))
-    return ClusterEnv(
+    return LauncherEnv(
         kind="slurm",
         rank=_int(env, "SLURM_PROCID"),
         world_size=ntasks,
@@ -151,19 +157,21 @@ def derive_mpi_master(env: Mapping[str, str], launcher: str) -> tuple[str, int] 
     return None if job is None else ("127.0.0.1", derived_port(job))
 
 
-def mpi_master_error(env: Mapping[str, str], launcher: str, why_not_mpi4py: str) -> ClusterError:
+def mpi_master_error(
+    env: Mapping[str, str], launcher: str, why_not_mpi4py: str
+) -> LauncherEnvError:
     rank_v, size_v, _, lsize_v = _MPI_VARS[launcher]
     world, local = env[size_v], env.get(lsize_v, "unset")
     mpi4py = f"mpi4py could not help ({why_not_mpi4py}); " if why_not_mpi4py else ""
     started = f"started by {launcher}'s launcher ({rank_v} is set) with {size_v}={world}"
     if local == world:  # one host: only the port is missing (MPICH's Hydra sets no job id)
-        return ClusterError(
+        return LauncherEnvError(
             f"{started} processes, all on this host (rank 0 at 127.0.0.1), but no port: "
             f"{mpi4py}{launcher} sets no job id ({' or '.join(MPI_JOB_ID_VARS)}) to derive "
             f"one from. Install mpi4py (pip install 'meshrun[mpi]'), or pass a free port: "
             f"{_PASS_PORT[launcher]}"
         )
-    return ClusterError(
+    return LauncherEnvError(
         f"{started} processes ({lsize_v}={local} on this host), but nothing says where rank 0 "
         f"listens: {mpi4py}the launcher's variables give an address only when every rank is "
         "on one host. Install mpi4py (pip install 'meshrun[mpi]') to let meshrun find it, or "
@@ -192,7 +200,7 @@ def _ask_mpi(env: Mapping[str, str], launcher: str, world: int) -> tuple[str, in
     try:
         found, why = find_endpoint(world, launcher, _MPI_VARS[launcher][1], port)
     except MpiRendezvousError as err:
-        raise ClusterError(str(err)) from None
+        raise LauncherEnvError(str(err)) from None
     if found is not None:
         return found.addr, found.port
     derived = derive_mpi_master(env, launcher)
@@ -209,13 +217,13 @@ def _ask_mpi(env: Mapping[str, str], launcher: str, world: int) -> tuple[str, in
     return derived
 
 
-def _from_mpi(env: Mapping[str, str], host: str, launcher: str, live: bool) -> ClusterEnv:
+def _from_mpi(env: Mapping[str, str], host: str, launcher: str, live: bool) -> LauncherEnv:
     rank_v, size_v, lrank_v, lsize_v = _MPI_VARS[launcher]
     world = _int(env, size_v)
     local_world = _int(env, lsize_v) if lsize_v in env else 1
     rank = _int(env, rank_v)
     addr, port = _mpi_master(env, launcher, live)
-    return ClusterEnv(
+    return LauncherEnv(
         kind="mpi",
         rank=rank,
         world_size=world,
@@ -228,7 +236,7 @@ def _from_mpi(env: Mapping[str, str], host: str, launcher: str, live: bool) -> C
     )
 
 
-def detect(env: Mapping[str, str] | None = None) -> ClusterEnv:
+def detect(env: Mapping[str, str] | None = None) -> LauncherEnv:
     """Detect the launcher from the environment; the first match wins (torchrun inside srun
     is torchrun).
 
@@ -247,7 +255,7 @@ def detect(env: Mapping[str, str] | None = None) -> ClusterEnv:
         return _from_slurm(env, host)
     if launcher:
         return _from_mpi(env, host, launcher, live)
-    return ClusterEnv("single", 0, 1, 0, 1, 0, "127.0.0.1", 0, host)
+    return LauncherEnv("single", 0, 1, 0, 1, 0, "127.0.0.1", 0, host)
 
 
 def _mpi_launcher(env: Mapping[str, str]) -> str:
