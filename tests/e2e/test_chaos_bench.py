@@ -1,7 +1,6 @@
 """benchmarks/chaos.py at CI size: the real benchmark (real ``meshrun launch``, real Gloo
-workers, real SIGKILL and a really corrupted checkpoint file), two faulted runs on 2 DDP ranks
-with a fixed seed, against its uninterrupted reference: both must pass bitwise, finish and
-lose no checkpoint. The full figure (``--n 100``, every fault kind) is in docs/checkpoint.md.
+workers, a really corrupted checkpoint file), one faulted run on 2 DDP ranks with a fixed seed,
+against its uninterrupted reference: it must pass bitwise, finish and lose no checkpoint. The full figure (``--n 100``, every fault kind) is in docs/checkpoint.md.
 Also the benchmark's pure parts: which runs it plans, and its refusal of unknown names."""
 
 from __future__ import annotations
@@ -53,19 +52,21 @@ def test_unknown_fault_is_refused_naming_the_choices() -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_chaos_kill_and_corrupt_runs_match_the_uninterrupted_run(tmp_path: Path) -> None:
+def test_chaos_corrupt_run_matches_the_uninterrupted_run(tmp_path: Path) -> None:
+    # A SIGKILL at a random step, restarted and bitwise equal to the uninterrupted run, is
+    # CI's in tests/e2e/test_resume_chaos.py; here the benchmark's own path: its reference, a
+    # faulted run, the bitwise check and the recovery time, on the fault that test lacks.
     out = tmp_path / "chaos.json"
-    argv = [sys.executable, str(SCRIPT), "--n", "2", "--faults", "kill_step,corrupt"]
+    argv = [sys.executable, str(SCRIPT), "--n", "1", "--faults", "corrupt"]
     argv += ["--configs", "ddp2", "--seed", "1", "--steps", "12", "--interval", "3"]
     argv += ["--dir", str(tmp_path / "runs"), "--json", str(out), "--timeout", "180"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=580)
     print(done.stdout)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "chaos: 2/2 runs passed" in done.stdout
+    assert "chaos: 1/1 runs passed" in done.stdout
     runs = json.loads(out.read_text())["runs"]
-    assert [r["fault"] for r in runs] == ["kill_step", "corrupt"]
+    assert [r["fault"] for r in runs] == ["corrupt"]
     for r in runs:
         assert r["bitwise"] and r["finished"] and r["lost"] == 0, r
         assert r["recovery_s"] is not None and r["recovery_s"] > 0, r
-    assert runs[0]["group_starts"] == 2  # the agent restarted the group once, by itself
-    assert runs[1]["exit_codes"] == [0, 0]  # the run, then the rerun after the corruption
+    assert runs[0]["exit_codes"] == [0, 0]  # the run, then the rerun after the corruption
