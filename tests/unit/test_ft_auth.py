@@ -3,7 +3,7 @@
 - the tagged replica ids (ft/auth.py): this job's verify, another key's, a stranger's and a
   tampered one do not, and the ids keep torchft's order and trailing digits;
 - the quorum check on results shaped as torchft's: a stranger, a real id replayed with
-  another store or heal address;
+  another store or heal address, or replayed as it was (its group then takes part twice);
 - the heal transport (ft/transport.py) between two real HTTP servers on loopback: a state a
   step of AdamW made round-trips; a request without the secret gets 403; an answer not signed
   with it is refused unread; a signed answer that holds a pickle gadget is refused by
@@ -88,6 +88,10 @@ def test_the_quorum_check_names_a_stranger_and_replayed_addresses() -> None:
     assert "store" in quorum_problem(KEY, _result(ids, store_address="10.9.9.9:1"))
     lie = _result(ids, recover_src_manager_address="http://10.9.9.9:1", **heal)
     assert "not the one group 1 signed" in quorum_problem(KEY, lie)
+    # A real id recorded and replayed as it was (with a forged step, which the id does not
+    # carry): the group takes part twice, and the quorum is refused whatever its max_step.
+    replay = _result([*ids, replica_id(KEY, _member(1)) + ":other-uuid"], max_step=100000)
+    assert quorum_problem(KEY, replay) == "group 1 takes part twice (a replay of its id)"
 
 
 def _train_state() -> dict[str, Any]:

@@ -7,7 +7,9 @@ and an HMAC of them made with the job secret (``MESHRUN_JOB_SECRET``, which the 
 exports to its workers; its name, length, HMAC and sanitizer are runtime/secret.py's). After
 every quorum each rank checks the quorum's participants: every id must carry a valid tag, and
 the two addresses this rank will connect to (the store the cross-group process group forms in,
-the manager of the peer it heals from) must be the ones that peer signed. A quorum that fails is refused before torchft acts on it (ft/replica.py).
+the manager of the peer it heals from) must be the ones that peer signed, and no group may
+take part twice (a replayed id, whatever step it claims). A quorum that fails is refused
+before torchft acts on it (ft/replica.py).
 
 The addresses are in the id because torchft hands a participant's id, not its address, to
 the quorum's members: a stranger replaying a real group's id with its own addresses (the
@@ -93,6 +95,10 @@ def quorum_problem(key: bytes, result: Any) -> str:
         member = parse_id(key, text)
         if member is None:
             return f"participant {sanitize(text, _SHOWN)!r} carries no valid tag of this job"
+        if member.group in {m.group for m in members}:
+            # A real id recorded and replayed (its step forged, say): each group asks once per
+            # quorum, so a second request under its name is not its own.
+            return f"group {member.group} takes part twice (a replay of its id)"
         members.append(member)
     if result.store_address not in {m.store for m in members}:
         return f"its store {sanitize(result.store_address, _SHOWN)!r} is no participant's"
