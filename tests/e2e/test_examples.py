@@ -120,13 +120,11 @@ def test_ddp_minimal_example(tmp_path: Path) -> None:
     assert len((ROOT / "examples" / "ddp_minimal.py").read_text().splitlines()) < 40
 
 
-@pytest.mark.timeout(320)  # two launches, each given 150 s: a guard against hangs only
-def test_ddp_plain_runs_unchanged_under_torchrun_and_meshrun(tmp_path: Path) -> None:
+@pytest.mark.timeout(170)  # one launch, given 150 s: a guard against hangs only
+def test_ddp_plain_runs_unchanged_under_meshrun(tmp_path: Path) -> None:
+    # Under torchrun it runs in test_ddp_plain_does_not_depend_on_the_interpreter_teardown
+    # (with an abort at every worker's exit, which it does not reach).
     script = str(ROOT / "examples" / "ddp_plain.py")
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2"]
-    p = sh([*torchrun, "--standalone", script], cwd=tmp_path)
-    assert_ok(p)
-    assert "ok: 2 replicas identical" in p.stdout
     p = meshrun("launch", "--nproc-per-node", "2", "--set", f"job.run_dir={tmp_path}", script)
     assert_ok(p)
     assert "ok: 2 replicas identical" in p.stdout
