@@ -16,6 +16,7 @@ Everything is removed on exit, also when the test fails.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import uuid
@@ -87,6 +88,22 @@ class Hosts:
             if done.returncode != 0:
                 pytest.skip(f"tc tbf is not available here: {done.stderr.strip()}")
         _ip("-n", self.switch, "link", "set", "br0", "mtu", str(mtu))
+
+    def drops(self) -> list[int]:
+        """Packets each host's tbf dropped so far (``tc -s``): a full queue makes TCP back off,
+        so a rate measured through a dropping queue reads the back-off as well as the link."""
+        counts = []
+        for name in self.names:
+            done = subprocess.run(
+                ["tc", "-s", "-n", name, "qdisc", "show", "dev", IFNAME],
+                check=True,
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            found = re.search(r"dropped (\d+)", done.stdout)
+            counts.append(int(found.group(1)) if found else 0)
+        return counts
 
     def unplug(self, i: int) -> None:
         """Take host i's link down (a node vanishing from the network)."""
