@@ -3,6 +3,7 @@ functions on failure records and the files the watchdog and the launcher write."
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import signal
@@ -14,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from meshrun.launch.agent.failures import HangStates, summarize_failures
+from meshrun.launch.agent.failures import REFUSALS, HangStates, summarize_failures
 from meshrun.launch.agent.watch import AgentWatch, describe_failures
 from meshrun.monitor.watchdog import (
     ENDED_FILE,
@@ -139,3 +140,45 @@ def test_local_workers_finds_stopped_children_and_skips_zombies() -> None:
         for p in procs:
             p.kill()
             p.wait()
+
+
+def _refusal_classes() -> set[str]:
+    """ConfigError and every class in src/meshrun that derives from it, read from the source."""
+    bases: dict[str, set[str]] = {}
+    for path in (Path(__file__).parents[2] / "src" / "meshrun").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef):
+                names = {
+                    b.id if isinstance(b, ast.Name) else getattr(b, "attr", "") for b in node.bases
+                }
+                bases.setdefault(node.name, set()).update(names)
+    found = {"ConfigError"}
+    while grown := {c for c, b in bases.items() if b & found} - found:
+        found |= grown
+    return found
+
+
+@pytest.mark.timeout(30)
+def test_a_refusal_is_shown_whole_without_a_traceback(tmp_path: Path) -> None:
+    assert _refusal_classes() == set(REFUSALS)  # a new refusal class is named in the summary
+    text = "ConfigError: tensor parallel over 2 ranks breaks the forward of layers.0.attn " + (
+        "(Attention, train.py:37): set parallel.tp=1 " * 4
+    )
+    error = tmp_path / "error.json"
+    error.write_text("{}")
+    data = {"message": {"message": text, "extraInfo": {"py_callstack": "Traceback (most..."}}}
+    failures = {
+        1: Failure(1, 1, timestamp=1, error_file=str(error), error_file_data=data),
+        0: Failure(0, 1, timestamp=2, error_file=str(error), error_file_data=data),
+    }
+    report = summarize_failures(failures, None, "h")
+    assert report.first_rank == 1 and report.exit_code == 1
+    assert "meshrun launch: rank 1 refused the run (host h)" in report.text
+    body = " ".join(line.strip() for line in report.text.splitlines())
+    assert " ".join(text.split()) in body.replace("error : ", "")  # whole, not cut at 100
+    assert "Traceback" not in report.text and f"traceback: in {error}" in report.text
+    assert "rank 0 (exit code 1): the same refusal" in report.text
+    wrapped = [x for x in report.text.splitlines() if x.startswith(("  error : ", " " * 10))]
+    assert len(wrapped) > 2 and all(len(line) <= 78 for line in wrapped)  # a terminal's width
+    crash = {0: Failure(0, 1, error_file_data={"message": {"message": "KeyError: 0"}})}
+    assert "rank 0 failed first" in summarize_failures(crash, None, "h").text

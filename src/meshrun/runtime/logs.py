@@ -11,6 +11,7 @@ records, and Python's ``warnings`` of ranks other than 0 (torch's, the user's) g
 from __future__ import annotations
 
 import logging
+import os
 import re
 import sys
 import warnings
@@ -18,6 +19,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 from typing import TextIO
+
+from meshrun.config.fields import ConfigError
 
 LOGGER_NAME = "meshrun"
 OWN_RANK = {"per_rank": True}  # extra= of a warning that differs from rank to rank
@@ -129,13 +132,21 @@ def peer_lost(exc: BaseException) -> str | None:
 def report_uncaught(
     tp: type[BaseException], exc: BaseException, tb: TracebackType | None, show: ShowException
 ) -> None:
-    """Report the exception that ends this rank. A lost Gloo peer is one line on stderr
+    """Report the exception that ends this rank. A refusal (``ConfigError``) is one line on
+    stderr, ``meshrun rank N: error: ...``, its traceback in the rank's log file (if any); the
+    launcher's summary shows the message whole. A lost Gloo peer is one line on stderr
     naming this rank's log file, which keeps the traceback: when one rank is killed, every
     other one fails in its next collective, and their tracebacks would bury the line that
     names the first failure. Anything else (or no log file): ``show`` (Python's hook)."""
-    short = peer_lost(exc)
     log = logging.getLogger(LOGGER_NAME)
     files = [h.baseFilename for h in log.handlers if isinstance(h, logging.FileHandler)]
+    if isinstance(exc, ConfigError):
+        # A refusal (bad input, met alike by every rank): its message names the key, the value
+        # and the fix; a traceback per rank would bury it. The traceback goes to the log file.
+        log.error("refused", exc_info=(tp, exc, tb), extra=FILE_ONLY)
+        say_error(f"rank {os.environ.get('RANK', '0')}", one_line(exc))
+        return
+    short = peer_lost(exc)
     if short is None or not files:
         show(tp, exc, tb)
         return

@@ -20,6 +20,7 @@ import math
 import os
 import re
 import signal
+import textwrap
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -55,6 +56,12 @@ ENDED_CAUSES = {
     "stopped": "stopped (process state T: SIGSTOP or a debugger) when the hang watchdog fired",
     "not responding": "not responding (running, but its watchdog did not answer)",
 }
+# meshrun's refusals: config.fields.ConfigError and its subclasses (tests/unit/test_hang_summary.py
+# checks this list against src/), bad input every rank meets alike, whose message names the
+# key, the value and the fix. The summary shows that message whole and no traceback.
+REFUSALS = frozenset(
+    {"ConfigError", "RunDirError", "RunDirBusy", "PlanError", "SlurmError", "HostfileError"}
+)
 # C++ errors start with their source location ("[/__w/.../pair.cc:553] "): noise in one line.
 _SOURCE_LOCATION = re.compile(r"\[[^\]]*\.(?:cc|cpp|cu|h|hpp):\d+\] ?")
 
@@ -112,10 +119,16 @@ def summarize_failures(
     order = order_failures(failures, attempt_dir, hang.ended)
     first = order[0]
     failure = failures[first]
-    lines = [RULE, f"meshrun launch: rank {first} failed first (host {host})"]
-    lines += _describe_first(first, failure, _stderr_path(failure, attempt_dir), hang)
+    stderr_path = _stderr_path(failure, attempt_dir)
+    refusal = refusal_of(_error_message(failure, stderr_path))
+    if refusal:
+        lines = [RULE, f"meshrun launch: rank {first} refused the run (host {host})"]
+        lines += _describe_refusal(failure, refusal, stderr_path)
+    else:
+        lines = [RULE, f"meshrun launch: rank {first} failed first (host {host})"]
+        lines += _describe_first(first, failure, stderr_path, hang)
     victims = [(rank, failures[rank]) for rank in order[1:]]
-    lines += _describe_victims(victims, attempt_dir, hang)
+    lines += _describe_victims(victims, attempt_dir, hang, refusal)
     lines.append(RULE)
     # A hang ends the launch with the watchdog's code, whichever rank is named first.
     code = EXIT_HANG if hang.ended or hang.waiting else exit_code_of(failure)
@@ -216,6 +229,28 @@ def _cause(rank: int, failure: FailureLike, log_tail: list[str], hang: HangState
     return describe_exit(failure.exitcode)
 
 
+def refusal_of(message: str) -> str:
+    """``message`` (``Type: text``) if its type is one of meshrun's refusals, else ""."""
+    name = message.split(":", 1)[0].strip().rsplit(".", 1)[-1]
+    return message if ":" in message and name in REFUSALS else ""
+
+
+def _describe_refusal(failure: FailureLike, message: str, stderr_path: str | None) -> list[str]:
+    lines = textwrap.wrap(
+        " ".join(message.split()),
+        width=len(RULE),
+        initial_indent="  error : ",
+        subsequent_indent=" " * 10,
+        break_on_hyphens=False,
+    )
+    lines.append(f"  where : local rank {failure.local_rank}, pid {failure.pid}")
+    if stderr_path:
+        lines.append(f"  log   : {stderr_path}")
+    if os.path.isabs(failure.error_file):
+        lines.append(f"  traceback: in {failure.error_file}")
+    return lines
+
+
 def _describe_first(
     rank: int, failure: FailureLike, stderr_path: str | None, hang: HangStates
 ) -> list[str]:
@@ -257,11 +292,14 @@ def _no_traceback(exitcode: int) -> str:
 
 
 def _describe_victims(
-    victims: list[tuple[int, FailureLike]], attempt_dir: str | None, hang: HangStates
+    victims: list[tuple[int, FailureLike]],
+    attempt_dir: str | None,
+    hang: HangStates,
+    refusal: str = "",
 ) -> list[str]:
     if not victims:
         return []
-    lines = ["  also stopped (likely victims):"]
+    lines = ["  also stopped:" if refusal else "  also stopped (likely victims):"]
     shown = victims[:8]  # many ranks stop together: keep the screen for the cause
     for rank, failure in shown:
         cause = signal_name(failure.exitcode) or f"exit code {failure.exitcode}"
@@ -272,6 +310,8 @@ def _describe_victims(
         else:
             message = _error_message(failure, _stderr_path(failure, attempt_dir))
             detail = f": {_shorten(message, 70)}" if message else ""
+            if refusal and message == refusal:
+                detail = ": the same refusal"
         lines.append(f"    rank {rank} ({cause}){detail}")
     if len(victims) > len(shown):
         rest = ", ".join(str(rank) for rank, _ in victims[len(shown) :])
