@@ -1,5 +1,6 @@
-"""End to end: the demo, the examples and the README's commands, run as a user runs them
-(real `meshrun` and `torchrun` processes on Gloo)."""
+"""End to end: the examples and the README's commands, run as a user runs them (real `meshrun`
+and `torchrun` processes on Gloo). The demo on 1 and 2 processes is checked on
+tests/e2e/test_scale_report.py's runs of it."""
 
 from __future__ import annotations
 
