@@ -1,25 +1,26 @@
 """Pipeline parallel on models meshrun did not write (tests/byo_models.py): Hugging Face Llama
 (GQA) and Qwen2 through their ``_pp_plan``, GPT-2 (HF, no plan, tied head) and a nanoGPT-shaped
-GPT (tied head) through their structure, each trained 5 steps (fp32, SGD with momentum,
+GPT (tied head) through their structure, each trained 3 steps (fp32, SGD with momentum,
 clipping) and compared per step with one process on the same global batch.
 
 One 2-rank spawn runs PP 2 with GPipe and 1F1B on each model (and interleaved on Llama and
 nanoGPT); one 4-rank spawn runs PP 2 x DP 2 (FSDP2 ZeRO-3 and replicate) on Llama, Qwen2,
 nanoGPT and GPT-2, and PP 2 x TP 2 on Llama (its config.base_model_tp_plan on each stage).
 For the tied models the two copies of ``wte`` / ``lm_head`` (on the first and the last stage)
-are compared bitwise after the 5 steps: no layout trains them untied. After training every
+are compared bitwise after the 3 steps: no layout trains them untied. After training every
 layout evaluates a held-out batch with ``pipeline_eval`` (forward only), compared with the
 reference model's loss on it.
 
-A third 2-rank spawn runs torch's zero-bubble schedules (split backward) on Llama and on
-meshrun's demo GPT: ZB1P (2 looped stages per rank), ZB-V and DualPipeV (2 stages per rank in
-a V: rank 0 holds the first and the last stage), 4 chunks each, against one process; and
-checks that a tied model (nanoGPT) under a V schedule is refused before training, naming the
-pair (its first and last stage share rank 0).
+The same 2-rank spawn (one start-up for both 2-rank tests) then runs torch's zero-bubble
+schedules (split backward) on Llama and on meshrun's demo GPT: ZB1P (2 looped stages per
+rank), ZB-V and DualPipeV (2 stages per rank in a V: rank 0 holds the first and the last stage),
+4 chunks each, against one process; and checks that a tied model (nanoGPT) under a V schedule
+is refused before training, naming the pair (its first and last stage share rank 0).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -36,7 +37,7 @@ from meshrun.config import ParallelConfig, check_layout
 from meshrun.parallel import clip_grad_norm_, parallelize_pipeline, pipeline_eval, pipeline_step
 from meshrun.runtime.mesh import ParallelDims, build_mesh
 
-STEPS = 5
+STEPS = 3  # the fewest that make "the same as one process" mean something
 GLOBAL_BATCH = 8
 LR = 0.1
 CLIP = 1.0
@@ -77,6 +78,7 @@ def build_data() -> Tensor:
     return torch.randint(0, VOCAB // 4, (STEPS + 1, GLOBAL_BATCH, SEQ + 1), generator=g)
 
 
+@functools.cache  # one per model for the module: only read by check()
 def reference(name: str) -> dict[str, Any]:
     """One process, the whole global batch per step; then the held-out loss."""
     model, data = MODELS[name](), build_data()
@@ -101,7 +103,7 @@ def _full(t: Tensor) -> Tensor:
 
 
 def train(rank: int, name: str, layout: dict[str, Any], data: Tensor) -> dict[str, Any]:
-    """5 steps the way run.pipeline_step / run.optimizer_step do them, then pipeline_eval."""
+    """STEPS steps the way run.pipeline_step / run.optimizer_step do them, then pipeline_eval."""
     cfg = ParallelConfig(**layout)
     dims = ParallelDims.from_config(cfg, dist.get_world_size())
     check_layout(cfg, vars(dims))
@@ -138,8 +140,11 @@ def train(rank: int, name: str, layout: dict[str, Any], data: Tensor) -> dict[st
     }
 
 
-def train_all(rank: int, world_size: int, runs: dict[str, tuple[str, dict[str, Any]]]) -> Any:
-    dist.init_process_group("gloo")
+def train_all(
+    rank: int, world_size: int, runs: dict[str, tuple[str, dict[str, Any]]], init: bool = True
+) -> Any:
+    if init:
+        dist.init_process_group("gloo")
     data = build_data()
     return {key: train(rank, name, layout, data) for key, (name, layout) in runs.items()}
 
@@ -195,8 +200,12 @@ ZERO_BUBBLE: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
-def zero_bubble_and_refusal(rank: int, world_size: int, runs: dict[str, Any]) -> Any:
-    out = train_all(rank, world_size, runs)
+def two_rank_runs(rank: int, world_size: int) -> Any:
+    """Both 2-rank groups of layouts in one spawn (the start-up once); then the refusal."""
+    out = {
+        "pp2": train_all(rank, world_size, TWO_RANKS),
+        "zero_bubble": train_all(rank, world_size, ZERO_BUBBLE, init=False),
+    }
     cfg = ParallelConfig(pp=2, pp_schedule="zbv", pp_microbatches=4)
     mesh = build_mesh(ParallelDims.from_config(cfg, world_size), "cpu")
     try:
@@ -206,19 +215,22 @@ def zero_bubble_and_refusal(rank: int, world_size: int, runs: dict[str, Any]) ->
     return out
 
 
-@pytest.mark.timeout(300)
-def test_zero_bubble_schedules_match_one_process() -> None:
-    results = run_distributed(zero_bubble_and_refusal, 2, ZERO_BUBBLE, timeout=270)
-    _check_all(results[0], ZERO_BUBBLE)
-    refusal = results[0].pop("refusal", "not refused")
+@pytest.fixture(scope="module")
+def two_ranks() -> dict[str, Any]:
+    return run_distributed(two_rank_runs, 2, timeout=570)[0]
+
+
+@pytest.mark.timeout(600)  # the module's 2-rank spawn, whichever test asks for it first
+def test_zero_bubble_schedules_match_one_process(two_ranks: dict[str, Any]) -> None:
+    _check_all(two_ranks["zero_bubble"], ZERO_BUBBLE)
+    refusal = two_ranks.get("refusal", "not refused")
     assert refusal.startswith("ConfigError"), refusal
     assert "transformer.wte.weight" in refusal and "one rank" in refusal, refusal
 
 
-@pytest.mark.timeout(480)
-def test_pp2_on_brought_models_matches_one_process() -> None:
-    results = run_distributed(train_all, 2, TWO_RANKS, timeout=450)
-    _check_all(results[0], TWO_RANKS)
+@pytest.mark.timeout(600)
+def test_pp2_on_brought_models_matches_one_process(two_ranks: dict[str, Any]) -> None:
+    _check_all(two_ranks["pp2"], TWO_RANKS)
 
 
 # Generous limits: 4 ranks on 2 shared cores took 175 s for 5 of these layouts under load.
