@@ -103,7 +103,8 @@ def _steps(run_dir: Path) -> list[dict[str, float]]:
 # --- a real two-host run -------------------------------------------------------------------
 
 
-# heavy: test_trust_rendezvous.py::test_two_hosts_with_one_secret_train_... (same job and checks)
+# heavy: test_trust_rendezvous.py::test_two_hosts_with_one_secret_train_... shows two hosts
+# training like one (one process per host there; two per host here, against one host of four).
 @pytest.mark.heavy
 @pytest.mark.timeout(200)
 def test_two_hosts_of_two_processes_train_like_one_host_of_four(tmp_path: Path) -> None:

@@ -341,7 +341,9 @@ def test_two_hosts_with_one_secret_train_and_listen_on_their_address(
     with nodes(2) as cluster:
         watches = {}
         for i in (1, 0):  # the non-host first: it waits for the store, then joins
-            args = _launch_args(cluster.endpoint, "2", i, "--join-timeout", "90", nproc=2)
+            # One process per host: the world still spans both hosts (two per host is
+            # test_multinode.py's heavy variant).
+            args = _launch_args(cluster.endpoint, "2", i, "--join-timeout", "90", nproc=1)
             cluster.start(i, *args, *demo, f"--job.run_dir={multi}")
             watches[i] = sockets.Watch(cluster.procs[i].pid).__enter__()
         outs = [cluster.wait(i, 200) for i in (0, 1)]
@@ -356,7 +358,7 @@ def test_two_hosts_with_one_secret_train_and_listen_on_their_address(
     assert f"interface {netns.IFNAME} ({addresses[0]}/24), {route}, this node hosts" in host_out
     assert f"interface {netns.IFNAME} ({addresses[1]}/24), {route}, this node joins" in other_out
     assert "interface lo" not in host_out + other_out
-    assert "4 process(es) [torchelastic]" in host_out
+    assert "2 process(es) [torchelastic]" in host_out
     assert "2 nodes joined [node0, node1]; versions and config agree" in other_out
     for i, watch in watches.items():
         print(f"node{i}:\n{sockets.describe(watch.seen)}")
@@ -370,7 +372,7 @@ def test_two_hosts_with_one_secret_train_and_listen_on_their_address(
             "meshrun",
             "launch",
             "--nproc-per-node",
-            "4",
+            "2",
             *demo,
             f"--job.run_dir={single}",
         ],
