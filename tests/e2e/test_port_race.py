@@ -58,7 +58,9 @@ def test_a_held_port_is_never_handed_out_and_rank_0_can_still_listen() -> None:
 def _run_launches(n: int, tmp_path: Path) -> str:
     if os.geteuid() != 0 or shutil.which("unshare") is None or shutil.which("ip") is None:
         pytest.skip("a network namespace of its own needs root, unshare and ip")
-    launch = [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2"]
+    # One worker is enough: rank 0 alone binds MASTER_PORT (its TCPStore), seconds after the
+    # agent chose it; a second worker only added its imports to every launch.
+    launch = [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "1"]
     proc = subprocess.run(
         ["unshare", "-n", sys.executable, str(DRIVER), str(n), "--", *launch],
         cwd=tmp_path,

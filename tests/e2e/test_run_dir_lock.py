@@ -4,8 +4,9 @@ A first ``meshrun launch`` trains 2 Gloo workers and pauses after step 3 (it has
 config, metrics and a checkpoint) until the test says go. While it waits, a second
 ``meshrun launch`` and a plain ``torchrun`` of a ``meshrun.init()`` script on the same run
 directory are refused, naming the first launcher's host and PID; then the first job finishes,
-its config, metrics and checkpoints its own. A job killed with SIGKILL leaves its lock, which
-the next launch takes over with a line naming the dead holder.
+its config, metrics and checkpoints its own. A launcher killed alone leaves the directory busy
+while its workers live; a job killed whole with SIGKILL leaves its lock, which the next launch
+takes over with a line naming the dead holder.
 """
 
 from __future__ import annotations
@@ -127,38 +128,14 @@ def _plain_torchrun(run: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.timeout(300)
-def test_the_lock_of_a_killed_job_is_taken_over_with_a_line(tmp_path: Path) -> None:
-    run = tmp_path / "run"
-    first = subprocess.Popen(
-        _argv(run, 6),
-        env=_env(tmp_path, 1),
-        text=True,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        start_new_session=True,
-    )
-    try:
-        _wait_for(tmp_path / "paused", first)
-        held = json.loads((run / "meshrun.lock").read_text())
-        assert held["pid"] == first.pid and held["host"] == socket.gethostname()
-    finally:
-        os.killpg(first.pid, signal.SIGKILL)  # the launcher and its workers, no clean-up
-        first.communicate(timeout=60)
-    (tmp_path / "go").touch()
-    again = subprocess.run(
-        _argv(run, 6), env=_env(tmp_path, 0), text=True, capture_output=True, timeout=240
-    )
-    assert again.returncode == 0, again.stderr[-3000:]
-    assert f"taking over the lock of host {socket.gethostname()} pid {first.pid}" in again.stderr
-
-
-@pytest.mark.timeout(300)
-def test_a_launcher_killed_alone_leaves_the_run_dir_busy_while_its_workers_live(
+@pytest.mark.timeout(420)
+def test_a_killed_launcher_leaves_the_run_dir_busy_while_its_workers_live_then_taken_over(
     tmp_path: Path,
 ) -> None:
     """The lock of ``meshrun launch`` ends with the launcher; its workers share a second one
-    for their lives, so a SIGKILL of the launcher alone no longer frees the directory."""
+    for their lives, so a SIGKILL of the launcher alone no longer frees the directory. Once
+    the workers are SIGKILLed too (the whole job killed, no clean-up), the next launch takes
+    the stale lock over with a line naming the dead holder. One first job serves both."""
     import sockets
 
     run = tmp_path / "run"
@@ -173,6 +150,8 @@ def test_a_launcher_killed_alone_leaves_the_run_dir_busy_while_its_workers_live(
     workers: list[int] = []
     try:
         _wait_for(tmp_path / "paused", first)
+        held = json.loads((run / "meshrun.lock").read_text())
+        assert held["pid"] == first.pid and held["host"] == socket.gethostname()
         workers = [p for p in sockets.tree(first.pid) if p != first.pid]
         os.kill(first.pid, signal.SIGKILL)  # the launcher only
         first.wait(30)
@@ -187,6 +166,29 @@ def test_a_launcher_killed_alone_leaves_the_run_dir_busy_while_its_workers_live(
         ), second.stderr[-3000:]
         assert "Traceback" not in second.stderr and "rendezvous" not in second.stderr
     finally:
-        for pid in [first.pid, *workers]:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
+        _kill_and_wait([first.pid, *workers])  # the rest of the job, no clean-up either
+    again = subprocess.run(
+        _argv(run, 6), env=_env(tmp_path, 0), text=True, capture_output=True, timeout=240
+    )
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"taking over the lock of host {socket.gethostname()} pid {first.pid}" in again.stderr
+
+
+def _kill_and_wait(pids: list[int], timeout_s: float = 60) -> None:
+    """SIGKILL ``pids`` and wait until each has exited (gone, or a zombie: its locks freed)."""
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout_s
+    for pid in pids:
+        while _running(pid):
+            assert time.monotonic() < deadline, f"pid {pid} still runs after SIGKILL"
+            time.sleep(0.1)
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

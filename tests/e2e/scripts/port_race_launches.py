@@ -1,4 +1,4 @@
-"""Run N launches of a plain 2-process script while a thread keeps binding port 0.
+"""Run N launches of a plain distributed script while a thread keeps binding port 0.
 
 ``python port_race_launches.py N -- LAUNCH_ARGV...``: LAUNCH_ARGV is run N times (with the
 plain barrier script appended); prints how often the hammer takes a port chosen the way
