@@ -153,9 +153,15 @@ def test_a_killed_launcher_leaves_the_run_dir_busy_while_its_workers_live_then_t
         held = json.loads((run / "meshrun.lock").read_text())
         assert held["pid"] == first.pid and held["host"] == socket.gethostname()
         workers = [p for p in sockets.tree(first.pid) if p != first.pid]
+        # The launcher's orphan guard would end the workers GRACE_S after the launcher dies
+        # (tests/e2e/test_launch_orphans.py shows that): held stopped, it leaves them running
+        # for as long as this check takes, with no window to race.
+        guards = [p for p in workers if "orphans.py" in _cmdline(p)]
+        assert len(guards) == 1, [_cmdline(p) for p in workers]
+        os.kill(guards[0], signal.SIGSTOP)
         os.kill(first.pid, signal.SIGKILL)  # the launcher only
         first.wait(30)
-        alive = [p for p in workers if Path(f"/proc/{p}").exists()]
+        alive = [p for p in workers if p not in guards and Path(f"/proc/{p}").exists()]
         assert alive, "the workers ended with their launcher: nothing to check here"
         second = subprocess.run(
             _argv(run, 6), env=_env(tmp_path, 0), text=True, capture_output=True, timeout=120
@@ -184,6 +190,13 @@ def _kill_and_wait(pids: list[int], timeout_s: float = 60) -> None:
         while _running(pid):
             assert time.monotonic() < deadline, f"pid {pid} still runs after SIGKILL"
             time.sleep(0.1)
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+    except OSError:
+        return ""
 
 
 def _running(pid: int) -> bool:
