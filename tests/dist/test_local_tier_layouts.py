@@ -6,7 +6,7 @@ no shared checkpoint. Then the same run again, after its newest snapshot (step 6
 everywhere and node 1's directory wiped: it restores step 4 from the local tier, rank 1's shard
 from the replica node 0 kept, trains steps 5-6 and ends with parameters bitwise equal to the
 first run's. The same on 1 rank finds only a 2-rank history and starts fresh, saying why.
-The e2e side (SIGKILL, torchrun restarts, per-step losses) is tests/e2e/test_local_tier.py.
+The e2e side (SIGKILL, torchrun restarts, per-step losses) is tests/e2e/test_resume_chaos.py.
 """
 
 from __future__ import annotations
@@ -88,7 +88,7 @@ def _history(tmp: Path, node: int) -> Path:
 
 
 # heavy (CI's time): the local tier restoring from itself and from a peer stays in CI in
-# tests/e2e/test_local_tier.py
+# tests/e2e/test_resume_chaos.py
 @pytest.mark.heavy
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("zero", [3, pytest.param(1, marks=pytest.mark.heavy)])

@@ -15,6 +15,18 @@ with its own lighthouse, real torchrun agents, real Gloo processes (2 groups x 1
   advanced by the samples the steps trained: the shrunk steps' and the healed group's too.
 - A group dying inside the cross-group all-reduce: the survivor does not commit that step
   (Gloo's connection error goes to torchft's Manager) and carries on.
+- A stranger is refused (docs/fault_tolerance.md, "Strangers"): while the groups wait before
+  step PAUSE's quorum (a file says so; no timing window), this test sends one quorum request
+  to the job's lighthouse through torchft's own ``LighthouseClient``, as the stranger of issue
+  26 sent it: ``replica_id="stranger_0"``, ``step=100000``, its own addresses, heartbeating
+  until its request is answered. At 210a125 the lighthouse put it in a quorum with the real
+  groups; they tried to heal from it and to join its store, stalled 60 s, and group 1 died.
+  Now each group sees the stranger's id carries no tag of this job, refuses that quorum (an
+  ``ft_refused`` event and one warning line naming it), asks again, and both groups train
+  every step with the losses, bit for bit, of the same job without a stranger (the run the
+  plain-data-parallelism test reads too). While the groups wait, every listening socket of
+  the job's processes is listed: none is bound to every interface. (Two hosts:
+  tests/e2e/test_ft_trust.py.)
 
 The restarts cost what a torchrun restart costs (torch import: 2-60 s on a loaded 2-core
 machine); the worker's test hooks (tests/e2e/scripts/ft_worker.py) make the survivor ask for
@@ -28,13 +40,20 @@ import itertools
 import json
 import os
 import random
+import re
 import subprocess
 import sys
+import threading
+import time
+import urllib.request
 from collections import Counter
+from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+import sockets
 from meshrun.config import load_config
 from meshrun.data.sampler import ResumableSampler
 
@@ -154,19 +173,165 @@ def _assert_like_plain(plain_dir: Path, groups: list[Path], steps: int) -> None:
         assert live == {len(groups)}  # every step had every group
 
 
+GROUP_STEPS = 12  # the plain replica-group run, which two tests read
+PAUSE = 5  # the step before whose quorum the stranger's request is sent
+
+
+def _groups_command(run_dir: Path) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "meshrun",
+        "launch",
+        "--nproc-per-node",
+        "2",
+        "--replica-groups",
+        "2",
+        str(WORKER),
+        f"--job.run_dir={run_dir}",
+        f"--optim.steps={GROUP_STEPS}",
+        *KEYS,
+        *FT_KEYS,
+    ]
+
+
+@pytest.fixture(scope="module")
+def groups_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """2 replica groups x 1 rank, no fault (one launch for the module)."""
+    run_dir = tmp_path_factory.mktemp("ft")
+    done = subprocess.run(
+        _groups_command(run_dir),
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    return run_dir
+
+
 @pytest.mark.timeout(600)
-def test_replica_groups_train_what_plain_data_parallelism_trains(tmp_path: Path) -> None:
-    _launch(tmp_path / "dp", [], {}, 280)
-    _launch(tmp_path / "ft", ["--replica-groups", "2"], {}, 280)
-    groups = [tmp_path / "ft" / "group0", tmp_path / "ft" / "group1"]
-    _assert_like_plain(tmp_path / "dp", groups, STEPS)
+def test_replica_groups_train_what_plain_data_parallelism_trains(
+    groups_run: Path, tmp_path: Path
+) -> None:
+    _launch(tmp_path / "dp", [], {}, 280, steps=GROUP_STEPS)
+    groups = [groups_run / "group0", groups_run / "group1"]
+    _assert_like_plain(tmp_path / "dp", groups, GROUP_STEPS)
     # The start-up line's arithmetic spans the groups: 16 = 8 x 1 x 1 x 2.
     started = (groups[0] / "logs" / "rank0.log").read_text()
     assert "global batch 16 = micro 8 x accum 1 x dp 1 x 2 replica groups" in started
     for group in groups:
         assert _checksum(group)["checksum"] == _checksum(tmp_path / "dp")["checksum"]
-    groups = [tmp_path / "ft" / "group0", tmp_path / "ft" / "group1"]
-    assert _check_samples(tmp_path / "ft", groups) == STEPS * 16
+    assert _check_samples(groups_run, groups) == GROUP_STEPS * 16
+
+
+def _wait_for(what: str, ready: Any, proc: subprocess.Popen[bytes], log: Path) -> Any:
+    deadline = time.monotonic() + 300
+    while not (found := ready()):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            raise AssertionError(
+                f"{what}: never came (launch rc {proc.poll()})\n" + log.read_text()[-3000:]
+            )
+        time.sleep(0.1)
+    return found
+
+
+class Stranger:
+    """One quorum request to the lighthouse, heartbeating (as a live replica does) until it
+    is answered; ``quorum`` is the answer."""
+
+    def __init__(self, lighthouse: str) -> None:
+        from torchft._torchft import LighthouseClient
+
+        self.client = LighthouseClient(lighthouse, connect_timeout=timedelta(seconds=10))
+        self.quorum: Any = None
+        self.error: BaseException | None = None
+        self.answered = threading.Event()
+        threading.Thread(target=self._ask, daemon=True).start()
+        threading.Thread(target=self._beat, daemon=True).start()
+
+    def _ask(self) -> None:
+        try:
+            self.quorum = self.client.quorum(
+                replica_id="stranger_0",
+                timeout=timedelta(seconds=200),
+                address="http://127.0.0.1:1",
+                store_address="127.0.0.1:1",
+                step=100000,
+                world_size=1,
+                shrink_only=False,
+            )
+        except BaseException as err:  # the test reports it
+            self.error = err
+        self.answered.set()
+
+    def _beat(self) -> None:
+        while not self.answered.wait(0.1):
+            self.client.heartbeat("stranger_0")
+
+
+def _lighthouse(log: Path) -> str | None:
+    found = re.search(r"lighthouse on (127\.0\.0\.1:\d+)", log.read_text())
+    return f"http://{found.group(1)}" if found else None
+
+
+def _stranger_waits(lighthouse: str) -> bool:
+    """The lighthouse holds the stranger's request as its one participant (the groups,
+    paused, have not asked yet)."""
+    page = urllib.request.urlopen(f"{lighthouse}/status", timeout=10).read().decode()
+    return "[1/1 participants healthy]" in page
+
+
+@pytest.mark.timeout(900)
+def test_a_stranger_quorum_request_is_refused_and_both_groups_train_to_the_end(
+    groups_run: Path, tmp_path: Path
+) -> None:
+    run_dir, log = tmp_path / "attacked", tmp_path / "attacked.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            _groups_command(run_dir),
+            env={**os.environ, "OMP_NUM_THREADS": "1", "FT_PAUSE_AT": str(PAUSE)},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        with sockets.Watch(proc.pid, every_s=0.5) as watch:
+            lighthouse = _wait_for("the lighthouse line", lambda: _lighthouse(log), proc, log)
+            for g in (0, 1):
+                _wait_for(
+                    f"group {g} paused", (run_dir / f"group{g}" / "paused.rank0").exists, proc, log
+                )
+            watch.seen |= sockets.listeners(proc.pid)  # every server is up while they wait
+            stranger = Stranger(lighthouse)
+            _wait_for("the stranger's request held", lambda: _stranger_waits(lighthouse), proc, log)
+            (run_dir / "go").write_text("1")
+            assert proc.wait(timeout=400) == 0, log.read_text()[-4000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+
+    assert stranger.answered.wait(30) and stranger.error is None, stranger.error
+    ids = [p.replica_id for p in stranger.quorum.participants]
+    print("the stranger's quorum:", ids)
+    assert "stranger_0" in ids and any(i.startswith("meshrun_group_") for i in ids)
+    refused = [e for g in (0, 1) for e in _events(run_dir / f"group{g}", "ft_refused")]
+    print("refused:", refused)
+    assert refused and all("'stranger_0'" in str(e["reason"]) for e in refused)
+    assert all(int(e["step"]) == PAUSE for e in refused)
+    assert "carries no valid tag of this job; asking again" in log.read_text()
+    for g in (0, 1):
+        attacked, clean = _losses(run_dir / f"group{g}"), _losses(groups_run / f"group{g}")
+        assert sorted(attacked) == list(range(1, GROUP_STEPS + 1))
+        assert attacked == clean, (attacked, clean)  # bit for bit: the same steps, the same data
+        checksum = json.loads((run_dir / f"group{g}" / "checksum.rank0.json").read_text())
+        assert checksum["step"] == GROUP_STEPS
+    print(sockets.describe(watch.seen))
+    # The lighthouse (the launcher); per group its agent's store, and in its worker the
+    # worker store, the manager server, the heal server and Gloo's listeners.
+    assert len({s.port for s in watch.seen}) >= 11, sockets.describe(watch.seen)
+    assert not sockets.wildcard(watch.seen), sockets.describe(watch.seen)
+    assert {s.address for s in watch.seen} == {"127.0.0.1"}, sockets.describe(watch.seen)
 
 
 def _kill_steps(rng: random.Random, kills: int, first: int, last: int, gap: int) -> list[int]:

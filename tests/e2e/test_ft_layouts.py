@@ -197,7 +197,7 @@ def test_a_killed_zero1_group_heals_each_ranks_optimizer_partition(tmp_path: Pat
         assert "healed from group 0" in log
 
 
-# heavy (CI's time): the local tier's restores run in CI in test_local_tier.py, healing in
+# heavy (CI's time): the local tier's restores run in CI in test_resume_chaos.py, healing in
 # test_ft.py
 @pytest.mark.heavy
 @pytest.mark.timeout(600)

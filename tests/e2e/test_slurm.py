@@ -55,36 +55,6 @@ def _node_out(run_dir: Path, job: str) -> str:
     return "\n".join(f.read_text(errors="replace") for f in files)
 
 
-@pytest.mark.timeout(170)
-def test_submitted_demo_runs_to_completion(cluster: slurm.Slurm, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    job, line = _submit(
-        cluster,
-        *("--nodes", "1", "--nproc-per-node", "2", "--time", "10"),
-        *DEMO,
-        *("--size", "tiny", "--steps", "4", f"--job.run_dir={run_dir}"),
-    )
-    state = cluster.wait_job(job, timeout=150)
-    out = _node_out(run_dir, job)
-    assert state == "COMPLETED", f"{state}\n{out}\n{cluster.logs()}"
-    fields = cluster.job_fields(job)
-    assert fields["ExitCode"] == "0:0" and fields["NumNodes"] == "1"
-    assert re.search(rf"JobId={job} .*JobState=COMPLETED", cluster.completion_log())
-    # The script was saved next to the run, with one task per node and the signal.
-    script = (run_dir / "slurm" / "job.sbatch").read_text()
-    assert "#SBATCH --ntasks-per-node=1" in script and "--signal=B:USR1@120" in script
-    assert str(run_dir / "slurm") in line
-    # Two workers trained to the last step and the demo's checkpoint was committed.
-    assert "2 processes x 1 node" in out
-    assert "step 4/4" in out, out
-    assert (run_dir / "checkpoints" / "step_00000004").is_dir()
-    # The batch step's job secret reached the node's launch through srun's environment (it
-    # wins over RUN_DIR/job.secret, which the launch would otherwise have written).
-    assert not (run_dir / "job.secret").exists()
-    batch_out = (run_dir / "slurm" / f"meshrun-run-{job}.out").read_text()
-    assert f"job {job} finished with exit code 0" in batch_out
-
-
 def _direct_launcher_or_skip(s: slurm.Slurm, launcher: str) -> dict[str, str]:
     """The extra environment a job of ``--launcher LAUNCHER`` needs here, or skip."""
     if launcher == "mpirun":
@@ -206,15 +176,19 @@ def test_launch_in_allocation_rejects_a_mismatch(cluster: slurm.Slurm, tmp_path:
 
 
 @pytest.mark.timeout(200)
-def test_time_limit_signal_checkpoints_and_requeues(cluster: slurm.Slurm, tmp_path: Path) -> None:
-    """SLURM's pre-time-limit USR1 (sent here at once with ``scancel --batch --signal``, which
-    is what ``--signal=B:USR1@S`` does at the limit): the workers save and exit 0, the batch
-    script requeues the job, and the second start resumes from that checkpoint to the end."""
+def test_submitted_demo_checkpoints_at_the_time_limit_signal_requeues_and_completes(
+    cluster: slurm.Slurm, tmp_path: Path
+) -> None:
+    """``meshrun slurm submit`` of the demo, 2 workers on 1 node: SLURM's pre-time-limit USR1
+    (sent here at once with ``scancel --batch --signal``, which is what ``--signal=B:USR1@S``
+    does at the limit): the workers save and exit 0, the batch script requeues the job, and the
+    second start resumes from that checkpoint to the end; the job then ends COMPLETED with exit
+    code 0 (one launch shows the plain submission too)."""
     run_dir = tmp_path / "run"
     steps = 40
-    job, _ = _submit(
+    job, line = _submit(
         cluster,
-        *("--nodes", "1", "--nproc-per-node", "2", "--requeue"),
+        *("--nodes", "1", "--nproc-per-node", "2", "--time", "10", "--requeue"),
         *DEMO,
         *("--size", "tiny", "--steps", str(steps), f"--job.run_dir={run_dir}"),
         "--checkpoint.interval=1000",  # > steps: the only save before the end is the signal's
@@ -235,6 +209,18 @@ def test_time_limit_signal_checkpoints_and_requeues(cluster: slurm.Slurm, tmp_pa
     assert re.search(rf"resumed from \S+step_0*{saved.group(1)} \(step {saved.group(1)},", out)
     assert f"step {steps}/{steps}" in out
     assert (run_dir / "checkpoints" / f"step_{steps:08d}").is_dir()
+    fields = cluster.job_fields(job)
+    assert fields["ExitCode"] == "0:0" and fields["NumNodes"] == "1"
+    assert re.search(rf"JobId={job} .*JobState=COMPLETED", cluster.completion_log())
+    # The script was saved next to the run, with one task per node and the signal.
+    script = (run_dir / "slurm" / "job.sbatch").read_text()
+    assert "#SBATCH --ntasks-per-node=1" in script and "--signal=B:USR1@120" in script
+    assert str(run_dir / "slurm") in line
+    assert "2 processes x 1 node" in out
+    # The batch step's job secret reached the node's launch through srun's environment (it
+    # wins over RUN_DIR/job.secret, which the launch would otherwise have written).
+    assert not (run_dir / "job.secret").exists()
+    assert f"job {job} finished with exit code 0" in batch_out
 
 
 def _wait_for_text(s: slurm.Slurm, run_dir: Path, job: str, pattern: str, timeout: float) -> None:

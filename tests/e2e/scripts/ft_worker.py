@@ -22,7 +22,7 @@ processes act; a marker file keeps a restarted worker from repeating a kill it a
   restart costs on a loaded machine, and no outcome depends on timing.
 - FT_PAUSE_AT=S: every process, before the quorum of step S, writes RUN_DIR/paused.rank<r>
   and waits for the file `go` in the job's run directory (the test acts in between: a
-  stranger's quorum request, tests/e2e/test_ft_trust.py).
+  stranger's quorum request, tests/e2e/test_ft.py).
 """
 
 import hashlib
