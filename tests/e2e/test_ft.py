@@ -178,21 +178,9 @@ PAUSE = 5  # the step before whose quorum the stranger's request is sent
 
 
 def _groups_command(run_dir: Path) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "meshrun",
-        "launch",
-        "--nproc-per-node",
-        "2",
-        "--replica-groups",
-        "2",
-        str(WORKER),
-        f"--job.run_dir={run_dir}",
-        f"--optim.steps={GROUP_STEPS}",
-        *KEYS,
-        *FT_KEYS,
-    ]
+    launch = [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2"]
+    job = [str(WORKER), f"--job.run_dir={run_dir}", f"--optim.steps={GROUP_STEPS}"]
+    return [*launch, "--replica-groups", "2", *job, *KEYS, *FT_KEYS]
 
 
 @pytest.fixture(scope="module")
