@@ -139,14 +139,14 @@ def report_uncaught(
     other one fails in its next collective, and their tracebacks would bury the line that
     names the first failure. Anything else (or no log file): ``show`` (Python's hook)."""
     log = logging.getLogger(LOGGER_NAME)
-    files = [h.baseFilename for h in log.handlers if isinstance(h, logging.FileHandler)]
     if isinstance(exc, ConfigError):
         # A refusal (bad input, met alike by every rank): its message names the key, the value
         # and the fix; a traceback per rank would bury it. The traceback goes to the log file.
         log.error("refused", exc_info=(tp, exc, tb), extra=FILE_ONLY)
-        say_error(f"rank {os.environ.get('RANK', '0')}", one_line(exc))
+        say_rank_error(one_line(exc))
         return
     short = peer_lost(exc)
+    files = [h.baseFilename for h in log.handlers if isinstance(h, logging.FileHandler)]
     if short is None or not files:
         show(tp, exc, tb)
         return
@@ -179,6 +179,11 @@ def say_error(command: str, message: object, stream: TextIO | None = None) -> No
     """The one line every meshrun command stops with: ``meshrun COMMAND: error: MESSAGE``, on
     stderr unless the command reports on ``stream`` (``ckpt`` writes its verdicts to stdout)."""
     print(f"meshrun {command}: error: {message}", file=stream or sys.stderr, flush=True)
+
+
+def say_rank_error(message: object) -> None:
+    """A worker's one error line, ``meshrun rank N: error: MESSAGE`` (N from ``RANK``)."""
+    say_error(f"rank {os.environ.get('RANK', '0')}", message)
 
 
 def say_launch(text: str) -> None:

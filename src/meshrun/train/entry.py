@@ -21,7 +21,7 @@ from typing import Any
 
 from torch.distributed.elastic.multiprocessing.errors import record
 
-from meshrun.runtime.logs import report_uncaught, say_error
+from meshrun.runtime.logs import report_uncaught, say_rank_error
 from meshrun.runtime.runlock import RunDirError
 from meshrun.train.run import close_active_run
 
@@ -45,7 +45,7 @@ def _one_line_refusals(fn: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return fn(*args, **kwargs)
         except RunDirError as exc:
-            say_error(f"rank {os.environ.get('RANK', '0')}", exc)
+            say_rank_error(exc)
             if exc.every_rank:
                 _wait_for_every_rank_to_say_it()
             raise SystemExit(2) from None

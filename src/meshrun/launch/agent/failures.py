@@ -120,13 +120,14 @@ def summarize_failures(
     first = order[0]
     failure = failures[first]
     stderr_path = _stderr_path(failure, attempt_dir)
-    refusal = refusal_of(_error_message(failure, stderr_path))
+    message = _error_message(failure, stderr_path)
+    refusal = refusal_of(message)
     if refusal:
         lines = [RULE, f"meshrun launch: rank {first} refused the run (host {host})"]
         lines += _describe_refusal(failure, refusal, stderr_path)
     else:
         lines = [RULE, f"meshrun launch: rank {first} failed first (host {host})"]
-        lines += _describe_first(first, failure, stderr_path, hang)
+        lines += _describe_first(first, failure, stderr_path, hang, message)
     victims = [(rank, failures[rank]) for rank in order[1:]]
     lines += _describe_victims(victims, attempt_dir, hang, refusal)
     lines.append(RULE)
@@ -252,7 +253,7 @@ def _describe_refusal(failure: FailureLike, message: str, stderr_path: str | Non
 
 
 def _describe_first(
-    rank: int, failure: FailureLike, stderr_path: str | None, hang: HangStates
+    rank: int, failure: FailureLike, stderr_path: str | None, hang: HangStates, message: str
 ) -> list[str]:
     log_tail = _read_tail(stderr_path)
     lines = [
@@ -261,7 +262,6 @@ def _describe_first(
     ]
     if rank in hang.waiting:
         lines.append(f"  state : {hang.waiting[rank]}")
-    message = _error_message(failure, stderr_path)
     if message:
         lines.append(f"  error : {_shorten(message)}")
     if stderr_path:
