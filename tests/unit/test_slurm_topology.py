@@ -90,6 +90,13 @@ def test_explicit_flags_win_and_disagreements_are_said() -> None:
     assert "--rdzv-endpoint login:1234 given" in notes
 
 
+def test_nnodes_is_compared_with_slurm_as_a_node_range() -> None:
+    t = derive(STEP, LaunchKeys(nnodes="2:2"), hostnames=_hosts)  # SLURM's 2, spelled MIN:MAX
+    assert t.nnodes == "2:2" and not any("--nnodes" in n for n in t.notes), t.notes
+    assert given_from(LaunchKeys(), LaunchConfig(nnodes="1:1")).nnodes is None  # the default
+    assert given_from(LaunchKeys(), LaunchConfig(nnodes="1:2")).nnodes == "1:2"
+
+
 def test_one_node_keeps_the_loopback_rendezvous() -> None:
     env = {**STEP, "SLURM_STEP_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "a1"}
     t = derive(env, LaunchKeys(), hostnames=lambda spec: [spec])
