@@ -212,11 +212,10 @@ def test_a_hostfile_launch_checks_its_flags_here_before_any_ssh(
 
 
 def test_launch_flags_are_launch_keys_in_the_resolved_config() -> None:
-    import argparse
+    from meshrun.launch.front.torchrun import apply_launch_flags, launch_flag_overrides
+    from meshrun.launch.spec import LaunchKeys
 
-    from meshrun.cli.main import apply_launch_flags, launch_flag_overrides
-
-    a = argparse.Namespace(
+    a = LaunchKeys(
         nproc_per_node=3,
         nnodes="2",
         rdzv_endpoint="10.0.0.1:29500",

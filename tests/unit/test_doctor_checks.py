@@ -9,8 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.cli.diagnose import use_doctor_worker
-from meshrun.cli.main import build_parser
+from meshrun.cli.main import build_parser, launch_request, use_doctor_worker
 from meshrun.cli.main import main as cli_main
 from meshrun.diagnose import doctor_checks as dc
 from meshrun.diagnose.doctor import WORKER_MODULE, exit_code, render
@@ -183,8 +182,8 @@ def test_cli_doctor_rejects_a_bad_endpoint(capsys: pytest.CaptureFixture[str]) -
 
 
 def test_launch_doctor_runs_the_worker_module() -> None:
-    a = build_parser().parse_args(["launch", "--doctor", "--nproc-per-node", "2"])
-    assert a.doctor and a.target is None
-    use_doctor_worker(a)
+    parsed = build_parser().parse_args(["launch", "--doctor", "--nproc-per-node", "2"])
+    assert parsed.doctor and parsed.target is None
+    a = use_doctor_worker(launch_request(parsed))
     assert (a.target, a.module) == (WORKER_MODULE, True)
-    assert ("metrics.jsonl", "false") in a.set
+    assert ("metrics.jsonl", "false") in a.sets

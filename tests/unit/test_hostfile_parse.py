@@ -8,8 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from meshrun.cli.launch import plan_from_args
-from meshrun.cli.main import build_parser
+from meshrun.cli.main import build_parser, launch_request
 from meshrun.config import Config, load_config
 from meshrun.launch.hostfile.hosts import (
     GUARD_MODULE,
@@ -25,6 +24,7 @@ from meshrun.launch.hostfile.hosts import (
     ssh_argv,
     ssh_options,
 )
+from meshrun.launch.hostfile.plan import plan_from_request
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -189,7 +189,7 @@ def test_plan_from_the_launch_flags(tmp_path: Path) -> None:
         *("--max-restarts", "1", "--interface", "eth1", "--set", "optim.lr=0.1"),
         *("--ssh-opt", "IdentityFile=/k", "train.py", "--steps", "5"),
     )
-    plan = plan_from_args(a, cfg, {"NCCL_DEBUG": "WARN"}, "/w", "/py")
+    plan = plan_from_request(launch_request(a), cfg, {"NCCL_DEBUG": "WARN"}, "/w", "/py")
     assert plan.nproc_per_node == 2 and plan.endpoint == "n0:29500"
     assert plan.rdzv_id.startswith("meshrun-")
     assert plan.launch_args == [
@@ -216,7 +216,7 @@ def test_conflicts_fail_before_any_ssh(
     # data.global_batch 24 on 3 x 1 processes divides; 32 (below, 3 hosts) does not.
     a, cfg = _args(tmp_path, hostfile, *flags, "--set", "data.global_batch=32", "train.py")
     with pytest.raises(Exception, match=message):
-        plan_from_args(a, cfg, {}, "/w", "/py")
+        plan_from_request(launch_request(a), cfg, {}, "/w", "/py")
 
 
 def test_ssh_opt_without_a_hostfile_is_an_error(

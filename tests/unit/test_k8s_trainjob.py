@@ -24,9 +24,10 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from meshrun.cli import torchrun as cli_torchrun
-from meshrun.cli.main import build_parser, main
+from meshrun.cli.main import build_parser, launch_request, main
 from meshrun.config import ConfigError
+from meshrun.launch.front.command import env_defaults
+from meshrun.launch.front.torchrun import rendezvous
 from meshrun.launch.k8s.render import K8sJob, check_job, render
 from meshrun.launch.k8s.trainjob import PET_VARIABLES, render_trainjob
 
@@ -192,12 +193,11 @@ def test_the_trainjob_command_is_meshrun_launchs_with_the_pet_variables() -> Non
     env = {"PET_NNODES": "3", "PET_NPROC_PER_NODE": "8", "PET_NODE_RANK": "2"}
     env |= {"PET_MASTER_ADDR": "gpt-node-0-0.gpt", "PET_MASTER_PORT": "29500"}
     argv = [kubelet_expand(arg, env) for arg in job["spec"]["trainer"]["command"]]
-    a = build_parser().parse_args(argv[1:])
-    notes = cli_torchrun.env_defaults(a, env)
+    a, notes = env_defaults(launch_request(build_parser().parse_args(argv[1:])).torchrun, env)
     assert (a.nnodes, a.nproc_per_node, a.node_rank) == ("3", 8, 2)
     assert a.rdzv_endpoint == "gpt-node-0-0.gpt:29500" and a.rdzv_id == "gpt"
     assert "--nnodes 3 from PET_NNODES (torchrun's environment default)" in notes
-    backend, _ = cli_torchrun.rendezvous(a, [])
+    backend, _ = rendezvous(a, [])
     assert backend == "c10d"  # the endpoint wins over torchrun's static reading of PET_MASTER_*
 
 

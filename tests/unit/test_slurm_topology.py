@@ -4,7 +4,6 @@ runs both under a real SLURM)."""
 
 from __future__ import annotations
 
-import argparse
 import re
 import subprocess
 import sys
@@ -15,7 +14,6 @@ import pytest
 from meshrun.cli.main import main
 from meshrun.config import LaunchConfig
 from meshrun.launch.slurm.job import (
-    Given,
     SlurmError,
     apply_to_launch,
     derive,
@@ -29,6 +27,7 @@ from meshrun.launch.slurm.submit import (
     render_sbatch,
     time_limit_seconds,
 )
+from meshrun.launch.spec import LaunchKeys
 from meshrun.runtime.launcher_env import slurm_port
 
 pytestmark = pytest.mark.timeout(30)
@@ -55,7 +54,7 @@ def _hosts(nodelist: str) -> list[str]:
 
 
 def test_two_node_step_derives_everything_from_slurm() -> None:
-    t = derive(STEP, Given(), hostnames=_hosts)
+    t = derive(STEP, LaunchKeys(), hostnames=_hosts)
     assert (t.nnodes, t.node_rank, t.nproc_per_node) == ("2", 1, 4)
     assert t.master_addr == "gpu07"
     assert t.rdzv_endpoint == f"gpu07:{slurm_port('4242')}"
@@ -70,14 +69,14 @@ def test_two_node_step_derives_everything_from_slurm() -> None:
 
 def test_processes_from_cuda_visible_devices_then_the_cpu_default() -> None:
     env = {k: v for k, v in STEP.items() if k != "SLURM_GPUS_ON_NODE"}
-    t = derive({**env, "CUDA_VISIBLE_DEVICES": "0,1"}, Given(), hostnames=_hosts)
+    t = derive({**env, "CUDA_VISIBLE_DEVICES": "0,1"}, LaunchKeys(), hostnames=_hosts)
     assert t.nproc_per_node == 2 and "CUDA_VISIBLE_DEVICES=0,1" in t.line()
-    t = derive(env, Given(), cpu_default=3, hostnames=_hosts)
+    t = derive(env, LaunchKeys(), cpu_default=3, hostnames=_hosts)
     assert t.nproc_per_node == 3 and "no GPUs: CPU default" in t.line()
 
 
 def test_explicit_flags_win_and_disagreements_are_said() -> None:
-    given = Given(nnodes="3", nproc_per_node=2, rdzv_endpoint="login:1234", rdzv_id="mine")
+    given = LaunchKeys(nnodes="3", nproc_per_node=2, rdzv_endpoint="login:1234", rdzv_id="mine")
     t = derive(STEP, given, hostnames=_hosts)
     assert (t.nnodes, t.nproc_per_node, t.rdzv_endpoint, t.rdzv_id) == (
         "3",
@@ -91,9 +90,16 @@ def test_explicit_flags_win_and_disagreements_are_said() -> None:
     assert "--rdzv-endpoint login:1234 given" in notes
 
 
+def test_nnodes_is_compared_with_slurm_as_a_node_range() -> None:
+    t = derive(STEP, LaunchKeys(nnodes="2:2"), hostnames=_hosts)  # SLURM's 2, spelled MIN:MAX
+    assert t.nnodes == "2:2" and not any("--nnodes" in n for n in t.notes), t.notes
+    assert given_from(LaunchKeys(), LaunchConfig(nnodes="1:1")).nnodes is None  # the default
+    assert given_from(LaunchKeys(), LaunchConfig(nnodes="1:2")).nnodes == "1:2"
+
+
 def test_one_node_keeps_the_loopback_rendezvous() -> None:
     env = {**STEP, "SLURM_STEP_NUM_NODES": "1", "SLURM_NODEID": "0", "SLURM_STEP_NODELIST": "a1"}
-    t = derive(env, Given(), hostnames=lambda spec: [spec])
+    t = derive(env, LaunchKeys(), hostnames=lambda spec: [spec])
     assert (t.nnodes, t.node_rank, t.master_addr, t.rdzv_endpoint) == ("1", 0, "a1", "")
 
 
@@ -101,7 +107,7 @@ def test_without_scontrol_meshrun_expands_the_hostlist_and_says_so() -> None:
     def missing(spec: str) -> list[str]:
         raise FileNotFoundError("scontrol")
 
-    t = derive(STEP, Given(), hostnames=missing)
+    t = derive(STEP, LaunchKeys(), hostnames=missing)
     assert t.master_addr == "gpu07"
     assert "meshrun's hostlist parser (FileNotFoundError)" in t.line()
 
@@ -110,19 +116,23 @@ def test_without_scontrol_meshrun_expands_the_hostlist_and_says_so() -> None:
     ("change", "given", "expected"),
     [
         # Several tasks per node: each would run its own meshrun launch.
-        ({"SLURM_STEP_TASKS_PER_NODE": "2(x2)"}, Given(), "SLURM_STEP_TASKS_PER_NODE=2(x2)"),
-        ({"SLURM_STEP_TASKS_PER_NODE": "1,4"}, Given(), "srun --ntasks-per-node=1"),
+        ({"SLURM_STEP_TASKS_PER_NODE": "2(x2)"}, LaunchKeys(), "SLURM_STEP_TASKS_PER_NODE=2(x2)"),
+        ({"SLURM_STEP_TASKS_PER_NODE": "1,4"}, LaunchKeys(), "srun --ntasks-per-node=1"),
         # The batch script of a multi-node job: only the first node would start.
-        ({"SLURM_STEP_ID": None}, Given(), "SLURM_STEP_ID is not set"),
+        ({"SLURM_STEP_ID": None}, LaunchKeys(), "SLURM_STEP_ID is not set"),
         # More processes than GPUs, or than CPUs.
-        ({}, Given(nproc_per_node=8), "SLURM_GPUS_ON_NODE=4"),
-        ({"SLURM_CPUS_ON_NODE": "2"}, Given(), "--cpus-per-task=4"),
-        ({"SLURM_NODEID": "x"}, Given(), "SLURM_NODEID"),
-        ({"SLURM_STEP_NODELIST": None, "SLURM_JOB_NODELIST": None}, Given(), "--rdzv-endpoint"),
+        ({}, LaunchKeys(nproc_per_node=8), "SLURM_GPUS_ON_NODE=4"),
+        ({"SLURM_CPUS_ON_NODE": "2"}, LaunchKeys(), "--cpus-per-task=4"),
+        ({"SLURM_NODEID": "x"}, LaunchKeys(), "SLURM_NODEID"),
+        (
+            {"SLURM_STEP_NODELIST": None, "SLURM_JOB_NODELIST": None},
+            LaunchKeys(),
+            "--rdzv-endpoint",
+        ),
     ],
 )
 def test_allocation_mismatches_are_errors_naming_the_variable(
-    change: dict[str, str | None], given: Given, expected: str
+    change: dict[str, str | None], given: LaunchKeys, expected: str
 ) -> None:
     env = {k: v for k, v in {**STEP, **change}.items() if v is not None}
     with pytest.raises(SlurmError, match=re.escape(expected)):
@@ -132,7 +142,7 @@ def test_allocation_mismatches_are_errors_naming_the_variable(
 def test_batch_script_of_a_one_node_job_is_fine() -> None:
     env = {"SLURM_JOB_ID": "7", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "n1"}
     env["SLURM_TASKS_PER_NODE"] = "4"  # the job's tasks: irrelevant to the batch shell
-    t = derive(env, Given(), cpu_default=2, hostnames=lambda spec: [spec])
+    t = derive(env, LaunchKeys(), cpu_default=2, hostnames=lambda spec: [spec])
     assert (t.nnodes, t.node_rank, t.nproc_per_node, t.master_addr) == ("1", 0, 2, "n1")
 
 
@@ -155,11 +165,9 @@ def test_apply_to_launch_fills_only_what_nothing_set(capsys: pytest.CaptureFixtu
 
     saved = signal.getsignal(signal.SIGUSR1)
     env = {k: v for k, v in STEP.items() if k not in ("SLURM_GPUS_ON_NODE",)}
-    args = argparse.Namespace(nnodes=None, node_rank=None, nproc_per_node=None, rdzv_id=None)
-    args.rdzv_endpoint = None
     cfg = LaunchConfig(rdzv_id="from-config")  # a non-default config value counts as explicit
     try:
-        given = given_from(vars(args), cfg)
+        given = given_from(LaunchKeys(), cfg)  # no flag given
         filled = apply_to_launch(given, {**env, "SLURM_STEP_NODELIST": "gpu07,gpu08"})
         assert signal.getsignal(signal.SIGUSR1) is not signal.SIG_DFL  # the launcher survives
     finally:
@@ -168,8 +176,10 @@ def test_apply_to_launch_fills_only_what_nothing_set(capsys: pytest.CaptureFixtu
     assert filled.rdzv_endpoint is not None and filled.rdzv_endpoint.startswith("gpu07:")
     assert filled.nproc_per_node is not None and filled.nproc_per_node >= 1
     assert "meshrun launch: SLURM job 4242: nnodes 2" in capsys.readouterr().err
-    untouched = apply_to_launch(given_from({}, LaunchConfig()), {})  # outside SLURM: nothing
-    assert untouched == Given()
+    untouched = apply_to_launch(
+        given_from(LaunchKeys(), LaunchConfig()), {}
+    )  # outside SLURM: nothing
+    assert untouched == LaunchKeys()
 
 
 # --- sbatch rendering -------------------------------------------------------------------

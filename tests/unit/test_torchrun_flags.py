@@ -4,6 +4,7 @@ spellings, what each flag becomes (pure), and the torchrun argv built from them.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -11,11 +12,14 @@ import pytest
 import torch
 from torch.distributed.run import get_args_parser
 
-from meshrun.cli import torchrun as cli_torchrun
-from meshrun.cli.main import build_parser, main
-from meshrun.cli.torchrun import resolve
+from meshrun.cli.main import build_parser, launch_request, main
 from meshrun.config import ConfigError, LaunchConfig
 from meshrun.launch.agent.local import LaunchSpec, build_torchrun_args
+from meshrun.launch.front import torchrun as front_torchrun
+from meshrun.launch.front.command import env_defaults
+from meshrun.launch.front.request import LaunchRequest, TorchrunFlags
+from meshrun.launch.front.torchrun import passthrough_argv, resolve
+from meshrun.launch.spec import LaunchKeys
 from meshrun.launch.torchrun_flags import FLAGS, OTHER_FLAGS, REFUSED, Flag, flag_argv
 
 pytestmark = pytest.mark.timeout(30)
@@ -34,8 +38,8 @@ def _launch_parser() -> argparse.ArgumentParser:
 LAUNCH = _launch_parser()
 
 
-def _parse(*argv: str) -> argparse.Namespace:
-    return LAUNCH.parse_args([*argv, "train.py"])
+def _parse(*argv: str) -> LaunchRequest:
+    return launch_request(LAUNCH.parse_args([*argv, "train.py"]))
 
 
 def _value(flag: Flag) -> list[str]:
@@ -80,27 +84,32 @@ def test_the_table_holds_every_torchrun_flag_and_nothing_else() -> None:
     assert OTHER_FLAGS["module"] == tuple(by_dest["module"].option_strings)
 
 
+def test_the_typed_flags_have_one_field_per_row_of_the_table() -> None:
+    assert [f.name for f in dataclasses.fields(TorchrunFlags)] == [f.dest for f in FLAGS]
+
+
 @pytest.mark.parametrize("flag", [f for f in FLAGS if len(f.options) == 2], ids=lambda f: f.dest)
 def test_both_spellings_parse_to_the_same_meaning(flag: Flag) -> None:
     first, second = (_parse(option, *_value(flag)) for option in flag.options)
     assert first == second
-    assert getattr(first, flag.dest) is not None
+    assert first.torchrun.value(flag) is not None
 
 
 @pytest.mark.parametrize("flag", [f for f in FLAGS if f.passed], ids=lambda f: f.dest)
 def test_passed_flags_reach_the_agent_as_torchrun_reads_them(flag: Flag) -> None:
     for option in flag.options:
         given = [option, *_value(flag)]
-        argv = cli_torchrun.passthrough_argv(_parse(*given))
+        argv = passthrough_argv(_parse(*given).torchrun)
         want = getattr(TORCHRUN.parse_args([*given, "train.py"]), flag.dest)
         assert getattr(TORCHRUN.parse_args([*argv, "train.py"]), flag.dest) == want
 
 
 def test_flag_argv_reproduces_the_command_line() -> None:
     a = _parse("--nproc_per_node=4", "--tee", "3", "--run_path", "--master_port=29555")
-    argv = [arg for f in cli_torchrun.given(a) for arg in flag_argv(f, getattr(a, f.dest))]
+    t = a.torchrun
+    argv = [arg for f in front_torchrun.given(t) for arg in flag_argv(f, t.value(f))]
     again = _parse(*argv)
-    assert all(getattr(again, f.dest) == getattr(a, f.dest) for f in FLAGS)
+    assert all(again.torchrun.value(f) == t.value(f) for f in FLAGS)
 
 
 # --- resolve: what the flags mean ---------------------------------------------------------
@@ -116,8 +125,8 @@ def test_the_typical_multinode_torchrun_line_is_static_rendezvous_at_the_master(
     )
     r = resolve(a)
     assert r.nproc_per_node == 8 and r.spec["rdzv_backend"] == "static"
-    assert r.launch_flags == {"rdzv_endpoint": "10.0.0.1:29600"}
-    assert a.node_rank == 1 and a.nnodes == "2"  # go to [launch] as given
+    assert r.launch_flags == LaunchKeys(rdzv_endpoint="10.0.0.1:29600")
+    assert a.torchrun.node_rank == 1 and a.torchrun.nnodes == "2"  # go to [launch] as given
 
 
 @pytest.mark.parametrize(
@@ -136,12 +145,12 @@ def test_the_typical_multinode_torchrun_line_is_static_rendezvous_at_the_master(
 )
 def test_rendezvous(argv: tuple[str, ...], backend: str, launch_flags: dict[str, Any]) -> None:
     r = resolve(_parse(*argv))
-    assert (r.spec["rdzv_backend"], r.launch_flags) == (backend, launch_flags)
+    assert (r.spec["rdzv_backend"], r.launch_flags) == (backend, LaunchKeys(**launch_flags))
 
 
 def test_standalone_ignores_rendezvous_flags_aloud() -> None:
     r = resolve(_parse("--standalone", "--rdzv-endpoint", "h0:7000", "--rdzv_backend", "c10d"))
-    assert r.launch_flags == {"nnodes": "1", "rdzv_endpoint": ""}
+    assert r.launch_flags == LaunchKeys(nnodes="1", rdzv_endpoint="")
     assert any("--rdzv-endpoint h0:7000" in n and "ignored" in n for n in r.notes), r.notes
 
 
@@ -152,7 +161,7 @@ def test_master_addr_without_port_on_one_node_is_said_to_be_ignored() -> None:
 
 def test_master_flags_with_a_c10d_endpoint_are_said_to_be_ignored() -> None:
     r = resolve(_parse("--rdzv-endpoint", "h0:7000", "--master-port", "7001"))
-    assert r.spec["rdzv_backend"] == "c10d" and r.launch_flags == {}
+    assert r.spec["rdzv_backend"] == "c10d" and r.launch_flags == LaunchKeys()
     assert any("--master-addr/--master-port ignored" in n for n in r.notes), r.notes
 
 
@@ -301,7 +310,7 @@ def test_meshrun_launch_refuses_with_exit_2(
 
 
 def test_no_python_takes_a_program_on_path(tmp_path: Path) -> None:
-    from meshrun.cli.main import _check_target
+    from meshrun.launch.target import check_target as _check_target
 
     _check_target("true", None, True)  # found on PATH, as torchrun would run it
     with pytest.raises(ConfigError, match="script 'true' does not exist"):
@@ -325,8 +334,8 @@ def test_pet_variables_fill_the_flags_not_given_as_torchrun_reads_them(
         "PET_STANDALONE": "0",
         "PET_MONITOR_INTERVAL": "0.5",
     }
-    a = _parse("--nnodes", "3")  # a flag wins over its variable
-    notes = cli_torchrun.env_defaults(a, env)
+    request = _parse("--nnodes", "3")  # a flag wins over its variable
+    a, notes = env_defaults(request.torchrun, env)
     assert (a.nproc_per_node, a.nnodes, a.node_rank, a.master_port) == (4, "3", 1, 23456)
     assert a.standalone is None and a.monitor_interval == 0.5
     assert "--master-addr job-master-0 from PET_MASTER_ADDR" in " | ".join(notes)
@@ -339,9 +348,9 @@ def test_pet_variables_fill_the_flags_not_given_as_torchrun_reads_them(
         if getattr(a, dest) is not None:
             assert getattr(a, dest) == getattr(theirs, dest), dest
     assert theirs.nproc_per_node == "4" and not theirs.standalone
-    r = resolve(a)
+    r = resolve(dataclasses.replace(request, torchrun=a))
     assert r.spec["rdzv_backend"] == "static"
-    assert r.launch_flags == {"rdzv_endpoint": "job-master-0:23456"}
+    assert r.launch_flags == LaunchKeys(rdzv_endpoint="job-master-0:23456")
 
 
 @pytest.mark.parametrize(
@@ -354,4 +363,4 @@ def test_pet_variables_fill_the_flags_not_given_as_torchrun_reads_them(
 )
 def test_a_bad_pet_variable_names_itself(env: dict[str, str], message: str) -> None:
     with pytest.raises(ConfigError, match=message):
-        cli_torchrun.env_defaults(_parse(), env)
+        env_defaults(_parse().torchrun, env)

@@ -1,7 +1,6 @@
 """``meshrun bench comm|compute|all|data``, ``meshrun doctor`` and ``meshrun scale-test``: their
-flags, the parent side
-of ``bench`` (a config and ``launch_local`` of diagnose/bench_worker.py on every rank) and
-``launch --doctor``'s swap of the script for the doctor's worker.
+flags, and the parent side
+of ``bench`` (a config and ``launch_local`` of diagnose/bench_worker.py on every rank).
 
 ``bench`` measures this machine and writes the calibration file ``meshrun plan --calibration``
 reads: ``comm``, collectives over a sweep of message sizes (diagnose/bench_comm.py) and the
@@ -15,13 +14,12 @@ from __future__ import annotations
 import argparse
 import json
 import socket
-import sys
 from pathlib import Path
 from typing import Any
 
 from meshrun.cli.args import Subparsers, add_command, add_network_flags, add_set, add_target
 from meshrun.diagnose import doctor_checks as dc
-from meshrun.diagnose.doctor import WORKER_MODULE, DoctorOptions, exit_code, local_checks, render
+from meshrun.diagnose.doctor import DoctorOptions, exit_code, local_checks, render
 
 # What every rank of `meshrun bench` runs (python -m); not imported here: the command line
 # parses its flags without loading the measurements.
@@ -61,13 +59,23 @@ def _bench_config(a: argparse.Namespace, nproc: int) -> tuple[Any, int]:
     """The bench job's config, with the multi-node flags applied as ``meshrun launch`` applies
     them (the same ``[launch]`` keys and checks), and its node count (fixed: the collectives'
     sizes and the calibration are per world)."""
-    from meshrun.cli.torchrun import apply_launch_flags
     from meshrun.config import Config, ConfigError, nnodes_range
+    from meshrun.launch.front.torchrun import apply_launch_flags
+    from meshrun.launch.spec import LaunchKeys
 
     cfg = Config()
     cfg.job.name, cfg.job.run_dir = "bench", a.run_dir
     cfg.metrics.progress = False
-    apply_launch_flags(cfg, a)
+    keys = LaunchKeys(
+        nproc_per_node=a.nproc_per_node,
+        nnodes=a.nnodes,
+        node_rank=a.node_rank,
+        rdzv_endpoint=a.rdzv_endpoint,
+        rdzv_id=a.rdzv_id,
+        interface=a.interface,
+        join_timeout=a.join_timeout,
+    )
+    apply_launch_flags(cfg, keys)
     low, high = nnodes_range(cfg.launch.nnodes)
     if low != high:
         raise ConfigError(
@@ -191,19 +199,6 @@ def options_from_args(a: argparse.Namespace) -> DoctorOptions:
         keep_last=cfg.checkpoint.keep_last,
         num_workers=cfg.data.num_workers,
     )
-
-
-def use_doctor_worker(a: argparse.Namespace) -> None:
-    """``meshrun launch --doctor``: launch the doctor's worker in place of the script, through
-    the same launch path (so every launch flag and config key applies to the check)."""
-    if a.target and a.target != WORKER_MODULE:
-        print(
-            f"meshrun launch --doctor: checking the launch only; {a.target} is not run",
-            file=sys.stderr,
-        )
-    a.target, a.module = WORKER_MODULE, True
-    # The check must not add to the run's metrics file or draw a progress bar.
-    a.set += [("metrics.jsonl", "false"), ("metrics.progress", "false")]
 
 
 def add_doctor_parser(sub: Subparsers) -> None:

@@ -1,6 +1,6 @@
-"""``meshrun k8s render``, ``meshrun slurm submit`` and ``meshrun launch --hostfile``: their
-flags, turned into the typed inputs of launch/k8s/render.py and launch/slurm/submit.py (pure
-rendering) and of launch/hostfile/hosts.py's :class:`HostfilePlan` that launch/hostfile/remote.py runs."""
+"""``meshrun k8s render`` and ``meshrun slurm submit``: their flags, turned into the typed inputs
+of launch/k8s/render.py and launch/slurm/submit.py (pure rendering). ``meshrun launch
+--hostfile``'s plan is launch/hostfile/plan.py's."""
 
 from __future__ import annotations
 
@@ -8,8 +8,6 @@ import argparse
 import os
 import re
 import sys
-import uuid
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +20,6 @@ from meshrun.config import (
     split_overrides,
     to_toml,
     validate_for_world,
-)
-from meshrun.launch.hostfile.hosts import (
-    HostfileError,
-    HostfilePlan,
-    forwarded_env,
-    nproc_for,
-    parse_hostfile,
-    ssh_options,
 )
 from meshrun.launch.k8s.job import DEFAULT_RUNTIME
 from meshrun.launch.k8s.render import (
@@ -45,7 +35,6 @@ from meshrun.launch.k8s.render import (
 )
 from meshrun.launch.k8s.yamlout import dump_documents
 from meshrun.launch.slurm.submit import DEFAULT_SIGNAL_BEFORE_S, SubmitSpec, render_sbatch, submit
-from meshrun.launch.spec import parse_nnodes
 from meshrun.launch.target import default_config, require_script
 
 # --- meshrun k8s render ----------------------------------------------------------------------
@@ -392,78 +381,3 @@ def add_slurm_parser(sub: Subparsers) -> None:
     s.add_argument("--config", help="TOML config file for the job")
     add_set(s)
     add_target(s)
-
-
-# --- meshrun launch --hostfile ---------------------------------------------------------------
-
-# Launch flags every host gets as given (attribute of the parsed args, flag).
-FORWARDED_FLAGS = (
-    ("config", "--config"),
-    ("max_restarts", "--max-restarts"),
-    ("interface", "--interface"),
-    ("join_timeout", "--join-timeout"),
-)
-# Flags the hostfile decides: host i is node rank i of len(hosts) nodes.
-_TOPOLOGY_FLAGS = (("node_rank", "--node-rank"),)
-
-
-def launch_from_args(a: argparse.Namespace, cfg: Config) -> int:
-    """``meshrun launch --hostfile``: build the plan, check the hosts, run."""
-    from meshrun.launch.hostfile.remote import (  # threads, ssh: on use
-        EXIT_INTERRUPTED,
-        launch_hostfile,
-    )
-
-    plan = plan_from_args(a, cfg, os.environ, os.getcwd(), sys.executable)
-    try:
-        return launch_hostfile(plan)
-    except KeyboardInterrupt:  # during the host check: nothing was started yet
-        print("meshrun launch --hostfile: interrupted; nothing started", file=sys.stderr)
-        return EXIT_INTERRUPTED
-
-
-def plan_from_args(
-    a: argparse.Namespace, cfg: Config, environ: Mapping[str, str], cwd: str, python: str
-) -> HostfilePlan:
-    """The plan for ``meshrun launch --hostfile`` from its parsed flags and loaded config;
-    every conflict is an error here, before any ssh."""
-    hosts = parse_hostfile(a.hostfile)
-    for attr, flag in _TOPOLOGY_FLAGS:
-        if getattr(a, attr, None) is not None:
-            raise HostfileError(
-                f"{flag} cannot go with --hostfile: host i of the file is node rank i"
-            )
-    nodes = parse_nnodes(a.nnodes) if a.nnodes is not None else None
-    if nodes is not None and (nodes.elastic or nodes.max_nodes != len(hosts)):
-        raise HostfileError(
-            f"--nnodes {a.nnodes!r} does not match --hostfile {a.hostfile!r}, which lists "
-            f"{len(hosts)} hosts; drop --nnodes (elastic MIN:MAX is not available with a hostfile)"
-        )
-    default = a.nproc_per_node or cfg.launch.nproc_per_node or None
-    nproc = nproc_for(hosts, default, a.hostfile)
-    if nproc is not None:
-        validate_for_world(cfg, nproc * len(hosts))
-    return HostfilePlan(
-        hosts=hosts,
-        nproc_per_node=nproc,
-        launch_args=forward_flags(a),
-        cwd=cwd,
-        python=python,
-        rdzv_endpoint=a.rdzv_endpoint or cfg.launch.rdzv_endpoint,
-        rdzv_id=a.rdzv_id or f"meshrun-{uuid.uuid4().hex[:8]}",
-        env=forwarded_env(environ),
-        ssh_args=ssh_options(getattr(a, "ssh_opt", None) or [], environ),
-        source=a.hostfile,
-    )
-
-
-def forward_flags(a: argparse.Namespace) -> list[str]:
-    """The parsed launch flags as every host's ``meshrun launch`` gets them, then the target."""
-    flags = []
-    for attr, flag in FORWARDED_FLAGS:
-        value = getattr(a, attr, None)
-        if value is not None:
-            flags += [flag, str(value)]
-    for key, value in getattr(a, "set", []):
-        flags += ["--set", f"{key}={value}"]
-    return [*flags, *(["-m"] if a.module else []), a.target, *a.args]

@@ -20,8 +20,6 @@ from pathlib import Path
 from meshrun._version import __version__
 from meshrun.cli.args import Subparsers, add_network_flags, add_set, add_target, keep_separator
 from meshrun.cli.out import quiet_on_broken_pipe
-from meshrun.cli.torchrun import apply_launch_flags as apply_launch_flags
-from meshrun.cli.torchrun import launch_flag_overrides as launch_flag_overrides
 from meshrun.config import (
     Config,
     ConfigError,
@@ -33,110 +31,55 @@ from meshrun.config import (
     validate_for_world,
 )
 from meshrun.demo.steps import steps_overrides
-from meshrun.launch.prepare import launch
-from meshrun.launch.target import DEMO_CONFIG, DEMO_MODULE, default_config
+from meshrun.launch.front.request import LaunchRequest, TorchrunFlags
+from meshrun.launch.prepare import launch, nproc_per_node
+from meshrun.launch.target import DEMO_CONFIG, DEMO_MODULE
 from meshrun.runtime.logs import say_error
-
-
-def _nproc(flag: int | None, cfg: Config) -> int:
-    from meshrun.launch.agent.local import default_nproc_per_node
-
-    n = flag if flag is not None else cfg.launch.nproc_per_node or default_nproc_per_node()
-    if n < 1:
-        raise ConfigError(f"--nproc-per-node {n} is not allowed: must be >= 1")
-    return n
-
 
 # --- subcommands ---------------------------------------------------------------------------
 
 
-def _replica_groups_flag(a: argparse.Namespace) -> int:
-    """``--replica-groups N`` as given (0: not given); N < 1 refused before anything starts."""
-    groups = getattr(a, "replica_groups", None)
-    if groups is not None and groups < 1:
-        raise ConfigError(
-            f"--replica-groups {groups} is not allowed: must be >= 1 (1 = off, N = N groups of "
-            "nproc-per-node / N processes)"
-        )
-    return groups or 0
+def launch_request(a: argparse.Namespace) -> LaunchRequest:
+    """``meshrun launch``'s parsed flags as the typed request launch/front/ runs."""
+    return LaunchRequest(
+        target=a.target,
+        module=bool(a.module),
+        args=tuple(a.args),
+        config=a.config,
+        sets=tuple(a.set),
+        secret_file=a.secret_file,
+        hostfile=a.hostfile,
+        ssh_opts=tuple(a.ssh_opt or ()),
+        interface=a.interface,
+        join_timeout=a.join_timeout,
+        replica_groups=a.replica_groups,
+        lighthouse=a.lighthouse,
+        torchrun=TorchrunFlags.of(vars(a)),
+    )
 
 
 def cmd_launch(a: argparse.Namespace) -> int:
-    from meshrun.cli import torchrun as cli_torchrun
+    from meshrun.launch.front.command import run
 
-    if a.doctor:
-        from meshrun.cli.diagnose import use_doctor_worker
-
-        use_doctor_worker(a)
-    target = a.target
-    if not target:
-        raise ConfigError("meshrun launch needs a script (train.py) or -m MODULE")
-    module = target if a.module else None
-    for note in cli_torchrun.env_defaults(a, os.environ):  # PET_NPROC_PER_NODE=8 ...
-        print(f"meshrun launch: {note}", file=sys.stderr)
-    _check_target(target, module, a.no_python)
-    if a.secret_file:  # = MESHRUN_JOB_SECRET_FILE for every launcher below, checked now
-        _use_secret_file(a.secret_file)
-    args = list(a.args)
-    overrides, _ = split_overrides(args)
-    # --replica-groups N is recorded first, so the other keys are checked against N groups
-    # (fault_tolerance.min_replicas = 2 is valid with two groups, not with the default one).
-    groups = _replica_groups_flag(a)
-    flag = [("fault_tolerance.replica_groups", str(groups))] if groups > 1 else []
-    cfg = load_config(a.config or default_config(module), [*flag, *a.set, *overrides])
-    if a.hostfile:  # one meshrun launch per listed host, over ssh (docs/hostfile.md)
-        from meshrun.cli.launch import launch_from_args
-
-        if why := cli_torchrun.hostfile_refusal(a):
-            raise ConfigError(why)
-        # Checked here as on each host; the hostfile decides the topology (cli/launch.py).
-        apply_launch_flags(cfg, a, topology=False)
-        return launch_from_args(a, cfg)
-    if a.ssh_opt:
-        raise ConfigError("--ssh-opt configures the ssh to each host: it needs --hostfile FILE")
-    torchrun = cli_torchrun.resolve(a)  # torchrun's flags: what they mean for this launch
-    for note in torchrun.notes:
-        print(f"meshrun launch: {note}", file=sys.stderr)
-    a.nproc_per_node = torchrun.nproc_per_node
-    for key, value in torchrun.launch_flags.items():  # --standalone, --master-addr/port
-        setattr(a, key, value)
-    _maybe_from_slurm(cfg, a)  # inside an allocation: unset topology flags from SLURM
-    apply_launch_flags(cfg, a)
-    script = None if module else target
-    nproc = _nproc(None, cfg)
-    return launch(cfg, nproc, script, module, args, **torchrun.spec)
+    request = launch_request(a)
+    if a.doctor:  # here, not in launch/: the doctor (diagnose/) stands above launch/
+        request = use_doctor_worker(request)
+    return run(request, os.environ)
 
 
-def _check_target(target: str, module: str | None, no_python: bool | None) -> None:
-    import shutil
+def use_doctor_worker(request: LaunchRequest) -> LaunchRequest:
+    """``meshrun launch --doctor``: launch the doctor's worker in place of the script, through
+    the same launch path (so every launch flag and config key applies to the check)."""
+    from meshrun.diagnose.doctor import WORKER_MODULE
 
-    if module is not None or Path(target).is_file():
-        return
-    if no_python and shutil.which(target):  # --no-python: a program, found as torchrun would
-        return
-    what = "program" if no_python else "script"
-    raise ConfigError(f"{what} {target!r} does not exist")
-
-
-def _use_secret_file(path: str) -> None:
-    from meshrun.launch.trust.secret import use_secret_file
-    from meshrun.runtime.secret import SecretError
-
-    try:
-        use_secret_file(path, os.environ)
-    except SecretError as err:
-        raise ConfigError(str(err)) from None
-
-
-def _maybe_from_slurm(cfg: Config, a: argparse.Namespace) -> None:
-    """Inside a SLURM allocation: the topology flags neither the command line nor the config
-    gave, from SLURM (launch/slurm/job.py)."""
-    from meshrun.launch.slurm.job import apply_to_launch, given_from
-
-    filled = apply_to_launch(given_from(vars(a), cfg.launch), os.environ)
-    for key, value in dataclasses.asdict(filled).items():
-        if value is not None:
-            setattr(a, key, value)
+    if request.target and request.target != WORKER_MODULE:
+        print(
+            f"meshrun launch --doctor: checking the launch only; {request.target} is not run",
+            file=sys.stderr,
+        )
+    # The check must not add to the run's metrics file or draw a progress bar.
+    sets = (*request.sets, ("metrics.jsonl", "false"), ("metrics.progress", "false"))
+    return dataclasses.replace(request, target=WORKER_MODULE, module=True, sets=sets)
 
 
 def cmd_demo(a: argparse.Namespace) -> int:
@@ -146,7 +89,7 @@ def cmd_demo(a: argparse.Namespace) -> int:
     if a.steps is not None:
         extra.extend(steps_overrides(a.steps, keys))
     cfg = load_config(DEMO_CONFIG, [*extra, *overrides])
-    nproc = _nproc(a.nproc, cfg)
+    nproc = nproc_per_node(a.nproc, cfg)
     if "data.micro_batch" not in keys:
         from meshrun.demo.batch import fit_micro_batch
 

@@ -8,7 +8,8 @@ docs/kubernetes.md), :class:`SubmitSpec` -> :func:`render_sbatch` (SLURM; docs/s
 :func:`launch_hostfile` over ssh (docs/hostfile.md). Exports load on first use: the command
 line does not import torch to parse its arguments.
 
-Inside: ``spec`` (one launch, typed), ``prepare`` (the checks and values settled before any
+Inside: ``front/`` (``meshrun launch``'s typed request and the one call that prepares and
+runs it), ``spec`` (one launch, typed), ``prepare`` (the checks and values settled before any
 process starts), ``target``, ``torchrun_flags``, ``rundir`` and ``replicas`` (replica groups);
 ``agent/`` (torchrun's agent and what watches it), ``trust/`` (the job secret, the signed
 rendezvous), ``multinode/``, and one folder per scheduler: ``hostfile/``, ``k8s/``, ``ray/``,

@@ -24,7 +24,7 @@ from meshrun.config import (
 from meshrun.launch.multinode.handshake import JoinTarget
 from meshrun.launch.spec import LaunchSpec
 
-__all__ = ["group_nproc", "launch", "prepare", "resolve"]
+__all__ = ["group_nproc", "launch", "nproc_per_node", "prepare", "resolve"]
 
 
 def prepare(cfg: Config, nproc: int, nodes: JoinTarget) -> Path:
@@ -131,3 +131,13 @@ def group_nproc(cfg: Config, spec: LaunchSpec) -> int:
         )
     set_value(cfg, "fault_tolerance.replica_groups", groups)
     return nproc // groups
+
+
+def nproc_per_node(flag: int | None, cfg: Config) -> int:
+    """Processes per node: ``flag``, else ``launch.nproc_per_node``, else GPUs (else 2)."""
+    from meshrun.launch.agent.local import default_nproc_per_node
+
+    n = flag if flag is not None else cfg.launch.nproc_per_node or default_nproc_per_node()
+    if n < 1:
+        raise ConfigError(f"--nproc-per-node {n} is not allowed: must be >= 1")
+    return n

@@ -10,6 +10,7 @@ arguments all read the spec; none of them parses the config's strings again.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -78,7 +79,7 @@ class LaunchSpec:
     config_path: str | None = None  # exported to the workers as MESHRUN_CONFIG
     run_dir: str = "runs/launch"  # the agent's per-rank logs go to RUN_DIR/logs
     extra_env: dict[str, str] = field(default_factory=dict)
-    # torchrun's own flags as the user gave them (meshrun launch's cli_torchrun.resolve):
+    # torchrun's own flags as the user gave them (launch/front/torchrun.py's resolve):
     rdzv_backend: str = "c10d"  # or "static": torchrun's --master-addr/--master-port launch
     tee: str = ""  # torchrun's --tee; "" = stderr only ("2"), so stdout is torchrun's own
     redirects: str = ""  # torchrun's --redirects; "" = none
@@ -107,3 +108,24 @@ class LaunchSpec:
     @property
     def log_dir(self) -> str:
         return self.log_dir_flag or os.path.join(self.run_dir, "logs")
+
+
+@dataclass(frozen=True)
+class LaunchKeys:
+    """The flags of ``meshrun launch`` (and ``meshrun bench``) that override ``[launch]`` keys
+    of the same name (None: not given, the config's value stays), in the order applied."""
+
+    nproc_per_node: int | None = None
+    nnodes: str | None = None
+    node_rank: int | None = None
+    rdzv_endpoint: str | None = None
+    rdzv_id: str | None = None
+    rdzv_conf: str | None = None
+    max_restarts: int | None = None
+    interface: str | None = None
+    join_timeout: float | None = None  # the key is launch.join_timeout_s
+
+    def over(self, base: LaunchKeys) -> LaunchKeys:
+        """These values where set (not None), else ``base``'s."""
+        mine = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return dataclasses.replace(base, **{k: v for k, v in mine.items() if v is not None})

@@ -26,3 +26,18 @@ def default_config(module: str | None) -> Path | None:
     """The config a target uses when no --config is given: the demo's own for ``-m
     meshrun.demo`` (so its settings hold under launch, scale-test and slurm), else none."""
     return DEMO_CONFIG if module == DEMO_MODULE else None
+
+
+def check_target(target: str, module: str | None, no_python: bool | None) -> None:
+    """``meshrun launch``'s target: a module, a script that exists here, or with --no-python a
+    program found on PATH as torchrun would find it, before anything runs."""
+    import shutil
+
+    from meshrun.config.fields import ConfigError
+
+    if module is not None or Path(target).is_file():
+        return
+    if no_python and shutil.which(target):  # --no-python: a program, found as torchrun would
+        return
+    what = "program" if no_python else "script"
+    raise ConfigError(f"{what} {target!r} does not exist")

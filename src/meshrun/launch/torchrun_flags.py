@@ -12,26 +12,20 @@ flag is one of two kinds:
 The table is written out here rather than read from torch, so that ``meshrun --help`` does
 not import torch; ``tests/unit/test_torchrun_flags.py`` checks it against
 ``torch.distributed.run.get_args_parser()``, so a flag that a newer torch adds fails that
-test until it is placed here. Everything in this module is pure (no torch import) except
-``torchrun_nproc``, which asks torch how many devices there are. What the parsed command line
-means (argparse, the rendezvous a set of flags implies) is cli/torchrun.py's.
+test until it is placed here. Everything in this module is pure (no torch import). What a
+parsed set of flags means (the process count, the rendezvous, the output streams) is
+launch/front/torchrun.py's; their argparse lines are cli/torchrun.py's.
 """
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from meshrun.config import ConfigError
-
 STATIC_DEFAULT_ADDR = "127.0.0.1"  # torchrun's --master-addr default
 STATIC_DEFAULT_PORT = 29500  # torchrun's --master-port default
 BACKENDS = ("c10d", "static")
-# torchrun's -r/--tee syntax: one Std value for all ranks (0-3), or LOCAL_RANK:VALUE,...
-_STD_VALUE = re.compile(r"^(?:[0-3]|\d+:[0-3](?:,\d+:[0-3])*)$")
-STDERR = 2  # torchrun's Std.ERR bit
 
 
 @dataclass(frozen=True)
@@ -265,56 +259,3 @@ HOSTFILE_FLAGS = (
 def flag_argv(flag: Flag, value: Any) -> list[str]:
     """``flag`` with ``value`` as torchrun argv, in the dash spelling."""
     return [flag.name] if flag.switch else [flag.name, str(value)]
-
-
-def resolve_nproc(
-    text: str | int | None, nproc_of: Callable[[str], int], notes: list[str]
-) -> int | None:
-    """``--nproc-per-node`` as a count: N as given, auto/gpu/cpu/xpu as torchrun counts them."""
-    if text is None:
-        return None
-    if isinstance(text, int) or text.strip().lstrip("-").isdigit():
-        n = int(text)
-    else:
-        try:
-            n = nproc_of(text)
-        except ValueError as err:
-            raise ConfigError(
-                f"--nproc-per-node {text!r} is not allowed here: {err} Use a number, auto "
-                "(accelerators if any, else CPU cores), cpu, gpu or xpu"
-            ) from None
-        notes.append(f"--nproc-per-node {text}: {n} processes (torchrun's rule)")
-    if n < 1:
-        raise ConfigError(f"--nproc-per-node {text} is not allowed: must be >= 1")
-    return n
-
-
-def torchrun_nproc(text: str) -> int:
-    """torchrun's own count for auto/gpu/cpu/xpu (``determine_local_world_size``): on a CPU
-    machine auto and cpu mean the usable CPU cores, as in torchrun."""
-    from torch.distributed.run import determine_local_world_size
-
-    return int(determine_local_world_size(text))
-
-
-def output_streams(tee: str | None, redirects: str | None, notes: list[str]) -> tuple[str, str]:
-    """``--tee`` and ``--redirects`` as given ("" = not given), checked; a note when stderr
-    is not kept in the log files the failure summary reads."""
-    for flag, value in (("--tee", tee), ("--redirects", redirects)):
-        if value is not None and not _STD_VALUE.match(value):
-            raise ConfigError(
-                f"{flag} {value!r} is not allowed: expected 0 (none), 1 (stdout), 2 (stderr), "
-                "3 (both) for every rank, or LOCAL_RANK:VALUE,... e.g. 0:3,1:2"
-            )
-    if tee is None and redirects is None:
-        return "", ""
-    if not any(_all_ranks_have(v, STDERR) for v in (tee, redirects)):
-        notes.append(
-            "stderr of some ranks is not kept in log files (--tee/--redirects without 2): the "
-            "failure summary cannot show their last lines (error.json from @record still works)"
-        )
-    return tee or "", redirects or ""
-
-
-def _all_ranks_have(value: str | None, bit: int) -> bool:
-    return value is not None and value.isdigit() and bool(int(value) & bit)

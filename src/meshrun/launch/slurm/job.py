@@ -24,7 +24,8 @@ from types import FrameType
 from typing import TypeVar
 
 from meshrun.config import ConfigError, LaunchConfig
-from meshrun.config.launch_values import nnodes_range
+from meshrun.launch.multinode.handshake import JoinTarget
+from meshrun.launch.spec import LaunchKeys, parse_nnodes
 from meshrun.runtime.launcher_env import expand_hostlist, slurm_port
 
 DISABLE_ENV = "MESHRUN_SLURM"  # "0": ignore the allocation, launch as on a plain machine
@@ -36,17 +37,6 @@ class SlurmError(ConfigError):
 
 
 # --- inside an allocation: derive the topology ---------------------------------------------
-
-
-@dataclass(frozen=True)
-class Given:
-    """What the user set explicitly (None = not given); explicit values win over SLURM's."""
-
-    nnodes: str | None = None
-    node_rank: int | None = None
-    nproc_per_node: int | None = None
-    rdzv_endpoint: str | None = None
-    rdzv_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -98,7 +88,7 @@ def scontrol_hostnames(nodelist: str) -> list[str]:
 
 def derive(
     env: Mapping[str, str],
-    given: Given,
+    given: LaunchKeys,
     cpu_default: int | Callable[[], int] = 2,
     hostnames: Callable[[str], list[str]] = scontrol_hostnames,
 ) -> Topology:
@@ -110,14 +100,14 @@ def derive(
     nnodes_slurm, sources["nnodes"] = _nnodes(env, in_step)
     _check_batch_shell(in_step, nnodes_slurm)
     _check_tasks_per_node(env, in_step)
-    nnodes = _explicit(given.nnodes, str(nnodes_slurm), "--nnodes", sources, "nnodes", notes)
+    nnodes = _explicit_nnodes(given.nnodes, nnodes_slurm, sources, notes)
     rank_slurm = _int(env, "SLURM_NODEID") if "SLURM_NODEID" in env else 0
     sources["node_rank"] = f"SLURM_NODEID={rank_slurm}" if "SLURM_NODEID" in env else "default"
     node_rank = _explicit(given.node_rank, rank_slurm, "--node-rank", sources, "node_rank", notes)
     nproc = _nproc(env, given.nproc_per_node, cpu_default, sources, notes)
     _check_cpus(env, nproc)
     master, sources["master_addr"] = _master(env, in_step, hostnames)
-    one_node = nnodes_range(nnodes)[1] == 1  # N or MIN:MAX, parsed: "1:1" is one node too
+    one_node = parse_nnodes(nnodes).max_nodes == 1  # N or MIN:MAX: "1:1" is one node too
     endpoint = "" if one_node else f"{master}:{slurm_port(job_id)}"
     endpoint = _explicit(given.rdzv_endpoint, endpoint, "--rdzv-endpoint", {}, "", notes)
     rdzv_id = given.rdzv_id or f"slurm-{job_id}"
@@ -178,6 +168,18 @@ def _check_tasks_per_node(env: Mapping[str, str], in_step: bool) -> None:
             "per node: srun --ntasks-per-node=1 (or #SBATCH --ntasks-per-node=1), and set the "
             "processes with --nproc-per-node"
         )
+
+
+def _explicit_nnodes(
+    flag: str | None, slurm: int, sources: dict[str, str], notes: list[str]
+) -> str:
+    """``--nnodes`` over SLURM's count, compared as node ranges (``2:2`` is SLURM's 2)."""
+    if flag is None:
+        return str(slurm)
+    if parse_nnodes(flag) != JoinTarget(slurm, slurm):
+        notes.append(f"--nnodes {flag} given; SLURM says {slurm}: using --nnodes")
+    sources["nnodes"] = "--nnodes"
+    return flag
 
 
 def _explicit(
@@ -257,45 +259,61 @@ def _master(
     return hosts[0], f"first of {name}={env[name]} by {how}"
 
 
-# LaunchConfig key -> its default: a config value other than the default counts as explicit.
-_LAUNCH_DEFAULTS: dict[str, object] = {
-    "nnodes": "1",
-    "node_rank": 0,
-    "nproc_per_node": 0,
-    "rdzv_endpoint": "",
-    "rdzv_id": "meshrun",
-}
+def given_from(flags: LaunchKeys, launch_cfg: LaunchConfig) -> LaunchKeys:
+    """Explicit topology values: a ``meshrun launch`` flag (``flags``, None = not given), else a
+    ``[launch]`` key other than its default (``nnodes`` compared as a node range)."""
+    default = LaunchConfig()
+    in_config = LaunchKeys(
+        nnodes=None
+        if parse_nnodes(launch_cfg.nnodes) == parse_nnodes(default.nnodes)
+        else launch_cfg.nnodes,
+        node_rank=_set(launch_cfg.node_rank, default.node_rank),
+        nproc_per_node=_set(launch_cfg.nproc_per_node, default.nproc_per_node),
+        rdzv_endpoint=_set(launch_cfg.rdzv_endpoint, default.rdzv_endpoint),
+        rdzv_id=_set(launch_cfg.rdzv_id, default.rdzv_id),
+    )
+    topology = LaunchKeys(
+        nnodes=flags.nnodes,
+        node_rank=flags.node_rank,
+        nproc_per_node=flags.nproc_per_node,
+        rdzv_endpoint=flags.rdzv_endpoint,
+        rdzv_id=flags.rdzv_id,
+    )
+    return topology.over(in_config)
 
 
-def given_from(flags: Mapping[str, object], launch_cfg: LaunchConfig) -> Given:
-    """Explicit values: a ``meshrun launch`` flag (``flags``: the parsed flags by name, None =
-    not given), else a non-default ``[launch]`` key."""
-    found: dict[str, object] = {}
-    for key, default in _LAUNCH_DEFAULTS.items():
-        flag = flags.get(key)
-        value = getattr(launch_cfg, key, default)
-        found[key] = flag if flag is not None else (value if value != default else None)
-    return Given(**found)  # type: ignore[arg-type]
+def _set(value: T, default: T) -> T | None:
+    return value if value != default else None
 
 
-def apply_to_launch(given: Given, env: Mapping[str, str]) -> Given:
-    """Inside a SLURM allocation, the ``meshrun launch`` values that neither a flag nor the
-    config gave, derived from SLURM (a field stays None where one was given or SLURM says
-    nothing; all None outside an allocation); prints the derived line and keeps the launcher
-    alive through SLURM's pre-time-limit SIGUSR1."""
+def apply_to_launch(given: LaunchKeys, env: Mapping[str, str]) -> LaunchKeys:
+    """Inside a SLURM allocation, the topology values that neither a flag nor the config gave,
+    derived from SLURM (a field stays None where one was given or SLURM says nothing; all None
+    outside an allocation), for ``LaunchKeys.over`` the flags; prints the derived line and
+    keeps the launcher alive through SLURM's pre-time-limit SIGUSR1."""
     if not in_allocation(env):
-        return Given()
+        return LaunchKeys()
     topo = derive(env, given, cpu_default=_cpu_default)  # called only if needed: imports torch
-    filled: dict[str, object] = {}
-    for key in _LAUNCH_DEFAULTS:
-        value = getattr(topo, key)
-        if getattr(given, key) is None and value != "":
-            filled[key] = value
+    filled = LaunchKeys(  # "" endpoint: the launcher's loopback on one node, nothing to fill
+        nnodes=topo.nnodes if given.nnodes is None else None,
+        node_rank=topo.node_rank if given.node_rank is None else None,
+        nproc_per_node=topo.nproc_per_node if given.nproc_per_node is None else None,
+        rdzv_endpoint=topo.rdzv_endpoint or None if given.rdzv_endpoint is None else None,
+        rdzv_id=topo.rdzv_id if given.rdzv_id is None else None,
+    )
     print(topo.line(), file=sys.stderr, flush=True)
     for note in topo.notes:
         print(f"meshrun launch: note: {note}", file=sys.stderr, flush=True)
     forward_usr1_to_workers()
-    return Given(**filled)  # type: ignore[arg-type]
+    return filled
+
+
+def fill_from_allocation(
+    keys: LaunchKeys, launch_cfg: LaunchConfig, env: Mapping[str, str]
+) -> LaunchKeys:
+    """``keys`` (``meshrun launch``'s flags) with what SLURM gives for the topology values that
+    neither they nor ``launch_cfg`` set (``keys`` as they are outside an allocation)."""
+    return apply_to_launch(given_from(keys, launch_cfg), env).over(keys)
 
 
 def _cpu_default() -> int:
