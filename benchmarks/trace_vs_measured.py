@@ -2,6 +2,7 @@
 
     PYTHONPATH=src python benchmarks/trace_vs_measured.py cpu        # the CPU table
     PYTHONPATH=src python benchmarks/trace_vs_measured.py published  # the published rows
+    PYTHONPATH=src python benchmarks/trace_vs_measured.py pp [model]  # the pipeline rows alone
 
 ``cpu``: for the demo GPT, a dense Hugging Face model (Llama) and an MoE one (Qwen3-MoE),
 tiny configs built on the meta device, under DDP, ZeRO-1, ZeRO-3, TP 2 and ZeRO-3 with full
@@ -14,6 +15,12 @@ has no allocator statistics (``torch.cuda.max_memory_allocated`` has no CPU twin
 deltas mix in glibc's caching and the Python heap, so the count of live tensor storages is
 the measurement; what it checks is the trace's fake execution, its fake world and its
 extrapolation against the real run. Both sides are "allocated" (no GPU allocator on a CPU).
+
+Pipeline rows: pp=2 (1F1B and GPipe, 4 micro-batches of ``MICRO`` rows) through meshrun's
+own pipeline (``parallelize_pipeline`` + ``pipeline_step``: torch's schedules), measured on
+each rank (each stage) the same way, with the stage's receive buffers (torch's
+``PipelineStage`` allocates them at the first step) registered beside the parameters; the
+trace's first and last stage against them, and its worst stage against the worse of the two.
 
 ``published``: torchtitan's Llama 3.1 8B on 8 H100 (FSDP, selective per-op AC, local batch
 2, sequence 8,192, bf16): measured 82.4 GiB reserved, the trace's reserved peak and the
@@ -145,6 +152,106 @@ def measured(name: str, layout: tuple[int, int, int, int]) -> float:
     return float(value)
 
 
+PP_SCHEDULES, CHUNKS = ("1f1b", "gpipe"), 4
+
+
+def traced_pp(name: str, schedule: str) -> Any:
+    from meshrun.parallel.memory_trace import TraceLayout, trace
+
+    lay = TraceLayout(
+        pp=2,
+        micro_batch=MICRO,
+        seq=SEQ,
+        precision="bf16",
+        microbatches=CHUNKS,
+        schedule=schedule,
+        gpu=False,
+    )
+    return trace(build(name), lay)
+
+
+def _recv_buffers(pipe: Any) -> list[torch.Tensor]:
+    """The stage's receive buffers (activations from the previous stage, gradients from the
+    next), allocated by torch's PipelineStage at the first step and kept for the run."""
+    stages = getattr(pipe.schedule, "_stages", None) or [pipe.schedule._stage]
+    out = []
+    for stage in stages:
+        for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+            out += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
+    return out
+
+
+def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def _measure_pp_rank(rank: int, name: str, schedule: str, out: Any) -> None:
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from meshrun.config import ParallelConfig
+    from meshrun.parallel import build_optimizer, parallelize_pipeline, pipeline_step
+    from meshrun.parallel.trace_stages import repeat_tolerant
+    from meshrun.runtime.mesh import ParallelDims, build_mesh
+
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    mesh = build_mesh(ParallelDims(2, 1, 1, 1), "cpu")
+    cfg = ParallelConfig(pp=2, pp_schedule=schedule, pp_microbatches=CHUNKS, param_dtype="bfloat16")
+    cpu = torch.device("cpu")
+    pipe = parallelize_pipeline(build(name), mesh, cfg, cpu, _lm_loss)
+    opt = build_optimizer(pipe, torch.optim.AdamW, mesh, cfg, lr=1e-4, foreach=False)
+    vocab = {"demo GPT": 256}.get(name, 512)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, vocab, (MICRO * CHUNKS, SEQ + 1), generator=g)
+
+    def step() -> None:
+        pipeline_step(pipe, tokens[:, :-1], tokens[:, 1:])
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()  # the optimizer's states and the stage's receive buffers exist from here on
+    tracker = repeat_tolerant(MemTracker)()  # the stage runs once per micro-batch
+    tracker.track_external(*pipe.modules, opt, tokens, *_recv_buffers(pipe))
+    with tracker:
+        step()
+    peak = tracker.get_tracker_snapshot("peak")
+    out.put((rank, float(next(iter(peak.values()))["Total"])))
+    dist.destroy_process_group()
+
+
+def measured_pp(name: str, schedule: str) -> list[float]:
+    """Each stage's (rank's) measured peak, first stage first."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29600 + os.getpid() % 1000))
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    args = (name, schedule, out)
+    procs = [ctx.Process(target=_measure_pp_rank, args=(r, *args)) for r in range(2)]
+    for p in procs:
+        p.start()
+    values = sorted(out.get(timeout=600) for _ in procs)
+    for p in procs:
+        p.join(timeout=120)
+    return [v for _, v in values]
+
+
+def pp_rows(name: str) -> None:
+    for schedule in PP_SCHEDULES:
+        label = f"PP 2, {schedule.upper() if schedule == '1f1b' else 'GPipe'}, {CHUNKS} mb"
+        try:
+            t = traced_pp(name, schedule)
+        except Exception as e:  # a row the trace cannot run says why
+            print(f"| {name} | {label} | - | - | not traced: {type(e).__name__}: {e} | - |")
+            continue
+        m = measured_pp(name, schedule)
+        rows = [("first stage", m[0], t.stages[0]), ("last stage", m[1], t.stages[-1])]
+        rows.append(("worst stage", max(m), t.allocated))
+        for which, mb, tb in rows:
+            print(
+                f"| {name} | {label}: {which} | {mb / 1e6:.2f} | {tb / 1e6:.2f} | "
+                f"{(tb / mb - 1) * 100:+.1f} % | {t.seconds:.1f} |",
+                flush=True,
+            )
+
+
 def cpu_table() -> None:
     print("| model | layout | measured MB | traced MB | error | trace s |")
     print("|---|---|---|---|---|---|")
@@ -163,6 +270,7 @@ def cpu_table() -> None:
                 f"{(t / m - 1) * 100:+.1f} % | {seconds:.1f} |",
                 flush=True,
             )
+        pp_rows(name)
 
 
 def published() -> None:
@@ -196,4 +304,11 @@ def published() -> None:
 
 
 if __name__ == "__main__":
-    {"cpu": cpu_table, "published": published}[sys.argv[1] if len(sys.argv) > 1 else "cpu"]()
+    which = sys.argv[1] if len(sys.argv) > 1 else "cpu"
+    if which == "pp":  # the pipeline rows alone: pp [model ...]
+        print("| model | layout | measured MB | traced MB | error | trace s |")
+        print("|---|---|---|---|---|---|")
+        for name in sys.argv[2:] or ("demo GPT", "Llama (dense)", "Qwen3-MoE"):
+            pp_rows(name)
+    else:
+        {"cpu": cpu_table, "published": published}[which]()

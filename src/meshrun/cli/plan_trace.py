@@ -87,9 +87,6 @@ def trace_layout(e: Estimate, m: Model, t: Training, gpu: bool = True) -> TraceL
     lay = e.layout
     if lay.cp > 1 or lay.ep > 1 or not m.has_shape:
         return None
-    in_flight = 1
-    if lay.pp > 1:  # 1F1B's first stage holds min(pp, m) micro-batches; GPipe all of them
-        in_flight = e.microbatches if lay.schedule == "gpipe" else min(lay.pp, e.microbatches)
     return TraceLayout(
         dp_replicate=lay.dp_replicate,
         dp_shard=lay.dp_shard,
@@ -101,7 +98,8 @@ def trace_layout(e: Estimate, m: Model, t: Training, gpu: bool = True) -> TraceL
         ac=lay.activation_checkpointing,
         precision=t.precision,
         optimizer=t.optimizer,
-        in_flight=in_flight,
+        microbatches=e.microbatches if lay.pp > 1 else 1,  # each stage's share: trace_stages
+        schedule=lay.schedule,
         gpu=gpu,
     )
 

@@ -27,13 +27,16 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from meshrun.plan.errors import PlanError
+
+if TYPE_CHECKING:
+    from meshrun.parallel.trace_stages import StageIO, StagePosition
 
 GiB = 2**30
 TRACED_BLOCKS = (2, 3)  # a deeper model is traced at these depths and extrapolated
@@ -48,9 +51,9 @@ SEGMENT = 2 * 2**20  # the allocator maps memory in 2 MiB pages/segments
 
 @dataclass(frozen=True)
 class TraceLayout:
-    """What one rank runs: the mesh degrees (pp: one stage of ``blocks / pp`` blocks holding
-    ``in_flight`` micro-batches' activations, as 1F1B's first stage does), the ZeRO stage, the
-    micro-batch and sequence, activation checkpointing and the precision."""
+    """What one rank runs: the mesh degrees (pp: its stage of the model, holding the
+    micro-batches its ``schedule`` keeps in flight of ``microbatches``: parallel/trace_stages.py),
+    the ZeRO stage, the micro-batch and sequence, activation checkpointing and the precision."""
 
     dp_replicate: int = 1
     dp_shard: int = 1
@@ -62,7 +65,8 @@ class TraceLayout:
     ac: str = "none"  # none | selective | full
     precision: str = "bf16"  # bf16 | fp16 | fp32
     optimizer: str = "adamw"  # adam | adamw | sgd
-    in_flight: int = 1  # micro-batches whose activations the stage holds at once
+    microbatches: int = 1  # the pipeline's micro-batches per step (parallel.pp_microbatches)
+    schedule: str = "1f1b"  # parallel.pp_schedule
     # A GPU target: the optimizer's multi-tensor path (torch's default there) and the
     # communication streams' own allocator pools; False: a CPU run (no streams, per-tensor).
     gpu: bool = True
@@ -76,13 +80,15 @@ class TraceLayout:
 @dataclass
 class Traced:
     """A traced peak: bytes by kind at the moment of the peak, its allocated and reserved
-    totals, the depths traced and the seconds it took."""
+    totals, the depths traced and the seconds it took. Under a pipeline the figures are the
+    worst stage's; ``stages`` holds each traced stage's allocated peak (first, last)."""
 
     parts: dict[str, float]
     allocated: float
     reserved: float
     blocks: tuple[int, ...]
     seconds: float
+    stages: tuple[float, ...] = ()
 
     def as_gb(self) -> dict[str, float]:
         out = {k: round(v / 1e9, 3) for k, v in self.parts.items()}
@@ -124,15 +130,32 @@ def fake_world(world: int) -> Iterator[None]:
 def trace(model: nn.Module, lay: TraceLayout) -> Traced:
     """The peak of one training step of ``model`` (on the meta device; not changed) laid out
     as ``lay``, traced on one rank of a fake world."""
+    from meshrun.parallel.trace_stages import traced_positions
+
     start = time.perf_counter()
-    blocks = _block_count(model)
-    depths = (blocks,) if blocks <= TRACED_BLOCKS[-1] else TRACED_BLOCKS
-    peaks = [_trace_at(model, lay, d) for d in depths]
-    parts = peaks[0] if len(peaks) == 1 else _extrapolate(peaks, depths, blocks)
+    positions = traced_positions(_block_count(model), lay.pp, lay.microbatches, lay.schedule)
+    hidden: list[Any] = []  # what the first stage sends: the last stage's receive buffers
+    stages = [_trace_stage(model, lay, pos, hidden) for pos in positions]
+    parts = max(stages, key=lambda p: sum(p.values()) - p["comm_pools"])
     pools = parts.pop("comm_pools") * (1.0 if lay.gpu else 0.0)  # no streams on a CPU
     allocated = sum(parts.values())
+    per_stage = tuple(sum(v for k, v in p.items() if k != "comm_pools") for p in stages)
     seconds = time.perf_counter() - start
-    return Traced(parts, allocated, reserved_bytes(allocated, pools), depths, seconds)
+    reserved = reserved_bytes(allocated, pools)
+    return Traced(parts, allocated, reserved, _depths(positions[0].blocks), seconds, per_stage)
+
+
+def _depths(blocks: int) -> tuple[int, ...]:
+    return (blocks,) if blocks <= TRACED_BLOCKS[-1] else TRACED_BLOCKS
+
+
+def _trace_stage(
+    model: nn.Module, lay: TraceLayout, pos: StagePosition, hidden: list[Any]
+) -> dict[str, float]:
+    """One stage's peak by kind (comm_pools among them), extrapolated to its blocks."""
+    depths = _depths(pos.blocks)
+    peaks = [_trace_at(model, lay, d, pos, hidden) for d in depths]
+    return peaks[0] if len(peaks) == 1 else _extrapolate(peaks, depths, pos.blocks)
 
 
 def _extrapolate(
@@ -142,24 +165,41 @@ def _extrapolate(
     return {k: a[k] + (b[k] - a[k]) * (blocks - da) / (db - da) for k in a}
 
 
-def _trace_at(model: nn.Module, lay: TraceLayout, depth: int) -> dict[str, float]:
-    """One traced step with the stage's first ``depth`` blocks (all of them when ``depth``
-    is the stage's own count)."""
+def _trace_at(
+    model: nn.Module, lay: TraceLayout, depth: int, pos: StagePosition, hidden: list[Any]
+) -> dict[str, float]:
+    """One traced step of the stage at ``pos`` with ``depth`` blocks (all of them when
+    ``depth`` is the stage's own count)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    stage = _stage_of(model, lay, depth)
-    vocab = _vocab(stage)
+    from meshrun.parallel.trace_stages import stage_module
+
+    copy_ = _stage_of(model, depth)
+    vocab = _vocab(copy_)
+    stage = stage_module(copy_, pos) if lay.pp > 1 else copy_
     with fake_world(lay.world):
         mesh = _mesh(lay)  # a real (CPU) tensor of ranks: built outside the fake mode
         with FakeTensorMode(allow_non_fake_inputs=True):
-            return _traced_stage(stage, mesh, vocab, lay)
+            return _traced_stage(stage, mesh, vocab, lay, pos, hidden)
 
 
-def _traced_stage(stage: nn.Module, mesh: Any, vocab: int, lay: TraceLayout) -> dict[str, float]:
+def _traced_stage(
+    stage: nn.Module,
+    mesh: Any,
+    vocab: int,
+    lay: TraceLayout,
+    pos: StagePosition,
+    hidden: list[Any],
+) -> dict[str, float]:
+    from meshrun.parallel.trace_stages import output_meta, stage_io
+
     laid = _lay_out(stage, mesh, lay)
     optimizer = _optimizer(laid, lay)
     tokens = torch.randint(0, vocab, (lay.micro_batch, lay.seq))
-    parts = _tracked_step(laid, optimizer, tokens, lay)
+    if lay.pp > 1 and not hidden:  # the first stage, traced first
+        hidden.append(output_meta(laid, tokens))
+    io = stage_io(pos, tokens, hidden[0] if hidden else ((), torch.float32))
+    parts = _tracked_step(laid, optimizer, io, pos)
     if lay.zero < 2 and lay.dp_replicate * lay.dp_shard > 1:
         parts["grads"] = _ddp_buckets(laid)
     return parts
@@ -173,16 +213,15 @@ def _ddp_buckets(model: nn.Module) -> float:
     return float(local_param_bytes(model)[0])
 
 
-def _stage_of(model: nn.Module, lay: TraceLayout, depth: int) -> nn.Module:
-    """A copy of ``model`` (meta: nothing allocated) keeping its first ``depth`` blocks of the
-    first pipeline stage's ``ceil(blocks / pp)``. The first stage also keeps the embeddings and
-    the output layer here (an overestimate of one stage by the head and the loss)."""
+def _stage_of(model: nn.Module, depth: int) -> nn.Module:
+    """A copy of ``model`` (meta: nothing allocated) keeping its first ``depth`` blocks (a
+    pipeline stage is cut from it: parallel/trace_stages.py)."""
     from meshrun.parallel.structure import find_structure
 
     structure = find_structure(model)
     if structure.blocks_fqn is None:
         return _without_init(copy.deepcopy(model))
-    keep = min(depth, math.ceil(structure.n_blocks / lay.pp))
+    keep = depth
     container = model.get_submodule(structure.blocks_fqn)
     dropped = [(k, container._modules[k]) for k in structure.block_keys[keep:]]
     for k, _ in dropped:  # deep-copied without the dropped blocks, then put back
@@ -292,24 +331,25 @@ def _share(params: list[nn.Parameter], dp: int) -> list[nn.Parameter]:
 
 
 def _tracked_step(
-    model: nn.Module, opt: torch.optim.Optimizer, tokens: torch.Tensor, lay: TraceLayout
+    model: nn.Module, opt: torch.optim.Optimizer, io: StageIO, pos: StagePosition
 ) -> dict[str, float]:
+    """One step of the stage under torch's tracker: its schedule's forwards and backwards
+    (one forward and backward without a pipeline), then the optimizer's."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
+    from meshrun.parallel.trace_stages import repeat_tolerant, run_schedule
+
     tracker: Any
     if isinstance(model, FSDPModule):
-        tracker = FSDPMemTracker(model, opt)
-        tracker.track_inputs((tokens,))
+        tracker = repeat_tolerant(FSDPMemTracker)(model, opt)
+        tracker.track_inputs(tuple(io.tensors()))
     else:
-        tracker = MemTracker()
-        tracker.track_external(model, opt, tokens)
+        tracker = repeat_tolerant(MemTracker)()
+        tracker.track_external(model, opt, *io.tensors())
     with tracker:
-        losses = [_loss(model, tokens) for _ in range(lay.in_flight)]
-        for loss in losses:
-            loss.backward()
-        del losses
+        run_schedule(model, pos, io, output_loss)
         opt.step()
         opt.zero_grad(set_to_none=True)
     peak = tracker.get_tracker_snapshot("peak")
@@ -337,7 +377,11 @@ def _comm_pools(tracker: Any) -> float:
 def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """A language model's loss: next-token cross entropy on float32 logits (as the demo and
     torchtitan compute it); any other output: the sum of its first tensor."""
-    out = model(tokens)
+    return output_loss(model(tokens), tokens)
+
+
+def output_loss(out: Any, tokens: torch.Tensor) -> torch.Tensor:
+    """:func:`_loss` on a model's output (a last pipeline stage's: parallel/trace_stages.py)."""
     logits = getattr(out, "logits", None)
     if logits is None:
         logits = out[0] if isinstance(out, (tuple, list)) else out

@@ -298,8 +298,10 @@ def pipeline_step(pipe: Pipeline, inputs: Tensor, targets: Tensor) -> Tensor:
     # Loss parallel: the schedule computes the loss on the vocab-sharded logits and runs its
     # backward inside step(), so the whole step runs in the context (it only changes DTensor
     # log-softmax / nll-loss, which nothing but the loss uses).
+    # return_outputs=False: the loss is all this step uses, and torch's last stage would
+    # otherwise keep every chunk's logits alive until the step ends (m x chunk x seq x vocab).
     with _loss_parallel(pipe):
-        pipe.schedule.step(*args, **kwargs)
+        pipe.schedule.step(*args, return_outputs=False, **kwargs)
     sync_tied_grads(pipe.tied, saved)  # before the aliases read the gradients
     _views_after_step(pipe)
     # The chunks' losses carry 1/chunks already: their sum is the mean over the micro-batch.

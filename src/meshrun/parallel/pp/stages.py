@@ -136,9 +136,13 @@ def _mask_kwargs(fn: Callable[..., Any], config: Any, h: Tensor, pos: Tensor) ->
         if required(name):
             kw[name] = None
             break
-    if "position_ids" in params:
+    # The stage's positions are arange(T) (one unpacked sequence per row): where position_ids
+    # is optional it is left out, as the model's own forward leaves it, so transformers skips
+    # its packed-sequence check (a host sync per call on a GPU; on fake tensors, where it
+    # cannot read values, a materialized mask the real run does not build: memory_trace.py).
+    if required("position_ids"):
         kw["position_ids"] = pos
-    if required("cache_position") or ("cache_position" in params and "position_ids" not in kw):
+    if required("cache_position") or ("cache_position" in params and "position_ids" not in params):
         kw["cache_position"] = pos[0]
     return kw
 

@@ -1,0 +1,177 @@
+"""What one pipeline stage holds, for the memory trace (parallel/memory_trace.py).
+
+A stage is not the model cut short: the first holds the embeddings and no head, the last the
+final norm, the head and the loss and no embeddings, and each holds as many micro-batches'
+activations as its schedule keeps in flight before their backward: GPipe all ``m`` on every
+stage, 1F1B ``min(m, pp - s)`` on stage ``s`` (torch's ``Schedule1F1B`` runs that many warm-up
+forwards, then one backward before each further forward). A stage also keeps, for the whole
+run, one receive buffer per micro-batch for what it is sent: the previous stage's activations
+(every stage but the first), the next stage's gradients (every stage but the last).
+
+The first and the last stage are traced (a middle stage holds the blocks of the first and
+fewer micro-batches, so it never holds more than the first). The stage modules are meshrun's
+own (parallel/pp/stages.py), the ones ``run.pipeline`` trains. The interleaved and zero-bubble
+schedules are traced as 1F1B (one stage per rank, 1F1B's micro-batches in flight).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+Loss = Callable[[Any, Tensor], Tensor]  # (the model's output, the tokens) -> the loss
+
+
+@dataclass(frozen=True)
+class StagePosition:
+    """Stage ``index`` of ``pp``: its blocks and the micro-batches it holds at once."""
+
+    index: int
+    pp: int
+    blocks: int
+    held: int
+    microbatches: int
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.pp - 1
+
+
+def traced_positions(
+    n_blocks: int, pp: int, microbatches: int, schedule: str
+) -> list[StagePosition]:
+    """The stages the trace runs: the first and the last (one when pp is 1)."""
+    from meshrun.parallel.pp.split import split_blocks
+
+    sizes = [len(r) for r in split_blocks(n_blocks, pp)] if pp > 1 else [n_blocks]
+    m = max(microbatches, 1)
+    out = []
+    for s in sorted({0, pp - 1}):
+        held = m if schedule == "gpipe" or pp == 1 else min(m, pp - s)
+        out.append(StagePosition(s, pp, sizes[s], held if pp > 1 else 1, m))
+    return out
+
+
+def stage_module(model: nn.Module, pos: StagePosition) -> nn.Module:
+    """``model``'s (a copy holding this stage's blocks) stage at ``pos``: meshrun's
+    StageModule with the embeddings on the first stage, the norm and head on the last."""
+    from meshrun.parallel.pp.split import split_model
+    from meshrun.parallel.pp.stages import StageModule, StageParts, hf_context
+    from meshrun.parallel.structure import find_structure, is_hf_model
+
+    structure = find_structure(model)
+    blocks = structure.block_names()
+    kwargs, shared = hf_context(model, blocks) if is_hf_model(model) else (None, ())
+    whole = split_model(model, structure, 1, shared).parts[0]
+    parts = StageParts(
+        whole.before if pos.first else (),
+        whole.blocks,
+        whole.after if pos.last else (),
+        whole.shared,
+    )
+    stage = StageModule(model, parts, kwargs)
+    stage.init_weights = model.init_weights  # no-op (fake)
+    return stage
+
+
+@dataclass
+class StageIO:
+    """What a traced stage is fed: the tokens (first stage) or one received activation per
+    micro-batch, and one received gradient per micro-batch (all but the last stage)."""
+
+    tokens: Tensor
+    acts: list[Tensor]
+    grads: list[Tensor]
+
+    def tensors(self) -> list[Tensor]:
+        return [self.tokens, *self.acts, *self.grads]
+
+
+def stage_io(pos: StagePosition, tokens: Tensor, hidden: tuple[Any, torch.dtype]) -> StageIO:
+    """The stage's receive buffers, alive for the whole run (torch's PipelineStage allocates
+    one per micro-batch); ``hidden``: the shape and dtype of what the first stage sends."""
+    m = pos.microbatches if pos.pp > 1 else 0
+    shape, dtype = hidden
+    acts = [] if pos.first else [torch.empty(shape, dtype=dtype) for _ in range(m)]
+    grads = [] if pos.last else [torch.empty(shape, dtype=dtype) for _ in range(m)]
+    return StageIO(tokens, acts, grads)
+
+
+def output_meta(first: nn.Module, tokens: Tensor) -> tuple[Any, torch.dtype]:
+    """What the (laid out) first stage sends: its output's shape and dtype (untracked)."""
+    with torch.no_grad():
+        out = first(tokens)
+    return out.shape, out.dtype
+
+
+def run_schedule(stage: nn.Module, pos: StagePosition, io: StageIO, loss: Loss) -> None:
+    """The stage's forwards and backwards in its schedule's order, far enough to reach its
+    peak: ``held`` forwards, then (one backward, one forward) once, then the backwards."""
+    pending: list[Callable[[], None]] = []
+    forwards = min(pos.held + 1, pos.microbatches) if pos.pp > 1 else 1
+    for i in range(forwards):
+        if len(pending) == pos.held:
+            pending.pop(0)()
+        pending.append(_forward(stage, pos, io, i, loss))
+    while pending:
+        pending.pop(0)()
+
+
+def _forward(
+    stage: nn.Module, pos: StagePosition, io: StageIO, i: int, loss: Loss
+) -> Callable[[], None]:
+    """One micro-batch's forward; returns its backward (which frees its activations)."""
+    x: Any = io.tokens if pos.first else io.acts[i].detach().requires_grad_()
+    # torch's stage keeps each micro-batch's output (the last stage's: its logits) until the
+    # micro-batch's backward; one process's step frees the logits once the loss is computed.
+    held: list[Any] = [stage(x)]
+    if pos.last:
+        held.append(loss(held[0] if pos.pp > 1 else held.pop(), io.tokens))
+
+    def backward() -> None:
+        out = held.pop()
+        if pos.last:
+            out.backward()
+        else:
+            out.backward(io.grads[i])
+        del out
+        held.clear()
+        if isinstance(x, Tensor) and x.requires_grad:
+            x.grad = None  # sent to the previous stage, then dropped
+
+    return backward
+
+
+def repeat_tolerant(tracker_cls: type) -> type:
+    """``tracker_cls`` (torch's MemTracker) counting a module called several times in one
+    step (a pipeline stage runs once per micro-batch): MemTracker refuses a second top-level
+    call of a module; its memory count (the peak) does not depend on that per-module record."""
+
+    class Tracker(tracker_cls):
+        def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+            try:
+                super()._pre_fw_hook(module, inputs)
+            except NotImplementedError:
+                return
+
+    return Tracker
+
+
+__all__ = [
+    "StageIO",
+    "StagePosition",
+    "output_meta",
+    "repeat_tolerant",
+    "run_schedule",
+    "stage_io",
+    "stage_module",
+    "traced_positions",
+]
