@@ -29,8 +29,7 @@ OTHER = JobSecret(b"fedcba9876543210fedcba9876543210", "other")
 NONCE = "0a1b2c3d4e5f6a7b"
 KEY = "meshrun.rdzv/job"
 A, B = _NodeDesc("10.0.0.1", 42, 0), _NodeDesc("10.0.0.2", 7, 1)
-C = _NodeDesc("10.0.0.3", 9, 0)
-A_KEY, B_KEY, C_KEY = (f"{KEY}/hb/{n.addr}_{n.pid}_{n.local_id}" for n in (A, B, C))
+A_KEY, B_KEY = (f"{KEY}/hb/{n.addr}_{n.pid}_{n.local_id}" for n in (A, B))
 KEEP_ALIVE, TRIES = timedelta(seconds=1), 3  # torch calls a node dead 3 s after its heartbeat
 
 
@@ -62,9 +61,11 @@ class Ops:
         return counted
 
 
-def _backend(store: Any, said: list[str] | None = None) -> SignedBackend:
+def _backend(
+    store: Any, said: list[str] | None = None, keep_alive: timedelta = KEEP_ALIVE
+) -> SignedBackend:
     out = said if said is not None else []
-    return SignedBackend(store, "job", SECRET, NONCE, KEEP_ALIVE, TRIES, say=out.append)
+    return SignedBackend(store, "job", SECRET, NONCE, keep_alive, TRIES, say=out.append)
 
 
 def _ago(seconds: float) -> datetime:
@@ -91,9 +92,9 @@ def _beats(backend: SignedBackend) -> dict[_NodeDesc, datetime]:
     return pickle.loads(got[0]).last_heartbeats
 
 
-def _survivors(backend: SignedBackend) -> set[_NodeDesc]:
+def _survivors(backend: SignedBackend, keep_alive: timedelta = KEEP_ALIVE) -> set[_NodeDesc]:
     """The participants torch's own state holder keeps after one sync (its ``_sanitize``)."""
-    settings = RendezvousSettings("job", 1, 2, RendezvousTimeout(), KEEP_ALIVE, TRIES)
+    settings = RendezvousSettings("job", 1, 2, RendezvousTimeout(), keep_alive, TRIES)
     holder = _BackendRendezvousStateHolder(backend, settings, cache_duration=0)
     holder.sync()
     return set(holder.state.participants)
@@ -169,20 +170,18 @@ def test_a_forged_heartbeat_is_ignored_once_and_the_node_still_dies(
 @pytest.mark.timeout(30)
 def test_a_deleted_heartbeat_key_neither_blocks_nor_kills(store: Any) -> None:
     """The store's read of a missing key blocks until its timeout (a minute here, past this
-    test's): the keys are checked first; the node keeps its newest verified time. C's
-    heartbeat stopped long ago, so every read of this reader looks at the keys again."""
-    state = _two_nodes(_ago(10), _ago(10))
-    state.participants[C] = 2
-    state.last_heartbeats[C] = _ago(10)
-    assert _backend(store).set_state(pickle.dumps(state)) is not None
-    fresh = _ago(0)
-    for key, node in [(A_KEY, A), (B_KEY, B), (C_KEY, C)]:
-        store.set(key, _sealed(key, node, fresh if node != C else _ago(10)))
+    test's): the keys are checked first; the node keeps its newest verified time. Here a node
+    is dead 30 s after its heartbeat and its key is read again once 25 s old: B's, signed 26 s
+    ago, is read at every read of this reader."""
+    keep_alive = timedelta(seconds=10)
+    assert _backend(store).set_state(pickle.dumps(_two_nodes(_ago(0), _ago(40)))) is not None
+    signed = _ago(26)
+    store.set(B_KEY, _sealed(B_KEY, B, signed))
     said: list[str] = []
-    reader = _backend(store, said)
-    assert _beats(reader)[B] == fresh
+    reader = _backend(store, said, keep_alive)
+    assert _beats(reader)[B] == signed
     store.delete_key(B_KEY)
-    assert _beats(reader)[B] == fresh and _survivors(reader) == {A, B}
+    assert _beats(reader)[B] == signed and _survivors(reader, keep_alive) == {A, B}
     assert len(said) == 1 and f"{B_KEY}: deleted from the store" in said[0], said
-    # A node that never saw B's key keeps the shared state's time for B.
-    assert _beats(_backend(store))[B] < _ago(9)
+    # A node that never saw B's key keeps the shared state's time for B: dead.
+    assert _survivors(_backend(store, None, keep_alive), keep_alive) == {A}

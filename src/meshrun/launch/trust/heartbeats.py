@@ -10,9 +10,9 @@ with the job secret over the key's name), and a reader merges the newest verifie
 node into the state it hands to torch's handler, whose dead-node rule (``_sanitize``) is
 unchanged.
 
-The keys are read in one ``multi_get``, and only when a heartbeat the reader holds is old
-enough to matter: half a keep-alive interval before the handler would call its node dead, at
-most once per half interval. A key that does not verify (a stranger's, another launch's,
+The keys are read in one ``multi_get``, and only those whose heartbeat the reader holds is
+old enough to matter: half a keep-alive interval before the handler would call the node dead,
+at most once per half interval. A key that does not verify (a stranger's, another launch's,
 dated in the future) is ignored with one line; a deleted key is never waited on (the store's ``get`` would
 block until its timeout): the node keeps the newest time already seen, or the shared state's.
 """
@@ -102,7 +102,10 @@ class Heartbeats:
             self._base, self._built = base, -1
             self._oldest = min((self._seen[n] for n in base.last_heartbeats), default=None)
         if self._due():
-            self._read(list(base.last_heartbeats))
+            # Only the stale nodes' keys: a node read fresh is due again in about one
+            # write interval, not at every read (a quarter of the bytes at steady state).
+            limit = datetime.now(timezone.utc) - self._stale_after
+            self._read([n for n in base.last_heartbeats if self._seen[n] <= limit])
         if self._version != self._built:
             newer = {n: self._seen[n] for n, t in base.last_heartbeats.items() if self._seen[n] > t}
             self._merged = base
