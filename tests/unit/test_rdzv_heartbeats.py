@@ -185,3 +185,20 @@ def test_a_deleted_heartbeat_key_neither_blocks_nor_kills(store: Any) -> None:
     assert len(said) == 1 and f"{B_KEY}: deleted from the store" in said[0], said
     # A node that never saw B's key keeps the shared state's time for B: dead.
     assert _survivors(_backend(store, None, keep_alive), keep_alive) == {A}
+
+
+@pytest.mark.timeout(30)
+def test_a_keep_alive_hands_back_the_others_newest_heartbeats(store: Any) -> None:
+    """torch's handler calls nodes dead on the state a keep-alive hands back: its own older
+    copy would have B's heartbeat of its last read, past the limit under a loaded machine."""
+    store.set(B_KEY, _sealed(B_KEY, B, _ago(10)))
+    mine = _backend(store)
+    first = mine.set_state(pickle.dumps(_two_nodes(_ago(1), _ago(10))))
+    assert first is not None and pickle.loads(first[0]).last_heartbeats[B] < _ago(9)
+    beat = _ago(0)
+    store.set(B_KEY, _sealed(B_KEY, B, beat))  # B's own keep-alive, since A's last read
+    state = pickle.loads(first[0])
+    state.last_heartbeats[A] = _ago(0)
+    kept = mine.set_state(pickle.dumps(state), first[1])
+    assert kept is not None and kept[1:] == (first[1], True)
+    assert pickle.loads(kept[0]).last_heartbeats[B] == beat

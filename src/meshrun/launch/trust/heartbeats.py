@@ -105,7 +105,11 @@ class Heartbeats:
             # Only the stale nodes' keys: a node read fresh is due again in about one
             # write interval, not at every read (a quarter of the bytes at steady state).
             limit = datetime.now(timezone.utc) - self._stale_after
-            self._read([n for n in base.last_heartbeats if self._seen[n] <= limit])
+            stale = [n for n in base.last_heartbeats if self._seen[n] <= limit]
+            if stale:
+                self._read(stale)
+            else:  # held times newer than _oldest (this node's own write): none stale yet
+                self._oldest = min(self._seen[n] for n in base.last_heartbeats)
         if self._version != self._built:
             newer = {n: self._seen[n] for n, t in base.last_heartbeats.items() if self._seen[n] > t}
             self._merged = base

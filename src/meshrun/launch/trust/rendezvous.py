@@ -304,9 +304,12 @@ class SignedBackend(RendezvousBackend):
         view = self._view
         if view is not None and token == view[0] and only_heartbeats(view[1], local):
             # A keep-alive: the node's own key, one plain set; the shared state is untouched.
+            # The handler then calls nodes dead on what it gets back: the shared state merged
+            # anew (its own heartbeat, and the keys due), not its copy of an older view.
             self._hb.write(local)
-            self._view = (view[0], local, state)
-            return state, view[0], True
+            handed = self._hand(self._decode(view[0]))
+            if handed is not None:
+                return handed[0], handed[1], True
         self._hb.write(local, joining=True)  # before the state: a node in it has its key
         seq = self._seq + 1
         sealed = self._seal(local, seq)
