@@ -14,8 +14,9 @@ Per N and backend:
   torch's fixed waits: the dead node's heartbeats must be missed (``keep_alive_interval`` x
   ``keep_alive_max_attempt``) and the last call (``last_call_timeout``); ``restart_work_s`` is
   the time beyond them;
-- ``ops_per_node`` and ``kb_per_node``: the rendezvous state's store operations (get,
-  compare_set, ...) and the bytes they carry, both ways, per agent, over both rounds;
+- ``ops_per_node`` and ``kb_per_node``: the store operations of meshrun's backend (get,
+  compare_set, ... of the shared state and of the per-node heartbeat keys) or of c10d's, and
+  the bytes they carry, both ways, per agent, over both rounds;
 - ``state_kb``: the size of the state value once N nodes joined;
 - ``store_cpu_s``: the store server process's CPU seconds over both rounds.
 
@@ -128,6 +129,7 @@ def make_agent(backend: str, port: int, n: int, i: int, run_id: str) -> Agent:
     if backend == "meshrun":  # as create_signed_handler composes it, the store counted
         secret = from_env()
         counter = Counting(store)
+        # keep-alive 5 s x 3: SignedBackend's defaults, the same as KEEP_ALIVE_S, KEEP_ALIVE_TRIES
         signed = SignedBackend(counter, run_id, secret, LAUNCH_NONCE, say=lambda _: None)  # type: ignore[arg-type]
         prefixed = PrefixStore(f"meshrun.{secret.tag(run_id)}", store)
         return Agent(_held(create_handler(prefixed, signed, params)), counter)

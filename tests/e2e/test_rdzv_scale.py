@@ -47,10 +47,13 @@ def test_64_nodes_join_and_restart_with_one_gone() -> None:
     _check(_bench().measure("meshrun", 64), 64)
 
 
-# heavy: test_32_nodes_join_and_restart_with_one_gone shows the same at 32 nodes.
+# heavy: test_32_nodes_join_and_restart_with_one_gone shows the same at 32 nodes. With the
+# heartbeats in per-node keys 128 nodes took 3.5 minutes here, and completed in one run of
+# three (docs/scale.md): each join is still a compare-and-set of the one state, and all
+# agents share one GIL.
 @pytest.mark.heavy
 @pytest.mark.timeout(7200)
-@pytest.mark.parametrize("nodes", [256, 1024, 4096])
+@pytest.mark.parametrize("nodes", [128, 256, 1024, 4096])
 def test_large_rendezvous_completes(nodes: int) -> None:
     row = _bench().measure("meshrun", nodes)
     assert row["state_kb"] * 1024 / nodes < 200, row

@@ -13,9 +13,10 @@ A value that does not verify (a stranger's write, a replayed older state, a stat
 another launch of the same run directory, whose ``job.secret`` is reused) is refused with one
 line, and the last good state is put back, so the job trains on. Every signed state carries
 the launch's nonce (:data:`NONCE_ENV`: drawn by the launch, shared by its nodes through the
-handshake), so a state recorded in an earlier run never verifies in this one. A deleted state
-is put back the same way, from the last good state this agent holds, with one line: a store
-emptied under the job neither stops its restarts nor hangs its agents. The store itself is
+handshake), so a state recorded in an earlier run never verifies in this one. Each node's
+keep-alive goes to a signed key of its own, not to the shared state (``heartbeats.py``). A
+deleted state is put back the same way, from the last good state this agent holds, with one
+line: a store emptied under the job neither stops its restarts nor hangs its agents. The store itself is
 created by meshrun, bound to the address asked for (:func:`listen_store`), never to all
 interfaces as ``TCPStore`` does on its own.
 """
@@ -51,6 +52,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
+from meshrun.launch.trust.heartbeats import Heartbeats, only_heartbeats
 from meshrun.runtime.logs import say_launch
 from meshrun.runtime.secret import NONCE_ENV, JobSecret, from_env, sanitize
 
@@ -160,7 +162,9 @@ def create_signed_handler(params: RendezvousParameters) -> RendezvousHandler:
 
     secret = from_env()
     store = _store_for(params)
-    backend = SignedBackend(store, params.run_id, secret, launch_nonce())
+    keep_alive = timedelta(seconds=params.get_as_int("keep_alive_interval", 5) or 5)
+    tries = params.get_as_int("keep_alive_max_attempt", 3) or 3
+    backend = SignedBackend(store, params.run_id, secret, launch_nonce(), keep_alive, tries)
     prefixed = PrefixStore(f"meshrun.{secret.tag(params.run_id)}", store)
     return HeldPortHandler(create_handler(prefixed, backend, params))
 
@@ -202,7 +206,9 @@ class SignedBackend(RendezvousBackend):
 
     ``seq`` counts the writes: each is the state it replaced plus one, so an older signed
     state written back (a replay) is refused like a forgery; ``launch`` is the launch's nonce,
-    so a state signed in another launch with the same secret is refused too."""
+    so a state signed in another launch with the same secret is refused too. Each node's
+    keep-alive goes to a signed key of its own (``heartbeats.py``), merged into the state
+    handed to the handler; ``keep_alive`` and ``tries`` are the handler's settings."""
 
     def __init__(
         self,
@@ -210,6 +216,8 @@ class SignedBackend(RendezvousBackend):
         run_id: str,
         secret: JobSecret,
         nonce: str,
+        keep_alive: timedelta = timedelta(seconds=5),
+        tries: int = 3,
         say: Callable[[str], None] | None = None,
     ) -> None:
         if not run_id:
@@ -221,7 +229,10 @@ class SignedBackend(RendezvousBackend):
         self._say = say or say_launch
         self._seq = 0  # the highest write this node has seen
         self._good: bytes | None = None  # the last value that verified
-        self._good_state: bytes | None = None  # its state, pickled: a poll re-reads it often
+        self._good_state: _RendezvousState | None = None  # its state: a poll re-reads it often
+        self._hb = Heartbeats(self._call, self._key, secret, nonce, keep_alive, tries, self._say)
+        # What the handler was last handed: (token, state with heartbeats merged, its pickle).
+        self._view: tuple[bytes, _RendezvousState, bytes] | None = None
         self._stranger_checked = -_STRANGER_CHECK_S
         self._refused: set[bytes] = set()
         self._stranger_seen = False
@@ -234,7 +245,22 @@ class SignedBackend(RendezvousBackend):
 
     def get_state(self) -> tuple[bytes, Token] | None:
         self._note_plain_c10d()
-        return self._decode(self._read())
+        return self._hand(self._decode(self._read()))
+
+    def _hand(
+        self, decoded: tuple[_RendezvousState, bytes] | None, pickled: bytes | None = None
+    ) -> tuple[bytes, Token] | None:
+        """What the handler gets: the shared state with each node's newest heartbeat merged,
+        pickled once per change (a poll of an unchanged state costs no pickle)."""
+        if decoded is None:
+            return None
+        base, token = decoded
+        merged = self._hb.merge(base)
+        view = self._view
+        if view is None or view[0] != token or view[1] is not merged:
+            bits = pickled if pickled is not None and merged is base else pickle.dumps(merged)
+            self._view = view = (token, merged, bits)
+        return view[2], token
 
     def _read(self) -> bytes:
         """The stored value, never blocking: the store's ``get`` waits for a missing key until
@@ -275,23 +301,35 @@ class SignedBackend(RendezvousBackend):
             return (*current, False) if current is not None else None
         # The handler's own pickle, made in this process a moment ago.
         local: _RendezvousState = pickle.loads(state)
+        view = self._view
+        if view is not None and token == view[0] and only_heartbeats(view[1], local):
+            # A keep-alive: the node's own key, one plain set; the shared state is untouched.
+            # The handler then calls nodes dead on what it gets back: the shared state merged
+            # anew (its own heartbeat, and the keys due), not its copy of an older view.
+            self._hb.write(local)
+            handed = self._hand(self._decode(view[0]))
+            if handed is not None:
+                return handed[0], handed[1], True
+        self._hb.write(local, joining=True)  # before the state: a node in it has its key
         seq = self._seq + 1
         sealed = self._seal(local, seq)
         expected = token or _EMPTY
         raw = bytes(self._call("compare_set", self._key, expected, sealed))
         if raw == sealed:  # ours won: no need to verify and parse what we just wrote
-            self._seq, self._good, self._good_state = seq, sealed, state
-            return state, sealed, True
+            self._seq, self._good, self._good_state = seq, sealed, local
+            handed = self._hand((local, sealed), state)
+            assert handed is not None
+            return handed[0], sealed, True
         # Not written: the store answered with the value it holds (another node's write, the
         # common case under contention: decoded as it is, no second operation), or, on a
         # deleted key, with the expected value itself: the handler would retry that token
         # forever (every restart gone, no line). Then the state is put back and read.
         if raw == expected:
             raw = self._put_back()
-        decoded = self._decode(raw)
-        if decoded is None:
+        handed = self._hand(self._decode(raw))
+        if handed is None:
             return None
-        return decoded[0], decoded[1], False
+        return handed[0], handed[1], False
 
     # --- JSON <-> state ---------------------------------------------------------------
 
@@ -305,7 +343,7 @@ class SignedBackend(RendezvousBackend):
         }
         return self._secret.seal(self._key, json.dumps(doc, sort_keys=True))
 
-    def _decode(self, raw: bytes) -> tuple[bytes, Token] | None:
+    def _decode(self, raw: bytes) -> tuple[_RendezvousState, bytes] | None:
         raw = bytes(raw)
         if raw == _EMPTY:
             return None
@@ -320,9 +358,8 @@ class SignedBackend(RendezvousBackend):
             state = state_from_json(doc)
         except (KeyError, TypeError, ValueError) as err:  # signed, so a bug: say so plainly
             raise RendezvousStateError(f"the signed rendezvous state is malformed: {err}") from err
-        self._seq, self._good = max(self._seq, doc["seq"]), raw
-        self._good_state = pickle.dumps(state)
-        return self._good_state, raw
+        self._seq, self._good, self._good_state = max(self._seq, doc["seq"]), raw, state
+        return state, raw
 
     def _unfit(self, doc: dict[str, Any] | None) -> str:
         """Why a verified-or-not document is refused ('' when it is this launch's, current)."""
@@ -337,7 +374,7 @@ class SignedBackend(RendezvousBackend):
             return "an older state written back"
         return ""
 
-    def _refuse(self, raw: bytes, why: str) -> tuple[bytes, Token] | None:
+    def _refuse(self, raw: bytes, why: str) -> tuple[_RendezvousState, bytes] | None:
         """Name the refused value once, put the last good state back over it, go on."""
         if raw not in self._refused:
             self._refused.add(raw)

@@ -1,0 +1,213 @@
+"""Each node's rendezvous heartbeat in a signed key of its own, beside the shared state.
+
+torch's rendezvous handler writes a node's keep-alive into the one shared state every
+keep-alive interval: N nodes make N / interval compare-and-sets a second of a value that holds
+all N, each lost and retried whenever another write came first. At 128 simulated nodes on 2
+cores no round completed: heartbeats aged past the dead-node limit before their write won
+(docs/scale.md). Here a keep-alive is one plain ``set`` of the node's own key
+(``<state key>/hb/<addr>_<pid>_<local id>``: the node, its time and the launch nonce, sealed
+with the job secret over the key's name), and a reader merges the newest verified time of each
+node into the state it hands to torch's handler, whose dead-node rule (``_sanitize``) is
+unchanged.
+
+The keys are read in one ``multi_get``, and only those whose heartbeat the reader holds is
+old enough to matter: half a keep-alive interval before the handler would call the node dead,
+at most once per half interval. A key that does not verify (a stranger's, another launch's,
+dated in the future) is ignored with one line; a deleted key is never waited on (the store's ``get`` would
+block until its timeout): the node keeps the newest time already seen, or the shared state's.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from collections.abc import Callable, Iterable
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from torch.distributed.elastic.rendezvous import RendezvousConnectionError
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+from meshrun.runtime.secret import JobSecret, sanitize
+
+SKEW = timedelta(seconds=30)  # a heartbeat dated later than this ahead of our clock is refused
+# The keys are read at most once per this share of the keep-alive interval: a live node's key
+# is then read at least once between "near the limit" and the limit itself.
+REFRESH_SHARE = 0.5
+_NEVER = datetime.min.replace(tzinfo=timezone.utc)
+
+
+class Heartbeats:
+    """The newest verified heartbeat of every node this backend has met, and its keys."""
+
+    def __init__(
+        self,
+        call: Callable[..., Any],
+        state_key: str,
+        secret: JobSecret,
+        nonce: str,
+        keep_alive: timedelta,
+        tries: int,
+        say: Callable[[str], None],
+    ) -> None:
+        self._call, self._secret, self._nonce, self._say = call, secret, nonce, say
+        self._prefix = f"{state_key}/hb/"
+        # Read the keys once a heartbeat is this old: the handler calls a node dead at
+        # keep_alive x tries, and a live node writes at least once per two intervals.
+        self._stale_after = keep_alive * tries - keep_alive / 2
+        self._keep_alive = keep_alive
+        self._keyed: dict[_NodeDesc, datetime] = {}  # the time this backend last wrote each key
+        self._seen: dict[_NodeDesc, datetime] = {}
+        self._version = 0  # bumped whenever a time in _seen grows
+        self._read_at = -math.inf
+        self._said: set[tuple[str, str]] = set()
+        self._base: _RendezvousState | None = None  # the last shared state merged...
+        self._built = -1  # ...at this version of _seen
+        self._merged: _RendezvousState | None = None
+        self._oldest: datetime | None = None
+
+    def key(self, node: _NodeDesc) -> str:
+        return f"{self._prefix}{node.addr}_{node.pid}_{node.local_id}"
+
+    def write(self, state: _RendezvousState, joining: bool = False) -> int:
+        """Sign and store the heartbeat of each node whose time in ``state`` is newer than
+        any seen (a keep-alive: this node's only); one store operation, or none. ``joining``:
+        the state itself is being written, carrying the time: a key written in the last half
+        interval is recent enough (each lost try of a large join would write it again)."""
+        gap = self._keep_alive / 2 if joining else timedelta(0)
+        fresh = {
+            n: t
+            for n, t in state.last_heartbeats.items()
+            if t > self._seen.get(n, _NEVER) and t - self._keyed.get(n, _NEVER) > gap
+        }
+        if not fresh:
+            return 0
+        keys = [self.key(n) for n in fresh]
+        values = [self._seal(k, n, t) for k, (n, t) in zip(keys, fresh.items(), strict=True)]
+        if len(keys) == 1:
+            self._call("set", keys[0], values[0])
+        else:
+            self._call("multi_set", keys, values)
+        self._keyed.update(fresh)
+        self._note(fresh.items())
+        return len(keys)
+
+    def merge(self, base: _RendezvousState) -> _RendezvousState:
+        """``base`` (the verified shared state) with each node's heartbeat the newest of its
+        own and its key's; ``base`` itself when no key is newer. Not changed in place."""
+        if base is not self._base:
+            self._note(base.last_heartbeats.items())
+            self._base, self._built = base, -1
+            self._oldest = min((self._seen[n] for n in base.last_heartbeats), default=None)
+        if self._due():
+            # Only the stale nodes' keys: a node read fresh is due again in about one
+            # write interval, not at every read (a quarter of the bytes at steady state).
+            limit = datetime.now(timezone.utc) - self._stale_after
+            stale = [n for n in base.last_heartbeats if self._seen[n] <= limit]
+            if stale:
+                self._read(stale)
+            else:  # held times newer than _oldest (this node's own write): none stale yet
+                self._oldest = min(self._seen[n] for n in base.last_heartbeats)
+        if self._version != self._built:
+            newer = {n: self._seen[n] for n, t in base.last_heartbeats.items() if self._seen[n] > t}
+            self._merged = base
+            if newer:
+                self._merged = copy.copy(base)
+                self._merged.last_heartbeats = {**base.last_heartbeats, **newer}
+            self._built = self._version
+            self._oldest = min(self._merged.last_heartbeats.values(), default=None)
+        assert self._merged is not None
+        return self._merged
+
+    def _due(self) -> bool:
+        """Whether to read the keys: a heartbeat held is near the handler's dead-node limit
+        (the key may hold a newer one), and the last read is a second old."""
+        every = self._keep_alive.total_seconds() * REFRESH_SHARE
+        if self._oldest is None or time.monotonic() - self._read_at < every:
+            return False
+        return datetime.now(timezone.utc) - self._oldest >= self._stale_after
+
+    def _note(self, items: Iterable[tuple[_NodeDesc, datetime]]) -> None:
+        for node, t in items:
+            if t > self._seen.get(node, _NEVER):
+                self._seen[node] = t
+                self._version += 1
+
+    # --- reading the keys ---------------------------------------------------------------
+
+    def _read(self, nodes: list[_NodeDesc]) -> None:
+        """The nodes' keys in one ``multi_get`` (after one ``check``: a missing key would
+        block the read until the store's timeout); verified times noted, others said."""
+        self._read_at = time.monotonic()
+        keys = {self.key(n): n for n in nodes}
+        try:
+            present = list(keys)
+            if not self._call("check", present):  # a key deleted: find it, one check each
+                present = [k for k in keys if self._call("check", [k])]
+                for k in set(keys) - set(present):
+                    self._ignore(k, "deleted from the store")
+            values = self._call("multi_get", present) if present else []
+        except RendezvousConnectionError as err:  # deleted between check and read: go on
+            self._ignore(self._prefix + "*", f"unreadable ({sanitize(str(err), 160)})")
+            return
+        for k, raw in zip(present, values, strict=True):
+            t = self._verify(k, keys[k], bytes(raw))
+            if t is not None:
+                self._note([(keys[k], t)])
+
+    def _verify(self, key: str, node: _NodeDesc, raw: bytes) -> datetime | None:
+        text = self._secret.unseal(key, raw)
+        doc = _parse(text) if text is not None else None
+        why = ""
+        if doc is None or doc["node"] != [node.addr, node.pid, node.local_id]:
+            why = "not signed with this job's secret"
+        elif doc["launch"] != self._nonce:
+            why = f"signed in another launch (nonce {sanitize(str(doc['launch']), 32)})"
+        elif doc["time"] > datetime.now(timezone.utc) + SKEW:
+            why = f"dated in the future ({doc['time'].isoformat()})"
+        if why or doc is None:
+            self._ignore(key, why)
+            return None
+        t: datetime = doc["time"]
+        return t
+
+    def _ignore(self, key: str, why: str) -> None:
+        """One line per key and reason: the node keeps the newest time already seen."""
+        kind = why.split(" (")[0]
+        if (key, kind) not in self._said:
+            self._said.add((key, kind))
+            self._say(
+                f"ignored the rendezvous heartbeat {key}: {why}; the node keeps its last "
+                "verified time (the one in the signed state, or an older heartbeat)"
+            )
+
+    def _seal(self, key: str, node: _NodeDesc, t: datetime) -> bytes:
+        doc = {"node": [node.addr, node.pid, node.local_id], "time": t.isoformat()}
+        return self._secret.seal(key, json.dumps({**doc, "launch": self._nonce}))
+
+
+def only_heartbeats(before: _RendezvousState, after: _RendezvousState) -> bool:
+    """Whether ``after`` is ``before`` with newer heartbeats only (torch's keep-alive)."""
+
+    def rest(s: _RendezvousState) -> tuple[Any, ...]:
+        lists = (s.participants, s.wait_list, s.redundancy_list, s.last_heartbeats.keys())
+        return (s.round, s.complete, s.deadline, s.closed, *lists)
+
+    if rest(before) != rest(after):
+        return False
+    return all(t >= before.last_heartbeats[n] for n, t in after.last_heartbeats.items())
+
+
+def _parse(text: str) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(text)
+        if not isinstance(doc, dict) or not isinstance(doc.get("launch"), str):
+            return None
+        doc["time"] = datetime.fromisoformat(doc["time"])
+        if doc["time"].tzinfo is None:
+            return None
+    except (ValueError, TypeError, KeyError):
+        return None
+    return doc

@@ -1,0 +1,204 @@
+"""Each node's rendezvous heartbeat in a signed key of its own (launch/trust/heartbeats.py),
+over a real in-process TCPStore and torch's own state holder: a keep-alive is one small
+``set``; a heartbeat from a stranger, another launch or the future is ignored; a deleted key
+neither blocks nor kills; torch's dead-node rule still finds a node whose heartbeat stopped.
+Time is driven by the heartbeats' values, never by sleeping."""
+
+from __future__ import annotations
+
+import json
+import pickle
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
+    RendezvousSettings,
+    RendezvousTimeout,
+    _BackendRendezvousStateHolder,
+    _NodeDesc,
+    _RendezvousState,
+)
+
+from meshrun.launch.trust import heartbeats
+from meshrun.launch.trust.rendezvous import SignedBackend, forget_store, listen_store
+from meshrun.runtime.secret import JobSecret
+
+SECRET = JobSecret(b"0123456789abcdef0123456789abcdef", "test")
+OTHER = JobSecret(b"fedcba9876543210fedcba9876543210", "other")
+NONCE = "0a1b2c3d4e5f6a7b"
+KEY = "meshrun.rdzv/job"
+A, B = _NodeDesc("10.0.0.1", 42, 0), _NodeDesc("10.0.0.2", 7, 1)
+A_KEY, B_KEY = (f"{KEY}/hb/{n.addr}_{n.pid}_{n.local_id}" for n in (A, B))
+KEEP_ALIVE, TRIES = timedelta(seconds=1), 3  # torch calls a node dead 3 s after its heartbeat
+
+
+@pytest.fixture
+def store() -> Any:
+    server = listen_store("127.0.0.1", 0, 60)  # a read blocked on a missing key: a minute
+    yield server
+    forget_store(server)
+
+
+@pytest.fixture(autouse=True)
+def every_read_looks(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(heartbeats, "REFRESH_SHARE", 0.0)  # keys read whenever one is stale
+
+
+class Ops:
+    """The store, recording each operation and its first argument."""
+
+    def __init__(self, store: Any) -> None:
+        self.store, self.calls = store, []
+
+    def __getattr__(self, op: str) -> Any:
+        call = getattr(self.store, op)
+
+        def counted(*args: Any) -> Any:
+            self.calls.append((op, args[0] if args else None))
+            return call(*args)
+
+        return counted
+
+
+def _backend(
+    store: Any, said: list[str] | None = None, keep_alive: timedelta = KEEP_ALIVE
+) -> SignedBackend:
+    out = said if said is not None else []
+    return SignedBackend(store, "job", SECRET, NONCE, keep_alive, TRIES, say=out.append)
+
+
+def _ago(seconds: float) -> datetime:
+    return datetime.now(timezone.utc) - timedelta(seconds=seconds)
+
+
+def _two_nodes(a_at: datetime, b_at: datetime) -> _RendezvousState:
+    state = _RendezvousState()
+    state.round, state.complete, state.participants = 1, True, {A: 0, B: 1}
+    state.last_heartbeats = {A: a_at, B: b_at}
+    return state
+
+
+def _sealed(
+    key: str, node: _NodeDesc, at: datetime, nonce: str = NONCE, secret: Any = SECRET
+) -> bytes:
+    doc = {"node": [node.addr, node.pid, node.local_id], "time": at.isoformat(), "launch": nonce}
+    return secret.seal(key, json.dumps(doc))
+
+
+def _beats(backend: SignedBackend) -> dict[_NodeDesc, datetime]:
+    got = backend.get_state()
+    assert got is not None
+    return pickle.loads(got[0]).last_heartbeats
+
+
+def _survivors(backend: SignedBackend, keep_alive: timedelta = KEEP_ALIVE) -> set[_NodeDesc]:
+    """The participants torch's own state holder keeps after one sync (its ``_sanitize``)."""
+    settings = RendezvousSettings("job", 1, 2, RendezvousTimeout(), keep_alive, TRIES)
+    holder = _BackendRendezvousStateHolder(backend, settings, cache_duration=0)
+    holder.sync()
+    return set(holder.state.participants)
+
+
+@pytest.mark.timeout(30)
+def test_a_keep_alive_is_one_set_of_the_nodes_own_key_and_others_see_it(store: Any) -> None:
+    """torch's keep-alive wrote the one shared state (every node's, O(N) bytes) every interval:
+    at 128 simulated nodes heartbeats aged past the dead-node limit before their write won."""
+    ops = Ops(store)
+    mine = _backend(ops)
+    first = mine.set_state(pickle.dumps(_two_nodes(_ago(10), _ago(1))))
+    assert first is not None and first[2] is True
+    shared = bytes(store.get(KEY))
+    state = pickle.loads(first[0])
+    beat = datetime.now(timezone.utc)
+    state.last_heartbeats[A] = beat  # what torch's _keep_alive does, then sync()
+    ops.calls.clear()
+    kept = mine.set_state(pickle.dumps(state), first[1])
+    assert kept is not None and kept[1:] == (first[1], True)
+    assert ops.calls == [("set", A_KEY)] and bytes(store.get(KEY)) == shared
+    assert len(bytes(store.get(A_KEY))) < 200  # O(1) bytes, whatever the node count
+    assert pickle.loads(kept[0]).last_heartbeats[A] == beat
+    # Another node reads the unchanged shared state and the key's newer time.
+    assert _beats(_backend(store))[A] == beat
+
+
+@pytest.mark.timeout(30)
+def test_a_join_writes_the_key_then_the_shared_state(store: Any) -> None:
+    ops = Ops(store)
+    first = _backend(ops).set_state(pickle.dumps(_two_nodes(_ago(0), _ago(0))))
+    assert first is not None and first[2] is True
+    assert [op for op, _ in ops.calls[-2:]] == ["multi_set", "compare_set"]
+    assert ops.calls[-1][1] == KEY
+
+
+@pytest.mark.timeout(30)
+def test_a_stopped_heartbeat_is_still_found_dead_by_torchs_handler(store: Any) -> None:
+    """B's shared time is old; its key decides: signed 0.5 s ago it lives, 4 s ago (past
+    1 s x 3 tries) torch's own _sanitize removes it."""
+    writer = _backend(store)
+    assert writer.set_state(pickle.dumps(_two_nodes(_ago(0), _ago(10)))) is not None
+    store.set(B_KEY, _sealed(B_KEY, B, _ago(0.5)))
+    assert _survivors(_backend(store)) == {A, B}
+    store.set(B_KEY, _sealed(B_KEY, B, _ago(4)))
+    assert _survivors(_backend(store)) == {A}
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    ("forged", "why"),
+    [
+        (lambda: _sealed(B_KEY, B, _ago(0), secret=OTHER), "not signed with this job's secret"),
+        (lambda: _sealed(B_KEY, B, _ago(0), nonce="1111222233334444"), "another launch"),
+        (lambda: _sealed(B_KEY, A, _ago(0)), "not signed with this job's secret"),  # A's time
+        (lambda: _sealed(B_KEY, B, _ago(-3600)), "dated in the future"),
+    ],
+    ids=["stranger", "other-launch", "other-node", "future"],
+)
+def test_a_forged_heartbeat_is_ignored_once_and_the_node_still_dies(
+    store: Any, forged: Any, why: str
+) -> None:
+    assert _backend(store).set_state(pickle.dumps(_two_nodes(_ago(0), _ago(10)))) is not None
+    store.set(B_KEY, forged())
+    said: list[str] = []
+    reader = _backend(store, said)
+    assert _beats(reader)[B] < _ago(9)  # the shared state's time, not the forged one
+    assert _survivors(reader) == {A}
+    _beats(reader)
+    assert len(said) == 1 and why in said[0] and B_KEY in said[0], said
+
+
+@pytest.mark.timeout(30)
+def test_a_deleted_heartbeat_key_neither_blocks_nor_kills(store: Any) -> None:
+    """The store's read of a missing key blocks until its timeout (a minute here, past this
+    test's): the keys are checked first; the node keeps its newest verified time. Here a node
+    is dead 30 s after its heartbeat and its key is read again once 25 s old: B's, signed 26 s
+    ago, is read at every read of this reader."""
+    keep_alive = timedelta(seconds=10)
+    assert _backend(store).set_state(pickle.dumps(_two_nodes(_ago(0), _ago(40)))) is not None
+    signed = _ago(26)
+    store.set(B_KEY, _sealed(B_KEY, B, signed))
+    said: list[str] = []
+    reader = _backend(store, said, keep_alive)
+    assert _beats(reader)[B] == signed
+    store.delete_key(B_KEY)
+    assert _beats(reader)[B] == signed and _survivors(reader, keep_alive) == {A, B}
+    assert len(said) == 1 and f"{B_KEY}: deleted from the store" in said[0], said
+    # A node that never saw B's key keeps the shared state's time for B: dead.
+    assert _survivors(_backend(store, None, keep_alive), keep_alive) == {A}
+
+
+@pytest.mark.timeout(30)
+def test_a_keep_alive_hands_back_the_others_newest_heartbeats(store: Any) -> None:
+    """torch's handler calls nodes dead on the state a keep-alive hands back: its own older
+    copy would have B's heartbeat of its last read, past the limit under a loaded machine."""
+    store.set(B_KEY, _sealed(B_KEY, B, _ago(10)))
+    mine = _backend(store)
+    first = mine.set_state(pickle.dumps(_two_nodes(_ago(1), _ago(10))))
+    assert first is not None and pickle.loads(first[0]).last_heartbeats[B] < _ago(9)
+    beat = _ago(0)
+    store.set(B_KEY, _sealed(B_KEY, B, beat))  # B's own keep-alive, since A's last read
+    state = pickle.loads(first[0])
+    state.last_heartbeats[A] = _ago(0)
+    kept = mine.set_state(pickle.dumps(state), first[1])
+    assert kept is not None and kept[1:] == (first[1], True)
+    assert pickle.loads(kept[0]).last_heartbeats[B] == beat
