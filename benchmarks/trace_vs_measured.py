@@ -170,27 +170,14 @@ def traced_pp(name: str, schedule: str) -> Any:
     return trace(build(name), lay)
 
 
-def _recv_buffers(pipe: Any) -> list[torch.Tensor]:
-    """The stage's receive buffers (activations from the previous stage, gradients from the
-    next), allocated by torch's PipelineStage at the first step and kept for the run."""
-    stages = getattr(pipe.schedule, "_stages", None) or [pipe.schedule._stage]
-    out = []
-    for stage in stages:
-        for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
-            out += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
-    return out
-
-
 def _lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
 def _measure_pp_rank(rank: int, name: str, schedule: str, out: Any) -> None:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     from meshrun.config import ParallelConfig
-    from meshrun.parallel import build_optimizer, parallelize_pipeline, pipeline_step
-    from meshrun.parallel.trace_stages import repeat_tolerant
+    from meshrun.parallel import build_optimizer, parallelize_pipeline
+    from meshrun.parallel.trace_stages import measured_stage_peak
     from meshrun.runtime.mesh import ParallelDims, build_mesh
 
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -202,19 +189,7 @@ def _measure_pp_rank(rank: int, name: str, schedule: str, out: Any) -> None:
     vocab = {"demo GPT": 256}.get(name, 512)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, vocab, (MICRO * CHUNKS, SEQ + 1), generator=g)
-
-    def step() -> None:
-        pipeline_step(pipe, tokens[:, :-1], tokens[:, 1:])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()  # the optimizer's states and the stage's receive buffers exist from here on
-    tracker = repeat_tolerant(MemTracker)()  # the stage runs once per micro-batch
-    tracker.track_external(*pipe.modules, opt, tokens, *_recv_buffers(pipe))
-    with tracker:
-        step()
-    peak = tracker.get_tracker_snapshot("peak")
-    out.put((rank, float(next(iter(peak.values()))["Total"])))
+    out.put((rank, measured_stage_peak(pipe, opt, tokens)))
     dist.destroy_process_group()
 
 

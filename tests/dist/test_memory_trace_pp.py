@@ -11,8 +11,6 @@ flight on stage s (2 and 1 here) and GPipe's 4 on both.
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -37,18 +35,10 @@ def _loss(logits: Tensor, targets: Tensor) -> Tensor:
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
-def _buffers(pipe: Any) -> list[Tensor]:
-    stage = pipe.schedule._stage
-    infos = [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]
-    return [i.buffer for group in infos for i in group if getattr(i, "buffer", None) is not None]
-
-
 def _peak(schedule: str) -> float:
-    from torch.distributed._tools.mem_tracker import MemTracker
-
     from meshrun.config import ParallelConfig
-    from meshrun.parallel import build_optimizer, parallelize_pipeline, pipeline_step
-    from meshrun.parallel.trace_stages import repeat_tolerant
+    from meshrun.parallel import build_optimizer, parallelize_pipeline
+    from meshrun.parallel.trace_stages import measured_stage_peak
     from meshrun.runtime.mesh import ParallelDims, build_mesh
 
     mesh = build_mesh(ParallelDims(2, 1, 1, 1), "cpu")
@@ -56,18 +46,7 @@ def _peak(schedule: str) -> float:
     pipe = parallelize_pipeline(_gpt(), mesh, cfg, torch.device("cpu"), _loss)
     opt = build_optimizer(pipe, torch.optim.AdamW, mesh, cfg, lr=1e-4, foreach=False)
     tokens = torch.randint(0, 256, (ROWS * CHUNKS, SEQ + 1), generator=torch.Generator())
-
-    def step() -> None:
-        pipeline_step(pipe, tokens[:, :-1], tokens[:, 1:])
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
-    step()  # the optimizer's states and the receive buffers exist from here on
-    tracker = repeat_tolerant(MemTracker)()
-    tracker.track_external(*pipe.modules, opt, tokens, *_buffers(pipe))
-    with tracker:
-        step()
-    return float(next(iter(tracker.get_tracker_snapshot("peak").values()))["Total"])
+    return measured_stage_peak(pipe, opt, tokens)
 
 
 def _rank(rank: int, world: int) -> list[float]:

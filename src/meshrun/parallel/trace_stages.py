@@ -165,9 +165,44 @@ def repeat_tolerant(tracker_cls: type) -> type:
     return Tracker
 
 
+def measured_stage_peak(pipe: Any, optimizer: torch.optim.Optimizer, tokens: Tensor) -> float:
+    """A real pipeline stage's peak bytes in one steady training step on ``tokens`` (inputs
+    ``[:, :-1]``, targets ``[:, 1:]``), counted by torch's MemTracker over the stage's modules,
+    the optimizer, the batch and the receive buffers: what a traced stage is checked against.
+    A first, untracked step creates the optimizer's states and the receive buffers."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from meshrun.parallel.pp.pipeline import pipeline_step
+
+    def step() -> None:
+        pipeline_step(pipe, tokens[:, :-1], tokens[:, 1:])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()
+    tracker = repeat_tolerant(MemTracker)()  # the stage runs once per micro-batch
+    tracker.track_external(*pipe.modules, optimizer, tokens, *_recv_buffers(pipe))
+    with tracker:
+        step()
+    peak = tracker.get_tracker_snapshot("peak")
+    return float(next(iter(peak.values()))["Total"])
+
+
+def _recv_buffers(pipe: Any) -> list[Tensor]:
+    """The stage's receive buffers (activations from the previous stage, gradients from the
+    next), allocated by torch's PipelineStage at the first step and kept for the run."""
+    stages = getattr(pipe.schedule, "_stages", None) or [pipe.schedule._stage]
+    out: list[Tensor] = []
+    for stage in stages:
+        for infos in [*stage.args_recv_info.values(), *stage.grad_recv_info.values()]:
+            out += [i.buffer for i in infos if getattr(i, "buffer", None) is not None]
+    return out
+
+
 __all__ = [
     "StageIO",
     "StagePosition",
+    "measured_stage_peak",
     "output_meta",
     "repeat_tolerant",
     "run_schedule",
