@@ -11,20 +11,24 @@ import pytest
 from meshrun.cli.main import build_parser, launch_request
 from meshrun.config import Config, load_config
 from meshrun.launch.hostfile.hosts import (
-    GUARD_MODULE,
-    READ_SECRET,
     HostEntry,
     HostfileError,
     HostfilePlan,
-    forwarded_env,
-    node_argv,
     parse_hostfile,
     parse_hostfile_text,
-    remote_command,
-    ssh_argv,
+)
+from meshrun.launch.hostfile.plan import (
+    forwarded_env,
+    plan_from_request,
     ssh_options,
 )
-from meshrun.launch.hostfile.plan import plan_from_request
+from meshrun.launch.hostfile.remote import (
+    GUARD_MODULE,
+    READ_SECRET,
+    node_argv,
+    remote_command,
+    ssh_argv,
+)
 
 pytestmark = pytest.mark.timeout(30)
 

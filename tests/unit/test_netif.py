@@ -9,7 +9,7 @@ import pytest
 
 from meshrun.cli.main import main
 from meshrun.config import Config, ConfigError, LaunchConfig
-from meshrun.launch.agent.local import LaunchSpec, build_torchrun_args, start_line
+from meshrun.launch.agent.local import LaunchSpec, build_torchrun_args, network_flags, start_line
 from meshrun.launch.multinode import netif
 from meshrun.launch.multinode import nodes as multinode
 
@@ -115,7 +115,7 @@ def test_loopback_endpoint_uses_loopback_and_hosts_the_store() -> None:
     plan = multinode.plan_network(rdzv, "", {"NCCL_SOCKET_IFNAME": "ib0"})
     assert plan.interface.is_loopback and plan.is_host
     assert plan.env == {"GLOO_SOCKET_IFNAME": plan.interface.name}  # the user's NCCL one kept
-    argv = plan.torchrun_args(60)
+    argv = network_flags(plan, 60)
     assert _flag(argv, "--local-addr") == "127.0.0.1"
     assert _flag(argv, "--rdzv-conf") == "is_host=1,join_timeout=9,last_call_timeout=5"
 

@@ -244,7 +244,7 @@ METAVARS = {
 OTHER_FLAGS = {"module": ("-m", "--module")}
 # torchrun flags `meshrun launch` does not accept at all, with the reason (none in 2.13).
 REFUSED: dict[str, str] = {}
-# With --hostfile, the flags each host's `meshrun launch` gets (launch/hostfile/hosts.py forwards
+# With --hostfile, the flags each host's `meshrun launch` gets (launch/hostfile/plan.py forwards
 # or decides these); any other torchrun flag would be lost on the way, so it is refused.
 HOSTFILE_FLAGS = (
     "nproc_per_node",

@@ -79,7 +79,7 @@ def build_torchrun_args(
         # meshrun's handshake only.)
         argv += ["--node-rank", str(spec.rendezvous.node_rank)]
     if network is not None:
-        argv += network.torchrun_args(spec.join_timeout_s)
+        argv += network_flags(network, spec.join_timeout_s)
     elif spec.rendezvous.endpoint is None:
         # One node: keep the workers' store on loopback too; otherwise torch advertises
         # the host's FQDN, which does not resolve on many laptops and containers.
@@ -89,6 +89,15 @@ def build_torchrun_args(
     argv += spec.torchrun_args
     argv += ["-m", spec.module] if spec.module else [str(spec.script)]
     return argv + list(spec.script_args)
+
+
+def network_flags(network: NetworkPlan, join_timeout_s: float) -> list[str]:
+    """torchrun's flags for this node's part in a multi-node job: its address, and whether
+    it hosts the store (``--rdzv-conf``, where the user's own keys win)."""
+    conf = {"is_host": str(int(network.is_host)), "join_timeout": str(max(1, int(join_timeout_s)))}
+    conf.update(network.user_conf)
+    joined = ",".join(f"{k}={v}" for k, v in conf.items())
+    return ["--local-addr", network.interface.address, "--rdzv-conf", joined]
 
 
 def _output_args(spec: LaunchSpec) -> list[str]:
@@ -323,7 +332,10 @@ def start_line(
         f"{rendezvous_endpoint(spec, port)}",
     ]
     if network is not None:
-        parts.append(network.describe())
+        role = "hosts the rendezvous store" if network.is_host else "joins the rendezvous"
+        parts.append(
+            f"interface {network.interface}, route to {network.rdzv_address}, this node {role}"
+        )
     parts.append(f"OMP_NUM_THREADS={omp_threads}")
     if spec.config_path:
         parts.append(f"config {spec.config_path}")

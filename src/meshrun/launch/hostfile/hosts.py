@@ -1,10 +1,11 @@
-"""``meshrun launch --hostfile``: the hostfile and the command each host runs (pure).
+"""``meshrun launch --hostfile``: the hostfile read and checked (pure).
 
 One machine starts one ``meshrun launch`` per listed host over ``ssh`` (one torchrun agent per
 host, all meeting at a c10d rendezvous on the first host), as DeepSpeed's and pdsh's launchers
 do. Every host must have the same working directory and the same Python at the same path (a
-shared filesystem, or identical images). This module parses the file and builds the command
-lines; ``launch/hostfile/remote.py`` runs them. See docs/hostfile.md.
+shared filesystem, or identical images). This module parses the file;
+``launch/hostfile/plan.py`` turns it and the request into a plan, ``launch/hostfile/remote.py``
+builds each host's command line and runs it. See docs/hostfile.md.
 
 Hostfile format, one host per line, ``#`` starts a comment::
 
@@ -14,26 +15,13 @@ Hostfile format, one host per line, ``#`` starts a comment::
 from __future__ import annotations
 
 import re
-import shlex
 import uuid
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from meshrun.config import ConfigError
 
 DEFAULT_RDZV_PORT = 29500  # torchrun's own default
-SSH_CONNECT_TIMEOUT_S = 5
-SSH_ENV = "MESHRUN_SSH"  # extra ssh arguments, shell-quoted, e.g. "-i ~/.ssh/cluster_key"
-GUARD_MODULE = "meshrun.launch.hostfile.guard"
-READ_SECRET = 'IFS= read -r MESHRUN_JOB_SECRET && export MESHRUN_JOB_SECRET && exec "$@"'
-
-# What reaches the remote meshrun launch: what configures meshrun, threads, the collective
-# libraries and the import path. Never names that look like credentials, whatever the prefix.
-FORWARD_NAMES = ("OMP_NUM_THREADS", "PYTHONPATH")
-FORWARD_PREFIXES = ("MESHRUN_", "NCCL_", "GLOO_", "TORCH_")
-_LAUNCHER_ONLY = {SSH_ENV, "MESHRUN_CONFIG"}  # the remote launch writes its own config path
-_SECRET = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|KEY", re.IGNORECASE)
 
 # A user and a host start with a letter, digit or _: one starting with "-" would reach ssh as
 # an option (host "-V": ssh printed its version and the launch "succeeded" having trained nothing).
@@ -132,9 +120,6 @@ def _parse_line(content: str, source: str, number: int) -> HostEntry:
     return HostEntry(match["host"], match["user"], port, slots, number)
 
 
-# --- the plan: what every host runs -------------------------------------------------------
-
-
 @dataclass
 class HostfilePlan:
     """Everything needed to build each host's ssh command line."""
@@ -153,87 +138,3 @@ class HostfilePlan:
     @property
     def endpoint(self) -> str:
         return self.rdzv_endpoint or f"{self.hosts[0].host}:{DEFAULT_RDZV_PORT}"
-
-
-def nproc_for(hosts: Sequence[HostEntry], default: int | None, source: str) -> int | None:
-    """The processes per host: every host must run the same number (see the error)."""
-    counts = {h.slots or default for h in hosts}
-    if len(counts) > 1:
-        listing = ", ".join(f"{h.label}={h.slots or default}" for h in hosts)
-        raise HostfileError(
-            f"{source}: hosts have different process counts ({listing}); meshrun validates "
-            "the layout for nproc x nnodes, so give every host the same slots=N (or none and "
-            "--nproc-per-node)"
-        )
-    return counts.pop()
-
-
-def ssh_options(opts: Sequence[str], environ: Mapping[str, str]) -> list[str]:
-    """``--ssh-opt KEY=VALUE`` flags as ``-o KEY=VALUE``, then ``$MESHRUN_SSH`` (shell words)."""
-    args = []
-    for opt in opts:
-        if "=" not in opt or opt.startswith("-"):
-            raise HostfileError(
-                f"--ssh-opt {opt!r}: expected an ssh option as KEY=VALUE (ssh -o), e.g. "
-                "IdentityFile=~/.ssh/cluster; other ssh arguments go in $MESHRUN_SSH"
-            )
-        args += ["-o", opt]
-    try:
-        return args + shlex.split(environ.get(SSH_ENV, ""))
-    except ValueError as err:
-        raise HostfileError(f"${SSH_ENV} is not valid shell words: {err}") from None
-
-
-def ssh_argv(entry: HostEntry, ssh_args: Sequence[str], command: str) -> list[str]:
-    """``ssh`` to ``entry`` running the shell ``command``. BatchMode: never prompt for a
-    password (it would hang a launcher with several hosts). The user's options come first
-    because ssh keeps the first value it gets for each option."""
-    argv = ["ssh", *ssh_args, "-o", "BatchMode=yes"]
-    argv += ["-o", f"ConnectTimeout={SSH_CONNECT_TIMEOUT_S}"]
-    if entry.port:
-        argv += ["-p", str(entry.port)]
-    return [*argv, entry.destination, command]
-
-
-def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
-    """The launcher's variables that the remote launch gets (docs/hostfile.md lists them)."""
-    env = {
-        name: value
-        for name, value in environ.items()
-        if (name in FORWARD_NAMES or name.startswith(FORWARD_PREFIXES))
-        and name not in _LAUNCHER_ONLY
-        and not _SECRET.search(name)
-    }
-    # Remote output goes through a pipe: unbuffered, so it streams line by line.
-    env["PYTHONUNBUFFERED"] = "1"
-    return dict(sorted(env.items()))
-
-
-def node_argv(plan: HostfilePlan, node_rank: int) -> list[str]:
-    """The ``meshrun launch`` argv for host ``node_rank`` (before quoting)."""
-    return [
-        *(plan.python, "-m", "meshrun", "launch"),
-        *("--nnodes", str(len(plan.hosts))),
-        *("--node-rank", str(node_rank)),
-        *("--rdzv-endpoint", plan.endpoint),
-        *("--rdzv-id", plan.rdzv_id),
-        *(["--nproc-per-node", str(plan.nproc_per_node)] if plan.nproc_per_node else []),
-        *plan.launch_args,
-    ]
-
-
-def remote_command(plan: HostfilePlan, node_rank: int) -> str:
-    """The shell line ssh runs on host ``node_rank``: same directory, same Python, the
-    forwarded variables, and the guard that stops the launch when the ssh session ends.
-    The job secret is the first line the launcher writes to ssh's stdin (a command line
-    would show it in ``ps``): ``sh`` reads it into the environment, the guard gets the rest."""
-    env = [f"{k}={v}" for k, v in plan.env.items()]
-    guard = [plan.python, "-m", GUARD_MODULE, "--"]
-    return f"cd {shlex.quote(plan.cwd)} && exec " + shlex.join(
-        ["sh", "-c", READ_SECRET, "sh", "env", *env, *guard, *node_argv(plan, node_rank)]
-    )
-
-
-def check_command(plan: HostfilePlan) -> str:
-    """What the reachability check runs: the directory and the Python must exist there."""
-    return f"cd {shlex.quote(plan.cwd)} && test -x {shlex.quote(plan.python)}"

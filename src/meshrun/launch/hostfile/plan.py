@@ -4,21 +4,25 @@
 from __future__ import annotations
 
 import os
+import re
+import shlex
 import sys
 import uuid
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 from meshrun.config import Config, validate_for_world
 from meshrun.launch.front.request import LaunchRequest
-from meshrun.launch.hostfile.hosts import (
-    HostfileError,
-    HostfilePlan,
-    forwarded_env,
-    nproc_for,
-    parse_hostfile,
-    ssh_options,
-)
+from meshrun.launch.hostfile.hosts import HostEntry, HostfileError, HostfilePlan, parse_hostfile
 from meshrun.launch.spec import parse_nnodes
+
+SSH_ENV = "MESHRUN_SSH"  # extra ssh arguments, shell-quoted, e.g. "-i ~/.ssh/cluster_key"
+
+# What reaches the remote meshrun launch: what configures meshrun, threads, the collective
+# libraries and the import path. Never names that look like credentials, whatever the prefix.
+FORWARD_NAMES = ("OMP_NUM_THREADS", "PYTHONPATH")
+FORWARD_PREFIXES = ("MESHRUN_", "NCCL_", "GLOO_", "TORCH_")
+_LAUNCHER_ONLY = {SSH_ENV, "MESHRUN_CONFIG"}  # the remote launch writes its own config path
+_SECRET = re.compile(r"TOKEN|SECRET|PASSW|CREDENTIAL|KEY", re.IGNORECASE)
 
 
 def launch_from_request(request: LaunchRequest, cfg: Config, environ: Mapping[str, str]) -> int:
@@ -88,3 +92,46 @@ def forward_flags(request: LaunchRequest) -> list[str]:
     for key, value in request.sets:
         flags += ["--set", f"{key}={value}"]
     return [*flags, *(["-m"] if request.module else []), request.target or "", *request.args]
+
+
+def nproc_for(hosts: Sequence[HostEntry], default: int | None, source: str) -> int | None:
+    """The processes per host: every host must run the same number (see the error)."""
+    counts = {h.slots or default for h in hosts}
+    if len(counts) > 1:
+        listing = ", ".join(f"{h.label}={h.slots or default}" for h in hosts)
+        raise HostfileError(
+            f"{source}: hosts have different process counts ({listing}); meshrun validates "
+            "the layout for nproc x nnodes, so give every host the same slots=N (or none and "
+            "--nproc-per-node)"
+        )
+    return counts.pop()
+
+
+def ssh_options(opts: Sequence[str], environ: Mapping[str, str]) -> list[str]:
+    """``--ssh-opt KEY=VALUE`` flags as ``-o KEY=VALUE``, then ``$MESHRUN_SSH`` (shell words)."""
+    args = []
+    for opt in opts:
+        if "=" not in opt or opt.startswith("-"):
+            raise HostfileError(
+                f"--ssh-opt {opt!r}: expected an ssh option as KEY=VALUE (ssh -o), e.g. "
+                "IdentityFile=~/.ssh/cluster; other ssh arguments go in $MESHRUN_SSH"
+            )
+        args += ["-o", opt]
+    try:
+        return args + shlex.split(environ.get(SSH_ENV, ""))
+    except ValueError as err:
+        raise HostfileError(f"${SSH_ENV} is not valid shell words: {err}") from None
+
+
+def forwarded_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The launcher's variables that the remote launch gets (docs/hostfile.md lists them)."""
+    env = {
+        name: value
+        for name, value in environ.items()
+        if (name in FORWARD_NAMES or name.startswith(FORWARD_PREFIXES))
+        and name not in _LAUNCHER_ONLY
+        and not _SECRET.search(name)
+    }
+    # Remote output goes through a pipe: unbuffered, so it streams line by line.
+    env["PYTHONUNBUFFERED"] = "1"
+    return dict(sorted(env.items()))

@@ -12,26 +12,20 @@ from __future__ import annotations
 import os
 import queue
 import secrets
+import shlex
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from types import FrameType
 from typing import IO
 
-from meshrun.launch.hostfile.hosts import (
-    HostEntry,
-    HostfileError,
-    HostfilePlan,
-    check_command,
-    remote_command,
-    ssh_argv,
-)
+from meshrun.launch.hostfile.hosts import HostEntry, HostfileError, HostfilePlan
 from meshrun.launch.trust.secret import SECRET_FILE_ENV, resolve
 from meshrun.runtime.secret import SECRET_ENV, SecretError
 
@@ -39,6 +33,9 @@ CHECK_TIMEOUT_S = 15.0  # per host, all hosts in parallel; ssh's own ConnectTime
 STOP_GRACE_S = 25.0  # > the guard's SIGTERM -> SIGKILL grace, so remote cleanup can finish
 EXIT_INTERRUPTED = 130
 _SSH_FAILED = 255  # ssh's own exit status when it cannot connect or authenticate
+SSH_CONNECT_TIMEOUT_S = 5
+GUARD_MODULE = "meshrun.launch.hostfile.guard"
+READ_SECRET = 'IFS= read -r MESHRUN_JOB_SECRET && export MESHRUN_JOB_SECRET && exec "$@"'
 
 
 class _Stopped(Exception):
@@ -278,3 +275,47 @@ def launch_hostfile(plan: HostfilePlan) -> int:
         flush=True,
     )
     return run_plan(plan, secret)
+
+
+# --- what ssh runs on each host ----------------------------------------------------------
+
+
+def ssh_argv(entry: HostEntry, ssh_args: Sequence[str], command: str) -> list[str]:
+    """``ssh`` to ``entry`` running the shell ``command``. BatchMode: never prompt for a
+    password (it would hang a launcher with several hosts). The user's options come first
+    because ssh keeps the first value it gets for each option."""
+    argv = ["ssh", *ssh_args, "-o", "BatchMode=yes"]
+    argv += ["-o", f"ConnectTimeout={SSH_CONNECT_TIMEOUT_S}"]
+    if entry.port:
+        argv += ["-p", str(entry.port)]
+    return [*argv, entry.destination, command]
+
+
+def node_argv(plan: HostfilePlan, node_rank: int) -> list[str]:
+    """The ``meshrun launch`` argv for host ``node_rank`` (before quoting)."""
+    return [
+        *(plan.python, "-m", "meshrun", "launch"),
+        *("--nnodes", str(len(plan.hosts))),
+        *("--node-rank", str(node_rank)),
+        *("--rdzv-endpoint", plan.endpoint),
+        *("--rdzv-id", plan.rdzv_id),
+        *(["--nproc-per-node", str(plan.nproc_per_node)] if plan.nproc_per_node else []),
+        *plan.launch_args,
+    ]
+
+
+def remote_command(plan: HostfilePlan, node_rank: int) -> str:
+    """The shell line ssh runs on host ``node_rank``: same directory, same Python, the
+    forwarded variables, and the guard that stops the launch when the ssh session ends.
+    The job secret is the first line the launcher writes to ssh's stdin (a command line
+    would show it in ``ps``): ``sh`` reads it into the environment, the guard gets the rest."""
+    env = [f"{k}={v}" for k, v in plan.env.items()]
+    guard = [plan.python, "-m", GUARD_MODULE, "--"]
+    return f"cd {shlex.quote(plan.cwd)} && exec " + shlex.join(
+        ["sh", "-c", READ_SECRET, "sh", "env", *env, *guard, *node_argv(plan, node_rank)]
+    )
+
+
+def check_command(plan: HostfilePlan) -> str:
+    """What the reachability check runs: the directory and the Python must exist there."""
+    return f"cd {shlex.quote(plan.cwd)} && test -x {shlex.quote(plan.python)}"

@@ -84,16 +84,6 @@ class NetworkPlan:
     warnings: list[str]
     user_conf: tuple[tuple[str, str], ...] = ()  # --rdzv-conf as given (Rendezvous.conf)
 
-    def torchrun_args(self, join_timeout_s: float) -> list[str]:
-        conf = {"is_host": str(int(self.is_host)), "join_timeout": str(max(1, int(join_timeout_s)))}
-        conf.update(self.user_conf)  # the user's keys win
-        joined = ",".join(f"{k}={v}" for k, v in conf.items())
-        return ["--local-addr", self.interface.address, "--rdzv-conf", joined]
-
-    def describe(self) -> str:
-        role = "hosts the rendezvous store" if self.is_host else "joins the rendezvous"
-        return f"interface {self.interface}, route to {self.rdzv_address}, this node {role}"
-
 
 def plan_network(rdzv: Rendezvous, requested: str, environ: Mapping[str, str]) -> NetworkPlan:
     """Choose the interface (``requested`` if given, else the route to the endpoint). This

@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import Any
 
 from meshrun.config import ConfigError
-from meshrun.launch.hostfile.hosts import forwarded_env
+from meshrun.launch.hostfile.plan import forwarded_env
 from meshrun.launch.ray.failures import read_failures, summarize
 from meshrun.launch.ray.worker import WorkerTask, train_fn
 
