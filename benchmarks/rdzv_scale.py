@@ -154,9 +154,11 @@ def _held(handler: RendezvousHandler) -> RendezvousHandler:
     return HeldPortHandler(handler)
 
 
-def all_join(agents: list[Agent]) -> tuple[float, list[tuple[int, int]]]:
+def all_join(
+    agents: list[Agent], stall_s: float = 0.0, dead: Agent | None = None
+) -> tuple[float, list[tuple[int, int]]]:
     """Every agent's ``next_rendezvous`` at once; seconds until the last returned, and the
-    (rank, world size) each got."""
+    (rank, world size) each got. ``stall_s``: past it, print once where every agent is."""
     errors: list[BaseException] = []
     got: list[tuple[int, int]] = []
     start = threading.Barrier(len(agents) + 1)
@@ -175,13 +177,65 @@ def all_join(agents: list[Agent]) -> tuple[float, list[tuple[int, int]]]:
     start.wait()
     began = time.perf_counter()
     for t in threads:
-        t.join()
+        while t.is_alive():
+            t.join(timeout=1.0)
+            if stall_s and time.perf_counter() - began > stall_s:
+                print(stall_report(agents, threads, dead), file=sys.stderr, flush=True)
+                stall_s = 0.0
     if errors:
         raise RuntimeError(f"{len(errors)} agents failed: {errors[0]!r}")
     return time.perf_counter() - began, got
 
 
-def measure(backend: str, n: int) -> dict[str, Any]:
+def stall_report(agents: list[Agent], threads: list[threading.Thread], dead: Agent | None) -> str:
+    """Where each agent's thread is (its innermost rendezvous or meshrun frame, counted), and
+    what its handler holds: participants, wait list, and the age of the dead node's heartbeat
+    in its last synced state and in what its backend has seen."""
+    from collections import Counter
+    from datetime import datetime, timezone
+
+    frames = sys._current_frames()
+    where: Counter[str] = Counter()
+    for t in threads:
+        frame, spot = frames.get(t.ident or -1), "returned"
+        while frame is not None:
+            name = frame.f_code.co_filename
+            if "rendezvous" in name or "meshrun" in name:
+                spot = f"{os.path.basename(name)}:{frame.f_code.co_name}:{frame.f_lineno}"
+                break
+            frame = frame.f_back
+        where[spot] += 1
+    now = datetime.now(timezone.utc)
+    dead_node = None
+    if dead is not None:
+        holder = getattr(dead.handler, "_inner", dead.handler)._state_holder
+        dead_node = getattr(dead.handler, "_inner", dead.handler)._this_node
+    views: Counter[str] = Counter()
+    for agent in agents:
+        handler = getattr(agent.handler, "_inner", agent.handler)
+        holder = handler._state_holder
+        st = holder.state
+        age = "-"
+        if dead_node is not None and dead_node in st.last_heartbeats:
+            age = f"{(now - st.last_heartbeats[dead_node]).total_seconds():.0f}"
+        seen = "-"
+        hb = getattr(holder._backend, "_hb", None)
+        if hb is not None and dead_node in hb._seen:
+            seen = f"{(now - hb._seen[dead_node]).total_seconds():.0f}"
+        synced = time.monotonic() - holder._last_sync_time
+        views[
+            f"round {st.round} complete {st.complete} participants {len(st.participants)} "
+            f"(dead in: {dead_node in st.participants}) wait {len(st.wait_list)} dead hb age "
+            f"held {age} s seen {seen} s, synced {synced:.0f} s ago"
+        ] += 1
+    lines = ["STALL: agent threads at:"]
+    lines += [f"  {n:4d} x {spot}" for spot, n in where.most_common()]
+    lines += ["STALL: agents' views:"]
+    lines += [f"  {n:4d} x {view}" for view, n in views.most_common(12)]
+    return "\n".join(lines)
+
+
+def measure(backend: str, n: int, stall_s: float = 0.0) -> dict[str, Any]:
     """One row of the table (see the module); raises if a round is not what it must be."""
     os.environ.setdefault(SECRET_ENV, secrets.token_hex(32))
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as meshrun launch sets it
@@ -190,14 +244,14 @@ def measure(backend: str, n: int) -> dict[str, Any]:
         run_id = f"scale{n}"
         agents = [make_agent(backend, server.port, n, i, run_id) for i in range(n)]
         cpu0 = server.cpu_s()
-        first, got = all_join(agents)
+        first, got = all_join(agents, stall_s)
         _check_round(got, n)
         state = agents[0].counter._store.get(
             f"meshrun.rdzv/{run_id}" if backend == "meshrun" else f"torch.rendezvous.{run_id}"
         )
         dead = agents.pop()
         stop_heartbeats(dead)  # the host is gone: no exit, no heartbeat
-        restart, got = all_join(agents)
+        restart, got = all_join(agents, stall_s, dead)
         _check_round(got, n - 1)
         cpu = server.cpu_s() - cpu0
         for agent in agents:
@@ -242,6 +296,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--nodes", default="64,256,1024,4096", help="simulated node counts")
     p.add_argument("--backends", default="meshrun,c10d", help="meshrun (signed), c10d or both")
     p.add_argument("--json", help="append each row to this file as a JSON line")
+    p.add_argument(
+        "--stall-report",
+        type=float,
+        default=0.0,
+        metavar="S",
+        help="a round still running after S seconds prints where every agent is (once)",
+    )
     a = p.parse_args(argv)
     print(
         "| backend | nodes | first round s | restart s | beyond fixed waits s | "
@@ -250,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     print("|---|---|---|---|---|---|---|---|---|")
     for n in [int(x) for x in a.nodes.split(",")]:
         for backend in a.backends.split(","):
-            row = measure(backend, n)
+            row = measure(backend, n, a.stall_report)
             print("| " + " | ".join(str(v) for v in row.values()) + " |", flush=True)
             if a.json:
                 with open(a.json, "a") as f:

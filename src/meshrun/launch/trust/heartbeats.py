@@ -161,8 +161,13 @@ class Heartbeats:
         text = self._secret.unseal(key, raw)
         doc = _parse(text) if text is not None else None
         why = ""
-        if doc is None or doc["node"] != [node.addr, node.pid, node.local_id]:
+        if doc is None:
             why = "not signed with this job's secret"
+        elif doc.get("node") != [node.addr, node.pid, node.local_id]:
+            # Signed by this job, for another node: a node's own heartbeat copied onto
+            # this key would keep this one alive.
+            named = sanitize(str(doc.get("node")), 80)
+            why = f"signed for another node ({named}), not {node.addr}:{node.pid}"
         elif doc["launch"] != self._nonce:
             why = f"signed in another launch (nonce {sanitize(str(doc['launch']), 32)})"
         elif doc["time"] > datetime.now(timezone.utc) + SKEW:
