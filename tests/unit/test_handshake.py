@@ -215,3 +215,65 @@ def test_protocol_another_rdzv_id_is_named_not_waited_for_forever() -> None:
     assert isinstance(err, HandshakeError)
     assert "holds no meshrun handshake for rdzv_id 'job'" in str(err)
     assert "same --rdzv-id" in str(err)
+
+
+class Reads:
+    """A store proxy that records which keys a node reads (``get``/``multi_get``)."""
+
+    def __init__(self, store: TCPStore) -> None:
+        self._store, self.keys = store, []
+
+    def get(self, key: str) -> bytes:
+        self.keys.append(key)
+        return self._store.get(key)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        self.keys += keys
+        return self._store.multi_get(keys)
+
+    def __getattr__(self, op: str) -> Any:
+        return getattr(self._store, op)
+
+
+@pytest.mark.timeout(60)
+def test_protocol_the_host_reads_each_record_once_and_the_others_none() -> None:
+    """O(N) in all: a node that read every record every poll made a 1,024-node handshake
+    O(N^2) (docs/scale.md). The third node comes late, so every node polls a while."""
+    nodes = Nodes(JoinTarget(3, 3))
+    reads: dict[int, Reads] = {}
+    threads = []
+    for i in range(3):
+        if i == 2:
+            while not any("/progress" in k for k in reads[1].keys):  # node 1 waits and polls
+                time.sleep(0.05)
+        client = TCPStore("127.0.0.1", nodes.port, is_master=False, timeout=timedelta(seconds=30))
+        reads[i] = Reads(nodes.host_store if i == 0 else client)
+        nodes.said[i] = []
+        hs = Handshake(
+            reads[i], "job", node(i), nodes.target, i == 0, 10.0, nodes.said[i].append, SECRET
+        )  # type: ignore[arg-type]
+        threads.append(
+            threading.Thread(target=lambda h=hs, i=i: nodes.results.__setitem__(i, h.run()))
+        )
+        threads[-1].start()
+    for t in threads:
+        t.join(30)
+    for i in range(3):
+        assert [(n.hostname, n.node_rank) for n in nodes.results[i]] == [
+            ("node0", 0),
+            ("node1", 1),
+            ("node2", 2),
+        ]
+    records = [k for k in reads[0].keys if "/node/" in k]
+    assert sorted(records) == sorted(set(records)) and len(records) == 3, reads[0].keys
+    for i in (1, 2):
+        assert not [k for k in reads[i].keys if "/node/" in k], reads[i].keys
+    assert nodes.said[1] and nodes.said[1][0].startswith("1/3 nodes joined [node0]"), nodes.said[1]
+
+
+def test_a_long_waiting_line_names_the_first_nodes_and_counts_the_rest() -> None:
+    joined = [node(r) for r in range(0, 1000)]
+    text = waiting_message(joined, JoinTarget(1024, 1024))
+    assert text.startswith("1000/1024 nodes joined [node0, node1, node2, node3, node4, node5, ")
+    assert "node7 and 992 more]; waiting for node_rank 1000, 1001, " in text
+    assert text.endswith("1015 and 8 more")

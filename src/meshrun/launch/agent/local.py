@@ -30,6 +30,7 @@ from meshrun.launch.multinode.handshake import (
     HandshakeError,
     JoinTarget,
     local_node_info,
+    name_list,
     publish_attempt,
 )
 from meshrun.launch.multinode.netif import NetworkError
@@ -313,7 +314,7 @@ def _checked_handshake(spec: LaunchSpec, network: NetworkPlan, target: JoinTarge
     nodes = handshake.run()
     # Every node's signed rendezvous states carry the host's attempt token: one per launch.
     os.environ[NONCE_ENV] = handshake.attempt
-    names = ", ".join(n.hostname for n in sorted(nodes, key=lambda n: n.node_rank))
+    names = name_list([n.hostname for n in sorted(nodes, key=lambda n: n.node_rank)])
     say_launch(f"{len(nodes)} nodes joined [{names}]; versions and config agree")
     return store
 

@@ -4,8 +4,12 @@ Multi-node jobs that hang at init usually hang because the nodes disagree: two n
 same rank, one runs another torch, one was given another config, or one never started. The
 torchrun agent would wait in its rendezvous until a timeout and say none of that. So before the
 agent starts, every node's ``meshrun launch`` publishes one record (hostname, node rank,
-processes, versions, config digest) in the rendezvous store, reads everyone else's, and either
-all agree and continue, or every node stops with the same message naming the hosts.
+processes, versions, config digest) in the rendezvous store; the host (the node that owns the
+store) reads each record once as it arrives and decides: all agree and every node continues,
+or every node stops with the same message naming the hosts. The other nodes only look for
+the host's decision and its progress line, a few small reads per poll: the handshake costs
+O(N) store operations in all, not each node reading every record every poll (O(N^2), which
+at 256 simulated nodes took minutes; docs/scale.md).
 
 The store is the one the agent's rendezvous uses: on the endpoint's node meshrun creates it
 before the agent, listening on the endpoint's address only, and the agent's ``meshrun``
@@ -96,6 +100,23 @@ class JoinTarget:
     def text(self) -> str:
         """As torchrun's ``--nnodes`` takes it: N, or MIN:MAX for an elastic range."""
         return f"{self.min_nodes}:{self.max_nodes}" if self.elastic else str(self.max_nodes)
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A node that joined, as every node learns it from the host's decision."""
+
+    hostname: str
+    node_rank: int
+
+
+NAMES_SHOWN = 8  # a line names this many nodes, then says how many more
+
+
+def name_list(names: Sequence[str], limit: int = NAMES_SHOWN) -> str:
+    """'a, b, c' or, past ``limit``, 'a, b, ... and 1016 more': one line at 1,024 nodes."""
+    shown = ", ".join(names[:limit])
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
 
 
 def local_node_info(
@@ -209,15 +230,14 @@ def is_complete(nodes: Sequence[NodeInfo], target: JoinTarget) -> bool:
 
 def waiting_message(nodes: Sequence[NodeInfo], target: JoinTarget) -> str:
     """'1/2 nodes joined [node0]; waiting for node_rank 1' (or, elastic: 'for 1 more node')."""
-    names = ", ".join(n.hostname for n in sorted(nodes, key=lambda n: n.node_rank))
+    names = name_list([n.hostname for n in sorted(nodes, key=lambda n: n.node_rank)])
     head = f"{len(nodes)}/{target.min_nodes} nodes joined [{names}]"
     if target.elastic:
         more = target.min_nodes - len(nodes)
         return f"{head}; waiting for {more} more node{'s' if more != 1 else ''} (elastic " + (
             f"{target.min_nodes}:{target.max_nodes})"
         )
-    missing = missing_ranks(nodes, target)
-    ranks = ", ".join(map(str, missing))
+    ranks = name_list([str(r) for r in missing_ranks(nodes, target)], 2 * NAMES_SHOWN)
     return f"{head}; waiting for node_rank {ranks}"
 
 
@@ -296,7 +316,7 @@ class Handshake:
     refused: dict[str, str] = field(default_factory=dict)  # key -> who it claims to be
     attempt: str = ""  # the host's token, once read: this launch's rendezvous nonce too
 
-    def run(self) -> list[NodeInfo]:
+    def run(self) -> list[Joined]:
         try:
             return self._run()
         except HandshakeError:
@@ -309,7 +329,7 @@ class Handshake:
                 "hosting the endpoint has stopped: see its output"
             ) from None
 
-    def _run(self) -> list[NodeInfo]:
+    def _run(self) -> list[Joined]:
         deadline = time.monotonic() + self.timeout_s
         self.attempt = self._attempt(deadline)  # this launch's: its rendezvous nonce too
         prefix = f"meshrun/{self.rdzv_id}/{self.attempt}"
@@ -319,8 +339,10 @@ class Handshake:
         if late:
             # The job already formed (this node replaces one, or joins an elastic job): only
             # versions and config must agree; the agent's rendezvous admits it.
-            return self._check_late(prefix)
-        return self._wait_for_all(prefix, deadline)
+            return _joined(self._check_late(prefix))
+        if self.is_host:
+            return _joined(self._assemble(prefix, deadline))
+        return self._await_host(prefix, deadline)
 
     def _attempt(self, deadline: float) -> str:
         key = f"meshrun/{self.rdzv_id}/attempt"
@@ -369,7 +391,9 @@ class Handshake:
         that is there but not signed is refused, named once, and counts as absent."""
         if not self.store.check([key]):
             return None
-        raw = bytes(self.store.get(key))
+        return self._verified(key, bytes(self.store.get(key)))
+
+    def _verified(self, key: str, raw: bytes) -> str | None:
         text = self.secret.unseal(key, raw)
         if text is None and key not in self.refused:
             self.refused[key] = _claimed_host(raw)
@@ -399,35 +423,89 @@ class Handshake:
             raise HandshakeError(self._fail_text(problems))
         return nodes
 
-    def _wait_for_all(self, prefix: str, deadline: float) -> list[NodeInfo]:
-        last_report, last_seen = 0.0, -1
+    def _assemble(self, prefix: str, deadline: float) -> list[NodeInfo]:
+        """The host: read each new record once, decide, write the decision (``done`` with the
+        nodes, or ``error``) and, while waiting, the progress line the others print."""
+        records: dict[int, NodeInfo] = {}
+        pending: list[int] = []  # slots counted but not read yet (written just after the count)
+        counted, last_report, last_text = 0, 0.0, ""
         while True:
-            error = self._read(f"{prefix}/error")
+            error = self._read(f"{prefix}/error")  # a node that gave up first
             if error is not None:
                 raise HandshakeError(sanitize(error, 4000))
-            nodes = self._records(prefix)
+            count = min(int(self.store.add(f"{prefix}/count", 0)), MAX_RECORDS)
+            pending += range(counted + 1, count + 1)
+            counted = max(counted, count)
+            pending = self._read_new(prefix, pending, records)
+            nodes = [records[k] for k in sorted(records)]
             problems = find_problems(nodes, self.target)
             if problems:
                 text = self._fail_text(problems)
                 self._write(f"{prefix}/error", text)
                 raise HandshakeError(text)
             if is_complete(nodes, self.target):
-                self._write(f"{prefix}/done", "1")
+                joined = [[n.hostname, n.node_rank] for n in nodes]
+                self._write(f"{prefix}/done", json.dumps(joined))
                 return nodes
             now = time.monotonic()
+            text = waiting_message(nodes, self.target)
             if now > deadline:
-                text = (
-                    f"gave up after {self.timeout_s:.0f} s (launch.join_timeout_s): "
-                    f"{waiting_message(nodes, self.target)}. Start meshrun launch on the missing "
-                    "node(s) with the same --rdzv-endpoint, --rdzv-id and --nnodes"
-                    + self._refused_text()
-                )
+                text = self._gave_up(text)
                 self._write(f"{prefix}/error", text)
                 raise HandshakeError(text)
-            if len(nodes) != last_seen or now - last_report >= REPORT_EVERY_S:
-                self.say(waiting_message(nodes, self.target))
-                last_report, last_seen = now, len(nodes)
+            if text != last_text or now - last_report >= REPORT_EVERY_S:
+                self.say(text)
+                if text != last_text:
+                    self._write(f"{prefix}/progress", text)
+                last_report, last_text = now, text
             time.sleep(POLL_S)
+
+    def _read_new(self, prefix: str, slots: list[int], records: dict[int, NodeInfo]) -> list[int]:
+        """Read the records of ``slots`` that are there (one ``check`` and one ``multi_get``
+        when all are); verified ones go into ``records``; returns the slots still missing."""
+        keys = {f"{prefix}/node/{k}": k for k in slots}
+        if not keys:
+            return []
+        present = list(keys)
+        if not self.store.check(present):  # a count ahead of its record: find which
+            present = [k for k in keys if self.store.check([k])]
+        values = self.store.multi_get(present) if present else []
+        for key, raw in zip(present, values, strict=True):
+            text = self._verified(key, bytes(raw))
+            if text is not None:
+                records[keys[key]] = NodeInfo.from_json(text)
+        done = set(present)
+        return [k for key, k in keys.items() if key not in done]
+
+    def _await_host(self, prefix: str, deadline: float) -> list[Joined]:
+        """A node other than the host: wait for the host's decision, printing its progress."""
+        last_report, last_text = 0.0, ""
+        while True:
+            error = self._read(f"{prefix}/error")
+            if error is not None:
+                raise HandshakeError(sanitize(error, 4000))
+            done = self._read(f"{prefix}/done")
+            if done is not None:
+                return _parse_joined(done)
+            now = time.monotonic()
+            if now > deadline:
+                seen = self._read(f"{prefix}/progress") or "the host has seen no other node yet"
+                text = self._gave_up(sanitize(seen, 2000))
+                self._write(f"{prefix}/error", text)
+                raise HandshakeError(text)
+            if now - last_report >= REPORT_EVERY_S / 2:
+                text = sanitize(self._read(f"{prefix}/progress") or "", 2000)
+                if text and (text != last_text or now - last_report >= REPORT_EVERY_S):
+                    self.say(text)
+                    last_report, last_text = now, text
+            time.sleep(POLL_S)
+
+    def _gave_up(self, seen: str) -> str:
+        return (
+            f"gave up after {self.timeout_s:.0f} s (launch.join_timeout_s): {seen}. Start "
+            "meshrun launch on the missing node(s) with the same --rdzv-endpoint, --rdzv-id "
+            "and --nnodes" + self._refused_text()
+        )
 
     def _fail_text(self, problems: list[str]) -> str:
         return "the nodes do not agree: " + " | ".join(problems)
@@ -437,6 +515,18 @@ class Handshake:
             return ""
         who = "; ".join(sorted({sanitize(c, 160) for c in self.refused.values()}))
         return f" (refused as not signed with this job's secret: {who}; give it the same secret)"
+
+
+def _joined(nodes: Sequence[NodeInfo]) -> list[Joined]:
+    return [Joined(n.hostname, n.node_rank) for n in nodes]
+
+
+def _parse_joined(text: str) -> list[Joined]:
+    """The host's ``done``: [[hostname, node_rank], ...] (signed, so a bug if malformed)."""
+    try:
+        return [Joined(str(h), int(r)) for h, r in json.loads(text)]
+    except (ValueError, TypeError) as err:
+        raise HandshakeError(f"the host's handshake decision is malformed: {err}") from None
 
 
 def _claimed_host(raw: bytes) -> str:
