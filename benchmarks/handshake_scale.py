@@ -11,7 +11,9 @@ settings, as a real node's does.
 Per N: ``handshake_s`` from all nodes starting together (the host first, as its store is up
 before any other node can connect) to the last one returning; ``ops_per_node`` and
 ``kb_per_node`` (store operations and the bytes they carry, both ways, per node, the host's
-included); ``store_cpu_s``.
+included); ``store_cpu_s``; how many records the host read (each once: as many as nodes) and
+the others (none). The operations per node grow with the wall time (each waiting node looks
+for the host's decision every half second), the record reads do not.
 
     .venv/bin/python benchmarks/handshake_scale.py --nodes 64,256,1024 [--timeout 600]
 
@@ -21,7 +23,6 @@ The nodes' Python (JSON, HMAC) shares this process's GIL, as in ``rdzv_scale.py`
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -31,7 +32,7 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
-from rdzv_scale import Counting, StoreServer
+from rdzv_scale import Counting, StoreServer, emit
 from torch.distributed import TCPStore
 
 from meshrun.config import Config
@@ -43,6 +44,26 @@ from meshrun.runtime.secret import JobSecret
 SECRET = JobSecret(os.urandom(32).hex().encode(), "handshake_scale")
 
 
+class Recording(Counting):
+    """Counting, and the handshake records (``.../node/<slot>``) this node read."""
+
+    def __init__(self, store: Any) -> None:
+        super().__init__(store)
+        self.records: list[str] = []
+
+    def __getattr__(self, op: str) -> Any:
+        call = super().__getattr__(op)
+        if op not in ("get", "multi_get"):
+            return call
+
+        def noted(arg: Any) -> Any:
+            keys = [arg] if isinstance(arg, str) else list(arg)
+            self.records += [k for k in keys if "/node/" in k]
+            return call(arg)
+
+        return noted
+
+
 def measure(n: int, timeout_s: float) -> dict[str, Any]:
     """One row: N nodes' handshake against one real store server."""
     server = StoreServer()
@@ -50,7 +71,7 @@ def measure(n: int, timeout_s: float) -> dict[str, Any]:
     base = node_info(0, 8, shared_digest(cfg), shared_settings(cfg))
     try:
         stores = [
-            Counting(TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(600)))
+            Recording(TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(600)))
             for _ in range(n)
         ]
         results: list[Any] = [None] * n
@@ -88,6 +109,9 @@ def measure(n: int, timeout_s: float) -> dict[str, Any]:
             "kb_per_node": round(statistics.mean(s.bytes for s in stores) / 1024, 1),
             "record_kb": round(len(base.to_json()) / 1024, 2),
             "store_cpu_s": round(server.cpu_s() - cpu0, 2),
+            "records_read_by_host": len(stores[0].records),
+            "distinct_read_by_host": len(set(stores[0].records)),
+            "records_read_by_others": sum(len(s.records) for s in stores[1:]),
         }
     finally:
         server.close()
@@ -103,14 +127,16 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--timeout", type=float, default=600.0, help="the handshake's join timeout")
     p.add_argument("--json", help="append each row to this file as a JSON line")
     a = p.parse_args(argv)
-    print("| nodes | handshake s | ops/node | KiB/node | record KiB | store CPU s |")
-    print("|---|---|---|---|---|---|")
+    print(
+        "| nodes | handshake s | ops/node | KiB/node | record KiB | store CPU s "
+        "| records read by the host (distinct) | by the others |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     for n in [int(x) for x in a.nodes.split(",")]:
         row = measure(n, a.timeout)
-        print("| " + " | ".join(str(v) for v in row.values()) + " |", flush=True)
-        if a.json:
-            with open(a.json, "a") as f:
-                f.write(json.dumps(row) + "\n")
+        cells = [str(v) for v in row.values()]
+        cells[6:8] = [f"{row['records_read_by_host']} ({row['distinct_read_by_host']})"]
+        emit(row, cells, a.json)
 
 
 if __name__ == "__main__":

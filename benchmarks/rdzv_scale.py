@@ -312,10 +312,15 @@ def main(argv: list[str] | None = None) -> None:
     for n in [int(x) for x in a.nodes.split(",")]:
         for backend in a.backends.split(","):
             row = measure(backend, n, a.stall_report)
-            print("| " + " | ".join(str(v) for v in row.values()) + " |", flush=True)
-            if a.json:
-                with open(a.json, "a") as f:
-                    f.write(json.dumps(row) + "\n")
+            emit(row, [str(v) for v in row.values()], a.json)
+
+
+def emit(row: dict[str, Any], cells: list[str], json_path: str | None) -> None:
+    """One markdown table line on stdout; the row appended to ``json_path`` as a JSON line."""
+    print("| " + " | ".join(cells) + " |", flush=True)
+    if json_path:
+        with open(json_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
 
 
 if __name__ == "__main__":
