@@ -61,3 +61,21 @@ def test_trace_of_an_moe_model_under_ddp_and_zero1(zero: int) -> None:
     got = trace(model, lay)  # stopped on the grouped matmul's fp32 inputs before the rule
     assert got.parts["params"] == pytest.approx(4 * n, rel=0.02)  # fp32 masters, replicated
     assert got.parts["activations"] > 0
+
+
+def test_meta_moe_pipeline_split_is_checked_in_the_runs_precision() -> None:
+    from meshrun.parallel.pp.split import split_model
+    from meshrun.parallel.pp.stages import StageModule, check_stages_reproduce, hf_context
+    from meshrun.parallel.precision import compute_autocast
+    from meshrun.parallel.structure import find_structure
+
+    with torch.device("meta"):
+        model = moe_models.tiny_qwen3_moe()
+    s = find_structure(model)
+    kwargs, shared = hf_context(model, s.block_names())
+    stages = [StageModule(model, p, kwargs) for p in split_model(model, s, 2, shared).parts]
+    compute = compute_autocast(ParallelConfig(pp=2, param_dtype="bfloat16"), "cpu")
+    # fp32 fake tensors stopped on the grouped matmul's meta kernel, and a meta model's
+    # tensors never autocast: the check now runs on fake CPU tensors under the run's autocast
+    assert check_stages_reproduce(model, stages, compute).startswith("shapes only")
+    assert next(model.parameters()).device.type == "meta"  # the model is not changed
