@@ -1,6 +1,6 @@
 """Traced memory (parallel/memory_trace.py) against measured memory: the tables in docs/plan.md.
 
-    PYTHONPATH=src python benchmarks/trace_vs_measured.py cpu        # the CPU table
+    PYTHONPATH=src python benchmarks/trace_vs_measured.py cpu [model]  # the CPU table
     PYTHONPATH=src python benchmarks/trace_vs_measured.py published  # the published rows
     PYTHONPATH=src python benchmarks/trace_vs_measured.py pp [model]  # the pipeline rows alone
 
@@ -227,10 +227,13 @@ def pp_rows(name: str) -> None:
             )
 
 
-def cpu_table() -> None:
+MODELS = ("demo GPT", "Llama (dense)", "Qwen3-MoE")
+
+
+def cpu_table(names: tuple[str, ...] = MODELS) -> None:
     print("| model | layout | measured MB | traced MB | error | trace s |")
     print("|---|---|---|---|---|---|")
-    for name in ("demo GPT", "Llama (dense)", "Qwen3-MoE"):
+    for name in names:
         for label, layout in LAYOUTS.items():
             start = time.perf_counter()
             try:
@@ -283,7 +286,9 @@ if __name__ == "__main__":
     if which == "pp":  # the pipeline rows alone: pp [model ...]
         print("| model | layout | measured MB | traced MB | error | trace s |")
         print("|---|---|---|---|---|---|")
-        for name in sys.argv[2:] or ("demo GPT", "Llama (dense)", "Qwen3-MoE"):
+        for name in sys.argv[2:] or MODELS:
             pp_rows(name)
-    else:
-        {"cpu": cpu_table, "published": published}[which]()
+    elif which == "cpu":  # cpu [model ...]: the whole table, or some models' rows
+        cpu_table(tuple(sys.argv[2:]) or MODELS)
+    else:  # published
+        published()
