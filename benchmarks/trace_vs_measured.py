@@ -152,7 +152,8 @@ def measured(name: str, layout: tuple[int, int, int, int]) -> float:
     return float(value)
 
 
-PP_SCHEDULES, CHUNKS = ("1f1b", "gpipe"), 4
+PP_SCHEDULES, CHUNKS = ("1f1b", "gpipe", "interleaved"), 4
+LABELS = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "interleaved 1F1B, 2 stages a rank"}
 
 
 def traced_pp(name: str, schedule: str) -> Any:
@@ -165,6 +166,7 @@ def traced_pp(name: str, schedule: str) -> Any:
         precision="bf16",
         microbatches=CHUNKS,
         schedule=schedule,
+        virtual=2,  # interleaved: parallel.pp_virtual_stages' default, as the measured run
         gpu=False,
     )
     return trace(build(name), lay)
@@ -210,14 +212,15 @@ def measured_pp(name: str, schedule: str) -> list[float]:
 
 def pp_rows(name: str) -> None:
     for schedule in PP_SCHEDULES:
-        label = f"PP 2, {schedule.upper() if schedule == '1f1b' else 'GPipe'}, {CHUNKS} mb"
+        label = f"PP 2, {LABELS[schedule]}, {CHUNKS} mb"
         try:
             t = traced_pp(name, schedule)
         except Exception as e:  # a row the trace cannot run says why
             print(f"| {name} | {label} | - | - | not traced: {type(e).__name__}: {e} | - |")
             continue
         m = measured_pp(name, schedule)
-        rows = [("first stage", m[0], t.stages[0]), ("last stage", m[1], t.stages[-1])]
+        first, last = ("rank 0", "rank 1") if schedule == "interleaved" else ("first", "last")
+        rows = [(f"{first} stage", m[0], t.stages[0]), (f"{last} stage", m[1], t.stages[-1])]
         rows.append(("worst stage", max(m), t.allocated))
         for which, mb, tb in rows:
             print(
