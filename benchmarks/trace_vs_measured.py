@@ -16,11 +16,13 @@ deltas mix in glibc's caching and the Python heap, so the count of live tensor s
 the measurement; what it checks is the trace's fake execution, its fake world and its
 extrapolation against the real run. Both sides are "allocated" (no GPU allocator on a CPU).
 
-Pipeline rows: pp=2 (1F1B and GPipe, 4 micro-batches of ``MICRO`` rows) through meshrun's
+Pipeline rows: pp=2 (1F1B, GPipe and interleaved 1F1B with 2 stages a rank, 4 micro-batches
+of ``MICRO`` rows) through meshrun's
 own pipeline (``parallelize_pipeline`` + ``pipeline_step``: torch's schedules), measured on
 each rank (each stage) the same way, with the stage's receive buffers (torch's
 ``PipelineStage`` allocates them at the first step) registered beside the parameters; the
-trace's first and last stage against them, and its worst stage against the worse of the two.
+trace's first and last stage (interleaved: its first and last rank, each with both of its
+stages) against them, and its worst stage against the worse of the two.
 
 ``published``: torchtitan's Llama 3.1 8B on 8 H100 (FSDP, selective per-op AC, local batch
 2, sequence 8,192, bf16): measured 82.4 GiB reserved, the trace's reserved peak and the
@@ -219,8 +221,9 @@ def pp_rows(name: str) -> None:
             print(f"| {name} | {label} | - | - | not traced: {type(e).__name__}: {e} | - |")
             continue
         m = measured_pp(name, schedule)
-        first, last = ("rank 0", "rank 1") if schedule == "interleaved" else ("first", "last")
-        rows = [(f"{first} stage", m[0], t.stages[0]), (f"{last} stage", m[1], t.stages[-1])]
+        ranks = schedule == "interleaved"  # each rank holds 2 stages
+        first, last = ("rank 0", "rank 1") if ranks else ("first stage", "last stage")
+        rows = [(first, m[0], t.stages[0]), (last, m[1], t.stages[-1])]
         rows.append(("worst stage", max(m), t.allocated))
         for which, mb, tb in rows:
             print(
