@@ -1,6 +1,6 @@
 """Traced memory (parallel/memory_trace.py) against measured memory: the tables in docs/plan.md.
 
-    PYTHONPATH=src python benchmarks/trace_vs_measured.py cpu        # the CPU table
+    PYTHONPATH=src python benchmarks/trace_vs_measured.py cpu [model]  # the CPU table
     PYTHONPATH=src python benchmarks/trace_vs_measured.py published  # the published rows
     PYTHONPATH=src python benchmarks/trace_vs_measured.py pp [model]  # the pipeline rows alone
 
@@ -16,11 +16,13 @@ deltas mix in glibc's caching and the Python heap, so the count of live tensor s
 the measurement; what it checks is the trace's fake execution, its fake world and its
 extrapolation against the real run. Both sides are "allocated" (no GPU allocator on a CPU).
 
-Pipeline rows: pp=2 (1F1B and GPipe, 4 micro-batches of ``MICRO`` rows) through meshrun's
+Pipeline rows: pp=2 (1F1B, GPipe and interleaved 1F1B with 2 stages a rank, 4 micro-batches
+of ``MICRO`` rows) through meshrun's
 own pipeline (``parallelize_pipeline`` + ``pipeline_step``: torch's schedules), measured on
 each rank (each stage) the same way, with the stage's receive buffers (torch's
 ``PipelineStage`` allocates them at the first step) registered beside the parameters; the
-trace's first and last stage against them, and its worst stage against the worse of the two.
+trace's first and last stage (interleaved: its first and last rank, each with both of its
+stages) against them, and its worst stage against the worse of the two.
 
 ``published``: torchtitan's Llama 3.1 8B on 8 H100 (FSDP, selective per-op AC, local batch
 2, sequence 8,192, bf16): measured 82.4 GiB reserved, the trace's reserved peak and the
@@ -152,7 +154,8 @@ def measured(name: str, layout: tuple[int, int, int, int]) -> float:
     return float(value)
 
 
-PP_SCHEDULES, CHUNKS = ("1f1b", "gpipe"), 4
+PP_SCHEDULES, CHUNKS = ("1f1b", "gpipe", "interleaved"), 4
+LABELS = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "interleaved 1F1B, 2 stages a rank"}
 
 
 def traced_pp(name: str, schedule: str) -> Any:
@@ -165,6 +168,7 @@ def traced_pp(name: str, schedule: str) -> Any:
         precision="bf16",
         microbatches=CHUNKS,
         schedule=schedule,
+        virtual=2,  # interleaved: parallel.pp_virtual_stages' default, as the measured run
         gpu=False,
     )
     return trace(build(name), lay)
@@ -210,14 +214,16 @@ def measured_pp(name: str, schedule: str) -> list[float]:
 
 def pp_rows(name: str) -> None:
     for schedule in PP_SCHEDULES:
-        label = f"PP 2, {schedule.upper() if schedule == '1f1b' else 'GPipe'}, {CHUNKS} mb"
+        label = f"PP 2, {LABELS[schedule]}, {CHUNKS} mb"
         try:
             t = traced_pp(name, schedule)
         except Exception as e:  # a row the trace cannot run says why
             print(f"| {name} | {label} | - | - | not traced: {type(e).__name__}: {e} | - |")
             continue
         m = measured_pp(name, schedule)
-        rows = [("first stage", m[0], t.stages[0]), ("last stage", m[1], t.stages[-1])]
+        ranks = schedule == "interleaved"  # each rank holds 2 stages
+        first, last = ("rank 0", "rank 1") if ranks else ("first stage", "last stage")
+        rows = [(first, m[0], t.stages[0]), (last, m[1], t.stages[-1])]
         rows.append(("worst stage", max(m), t.allocated))
         for which, mb, tb in rows:
             print(
@@ -227,10 +233,13 @@ def pp_rows(name: str) -> None:
             )
 
 
-def cpu_table() -> None:
+MODELS = ("demo GPT", "Llama (dense)", "Qwen3-MoE")
+
+
+def cpu_table(names: tuple[str, ...] = MODELS) -> None:
     print("| model | layout | measured MB | traced MB | error | trace s |")
     print("|---|---|---|---|---|---|")
-    for name in ("demo GPT", "Llama (dense)", "Qwen3-MoE"):
+    for name in names:
         for label, layout in LAYOUTS.items():
             start = time.perf_counter()
             try:
@@ -283,7 +292,9 @@ if __name__ == "__main__":
     if which == "pp":  # the pipeline rows alone: pp [model ...]
         print("| model | layout | measured MB | traced MB | error | trace s |")
         print("|---|---|---|---|---|---|")
-        for name in sys.argv[2:] or ("demo GPT", "Llama (dense)", "Qwen3-MoE"):
+        for name in sys.argv[2:] or MODELS:
             pp_rows(name)
-    else:
-        {"cpu": cpu_table, "published": published}[which]()
+    elif which == "cpu":  # cpu [model ...]: the whole table, or some models' rows
+        cpu_table(tuple(sys.argv[2:]) or MODELS)
+    else:  # published
+        published()

@@ -100,6 +100,7 @@ def trace_layout(e: Estimate, m: Model, t: Training, gpu: bool = True) -> TraceL
         optimizer=t.optimizer,
         microbatches=e.microbatches if lay.pp > 1 else 1,  # each stage's share: trace_stages
         schedule=lay.schedule,
+        virtual=lay.vpp,  # interleaved: each rank's stages traced together
         gpu=gpu,
     )
 

@@ -24,7 +24,7 @@ import contextlib
 import copy
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
@@ -36,7 +36,7 @@ from torch import nn
 from meshrun.plan.errors import PlanError
 
 if TYPE_CHECKING:
-    from meshrun.parallel.trace_stages import StageIO, StagePosition
+    from meshrun.parallel.trace_stages import RankPosition, StagePosition
 
 GiB = 2**30
 TRACED_BLOCKS = (2, 3)  # a deeper model is traced at these depths and extrapolated
@@ -67,6 +67,7 @@ class TraceLayout:
     optimizer: str = "adamw"  # adam | adamw | sgd
     microbatches: int = 1  # the pipeline's micro-batches per step (parallel.pp_microbatches)
     schedule: str = "1f1b"  # parallel.pp_schedule
+    virtual: int = 1  # stages per rank under "interleaved" (parallel.pp_virtual_stages)
     # A GPU target: the optimizer's multi-tensor path (torch's default there) and the
     # communication streams' own allocator pools; False: a CPU run (no streams, per-tensor).
     gpu: bool = True
@@ -130,10 +131,16 @@ def fake_world(world: int) -> Iterator[None]:
 def trace(model: nn.Module, lay: TraceLayout) -> Traced:
     """The peak of one training step of ``model`` (on the meta device; not changed) laid out
     as ``lay``, traced on one rank of a fake world."""
-    from meshrun.parallel.trace_stages import traced_positions
+    from meshrun.parallel.trace_stages import interleaved_positions, traced_positions
 
     start = time.perf_counter()
-    positions = traced_positions(_block_count(model), lay.pp, lay.microbatches, lay.schedule)
+    positions: list[Any] = traced_positions(
+        _block_count(model), lay.pp, lay.microbatches, lay.schedule
+    )
+    if _interleaved(lay):
+        positions = interleaved_positions(
+            _block_count(model), lay.pp, lay.virtual, lay.microbatches
+        )
     hidden: list[Any] = []  # what the first stage sends: the last stage's receive buffers
     stages = [_trace_stage(model, lay, pos, hidden) for pos in positions]
     parts = max(stages, key=lambda p: sum(p.values()) - p["comm_pools"])
@@ -145,14 +152,20 @@ def trace(model: nn.Module, lay: TraceLayout) -> Traced:
     return Traced(parts, allocated, reserved, _depths(positions[0].blocks), seconds, per_stage)
 
 
+def _interleaved(lay: TraceLayout) -> bool:
+    """Each rank's stages traced together, in torch's interleaved order (trace_stages.py);
+    under FSDP2 (zero 2/3) the rank's stages are still traced as one 1F1B stage."""
+    return lay.schedule == "interleaved" and lay.virtual > 1 and lay.pp > 1 and lay.zero < 2
+
+
 def _depths(blocks: int) -> tuple[int, ...]:
     return (blocks,) if blocks <= TRACED_BLOCKS[-1] else TRACED_BLOCKS
 
 
 def _trace_stage(
-    model: nn.Module, lay: TraceLayout, pos: StagePosition, hidden: list[Any]
+    model: nn.Module, lay: TraceLayout, pos: StagePosition | RankPosition, hidden: list[Any]
 ) -> dict[str, float]:
-    """One stage's peak by kind (comm_pools among them), extrapolated to its blocks."""
+    """One stage's (an interleaved rank's) peak by kind (comm_pools among them), extrapolated to its blocks."""
     depths = _depths(pos.blocks)
     peaks = [_trace_at(model, lay, d, pos, hidden) for d in depths]
     return peaks[0] if len(peaks) == 1 else _extrapolate(peaks, depths, pos.blocks)
@@ -166,21 +179,58 @@ def _extrapolate(
 
 
 def _trace_at(
-    model: nn.Module, lay: TraceLayout, depth: int, pos: StagePosition, hidden: list[Any]
+    model: nn.Module,
+    lay: TraceLayout,
+    depth: int,
+    pos: StagePosition | RankPosition,
+    hidden: list[Any],
 ) -> dict[str, float]:
     """One traced step of the stage at ``pos`` with ``depth`` blocks (all of them when
     ``depth`` is the stage's own count)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from meshrun.parallel.trace_stages import stage_module
+    from meshrun.parallel.trace_stages import RankPosition, stage_module
 
+    vocab = _vocab(model)
+    if isinstance(pos, RankPosition):  # an interleaved rank: its stages, each cut to depth
+        stages = [stage_module(_stage_of(model, min(depth, p.blocks)), p) for p in pos.stages]
+        with fake_world(lay.world):
+            mesh = _mesh(lay)
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                return _traced_rank(stages, mesh, vocab, lay, pos, hidden)
     copy_ = _stage_of(model, depth)
-    vocab = _vocab(copy_)
     stage = stage_module(copy_, pos) if lay.pp > 1 else copy_
     with fake_world(lay.world):
         mesh = _mesh(lay)  # a real (CPU) tensor of ranks: built outside the fake mode
         with FakeTensorMode(allow_non_fake_inputs=True):
             return _traced_stage(stage, mesh, vocab, lay, pos, hidden)
+
+
+def _traced_rank(
+    stages: list[nn.Module],
+    mesh: Any,
+    vocab: int,
+    lay: TraceLayout,
+    pos: RankPosition,
+    hidden: list[Any],
+) -> dict[str, float]:
+    """One interleaved rank's step: its stages laid out one by one (as parallelize_stage
+    does), one optimizer over them, the schedule's ops in torch's order."""
+    from meshrun.parallel.trace_stages import output_meta, run_rank_ops, stage_io
+
+    laid = nn.ModuleList(_lay_out(s, mesh, lay) for s in stages)
+    optimizer = _optimizer(laid, lay)
+    tokens = torch.randint(0, vocab, (lay.micro_batch, lay.seq))
+    if not hidden:  # the first rank, traced first, holds the first stage
+        hidden.append(output_meta(laid[0], tokens))
+    ios = [stage_io(p, tokens, hidden[0]) for p in pos.stages]
+    tensors = [t for io in ios for t in io.tensors()]
+    parts = _tracked_step(
+        laid, optimizer, tensors, lambda: run_rank_ops(list(laid), pos, ios, output_loss)
+    )
+    if lay.zero < 2 and lay.dp_replicate * lay.dp_shard > 1:
+        parts["grads"] = _ddp_buckets(laid)
+    return parts
 
 
 def _traced_stage(
@@ -191,7 +241,7 @@ def _traced_stage(
     pos: StagePosition,
     hidden: list[Any],
 ) -> dict[str, float]:
-    from meshrun.parallel.trace_stages import output_meta, stage_io
+    from meshrun.parallel.trace_stages import output_meta, run_schedule, stage_io
 
     laid = _lay_out(stage, mesh, lay)
     optimizer = _optimizer(laid, lay)
@@ -199,7 +249,9 @@ def _traced_stage(
     if lay.pp > 1 and not hidden:  # the first stage, traced first
         hidden.append(output_meta(laid, tokens))
     io = stage_io(pos, tokens, hidden[0] if hidden else ((), torch.float32))
-    parts = _tracked_step(laid, optimizer, io, pos)
+    parts = _tracked_step(
+        laid, optimizer, io.tensors(), lambda: run_schedule(laid, pos, io, output_loss)
+    )
     if lay.zero < 2 and lay.dp_replicate * lay.dp_shard > 1:
         parts["grads"] = _ddp_buckets(laid)
     return parts
@@ -331,25 +383,28 @@ def _share(params: list[nn.Parameter], dp: int) -> list[nn.Parameter]:
 
 
 def _tracked_step(
-    model: nn.Module, opt: torch.optim.Optimizer, io: StageIO, pos: StagePosition
+    model: nn.Module,
+    opt: torch.optim.Optimizer,
+    inputs: list[torch.Tensor],
+    run: Callable[[], None],
 ) -> dict[str, float]:
-    """One step of the stage under torch's tracker: its schedule's forwards and backwards
-    (one forward and backward without a pipeline), then the optimizer's."""
+    """One step of the stage under torch's tracker: ``run`` (its schedule's forwards and
+    backwards; one forward and backward without a pipeline), then the optimizer's."""
     from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
     from torch.distributed._tools.mem_tracker import MemTracker
     from torch.distributed.fsdp import FSDPModule
 
-    from meshrun.parallel.trace_stages import repeat_tolerant, run_schedule
+    from meshrun.parallel.trace_stages import repeat_tolerant
 
     tracker: Any
     if isinstance(model, FSDPModule):
         tracker = repeat_tolerant(FSDPMemTracker)(model, opt)
-        tracker.track_inputs(tuple(io.tensors()))
+        tracker.track_inputs(tuple(inputs))
     else:
         tracker = repeat_tolerant(MemTracker)()
-        tracker.track_external(model, opt, *io.tensors())
+        tracker.track_external(model, opt, *inputs)
     with tracker:
-        run_schedule(model, pos, io, output_loss)
+        run()
         opt.step()
         opt.zero_grad(set_to_none=True)
     peak = tracker.get_tracker_snapshot("peak")

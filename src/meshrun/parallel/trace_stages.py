@@ -10,8 +10,15 @@ run, one receive buffer per micro-batch for what it is sent: the previous stage'
 
 The first and the last stage are traced (a middle stage holds the blocks of the first and
 fewer micro-batches, so it never holds more than the first). The stage modules are meshrun's
-own (parallel/pp/stages.py), the ones ``run.pipeline`` trains. The interleaved and zero-bubble
-schedules are traced as 1F1B (one stage per rank, 1F1B's micro-batches in flight).
+own (parallel/pp/stages.py), the ones ``run.pipeline`` trains.
+
+Interleaved 1F1B with ``v`` > 1 stages per rank (``TraceLayout.virtual``): a rank holds stages
+r, r + pp, ... of pp * v, and runs their forwards and backwards in the order torch's
+``ScheduleInterleaved1F1B`` computes for it (:func:`interleaved_order`: its warm-up runs the
+earlier stage's micro-batches first, so rank 0's first stage holds up to all m of them); the
+first and the last rank are traced, each with all its stages, receive buffers and optimizer.
+The zero-bubble schedules are traced as 1F1B (one stage per rank, 1F1B's micro-batches in
+flight).
 """
 
 from __future__ import annotations
@@ -82,6 +89,77 @@ def stage_module(model: nn.Module, pos: StagePosition) -> nn.Module:
     return stage
 
 
+Op = tuple[int, bool, int]  # (stage index, forward?, micro-batch)
+
+
+@dataclass(frozen=True)
+class RankPosition:
+    """A pp rank of an interleaved pipeline: its stages (of pp * v) and its schedule's ops."""
+
+    rank: int
+    stages: tuple[StagePosition, ...]
+    ops: tuple[Op, ...]
+
+    @property
+    def blocks(self) -> int:
+        return max(s.blocks for s in self.stages)
+
+
+def interleaved_order(rank: int, pp: int, v: int, microbatches: int) -> tuple[Op, ...]:
+    """Rank ``rank``'s forwards and backwards under torch's ScheduleInterleaved1F1B, in order:
+    torch's own computation (its per-rank method, given the four sizes it reads)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, _ComputationType
+
+    rounds = max(1, microbatches // pp)
+    sizes = SimpleNamespace(
+        n_local_stages=v,
+        pp_group_size=pp,
+        microbatches_per_round=microbatches // rounds,
+        _n_microbatches=microbatches,
+    )
+    actions = ScheduleInterleaved1F1B._calculate_single_rank_operations(sizes, rank)  # type: ignore[arg-type]
+    forward = _ComputationType.FORWARD
+    return tuple(
+        (a.stage_index, a.computation_type == forward, a.microbatch_index)
+        for a in actions
+        if a is not None and a.microbatch_index is not None
+    )
+
+
+def interleaved_positions(n_blocks: int, pp: int, v: int, microbatches: int) -> list[RankPosition]:
+    """The first and the last pp rank of an interleaved pipeline, each with its v stages."""
+    from meshrun.parallel.pp.split import split_blocks
+
+    sizes = [len(r) for r in split_blocks(n_blocks, pp * v)]
+    m = max(microbatches, 1)
+    out = []
+    for r in sorted({0, pp - 1}):
+        ids = [r + k * pp for k in range(v)]
+        stages = tuple(StagePosition(s, pp * v, sizes[s], m, m) for s in ids)
+        out.append(RankPosition(r, stages, interleaved_order(r, pp, v, m)))
+    return out
+
+
+def run_rank_ops(
+    stages: list[nn.Module], pos: RankPosition, ios: list[StageIO], loss: Loss
+) -> None:
+    """The rank's forwards and backwards in its schedule's order (each backward frees what
+    its forward kept). torch's looped runtime waits for its sends only at the step's end, and
+    each send holds its tensor: every output and input gradient sent stays until then."""
+    index = {p.index: k for k, p in enumerate(pos.stages)}
+    pending: dict[tuple[int, int], Callable[[], None]] = {}
+    sent: list[Tensor] = []
+    for stage_id, forward, mb in pos.ops:
+        k = index[stage_id]
+        if forward:
+            pending[(stage_id, mb)] = _forward(stages[k], pos.stages[k], ios[k], mb, loss, sent)
+        else:
+            pending.pop((stage_id, mb))()
+    sent.clear()
+
+
 @dataclass
 class StageIO:
     """What a traced stage is fed: the tokens (first stage) or one received activation per
@@ -126,15 +204,23 @@ def run_schedule(stage: nn.Module, pos: StagePosition, io: StageIO, loss: Loss) 
 
 
 def _forward(
-    stage: nn.Module, pos: StagePosition, io: StageIO, i: int, loss: Loss
+    stage: nn.Module,
+    pos: StagePosition,
+    io: StageIO,
+    i: int,
+    loss: Loss,
+    sent: list[Tensor] | None = None,
 ) -> Callable[[], None]:
-    """One micro-batch's forward; returns its backward (which frees its activations)."""
+    """One micro-batch's forward; returns its backward (which frees its activations). With
+    ``sent``, what the stage sends (its output, its input's gradient) is kept there."""
     x: Any = io.tokens if pos.first else io.acts[i].detach().requires_grad_()
     # torch's stage keeps each micro-batch's output (the last stage's: its logits) until the
     # micro-batch's backward; one process's step frees the logits once the loss is computed.
     held: list[Any] = [stage(x)]
     if pos.last:
         held.append(loss(held[0] if pos.pp > 1 else held.pop(), io.tokens))
+    elif sent is not None:
+        sent.append(held[0])
 
     def backward() -> None:
         out = held.pop()
@@ -145,6 +231,8 @@ def _forward(
         del out
         held.clear()
         if isinstance(x, Tensor) and x.requires_grad:
+            if sent is not None and x.grad is not None:
+                sent.append(x.grad)
             x.grad = None  # sent to the previous stage, then dropped
 
     return backward
@@ -200,11 +288,15 @@ def _recv_buffers(pipe: Any) -> list[Tensor]:
 
 
 __all__ = [
+    "RankPosition",
     "StageIO",
     "StagePosition",
+    "interleaved_order",
+    "interleaved_positions",
     "measured_stage_peak",
     "output_meta",
     "repeat_tolerant",
+    "run_rank_ops",
     "run_schedule",
     "stage_io",
     "stage_module",

@@ -66,6 +66,7 @@ from meshrun.parallel.pp.tied import (
     stash_tied_grads,
     sync_tied_grads,
 )
+from meshrun.parallel.precision import compute_autocast
 from meshrun.parallel.structure import ModelSpec, ModelStructure, find_structure, is_hf_model
 
 # torch.distributed.pipelining and DTensor are imported where a pipeline first needs them: a
@@ -204,7 +205,8 @@ def build_stage_modules(
     )
     split = split_model(model, structure, pp * v, shared)
     every = [StageModule(model, parts, block_kwargs) for parts in split.parts]
-    checked = check_stages_reproduce(model, every)
+    # a meta model's check runs on fake CPU tensors, in the precision the stages compute in
+    checked = check_stages_reproduce(model, every, compute_autocast(cfg, "cpu"))
     source = _hf_source(model)
     for stage in every:  # what a checkpoint saves as config.json (checkpoint/hf_files.py)
         stage.meshrun_hf_source = source

@@ -22,11 +22,15 @@ Because that is a reconstruction, :func:`check_stages_reproduce` runs every stag
 a probe batch before training and refuses the split when it does not give the model's own
 logits (a model whose forward does more, e.g. scales its embeddings, is refused, not trained
 differently). A model on the meta device has no values: both run on fake tensors and the shapes
-and dtypes of their logits are compared, and the start-up line says that only they were.
+and dtypes of their logits are compared, and the start-up line says that only they were. That
+check runs in the precision the stages will compute in (``parallel.param_dtype`` under
+autocast): fake tensors run torch's meta kernels, and some take the low precision only (the
+grouped expert matmul of transformers' MoE models takes bf16).
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -234,14 +238,36 @@ def _run_both(model: nn.Module, stages: Sequence[StageModule]) -> tuple[Tensor, 
     return x, want
 
 
-def _check_shapes_on_meta(model: nn.Module, stages: Sequence[StageModule]) -> str:
+class _Both(nn.Module):
+    """The model (a child, so that ``functional_call`` can swap its tensors) and its stages
+    (which hold the same submodules), run by :func:`_run_both`."""
+
+    def __init__(self, model: nn.Module, stages: Sequence[StageModule]) -> None:
+        super().__init__()
+        self.model = model
+        self.__dict__["stages"] = stages  # not children: their tensors are the model's
+
+    def forward(self) -> tuple[Tensor, Tensor]:
+        return _run_both(self.model, self.__dict__["stages"])
+
+
+def _check_shapes_on_meta(
+    model: nn.Module,
+    stages: Sequence[StageModule],
+    compute: contextlib.AbstractContextManager | None = None,
+) -> str:
     """A meta model has no values: run both on fake tensors (shapes and dtypes only; under
     FakeTensorMode transformers skips its data-dependent mask checks, which plain meta tensors
-    cannot answer) and compare what comes out."""
+    cannot answer) and compare what comes out. The fake tensors are on the CPU, not meta, and
+    run under ``compute`` (the run's autocast): autocast's dispatch is per device, and meta has
+    none, so on meta the check would compute in fp32 whatever the run computes in."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        x, want = _run_both(model, stages)
+    with FakeTensorMode(allow_non_fake_inputs=True), compute or contextlib.nullcontext():
+        both = _Both(model, stages)
+        state = {**dict(both.named_parameters()), **dict(both.named_buffers())}
+        fake = {k: torch.empty_like(v, device="cpu") for k, v in state.items()}
+        x, want = torch.func.functional_call(both, fake, ())
     if (tuple(x.shape), x.dtype) != (tuple(want.shape), want.dtype):
         raise ConfigError(
             f"parallel.pp: {type(model).__name__}'s pipeline stages give logits of shape "
@@ -274,12 +300,17 @@ def _does_more(stages: Sequence[StageModule]) -> str:
     )
 
 
-def check_stages_reproduce(model: nn.Module, stages: Sequence[StageModule]) -> str:
+def check_stages_reproduce(
+    model: nn.Module,
+    stages: Sequence[StageModule],
+    compute: contextlib.AbstractContextManager | None = None,
+) -> str:
     """Run all stages in a row and the whole model on a probe batch (eval mode, no grad);
     refuse the split, before any training, if the logits differ. A model on the meta device
-    is checked for shapes only. Returns what was checked, for the start-up line."""
+    is checked for shapes only, under ``compute`` (the run's precision: see
+    :func:`_check_shapes_on_meta`). Returns what was checked, for the start-up line."""
     if any(p.is_meta for p in model.parameters()):
-        return _check_shapes_on_meta(model, stages)
+        return _check_shapes_on_meta(model, stages, compute)
     x, want = _run_both(model, stages)
     diff = float((x.float() - want.float()).abs().max()) if x.shape == want.shape else None
     scale = float(want.float().abs().max()) + 1e-6
