@@ -36,9 +36,10 @@ from rdzv_scale import Counting, StoreServer, emit
 from torch.distributed import TCPStore
 
 from meshrun.config import Config
-from meshrun.launch.multinode.handshake import Handshake, HandshakeError, JoinTarget
-from meshrun.launch.multinode.handshake import local_node_info as node_info
+from meshrun.launch.multinode.handshake import Handshake, HandshakeError
 from meshrun.launch.multinode.nodes import shared_digest, shared_settings
+from meshrun.launch.multinode.records import JoinTarget
+from meshrun.launch.multinode.records import local_node_info as node_info
 from meshrun.runtime.secret import JobSecret
 
 SECRET = JobSecret(os.urandom(32).hex().encode(), "handshake_scale")

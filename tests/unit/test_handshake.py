@@ -13,9 +13,8 @@ from typing import Any
 import pytest
 from torch.distributed import TCPStore
 
-from meshrun.launch.multinode.handshake import (
-    Handshake,
-    HandshakeError,
+from meshrun.launch.multinode.handshake import Handshake, HandshakeError
+from meshrun.launch.multinode.records import (
     JoinTarget,
     NodeInfo,
     find_problems,

@@ -18,7 +18,8 @@ from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 import sockets
-from meshrun.launch.multinode.handshake import Handshake, HandshakeError, JoinTarget, NodeInfo
+from meshrun.launch.multinode.handshake import Handshake, HandshakeError
+from meshrun.launch.multinode.records import JoinTarget, NodeInfo
 from meshrun.launch.trust.rendezvous import SignedBackend, forget_store, listen_store
 from meshrun.launch.trust.secret import SECRET_FILE_ENV, resolve
 from meshrun.runtime.secret import SECRET_ENV, JobSecret, SecretError, sanitize

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from meshrun.cli.args import Subparsers, add_set, add_target
 from meshrun.config import Config, ConfigError, load_config, split_overrides
-from meshrun.launch.multinode.handshake import JoinTarget
+from meshrun.launch.multinode.records import JoinTarget
 from meshrun.launch.prepare import prepare
 from meshrun.launch.target import default_config, require_script
 

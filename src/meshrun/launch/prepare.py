@@ -21,7 +21,7 @@ from meshrun.config import (
     validate_for_world,
     write_config,
 )
-from meshrun.launch.multinode.handshake import JoinTarget
+from meshrun.launch.multinode.records import JoinTarget
 from meshrun.launch.spec import LaunchSpec
 
 __all__ = ["group_nproc", "launch", "nproc_per_node", "prepare", "resolve"]

@@ -17,7 +17,7 @@ from typing import Any
 
 from meshrun.config import LaunchConfig
 from meshrun.config import launch_values as values
-from meshrun.launch.multinode.handshake import JoinTarget
+from meshrun.launch.multinode.records import JoinTarget
 
 
 def parse_nnodes(text: str) -> JoinTarget:

@@ -9,11 +9,15 @@ those of the model the user built (a ``configure_optimizers`` that groups parame
 name works; torch's ``checkpoint_wrapper`` put ``_checkpoint_wrapped_module.`` into every name
 inside a block). The module's hooks (FSDP2's all-gather, tensor parallel's input and output
 layouts) stay outside the recomputed region, as they were outside the wrapper's.
+
+:func:`apply_selective` turns it into op-level selective checkpointing (what the memory trace
+models for ``ac = "selective"``).
 """
 
 from __future__ import annotations
 
 import logging
+from functools import partial
 from typing import Any
 
 from torch import nn
@@ -78,3 +82,59 @@ def maybe_disable_kv_cache(model: nn.Module) -> None:
             "would extend the key/value cache twice)",
             type(model).__name__,
         )
+
+
+# --- selective activation checkpointing ----------------------------------------------------
+
+# Ops whose outputs selective checkpointing keeps: the matmuls (every second one is
+# recomputed) and the attention kernels, whose recomputation costs the most per byte kept.
+SAVED_OPS = (
+    "aten.mm.default",
+    "aten._scaled_dot_product_flash_attention.default",
+    "aten._scaled_dot_product_efficient_attention.default",
+    "aten._scaled_dot_product_cudnn_attention.default",
+    "aten._scaled_dot_product_flash_attention_for_cpu.default",
+    "aten.max.default",
+)
+
+
+def apply_selective(model: nn.Module) -> None:
+    """Turn each checkpointed block's full recomputation into op-level selective
+    checkpointing (torch's ``create_selective_checkpoint_contexts``): keep the outputs of
+    :data:`SAVED_OPS` except every second matmul, recompute the rest."""
+    for module in model.modules():
+        if is_checkpointed(module):
+            module.forward = _SelectiveForward(module.__dict__["forward"])
+
+
+class _SelectiveForward:
+    def __init__(self, full: Any) -> None:
+        self.full = full
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
+
+        full = self.full
+        head = (full.module,) if full.bound else ()
+        context = partial(create_selective_checkpoint_contexts, _policy())
+        return checkpoint(
+            full.function, *head, *args, use_reentrant=False, context_fn=context, **kwargs
+        )
+
+
+def _policy() -> Any:
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    counts = {True: 0, False: 0}  # matmuls seen in the forward and in the recomputation
+
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        name = str(op)
+        if name == "aten.mm.default":
+            counts[ctx.is_recompute] += 1
+            if counts[ctx.is_recompute] % 2 == 0:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        if name in SAVED_OPS:
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return policy

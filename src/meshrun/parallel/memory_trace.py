@@ -26,7 +26,6 @@ import math
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -346,6 +345,8 @@ def _lay_out(model: nn.Module, mesh: Any, lay: TraceLayout) -> nn.Module:
     )
     laid = parallelize(model, mesh, cfg, torch.device("cpu"))
     if lay.ac == "selective":
+        from meshrun.parallel.ac import apply_selective
+
         apply_selective(laid)
     return laid
 
@@ -463,62 +464,4 @@ def _by_kind(snapshot: dict[Any, int]) -> dict[str, float]:
     return {kind: sum(values.get(n, 0.0) for n in names) for kind, names in KINDS.items()}
 
 
-# --- selective activation checkpointing ----------------------------------------------------
-
-# Ops whose outputs selective checkpointing keeps: the matmuls (every second one is
-# recomputed) and the attention kernels, whose recomputation costs the most per byte kept.
-SAVED_OPS = (
-    "aten.mm.default",
-    "aten._scaled_dot_product_flash_attention.default",
-    "aten._scaled_dot_product_efficient_attention.default",
-    "aten._scaled_dot_product_cudnn_attention.default",
-    "aten._scaled_dot_product_flash_attention_for_cpu.default",
-    "aten.max.default",
-)
-
-
-def apply_selective(model: nn.Module) -> None:
-    """Turn each checkpointed block's full recomputation into op-level selective
-    checkpointing (torch's ``create_selective_checkpoint_contexts``): keep the outputs of
-    :data:`SAVED_OPS` except every second matmul, recompute the rest."""
-    from meshrun.parallel.ac import is_checkpointed
-
-    for module in model.modules():
-        if is_checkpointed(module):
-            module.forward = _SelectiveForward(module.__dict__["forward"])
-
-
-class _SelectiveForward:
-    def __init__(self, full: Any) -> None:
-        self.full = full
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        from torch.utils.checkpoint import checkpoint, create_selective_checkpoint_contexts
-
-        full = self.full
-        head = (full.module,) if full.bound else ()
-        context = partial(create_selective_checkpoint_contexts, _policy())
-        return checkpoint(
-            full.function, *head, *args, use_reentrant=False, context_fn=context, **kwargs
-        )
-
-
-def _policy() -> Any:
-    from torch.utils.checkpoint import CheckpointPolicy
-
-    counts = {True: 0, False: 0}  # matmuls seen in the forward and in the recomputation
-
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        name = str(op)
-        if name == "aten.mm.default":
-            counts[ctx.is_recompute] += 1
-            if counts[ctx.is_recompute] % 2 == 0:
-                return CheckpointPolicy.PREFER_RECOMPUTE
-        if name in SAVED_OPS:
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
-
-    return policy
-
-
-__all__ = ["FRAGMENTATION", "TraceLayout", "Traced", "apply_selective", "reserved_bytes", "trace"]
+__all__ = ["FRAGMENTATION", "TraceLayout", "Traced", "reserved_bytes", "trace"]

@@ -25,16 +25,10 @@ from typing import TYPE_CHECKING, Any
 from meshrun.launch.agent.environment import launch_environment, restored_environ
 from meshrun.launch.agent.orphans import orphan_guard
 from meshrun.launch.multinode import nodes as multinode
-from meshrun.launch.multinode.handshake import (
-    Handshake,
-    HandshakeError,
-    JoinTarget,
-    local_node_info,
-    name_list,
-    publish_attempt,
-)
+from meshrun.launch.multinode.handshake import Handshake, HandshakeError, publish_attempt
 from meshrun.launch.multinode.netif import NetworkError
 from meshrun.launch.multinode.nodes import NetworkPlan
+from meshrun.launch.multinode.records import JoinTarget, local_node_info, name_list
 from meshrun.launch.rundir import claim_run_dir
 from meshrun.launch.spec import LaunchSpec, Rendezvous
 from meshrun.launch.torchrun_flags import FLAGS

@@ -18,7 +18,7 @@ from typing import Any
 from meshrun.config import Config, ConfigError
 from meshrun.config.launch_values import check_rdzv_id, parse_endpoint, parse_rdzv_conf
 from meshrun.launch.multinode import netif
-from meshrun.launch.multinode.handshake import JoinTarget
+from meshrun.launch.multinode.records import JoinTarget
 from meshrun.launch.spec import Rendezvous, parse_nnodes
 
 # The typed rendezvous lives with the launch spec (launch/spec.py); named here for callers and

@@ -24,7 +24,7 @@ from types import FrameType
 from typing import TypeVar
 
 from meshrun.config import ConfigError, LaunchConfig
-from meshrun.launch.multinode.handshake import JoinTarget
+from meshrun.launch.multinode.records import JoinTarget
 from meshrun.launch.spec import LaunchKeys, parse_nnodes
 from meshrun.runtime.launcher_env import expand_hostlist, slurm_port
 
