@@ -38,9 +38,16 @@ from torch.distributed import TCPStore
 from meshrun.config import Config
 from meshrun.launch.multinode.handshake import Handshake, HandshakeError
 from meshrun.launch.multinode.nodes import shared_digest, shared_settings
-from meshrun.launch.multinode.records import JoinTarget
-from meshrun.launch.multinode.records import local_node_info as node_info
 from meshrun.runtime.secret import JobSecret
+
+try:
+    from meshrun.launch.multinode.records import JoinTarget
+    from meshrun.launch.multinode.records import local_node_info as node_info
+except ImportError:  # an older checkout (a "before" figure) kept them in handshake.py
+    from meshrun.launch.multinode.handshake import JoinTarget  # type: ignore[attr-defined,no-redef]
+    from meshrun.launch.multinode.handshake import (  # type: ignore[attr-defined,no-redef]
+        local_node_info as node_info,
+    )
 
 SECRET = JobSecret(os.urandom(32).hex().encode(), "handshake_scale")
 
