@@ -130,13 +130,18 @@ def make_agent(backend: str, port: int, n: int, i: int, run_id: str) -> Agent:
         secret = from_env()
         counter = Counting(store)
         # keep-alive 5 s x 3: SignedBackend's defaults, the same as KEEP_ALIVE_S, KEEP_ALIVE_TRIES
-        signed = SignedBackend(counter, run_id, secret, LAUNCH_NONCE, say=lambda _: None)  # type: ignore[arg-type]
+        signed = SignedBackend(counter, run_id, secret, LAUNCH_NONCE, say=_said)  # type: ignore[arg-type]
         prefixed = PrefixStore(f"meshrun.{secret.tag(run_id)}", store)
         return Agent(_held(create_handler(prefixed, signed, params)), counter)
     c10d = C10dRendezvousBackend(store, run_id)
     counter = Counting(c10d._store)
     c10d._store = counter  # type: ignore[assignment]
     return Agent(create_handler(store, c10d, params), counter)
+
+
+def _said(line: str) -> None:
+    """A backend's line (a refused or deleted state): never expected here, so printed."""
+    print(f"an agent's backend said: {line}", file=sys.stderr, flush=True)
 
 
 def stop_heartbeats(agent: Agent) -> None:
@@ -158,7 +163,9 @@ def all_join(
     agents: list[Agent], stall_s: float = 0.0, dead: Agent | None = None
 ) -> tuple[float, list[tuple[int, int]]]:
     """Every agent's ``next_rendezvous`` at once; seconds until the last returned, and the
-    (rank, world size) each got. ``stall_s``: past it, print once where every agent is."""
+    (rank, world size) each got. ``stall_s``: past it, print once where every agent is, and
+    say each agent's return as it comes."""
+    verbose = stall_s > 0
     errors: list[BaseException] = []
     got: list[tuple[int, int]] = []
     start = threading.Barrier(len(agents) + 1)
@@ -168,8 +175,18 @@ def all_join(
         try:
             info = agent.handler.next_rendezvous()
             got.append((info.rank, info.world_size))
-        except BaseException as err:  # reported below, with the others
+            if verbose:
+                inner = getattr(agent.handler, "_inner", agent.handler)
+                state = inner._state_holder.state
+                print(
+                    f"an agent returned: rank {info.rank} of {info.world_size}, round "
+                    f"{state.round}, {len(state.participants)} participants",
+                    file=sys.stderr,
+                    flush=True,
+                )
+        except BaseException as err:  # reported below, with the others; said at once too
             errors.append(err)
+            print(f"an agent's next_rendezvous failed: {err!r}", file=sys.stderr, flush=True)
 
     threads = [threading.Thread(target=join, args=(a,), daemon=True) for a in agents]
     for t in threads:
