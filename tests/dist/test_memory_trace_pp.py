@@ -14,11 +14,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 from _dist import run_distributed
 from meshrun.demo.model import GPT, GPTConfig
 from meshrun.parallel.memory_trace import TraceLayout, trace
+from pipeline_peak import pipeline_peak
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -31,22 +32,11 @@ def _gpt() -> nn.Module:
         return GPT(GPTConfig(seq_len=SEQ, n_layer=2, n_head=2, d_model=64))
 
 
-def _loss(logits: Tensor, targets: Tensor) -> Tensor:
-    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
 def _peak(schedule: str) -> float:
     from meshrun.config import ParallelConfig
-    from meshrun.parallel import build_optimizer, parallelize_pipeline
-    from meshrun.parallel.trace_stages import measured_stage_peak
-    from meshrun.runtime.mesh import ParallelDims, build_mesh
 
-    mesh = build_mesh(ParallelDims(2, 1, 1, 1), "cpu")
     cfg = ParallelConfig(pp=2, pp_schedule=schedule, pp_microbatches=CHUNKS)
-    pipe = parallelize_pipeline(_gpt(), mesh, cfg, torch.device("cpu"), _loss)
-    opt = build_optimizer(pipe, torch.optim.AdamW, mesh, cfg, lr=1e-4, foreach=False)
-    tokens = torch.randint(0, 256, (ROWS * CHUNKS, SEQ + 1), generator=torch.Generator())
-    return measured_stage_peak(pipe, opt, tokens)
+    return pipeline_peak(_gpt(), cfg, ROWS, SEQ, 256)
 
 
 def _rank(rank: int, world: int) -> list[float]:

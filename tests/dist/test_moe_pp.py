@@ -9,11 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 import moe_models
 from _dist import run_distributed
 from meshrun.parallel.memory_trace import TraceLayout, trace
+from pipeline_peak import pipeline_peak
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,25 +26,14 @@ def _meta_moe() -> nn.Module:
         return moe_models.tiny_qwen3_moe()
 
 
-def _loss(logits: Tensor, targets: Tensor) -> Tensor:
-    return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
-
-
 def _rank(rank: int, world: int) -> float:
     from meshrun.config import ParallelConfig
-    from meshrun.parallel import build_optimizer, parallelize_pipeline
-    from meshrun.parallel.trace_stages import measured_stage_peak
-    from meshrun.runtime.mesh import ParallelDims, build_mesh
 
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        mesh = build_mesh(ParallelDims(2, 1, 1, 1), "cpu")
         cfg = ParallelConfig(pp=2, pp_microbatches=CHUNKS, param_dtype="bfloat16")
-        pipe = parallelize_pipeline(_meta_moe(), mesh, cfg, torch.device("cpu"), _loss)
-        opt = build_optimizer(pipe, torch.optim.AdamW, mesh, cfg, lr=1e-4, foreach=False)
-        shape = (ROWS * CHUNKS, moe_models.SEQ + 1)
-        tokens = torch.randint(0, moe_models.VOCAB, shape, generator=torch.Generator())
-        return measured_stage_peak(pipe, opt, tokens)  # two 1F1B steps, the second tracked
+        # two 1F1B steps, the second tracked
+        return pipeline_peak(_meta_moe(), cfg, ROWS, moe_models.SEQ, moe_models.VOCAB)
     finally:
         dist.destroy_process_group()
 
