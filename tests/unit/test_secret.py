@@ -254,6 +254,9 @@ def test_a_deleted_state_is_put_back_at_once_and_said() -> None:
         assert got is not None and pickle.loads(got[0]).round == 4
         # A corrupted value: refused and replaced the same way.
         server.set("meshrun.rdzv/job", b"\x00garbage")
+        # TCPStore's set sends without waiting for an answer: read it back on the same
+        # connection, so the other node's read comes after it, not maybe before.
+        assert bytes(server.get("meshrun.rdzv/job")) == b"\x00garbage"
         got = other.get_state()
         assert got is not None and pickle.loads(got[0]).round == 4
         assert "refused rendezvous state not signed" in said[-1]
