@@ -123,12 +123,12 @@ def test_a_keep_alive_is_one_set_of_the_nodes_own_key_and_others_see_it(store: A
 
 
 @pytest.mark.timeout(30)
-def test_a_join_writes_the_key_then_the_shared_state(store: Any) -> None:
+def test_a_join_writes_the_shared_state_then_the_keys(store: Any) -> None:
     ops = Ops(store)
     first = _backend(ops).set_state(pickle.dumps(_two_nodes(_ago(0), _ago(0))))
     assert first is not None and first[2] is True
-    assert [op for op, _ in ops.calls[-2:]] == ["multi_set", "compare_set"]
-    assert ops.calls[-1][1] == KEY
+    assert [op for op, _ in ops.calls[-2:]] == ["compare_set", "multi_set"]
+    assert ops.calls[-2][1] == KEY
 
 
 @pytest.mark.timeout(30)
@@ -202,3 +202,30 @@ def test_a_keep_alive_hands_back_the_others_newest_heartbeats(store: Any) -> Non
     kept = mine.set_state(pickle.dumps(state), first[1])
     assert kept is not None and kept[1:] == (first[1], True)
     assert pickle.loads(kept[0]).last_heartbeats[B] == beat
+
+
+@pytest.mark.timeout(30)
+def test_a_lost_write_leaves_no_heartbeat_behind(store: Any) -> None:
+    """A's own heartbeat aged past the limit (its agent starved): torch's holder dropped A from
+    its view without a write. A then joins the wait list with a fresh heartbeat, but B wrote
+    first, so A's write is lost. What A reads back must still call A dead: a key written
+    before the lost write made A a live participant of the round it had already left. A
+    returned alone from a restart ('rank 8 of 1') while 126 agents waited for it forever
+    (128 simulated nodes, docs/scale.md)."""
+    mine, other = _backend(store), _backend(store)
+    first = other.set_state(pickle.dumps(_two_nodes(_ago(10), _ago(0))))
+    assert first is not None
+    settings = RendezvousSettings("job", 1, 2, RendezvousTimeout(), KEEP_ALIVE, TRIES)
+    holder = _BackendRendezvousStateHolder(mine, settings, cache_duration=0)
+    holder.sync()
+    assert A not in holder.state.participants  # dead in its own view, nothing written
+    moved = pickle.loads(first[0])
+    moved.wait_list.add(_NodeDesc("10.0.0.3", 9, 0))  # B's write, after A's read
+    assert other.set_state(pickle.dumps(moved), first[1]) is not None
+    holder.state.wait_list.add(A)  # torch's _add_to_wait_list: join, keep alive, write
+    holder.state.last_heartbeats[A] = datetime.now(timezone.utc)
+    holder.mark_dirty()
+    assert holder.sync() is False  # lost to B's write
+    assert A not in holder.state.participants and A not in holder.state.wait_list
+    assert _beats(_backend(store))[A] < _ago(9)  # no one sees the lost write's heartbeat
+    assert holder.sync() is None and A not in holder.state.participants  # nor on a re-read

@@ -74,8 +74,8 @@ class Heartbeats:
     def write(self, state: _RendezvousState, joining: bool = False) -> int:
         """Sign and store the heartbeat of each node whose time in ``state`` is newer than
         any seen (a keep-alive: this node's only); one store operation, or none. ``joining``:
-        the state itself is being written, carrying the time: a key written in the last half
-        interval is recent enough (each lost try of a large join would write it again)."""
+        the state carrying the time was just written (never before: a lost write must leave
+        no heartbeat), and a key written in the last half interval is recent enough."""
         gap = self._keep_alive / 2 if joining else timedelta(0)
         fresh = {
             n: t

@@ -310,12 +310,16 @@ class SignedBackend(RendezvousBackend):
             handed = self._hand(self._decode(view[0]))
             if handed is not None:
                 return handed[0], handed[1], True
-        self._hb.write(local, joining=True)  # before the state: a node in it has its key
         seq = self._seq + 1
         sealed = self._seal(local, seq)
         expected = token or _EMPTY
         raw = bytes(self._call("compare_set", self._key, expected, sealed))
         if raw == sealed:  # ours won: no need to verify and parse what we just wrote
+            # The heartbeat keys only once the state is written: a lost write must leave no
+            # trace. torch's handler drops a node whose own heartbeat aged past the limit
+            # from its view without writing; a key written by its lost join made it a live
+            # participant again of the round it had left (docs/scale.md, 128 nodes).
+            self._hb.write(local, joining=True)
             self._seq, self._good, self._good_state = seq, sealed, local
             handed = self._hand((local, sealed), state)
             assert handed is not None
