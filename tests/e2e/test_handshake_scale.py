@@ -29,8 +29,8 @@ def test_32_nodes_handshake_reads_each_record_once(monkeypatch: pytest.MonkeyPat
 
 
 # heavy: the 32-node test above counts the same reads. The handshake of 256 nodes takes about
-# 1 s, but connecting 256 store clients took 53 s in make test: torch's TCPStore server made
-# every 25th connection wait 5 s here (docs/scale.md).
+# 1 s, but connecting 256 store clients took 53 s in make test: about one connection in 25
+# to 50 waits 5 s on a reverse DNS query this machine's resolver drops (docs/scale.md).
 @pytest.mark.heavy
 @pytest.mark.timeout(600)
 def test_256_nodes_handshake_reads_each_record_once(monkeypatch: pytest.MonkeyPatch) -> None:
