@@ -15,7 +15,8 @@ Per N and backend:
   ``keep_alive_max_attempt``) and the last call (``last_call_timeout``); ``restart_work_s`` is
   the time beyond them;
 - ``ops_per_node`` and ``kb_per_node``: the store operations of meshrun's backend (get,
-  compare_set, ... of the shared state and of the per-node heartbeat keys) or of c10d's, and
+  compare_set, ... of the shared state, the add of its counter, the per-node heartbeat keys)
+  or of c10d's, and
   the bytes they carry, both ways, per agent, over both rounds;
 - ``state_kb``: the size of the state value once N nodes joined;
 - ``store_cpu_s``: the store server process's CPU seconds over both rounds.
@@ -82,6 +83,8 @@ def _size(value: Any) -> int:
         return len(value)
     if isinstance(value, list):
         return sum(_size(v) for v in value)
+    if isinstance(value, int):  # add's amount and answer: eight bytes on the wire
+        return 8
     return 0
 
 

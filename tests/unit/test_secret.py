@@ -222,12 +222,13 @@ def test_a_deleted_state_is_put_back_at_once_and_said() -> None:
     try:
         said: list[str] = []
         backend = SignedBackend(server, "job", SECRET, NONCE, say=said.append)
-        other = SignedBackend(
+        other = SignedBackend(  # a full read at every poll: the corruption below is read
             TCPStore("127.0.0.1", server.port, is_master=False, timeout=timedelta(seconds=5)),
             "job",
             SECRET,
             NONCE,
             say=said.append,
+            full_read_every=timedelta(0),
         )
         good = backend.set_state(pickle.dumps(_state(3)))
         assert good is not None
@@ -300,6 +301,40 @@ def test_a_read_and_a_lost_write_are_one_store_operation_each(store: Any) -> Non
     lost = other.set_state(pickle.dumps(_state(3)), first[1])  # a stale token: it loses
     assert lost is not None and lost[2] is False and lost[1] == second[1]
     assert pickle.loads(lost[0]).round == 2 and theirs.ops == 1
+
+
+@pytest.mark.timeout(60)
+def test_a_poll_reads_the_state_only_once_its_counter_moved(store: Any) -> None:
+    """Every waiting node polls about once a second: reading the whole state each time moved
+    O(N) bytes a poll, O(N^2) a second through the store. A poll reads the counter that each
+    won write moves; the state only when it moved, or once per full-read interval, so a
+    counter set back by someone else delays a node by that interval at most."""
+    ops = StateOps(store)
+    slow = SignedBackend(ops, "job", SECRET, NONCE, full_read_every=timedelta(seconds=60))
+    quick = SignedBackend(store, "job", SECRET, NONCE, full_read_every=timedelta(seconds=0.2))
+    writer = SignedBackend(store, "job", SECRET, NONCE)
+    first = writer.set_state(pickle.dumps(_state(1)))
+    assert first is not None
+    ops.ops = 0
+    rounds = [pickle.loads(got[0]).round for got in [slow.get_state() for _ in range(4)] if got]
+    assert rounds == [1, 1, 1, 1] and ops.ops == 1  # one read of the state, three counters
+    second = writer.set_state(pickle.dumps(_state(2)), first[1])
+    assert second is not None and second[2] is True
+    got = slow.get_state()
+    assert got is not None and pickle.loads(got[0]).round == 2 and ops.ops == 2
+    got = quick.get_state()
+    assert got is not None and pickle.loads(got[0]).round == 2
+    # A write whose count someone takes back: the nodes see it by the next full read.
+    counted = store.add("meshrun.rdzv/job/v", 0)
+    third = writer.set_state(pickle.dumps(_state(3)), second[1])
+    assert third is not None and third[2] is True
+    store.set("meshrun.rdzv/job/v", str(counted))
+    assert int(store.get("meshrun.rdzv/job/v")) == counted  # set does not wait: read it back
+    got = slow.get_state()
+    assert got is not None and pickle.loads(got[0]).round == 2  # within its 60 s
+    time.sleep(0.25)
+    got = quick.get_state()
+    assert got is not None and pickle.loads(got[0]).round == 3  # past its 0.2 s: read in full
 
 
 @pytest.mark.timeout(60)

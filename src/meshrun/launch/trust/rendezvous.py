@@ -208,7 +208,15 @@ class SignedBackend(RendezvousBackend):
     state written back (a replay) is refused like a forgery; ``launch`` is the launch's nonce,
     so a state signed in another launch with the same secret is refused too. Each node's
     keep-alive goes to a signed key of its own (``heartbeats.py``), merged into the state
-    handed to the handler; ``keep_alive`` and ``tries`` are the handler's settings."""
+    handed to the handler; ``keep_alive`` and ``tries`` are the handler's settings.
+
+    A poll reads a counter (``<key>/v``, one ``add`` of 0: eight bytes) that every write of
+    the state counts up once it won, and reads the state itself only when the counter moved
+    or ``full_read_every`` (the keep-alive interval) passed: every waiting node polls about
+    once a second, and reading the whole state each time moved O(N) bytes per poll, O(N^2) a
+    second through the store. The counter is not signed: whoever sets it can delay what a
+    node sees by ``full_read_every`` at most, and a state deleted or replaced under the job
+    is still found by the next full read or the next write."""
 
     def __init__(
         self,
@@ -219,6 +227,7 @@ class SignedBackend(RendezvousBackend):
         keep_alive: timedelta = timedelta(seconds=5),
         tries: int = 3,
         say: Callable[[str], None] | None = None,
+        full_read_every: timedelta | None = None,
     ) -> None:
         if not run_id:
             raise ValueError("the rendezvous run id must not be empty")
@@ -237,6 +246,11 @@ class SignedBackend(RendezvousBackend):
         self._refused: set[bytes] = set()
         self._stranger_seen = False
         self._deleted_seen = 0  # deletions this node has put back (one line each)
+        self._version_key = f"{self._key}/v"
+        every = keep_alive if full_read_every is None else full_read_every
+        self._full_read_s = every.total_seconds()
+        # The last full read: (the counter read before it, when, what it decoded to).
+        self._polled: tuple[int, float, tuple[_RendezvousState, bytes] | None] | None = None
         self._call("compare_set", self._key, "", _EMPTY)
 
     @property
@@ -245,7 +259,20 @@ class SignedBackend(RendezvousBackend):
 
     def get_state(self) -> tuple[bytes, Token] | None:
         self._note_plain_c10d()
-        return self._hand(self._decode(self._read()))
+        # The counter first: a write that wins after it is read moves it for the next poll.
+        version = int(self._call("add", self._version_key, 0))
+        polled = self._polled
+        fresh = polled is not None and time.monotonic() - polled[1] < self._full_read_s
+        if polled is not None and fresh and polled[0] == version:
+            return self._hand(polled[2])  # heartbeats still merged anew
+        decoded = self._decode(self._read())
+        self._polled = (version, time.monotonic(), decoded)
+        return self._hand(decoded)
+
+    def _wrote(self) -> None:
+        """A write of the state won (ours, or a state put back): count it for the pollers."""
+        self._polled = None
+        self._call("add", self._version_key, 1)
 
     def _hand(
         self, decoded: tuple[_RendezvousState, bytes] | None, pickled: bytes | None = None
@@ -285,6 +312,7 @@ class SignedBackend(RendezvousBackend):
         if raw == _PROBE:  # not missing: someone stored the probe itself, refused as unsigned
             return raw
         self._deleted_seen += 1
+        self._wrote()
         held = "the last good signed state this node holds" if self._good else "an empty one"
         self._say(
             f"the rendezvous state {self._key} was deleted from the store; put back "
@@ -310,6 +338,7 @@ class SignedBackend(RendezvousBackend):
             handed = self._hand(self._decode(view[0]))
             if handed is not None:
                 return handed[0], handed[1], True
+        self._polled = None  # what this write hands back is newer than the last poll's
         seq = self._seq + 1
         sealed = self._seal(local, seq)
         expected = token or _EMPTY
@@ -320,6 +349,7 @@ class SignedBackend(RendezvousBackend):
             # from its view without writing; a key written by its lost join made it a live
             # participant again of the round it had left (docs/scale.md, 128 nodes).
             self._hb.write(local, joining=True)
+            self._wrote()
             self._seq, self._good, self._good_state = seq, sealed, local
             handed = self._hand((local, sealed), state)
             assert handed is not None
@@ -388,6 +418,8 @@ class SignedBackend(RendezvousBackend):
             )
         restore = self._good if self._good is not None else _EMPTY
         now = bytes(self._call("compare_set", self._key, raw, restore))
+        if now == restore:
+            self._wrote()
         if now == raw or now in self._refused:
             return None  # could not put it back (raced by another write): as if empty
         return self._decode(now)
