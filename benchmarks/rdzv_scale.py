@@ -19,6 +19,9 @@ Per N and backend:
   or of c10d's, and
   the bytes they carry, both ways, per agent, over both rounds;
 - ``state_kb``: the size of the state value once N nodes joined;
+- ``idle_b_per_s``: between the rounds, every agent asks ``num_nodes_waiting`` once a second
+  for ``--idle`` seconds, as torchrun's agent does while its workers train: the store bytes
+  per node per second of that phase (not in the other columns);
 - ``store_cpu_s``: the store server process's CPU seconds over both rounds.
 
     .venv/bin/python benchmarks/rdzv_scale.py --nodes 64,256,1024 [--backends meshrun,c10d]
@@ -255,7 +258,30 @@ def stall_report(agents: list[Agent], threads: list[threading.Thread], dead: Age
     return "\n".join(lines)
 
 
-def measure(backend: str, n: int, stall_s: float = 0.0) -> dict[str, Any]:
+def idle(agents: list[Agent], seconds: float) -> float:
+    """Every agent polls ``num_nodes_waiting`` once a second for ``seconds`` (torchrun's agent
+    asks it in its monitor loop while the workers train); the bytes per node per second."""
+    before = [a.counter.bytes for a in agents]
+    ops = [a.counter.ops for a in agents]
+    stop = time.monotonic() + seconds
+
+    def poll(agent: Agent) -> None:
+        while time.monotonic() < stop:
+            agent.handler.num_nodes_waiting()
+            time.sleep(1.0)
+
+    threads = [threading.Thread(target=poll, args=(a,), daemon=True) for a in agents]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    spent = statistics.mean(a.counter.bytes - b for a, b in zip(agents, before, strict=True))
+    for a, b, o in zip(agents, before, ops, strict=True):  # the round columns leave it out
+        a.counter.bytes, a.counter.ops = b, o
+    return spent / seconds
+
+
+def measure(backend: str, n: int, stall_s: float = 0.0, idle_s: float = 0.0) -> dict[str, Any]:
     """One row of the table (see the module); raises if a round is not what it must be."""
     os.environ.setdefault(SECRET_ENV, secrets.token_hex(32))
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as meshrun launch sets it
@@ -269,6 +295,7 @@ def measure(backend: str, n: int, stall_s: float = 0.0) -> dict[str, Any]:
         state = agents[0].counter._store.get(
             f"meshrun.rdzv/{run_id}" if backend == "meshrun" else f"torch.rendezvous.{run_id}"
         )
+        idle_b = idle(agents, idle_s) if idle_s > 0 else 0.0
         dead = agents.pop()
         stop_heartbeats(dead)  # the host is gone: no exit, no heartbeat
         restart, got = all_join(agents, stall_s, dead)
@@ -287,6 +314,7 @@ def measure(backend: str, n: int, stall_s: float = 0.0) -> dict[str, Any]:
             kb_per_node=round(statistics.mean(a.counter.bytes for a in agents) / 1024, 1),
             state_kb=round(len(state) / 1024, 1),
             store_cpu_s=round(cpu, 2),
+            idle_b_per_s=round(idle_b),
         ).__dict__
     finally:
         server.close()
@@ -309,6 +337,7 @@ class Row:
     kb_per_node: float
     state_kb: float
     store_cpu_s: float
+    idle_b_per_s: float
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -323,15 +352,22 @@ def main(argv: list[str] | None = None) -> None:
         metavar="S",
         help="a round still running after S seconds prints where every agent is (once)",
     )
+    p.add_argument(
+        "--idle",
+        type=float,
+        default=10.0,
+        metavar="S",
+        help="seconds of polling between the rounds, as while workers train (0: none)",
+    )
     a = p.parse_args(argv)
     print(
         "| backend | nodes | first round s | restart s | beyond fixed waits s | "
-        "ops/node | KiB/node | state KiB | store CPU s |"
+        "ops/node | KiB/node | state KiB | store CPU s | idle B/s per node |"
     )
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for n in [int(x) for x in a.nodes.split(",")]:
         for backend in a.backends.split(","):
-            row = measure(backend, n, a.stall_report)
+            row = measure(backend, n, a.stall_report, a.idle)
             emit(row, [str(v) for v in row.values()], a.json)
 
 
