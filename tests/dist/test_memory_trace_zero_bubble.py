@@ -96,4 +96,4 @@ def test_each_traced_rank_is_within_5_percent_of_its_real_rank() -> None:
         assert all(abs(e) <= 0.05 for e in errors), (schedule, traced, measured[schedule])
     # traced as 1F1B (one stage a rank, whole backwards), as before: far below both ranks
     one_stage = trace(_gpt(), dataclasses.replace(_layout("zbv"), schedule="1f1b")).stages
-    assert all(t < 0.8 * m for t, m in zip(one_stage, measured["zbv"], strict=True))
+    assert all(t < 0.9 * m for t, m in zip(one_stage, measured["zbv"], strict=True))

@@ -219,10 +219,14 @@ def repeat_tolerant(tracker_cls: type) -> type:
 
     It also counts a split backward (the zero-bubble schedules: trace_ops.py). Its module
     tracker hooks each module's inputs to learn when the module's backward ends, waiting for
-    all of them; torch's engine cannot say whether it will reach a leaf input (a stage's
-    receive buffer) inside ``autograd.grad``, which the input-gradient step runs, and raises.
-    While tracking, a hook on leaf inputs fires at their first gradient instead: that moves
-    only the per-module record, never the count."""
+    all of them (``register_multi_grad_hook``'s "all"), which fails and leaks there: torch's
+    engine cannot say whether it will reach a leaf input (a stage's receive buffer) inside
+    ``autograd.grad``, which the input-gradient step runs, and raises; and the hook's closure
+    holds the inputs' autograd nodes, a reference cycle, so nodes the input step kept with
+    their saved tensors outlive the step until Python's garbage collector happens to run
+    (Llama's ZB1P rank 0 measured 30.31 MB with it, 27.86 MB without; the trace, collected
+    at other moments, +5.1 %). While tracking, the hook fires at the first gradient ("any":
+    no cycle): that moves only the per-module record, never the count."""
 
     from torch.distributed._tools import mod_tracker
 
@@ -235,7 +239,7 @@ def repeat_tolerant(tracker_cls: type) -> type:
 
         def __enter__(self) -> Any:
             self._register = mod_tracker.register_multi_grad_hook
-            mod_tracker.register_multi_grad_hook = _leaf_tolerant(self._register)
+            mod_tracker.register_multi_grad_hook = _first_grad(self._register)
             return super().__enter__()
 
         def __exit__(self, *args: Any) -> None:
@@ -245,10 +249,9 @@ def repeat_tolerant(tracker_cls: type) -> type:
     return Tracker
 
 
-def _leaf_tolerant(register: Callable[..., Any]) -> Callable[..., Any]:
+def _first_grad(register: Callable[..., Any]) -> Callable[..., Any]:
     def hook(tensors: Any, fn: Callable[..., None], *, mode: str = "all") -> Any:
-        leaf = any(t.grad_fn is None for t in tensors)
-        return register(tensors, fn, mode="any" if leaf else mode)
+        return register(tensors, fn, mode="any")
 
     return hook
 
