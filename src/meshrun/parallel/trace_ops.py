@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import Tensor, nn
 
-from meshrun.plan.errors import PlanError
+from meshrun.config import ConfigError
 
 if TYPE_CHECKING:
     from meshrun.config import ParallelConfig
@@ -50,7 +50,8 @@ def zero_bubble_order(
     schedule: str, rank: int, pp: int, v: int, microbatches: int
 ) -> tuple[Op, ...]:
     """Rank ``rank``'s ops under torch's zero-bubble ``schedule`` with ``v`` stages per rank:
-    (stage, "F" | "B" | "I" | "W", micro-batch), torch's computation, paired ops unpaired."""
+    (stage, "F" | "B" | "I" | "W", micro-batch), torch's computation; DualPipeV's paired
+    forward and backward (``OVERLAP_F_B``) as the two ops torch's runtime runs in turn."""
     from types import SimpleNamespace
 
     from torch.distributed.pipelining import schedules
@@ -107,7 +108,8 @@ def zero_bubble_positions(
 ) -> list[RankPosition]:
     """The first and the last pp rank under a zero-bubble schedule, each with its stages
     (looped for zb1p, a V for zbv and dualpipev) and torch's order of their ops. Refused
-    (PlanError) where torch's order is not one whole step for these sizes."""
+    (ConfigError, naming the setting and the values that fit) where the run refuses these
+    sizes or torch's order is not one whole step for them: never traced as something else."""
     from meshrun.parallel.pp.split import split_blocks
     from meshrun.parallel.trace_stages import RankPosition, StagePosition
 
@@ -117,7 +119,7 @@ def zero_bubble_positions(
     problem = _order_problem(schedule, pp, v, m)
     if problem is not None:
         fits = [k for k in range(pp, 4 * pp + 1) if _whole_step(schedule, pp, v, k)]
-        raise PlanError(
+        raise ConfigError(
             f"parallel.pp_schedule = {schedule} with parallel.pp = {pp}, "
             f"pp_virtual_stages = {v} and pp_microbatches = {m}: torch's schedule does not run "
             f"each micro-batch once forward and once backward on every stage ({problem}), so "
@@ -153,8 +155,6 @@ def _check_schedule(schedule: str, pp: int, v: int, m: int) -> None:
 
 
 def _whole_step(schedule: str, pp: int, v: int, m: int) -> bool:
-    from meshrun.config import ConfigError
-
     try:
         _check_schedule(schedule, pp, v, m)
     except ConfigError:
