@@ -16,13 +16,13 @@ deltas mix in glibc's caching and the Python heap, so the count of live tensor s
 the measurement; what it checks is the trace's fake execution, its fake world and its
 extrapolation against the real run. Both sides are "allocated" (no GPU allocator on a CPU).
 
-Pipeline rows: pp=2 (1F1B, GPipe and interleaved 1F1B with 2 stages a rank, 4 micro-batches
-of ``MICRO`` rows) through meshrun's
-own pipeline (``parallelize_pipeline`` + ``pipeline_step``: torch's schedules), measured on
-each rank (each stage) the same way, with the stage's receive buffers (torch's
+Pipeline rows: pp=2 (1F1B, GPipe, interleaved 1F1B and ZB1P with 2 stages a rank, ZB-V and
+DualPipeV with 2 in a V; 4 micro-batches of ``MICRO`` rows) through meshrun's own pipeline
+(``parallelize_pipeline`` + ``pipeline_step``: torch's schedules), measured on each rank (each
+stage) the same way, with the stage's receive buffers (torch's
 ``PipelineStage`` allocates them at the first step) registered beside the parameters; the
-trace's first and last stage (interleaved: its first and last rank, each with both of its
-stages) against them, and its worst stage against the worse of the two.
+trace's first and last stage (the 2-stage schedules: its first and last rank, each with both
+of its stages) against them, and its worst stage against the worse of the two.
 
 ``published``: torchtitan's Llama 3.1 8B on 8 H100 (FSDP, selective per-op AC, local batch
 2, sequence 8,192, bf16): measured 82.4 GiB reserved, the trace's reserved peak and the
@@ -154,8 +154,15 @@ def measured(name: str, layout: tuple[int, int, int, int]) -> float:
     return float(value)
 
 
-PP_SCHEDULES, CHUNKS = ("1f1b", "gpipe", "interleaved"), 4
-LABELS = {"1f1b": "1F1B", "gpipe": "GPipe", "interleaved": "interleaved 1F1B, 2 stages a rank"}
+PP_SCHEDULES, CHUNKS = ("1f1b", "gpipe", "interleaved", "zb1p", "zbv", "dualpipev"), 4
+LABELS = {
+    "1f1b": "1F1B",
+    "gpipe": "GPipe",
+    "interleaved": "interleaved 1F1B, 2 stages a rank",
+    "zb1p": "ZB1P, 2 stages a rank",
+    "zbv": "ZB-V (stages 0, 3 and 1, 2)",
+    "dualpipev": "DualPipeV (stages 0, 3 and 1, 2)",
+}
 
 
 def traced_pp(name: str, schedule: str) -> Any:
@@ -168,7 +175,7 @@ def traced_pp(name: str, schedule: str) -> Any:
         precision="bf16",
         microbatches=CHUNKS,
         schedule=schedule,
-        virtual=2,  # interleaved: parallel.pp_virtual_stages' default, as the measured run
+        virtual=2,  # interleaved, zb1p: parallel.pp_virtual_stages' default, as measured
         gpu=False,
     )
     return trace(build(name), lay)
@@ -212,8 +219,8 @@ def measured_pp(name: str, schedule: str) -> list[float]:
     return [v for _, v in values]
 
 
-def pp_rows(name: str) -> None:
-    for schedule in PP_SCHEDULES:
+def pp_rows(name: str, schedules: tuple[str, ...] = PP_SCHEDULES) -> None:
+    for schedule in schedules:
         label = f"PP 2, {LABELS[schedule]}, {CHUNKS} mb"
         try:
             t = traced_pp(name, schedule)
@@ -221,7 +228,7 @@ def pp_rows(name: str) -> None:
             print(f"| {name} | {label} | - | - | not traced: {type(e).__name__}: {e} | - |")
             continue
         m = measured_pp(name, schedule)
-        ranks = schedule == "interleaved"  # each rank holds 2 stages
+        ranks = schedule not in ("1f1b", "gpipe")  # each rank holds 2 stages
         first, last = ("rank 0", "rank 1") if ranks else ("first stage", "last stage")
         rows = [(first, m[0], t.stages[0]), (last, m[1], t.stages[-1])]
         rows.append(("worst stage", max(m), t.allocated))
@@ -289,11 +296,12 @@ def published() -> None:
 
 if __name__ == "__main__":
     which = sys.argv[1] if len(sys.argv) > 1 else "cpu"
-    if which == "pp":  # the pipeline rows alone: pp [model ...]
+    if which == "pp":  # the pipeline rows alone: pp [model ...] [schedule ...]
         print("| model | layout | measured MB | traced MB | error | trace s |")
         print("|---|---|---|---|---|---|")
-        for name in sys.argv[2:] or MODELS:
-            pp_rows(name)
+        picked = tuple(a for a in sys.argv[2:] if a in PP_SCHEDULES) or PP_SCHEDULES
+        for name in [a for a in sys.argv[2:] if a not in PP_SCHEDULES] or MODELS:
+            pp_rows(name, picked)
     elif which == "cpu":  # cpu [model ...]: the whole table, or some models' rows
         cpu_table(tuple(sys.argv[2:]) or MODELS)
     else:  # published

@@ -48,7 +48,7 @@ def _rank(rank: int, world: int) -> float:
 def test_rank_0_runs_its_first_stages_microbatches_first() -> None:
     first, last = interleaved_positions(4, 2, 2, CHUNKS)
     assert [p.index for p in first.stages] == [0, 2] and [p.index for p in last.stages] == [1, 3]
-    forwards = [(s, mb) for s, fwd, mb in first.ops if fwd]
+    forwards = [(s, mb) for s, kind, mb in first.ops if kind == "F"]
     assert forwards[:4] == [(0, 0), (0, 1), (2, 0), (2, 1)]  # torch's warm-up on rank 0
     assert len(first.ops) == len(last.ops) == 2 * 2 * CHUNKS  # every forward and backward
 

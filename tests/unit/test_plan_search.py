@@ -119,6 +119,10 @@ def test_json_schema_of_a_1024_gpu_search_and_the_work_it_does(
         (["--layout", "zero=5"], ["zero=5", "0, 1, 2 or 3"]),
         (["--layout", "tp=2,pp=3"], ["pp", "divide", "8 GPUs"]),
         (["--global-batch", "3", "--micro-batch", "2"], ["global batch 3", "multiple of 8"]),
+        (  # 2 chunks a step (8 rows over dp 4): DualPipeV runs at least one per stage
+            ["--layout", "pp=2,schedule=dualpipev,vpp=2,micro_batch=1", "--global-batch", "8"],
+            ["pp_schedule = dualpipev", "pp_microbatches >= 4"],
+        ),
     ],
 )
 def test_impossible_inputs_are_rejected_clearly(

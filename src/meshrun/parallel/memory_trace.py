@@ -66,7 +66,7 @@ class TraceLayout:
     optimizer: str = "adamw"  # adam | adamw | sgd
     microbatches: int = 1  # the pipeline's micro-batches per step (parallel.pp_microbatches)
     schedule: str = "1f1b"  # parallel.pp_schedule
-    virtual: int = 1  # stages per rank under "interleaved" (parallel.pp_virtual_stages)
+    virtual: int = 1  # stages per rank under interleaved, zb1p (parallel.pp_virtual_stages)
     # A GPU target: the optimizer's multi-tensor path (torch's default there) and the
     # communication streams' own allocator pools; False: a CPU run (no streams, per-tensor).
     gpu: bool = True
@@ -130,16 +130,14 @@ def fake_world(world: int) -> Iterator[None]:
 def trace(model: nn.Module, lay: TraceLayout) -> Traced:
     """The peak of one training step of ``model`` (on the meta device; not changed) laid out
     as ``lay``, traced on one rank of a fake world."""
-    from meshrun.parallel.trace_stages import interleaved_positions, traced_positions
+    from meshrun.parallel.trace_ops import rank_positions
+    from meshrun.parallel.trace_stages import traced_positions
 
     start = time.perf_counter()
-    positions: list[Any] = traced_positions(
-        _block_count(model), lay.pp, lay.microbatches, lay.schedule
-    )
-    if _interleaved(lay):
-        positions = interleaved_positions(
-            _block_count(model), lay.pp, lay.virtual, lay.microbatches
-        )
+    n, m = _block_count(model), lay.microbatches
+    positions: list[Any] = traced_positions(n, lay.pp, m, lay.schedule)
+    if lay.pp > 1 and lay.zero < 2:  # under FSDP2 a rank's stages are traced as one 1F1B stage
+        positions = rank_positions(n, lay.schedule, lay.pp, lay.virtual, m) or positions
     hidden: list[Any] = []  # what the first stage sends: the last stage's receive buffers
     stages = [_trace_stage(model, lay, pos, hidden) for pos in positions]
     parts = max(stages, key=lambda p: sum(p.values()) - p["comm_pools"])
@@ -149,12 +147,6 @@ def trace(model: nn.Module, lay: TraceLayout) -> Traced:
     seconds = time.perf_counter() - start
     reserved = reserved_bytes(allocated, pools)
     return Traced(parts, allocated, reserved, _depths(positions[0].blocks), seconds, per_stage)
-
-
-def _interleaved(lay: TraceLayout) -> bool:
-    """Each rank's stages traced together, in torch's interleaved order (trace_stages.py);
-    under FSDP2 (zero 2/3) the rank's stages are still traced as one 1F1B stage."""
-    return lay.schedule == "interleaved" and lay.virtual > 1 and lay.pp > 1 and lay.zero < 2
 
 
 def _depths(blocks: int) -> tuple[int, ...]:
@@ -191,7 +183,7 @@ def _trace_at(
     from meshrun.parallel.trace_stages import RankPosition, stage_module
 
     vocab = _vocab(model)
-    if isinstance(pos, RankPosition):  # an interleaved rank: its stages, each cut to depth
+    if isinstance(pos, RankPosition):  # a rank's stages (trace_ops.py), each cut to depth
         stages = [stage_module(_stage_of(model, min(depth, p.blocks)), p) for p in pos.stages]
         with fake_world(lay.world):
             mesh = _mesh(lay)
@@ -215,7 +207,8 @@ def _traced_rank(
 ) -> dict[str, float]:
     """One interleaved rank's step: its stages laid out one by one (as parallelize_stage
     does), one optimizer over them, the schedule's ops in torch's order."""
-    from meshrun.parallel.trace_stages import output_meta, run_rank_ops, stage_io
+    from meshrun.parallel.trace_ops import run_rank_ops
+    from meshrun.parallel.trace_stages import output_meta, stage_io
 
     laid = nn.ModuleList(_lay_out(s, mesh, lay) for s in stages)
     optimizer = _optimizer(laid, lay)
@@ -404,6 +397,7 @@ def _tracked_step(
     else:
         tracker = repeat_tolerant(MemTracker)()
         tracker.track_external(model, opt, *inputs)
+    inputs.clear()  # held by the stages' StageIO only: a V's turn replaces buffers, as torch's
     with tracker:
         run()
         opt.step()

@@ -95,6 +95,27 @@ def _shape_problem(m: Model, lay: Layout, microbatches: int) -> str | None:
         return f"schedule = {lay.schedule} holds 2 stages per rank in a V: set vpp = 2"
     if lay.vpp > 1 and lay.schedule not in ("interleaved", "zb1p", "zbv", "dualpipev"):
         return f"vpp = {lay.vpp} needs schedule = interleaved or zb1p (or zbv, dualpipev: 2)"
+    return _schedule_problem(lay, microbatches) if lay.pp > 1 else None
+
+
+def _schedule_problem(lay: Layout, microbatches: int) -> str | None:
+    """What the run refuses of a multi-stage schedule's micro-batches (config/world.py: what
+    torch's schedule classes refuse), so that no such layout is proposed or traced."""
+    from meshrun.config import ConfigError, ParallelConfig
+    from meshrun.config.world import PP_LOOPED, PP_V_SHAPED, check_pipeline_schedule
+
+    if lay.schedule not in PP_LOOPED + PP_V_SHAPED:
+        return None
+    cfg = ParallelConfig(
+        pp=lay.pp,
+        pp_schedule=lay.schedule,
+        pp_virtual_stages=lay.vpp,
+        pp_microbatches=microbatches,
+    )
+    try:
+        check_pipeline_schedule(cfg, f"pp={lay.pp}")
+    except ConfigError as err:
+        return str(err)
     return None
 
 
