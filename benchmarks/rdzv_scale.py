@@ -15,7 +15,7 @@ Per N and backend:
   ``keep_alive_max_attempt``) and the last call (``last_call_timeout``); ``restart_work_s`` is
   the time beyond them;
 - ``ops_per_node`` and ``kb_per_node``: the store operations of meshrun's backend (get,
-  compare_set, ... of the shared state, the add of its counter, the per-node heartbeat keys)
+  compare_set, ... of the shared state and of its mark, the per-node heartbeat keys)
   or of c10d's, and
   the bytes they carry, both ways, per agent, over both rounds;
 - ``state_kb``: the size of the state value once N nodes joined;

@@ -39,8 +39,8 @@ def test_32_nodes_join_and_restart_with_one_gone() -> None:
     row = _bench().measure("meshrun", 32, idle_s=10)
     _check(row, 32)
     # While the workers train every agent polls once a second: a read of the whole state each
-    # time (3.1 KiB here; c10d's polls moved 8.1 KB a second) is now a counter's eight bytes
-    # and one full read per keep-alive interval (413 B a second measured at 32 nodes).
+    # time (3.1 KiB here, 2.6 KB a second; c10d's 6.1 KB) is now a mark of a few bytes and
+    # one full read per keep-alive interval (docs/scale.md).
     assert float(row["idle_b_per_s"]) < float(row["state_kb"]) * 1024 / 2, row
 
 

@@ -304,11 +304,12 @@ def test_a_read_and_a_lost_write_are_one_store_operation_each(store: Any) -> Non
 
 
 @pytest.mark.timeout(60)
-def test_a_poll_reads_the_state_only_once_its_counter_moved(store: Any) -> None:
+def test_a_poll_reads_the_state_only_once_its_mark_changed(store: Any) -> None:
     """Every waiting node polls about once a second: reading the whole state each time moved
-    O(N) bytes a poll, O(N^2) a second through the store. A poll reads the counter that each
-    won write moves; the state only when it moved, or once per full-read interval, so a
-    counter set back by someone else delays a node by that interval at most."""
+    O(N) bytes a poll, O(N^2) a second through the store. A poll reads the mark that each
+    won write replaces; the state only when it changed, or once per full-read interval, so a
+    mark set back by someone else delays a node by that interval at most, and a mark that is
+    not a number breaks nothing (the store's add on it closes the caller's connection)."""
     ops = StateOps(store)
     slow = SignedBackend(ops, "job", SECRET, NONCE, full_read_every=timedelta(seconds=60))
     quick = SignedBackend(store, "job", SECRET, NONCE, full_read_every=timedelta(seconds=0.2))
@@ -317,24 +318,33 @@ def test_a_poll_reads_the_state_only_once_its_counter_moved(store: Any) -> None:
     assert first is not None
     ops.ops = 0
     rounds = [pickle.loads(got[0]).round for got in [slow.get_state() for _ in range(4)] if got]
-    assert rounds == [1, 1, 1, 1] and ops.ops == 1  # one read of the state, three counters
+    assert rounds == [1, 1, 1, 1] and ops.ops == 1  # one read of the state, three marks
     second = writer.set_state(pickle.dumps(_state(2)), first[1])
     assert second is not None and second[2] is True
     got = slow.get_state()
     assert got is not None and pickle.loads(got[0]).round == 2 and ops.ops == 2
     got = quick.get_state()
     assert got is not None and pickle.loads(got[0]).round == 2
-    # A write whose count someone takes back: the nodes see it by the next full read.
-    counted = store.add("meshrun.rdzv/job/v", 0)
+    # A write whose mark someone puts back: the nodes see it by the next full read.
+    mark = bytes(store.get("meshrun.rdzv/job/v"))
     third = writer.set_state(pickle.dumps(_state(3)), second[1])
     assert third is not None and third[2] is True
-    store.set("meshrun.rdzv/job/v", str(counted))
-    assert int(store.get("meshrun.rdzv/job/v")) == counted  # set does not wait: read it back
+    store.set("meshrun.rdzv/job/v", mark)
+    assert bytes(store.get("meshrun.rdzv/job/v")) == mark  # set does not wait: read it back
     got = slow.get_state()
     assert got is not None and pickle.loads(got[0]).round == 2  # within its 60 s
     time.sleep(0.25)
     got = quick.get_state()
     assert got is not None and pickle.loads(got[0]).round == 3  # past its 0.2 s: read in full
+    # Not a number, then deleted: a changed mark, then none; each poll reads the state.
+    store.set("meshrun.rdzv/job/v", b"\x00garbage")
+    got = slow.get_state()
+    assert got is not None and pickle.loads(got[0]).round == 3 and ops.ops == 3
+    store.delete_key("meshrun.rdzv/job/v")
+    for _ in range(2):
+        got = slow.get_state()
+        assert got is not None and pickle.loads(got[0]).round == 3
+    assert ops.ops == 5
 
 
 @pytest.mark.timeout(60)

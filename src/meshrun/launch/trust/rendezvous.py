@@ -210,13 +210,14 @@ class SignedBackend(RendezvousBackend):
     keep-alive goes to a signed key of its own (``heartbeats.py``), merged into the state
     handed to the handler; ``keep_alive`` and ``tries`` are the handler's settings.
 
-    A poll reads a counter (``<key>/v``, one ``add`` of 0: eight bytes) that every write of
-    the state counts up once it won, and reads the state itself only when the counter moved
-    or ``full_read_every`` (the keep-alive interval) passed: every waiting node polls about
-    once a second, and reading the whole state each time moved O(N) bytes per poll, O(N^2) a
-    second through the store. The counter is not signed: whoever sets it can delay what a
-    node sees by ``full_read_every`` at most, and a state deleted or replaced under the job
-    is still found by the next full read or the next write."""
+    A poll reads a mark (``<key>/v``: a few bytes) that every write of the state replaces
+    once it won, and reads the state itself only when the mark changed or ``full_read_every``
+    (the keep-alive interval) passed: every waiting node polls about once a second, and
+    reading the whole state each time moved O(N) bytes per poll, O(N^2) a second through the
+    store. The mark is not signed: whoever sets it can delay what a node sees by
+    ``full_read_every`` at most, and a state deleted or replaced under the job is still found
+    by the next full read or the next write. It is read as bytes, never as a number: the
+    store's ``add`` on a value that is not one closes the caller's connection."""
 
     def __init__(
         self,
@@ -247,10 +248,13 @@ class SignedBackend(RendezvousBackend):
         self._stranger_seen = False
         self._deleted_seen = 0  # deletions this node has put back (one line each)
         self._version_key = f"{self._key}/v"
+        # Each mark this node writes is its own (a random name and a count): a mark never comes
+        # back to a value a reader holds from an older state.
+        self._marker, self._marks = secrets.token_hex(6), 0
         every = keep_alive if full_read_every is None else full_read_every
         self._full_read_s = every.total_seconds()
         # The last full read: (the counter read before it, when, what it decoded to).
-        self._polled: tuple[int, float, tuple[_RendezvousState, bytes] | None] | None = None
+        self._polled: tuple[bytes, float, tuple[_RendezvousState, bytes] | None] | None = None
         self._call("compare_set", self._key, "", _EMPTY)
 
     @property
@@ -259,20 +263,23 @@ class SignedBackend(RendezvousBackend):
 
     def get_state(self) -> tuple[bytes, Token] | None:
         self._note_plain_c10d()
-        # The counter first: a write that wins after it is read moves it for the next poll.
-        version = int(self._call("add", self._version_key, 0))
+        # The mark first: a write that wins after it is read changes it for the next poll. A
+        # compare-and-set expecting the probe answers the value without waiting on a missing key.
+        mark = bytes(self._call("compare_set", self._version_key, _PROBE, _PROBE))
         polled = self._polled
         fresh = polled is not None and time.monotonic() - polled[1] < self._full_read_s
-        if polled is not None and fresh and polled[0] == version:
+        if polled is not None and fresh and polled[0] == mark:
             return self._hand(polled[2])  # heartbeats still merged anew
         decoded = self._decode(self._read())
-        self._polled = (version, time.monotonic(), decoded)
+        # No mark (none written yet, or deleted): every poll reads the state until one is.
+        self._polled = (mark, time.monotonic(), decoded) if mark != _PROBE else None
         return self._hand(decoded)
 
     def _wrote(self) -> None:
-        """A write of the state won (ours, or a state put back): count it for the pollers."""
+        """A write of the state won (ours, or a state put back): a new mark for the pollers."""
         self._polled = None
-        self._call("add", self._version_key, 1)
+        self._marks += 1
+        self._call("set", self._version_key, f"{self._marker}.{self._marks}")
 
     def _hand(
         self, decoded: tuple[_RendezvousState, bytes] | None, pickled: bytes | None = None
