@@ -5,12 +5,14 @@ exchange itself runs under real mpirun/mpiexec in tests/e2e/test_mpirun.py."""
 from __future__ import annotations
 
 import socket
+import sys
 
 import pytest
 
 from meshrun.runtime.mpi_rendezvous import (
     Endpoint,
     MpiRendezvousError,
+    choose_abi,
     choose_address,
     init_socket_ifname,
     interface_of,
@@ -83,3 +85,18 @@ def test_the_mismatch_message_names_both_mpis_and_the_fix() -> None:
     assert "-genv MASTER_ADDR" in text
     text = mismatch_message("MPICH Version: 4.0.2", 4, 1, ("Open MPI", "OMPI_COMM_WORLD_SIZE"))
     assert "MPI4PY_MPIABI=openmpi" in text and "-x MASTER_ADDR=" in text
+
+
+def test_open_mpis_launcher_points_mpi4py_at_open_mpi_unless_the_user_did() -> None:
+    """mpi4py's wheel loads libmpi.so first: MPICH's where MPICH's development files are
+    installed, and Open MPI's mpirun then started processes that could not import mpi4py."""
+    if "mpi4py.MPI" in sys.modules:
+        pytest.skip("mpi4py already imported in this process: nothing would be chosen")
+    env: dict[str, str] = {}
+    assert choose_abi("Open MPI", env) == "MPI4PY_MPIABI=openmpi, the launcher's"
+    assert env == {"MPI4PY_MPIABI": "openmpi"}
+    for mine in ({"MPI4PY_MPIABI": "mpich"}, {"MPI4PY_LIBMPI": "/opt/mpi/libmpi.so.40"}):
+        env = dict(mine)
+        assert choose_abi("Open MPI", env) == "" and env == mine
+    env = {}
+    assert choose_abi("MPICH", env) == "" and env == {}  # its soname differs by distribution

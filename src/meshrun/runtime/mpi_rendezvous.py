@@ -45,6 +45,22 @@ class Endpoint:
     library: str  # the MPI library mpi4py loaded (its first version line)
 
 
+def choose_abi(launcher: str, environ: MutableMapping[str, str]) -> str:
+    """Started by Open MPI's launcher, with neither MPI4PY_MPIABI nor MPI4PY_LIBMPI set and
+    mpi4py not yet imported: tell mpi4py's binary wheel to load Open MPI, and return the
+    setting made ("" when none). On its own the wheel loads ``libmpi.so`` first, which on a
+    machine with MPICH's development files is MPICH's: it then fails to import (Debian names
+    MPICH's library libmpich.so.12) or runs every process as rank 0 of its own job. MPICH's
+    soname differs between distributions, so under MPICH's launcher the user's setting
+    decides (docs/mpirun.md)."""
+    if launcher != "Open MPI" or "mpi4py.MPI" in sys.modules:
+        return ""
+    if not _ABI_VARS.isdisjoint(environ):
+        return ""
+    environ["MPI4PY_MPIABI"] = "openmpi"
+    return "MPI4PY_MPIABI=openmpi, the launcher's"
+
+
 def load_mpi() -> tuple[ModuleType | None, bool, str]:
     """mpi4py's ``MPI`` module (None when it does not import), whether this process imported
     it first (then meshrun finalizes it), and why it did not import."""
@@ -56,6 +72,9 @@ def load_mpi() -> tuple[ModuleType | None, bool, str]:
     return MPI, owned, ""
 
 
+_ABI_VARS = frozenset({"MPI4PY_MPIABI", "MPI4PY_LIBMPI"})
+
+
 def find_endpoint(
     world: int, launcher: str, size_var: str, port: int = 0
 ) -> tuple[Endpoint | None, str]:
@@ -65,22 +84,26 @@ def find_endpoint(
 
     Raises :class:`MpiRendezvousError` when mpi4py imports but runs a different MPI than the
     launcher's (every process alone, rank 0 of 1) or rank 0 has no route to the others."""
+    chose = choose_abi(launcher, os.environ)
     mpi, owned, why = load_mpi()
     if mpi is None:
-        return None, why
+        return None, f"{why}; set {chose}" if chose else why
     try:
         endpoint, rank, local_rank = exchange(mpi, world, (launcher, size_var), port)
     finally:
         if owned and not mpi.Is_finalized():
             mpi.Finalize()
-    _announce(endpoint, rank, local_rank, init_socket_ifname(endpoint, os.environ))
+    _announce(endpoint, rank, local_rank, init_socket_ifname(endpoint, os.environ), chose)
     return endpoint, ""
 
 
-def _announce(endpoint: Endpoint, rank: int, local_rank: int, set_vars: list[str]) -> None:
+def _announce(
+    endpoint: Endpoint, rank: int, local_rank: int, set_vars: list[str], chose: str = ""
+) -> None:
     where = f"{endpoint.addr}:{endpoint.port}"
     if rank == 0:
-        _say(f"rank 0 listens on {where} (found over mpi4py, {endpoint.library})")
+        how = f"; set {chose}" if chose else ""
+        _say(f"rank 0 listens on {where} (found over mpi4py, {endpoint.library}{how})")
     if set_vars and local_rank == 0:  # one line per host
         _say(
             f"rank {rank} on {socket.gethostname()} reaches {endpoint.addr} through interface "
