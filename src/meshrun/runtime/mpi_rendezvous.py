@@ -53,9 +53,7 @@ def choose_abi(launcher: str, environ: MutableMapping[str, str]) -> str:
     MPICH's library libmpich.so.12) or runs every process as rank 0 of its own job. MPICH's
     soname differs between distributions, so under MPICH's launcher the user's setting
     decides (docs/mpirun.md)."""
-    if launcher != "Open MPI" or "mpi4py.MPI" in sys.modules:
-        return ""
-    if not _ABI_VARS.isdisjoint(environ):
+    if launcher != "Open MPI" or "mpi4py.MPI" in sys.modules or _ABI_VARS & environ.keys():
         return ""
     environ["MPI4PY_MPIABI"] = "openmpi"
     return "MPI4PY_MPIABI=openmpi, the launcher's"
