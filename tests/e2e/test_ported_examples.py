@@ -167,7 +167,11 @@ def test_nanogpt_style_with_its_own_parser_under_zero1(tmp_path: Path) -> None:
 @pytest.mark.timeout(LAUNCH_S + 60)
 def test_cnn_classifier_with_loader_workers(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
+    # A fresh make test once saw rank 1 wait for ever for its eval loader's first batch (the
+    # forked workers alive, silent) until the test's timeout killed the launch: with a short
+    # phase limit the watchdog dumps every rank's stacks into the run dir and exits instead.
     args = ["--optim.steps=8", "--data.num_workers=2", "--data.micro_batch=16"]
+    args += ["--monitor.phase_timeout_s=120"]
     out = launch("cnn_classifier.py", run_dir, *args)
     m = re.search(r"val loss ([0-9.]+), val error ([0-9.]+)% after 8 steps", out)
     assert m, out[-3000:]
