@@ -49,29 +49,14 @@ ZERO_BUBBLE = {
 def zero_bubble_order(
     schedule: str, rank: int, pp: int, v: int, microbatches: int
 ) -> tuple[Op, ...]:
-    """Rank ``rank``'s ops under torch's zero-bubble ``schedule`` with ``v`` stages per rank:
-    (stage, "F" | "B" | "I" | "W", micro-batch), torch's computation; DualPipeV's paired
-    forward and backward (``OVERLAP_F_B``) as the two ops torch's runtime runs in turn."""
-    from types import SimpleNamespace
-
+    """Rank ``rank``'s ops under torch's zero-bubble ``schedule`` with ``v`` stages per rank
+    (trace_stages.torch_rank_order: DualPipeV's paired forward and backward as two ops)."""
     from torch.distributed.pipelining import schedules
 
+    from meshrun.parallel.trace_stages import torch_rank_order
+
     cls = getattr(schedules, ZERO_BUBBLE[schedule])
-    rounds = max(1, microbatches // pp)
-    sizes = SimpleNamespace(  # what the classes' per-rank methods read of the schedule
-        pp_group_size=pp,
-        n_local_stages=v,
-        num_stages=pp * v,
-        microbatches_per_round=microbatches // rounds,
-        _n_microbatches=microbatches,
-    )
-    actions = cls._calculate_single_rank_operations(sizes, rank)
-    out: list[Op] = []
-    for a in actions:
-        for sub in (a.sub_actions or (a,)) if a is not None else ():
-            if sub.microbatch_index is not None:
-                out.append((sub.stage_index, sub.computation_type.value, sub.microbatch_index))
-    return tuple(out)
+    return torch_rank_order(cls, rank, pp, v, microbatches)
 
 
 def order_problem(ops: tuple[Op, ...], stages: list[int], microbatches: int) -> str | None:

@@ -109,25 +109,35 @@ class RankPosition:
 
 
 def interleaved_order(rank: int, pp: int, v: int, microbatches: int) -> tuple[Op, ...]:
-    """Rank ``rank``'s forwards and backwards under torch's ScheduleInterleaved1F1B, in order:
-    torch's own computation (its per-rank method, given the four sizes it reads)."""
-    from types import SimpleNamespace
-
+    """Rank ``rank``'s forwards and backwards under torch's ScheduleInterleaved1F1B, in order."""
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
 
+    return torch_rank_order(ScheduleInterleaved1F1B, rank, pp, v, microbatches)
+
+
+def torch_rank_order(
+    schedule_cls: type, rank: int, pp: int, v: int, microbatches: int
+) -> tuple[Op, ...]:
+    """Rank ``rank``'s ops under one of torch's multi-stage schedule classes with ``v`` stages
+    per rank: torch's own computation (its per-rank method, given the sizes it reads), as
+    (stage, "F" | "B" | "I" | "W", micro-batch); a paired action (DualPipeV's
+    ``OVERLAP_F_B``) as the ops torch's runtime runs in turn."""
+    from types import SimpleNamespace
+
     rounds = max(1, microbatches // pp)
-    sizes = SimpleNamespace(
-        n_local_stages=v,
+    sizes = SimpleNamespace(  # what the classes' per-rank methods read of the schedule
         pp_group_size=pp,
+        n_local_stages=v,
+        num_stages=pp * v,
         microbatches_per_round=microbatches // rounds,
         _n_microbatches=microbatches,
     )
-    actions = ScheduleInterleaved1F1B._calculate_single_rank_operations(sizes, rank)  # type: ignore[arg-type]
-    return tuple(
-        (a.stage_index, a.computation_type.value, a.microbatch_index)
-        for a in actions
-        if a is not None and a.microbatch_index is not None
-    )
+    out: list[Op] = []
+    for a in schedule_cls._calculate_single_rank_operations(sizes, rank):  # type: ignore[attr-defined]
+        for sub in (a.sub_actions or (a,)) if a is not None else ():
+            if sub.microbatch_index is not None:
+                out.append((sub.stage_index, sub.computation_type.value, sub.microbatch_index))
+    return tuple(out)
 
 
 def interleaved_positions(n_blocks: int, pp: int, v: int, microbatches: int) -> list[RankPosition]:
@@ -302,5 +312,6 @@ __all__ = [
     "run_schedule",
     "stage_io",
     "stage_module",
+    "torch_rank_order",
     "traced_positions",
 ]
