@@ -45,6 +45,9 @@ class Endpoint:
     library: str  # the MPI library mpi4py loaded (its first version line)
 
 
+_ABI_VARS = frozenset({"MPI4PY_MPIABI", "MPI4PY_LIBMPI"})
+
+
 def choose_abi(launcher: str, environ: MutableMapping[str, str]) -> str:
     """Started by Open MPI's launcher, with neither MPI4PY_MPIABI nor MPI4PY_LIBMPI set and
     mpi4py not yet imported: tell mpi4py's binary wheel to load Open MPI, and return the
@@ -68,9 +71,6 @@ def load_mpi() -> tuple[ModuleType | None, bool, str]:
     except (ImportError, RuntimeError) as err:  # RuntimeError: no MPI library would load
         return None, False, f"{type(err).__name__}: {err}"
     return MPI, owned, ""
-
-
-_ABI_VARS = frozenset({"MPI4PY_MPIABI", "MPI4PY_LIBMPI"})
 
 
 def find_endpoint(

@@ -247,13 +247,13 @@ class SignedBackend(RendezvousBackend):
         self._refused: set[bytes] = set()
         self._stranger_seen = False
         self._deleted_seen = 0  # deletions this node has put back (one line each)
-        self._version_key = f"{self._key}/v"
+        self._mark_key = f"{self._key}/v"
         # Each mark this node writes is its own (a random name and a count): a mark never comes
         # back to a value a reader holds from an older state.
         self._marker, self._marks = secrets.token_hex(6), 0
         every = keep_alive if full_read_every is None else full_read_every
         self._full_read_s = every.total_seconds()
-        # The last full read: (the counter read before it, when, what it decoded to).
+        # The last full read: (the mark read before it, when, what it decoded to).
         self._polled: tuple[bytes, float, tuple[_RendezvousState, bytes] | None] | None = None
         self._call("compare_set", self._key, "", _EMPTY)
 
@@ -263,12 +263,9 @@ class SignedBackend(RendezvousBackend):
 
     def get_state(self) -> tuple[bytes, Token] | None:
         self._note_plain_c10d()
-        # The mark first: a write that wins after it is read changes it for the next poll. A
-        # compare-and-set expecting the probe answers the value without waiting on a missing key.
-        mark = bytes(self._call("compare_set", self._version_key, _PROBE, _PROBE))
-        polled = self._polled
-        fresh = polled is not None and time.monotonic() - polled[1] < self._full_read_s
-        if polled is not None and fresh and polled[0] == mark:
+        # The mark first: a write that wins after it is read changes it for the next poll.
+        mark, polled = self._peek(self._mark_key), self._polled
+        if polled and polled[0] == mark and time.monotonic() - polled[1] < self._full_read_s:
             return self._hand(polled[2])  # heartbeats still merged anew
         decoded = self._decode(self._read())
         # No mark (none written yet, or deleted): every poll reads the state until one is.
@@ -279,7 +276,7 @@ class SignedBackend(RendezvousBackend):
         """A write of the state won (ours, or a state put back): a new mark for the pollers."""
         self._polled = None
         self._marks += 1
-        self._call("set", self._version_key, f"{self._marker}.{self._marks}")
+        self._call("set", self._mark_key, f"{self._marker}.{self._marks}")
 
     def _hand(
         self, decoded: tuple[_RendezvousState, bytes] | None, pickled: bytes | None = None
@@ -306,10 +303,16 @@ class SignedBackend(RendezvousBackend):
         expecting a value never written (:data:`_PROBE`) changes nothing and answers the stored
         value, or, on a missing key, the expected value itself. Only then a second one puts
         the state back (a check before every read tripled a 64-node rendezvous's operations)."""
-        raw = bytes(self._call("compare_set", self._key, _PROBE, _PROBE))
+        raw = self._peek(self._key)
         if raw != _PROBE:
             return raw
         return self._put_back()
+
+    def _peek(self, key: str) -> bytes:
+        """``key``'s value in one operation that never blocks: a compare-and-set expecting a
+        value never written changes nothing and answers the value, or :data:`_PROBE` itself
+        when the key is missing (a ``get`` would wait until the store's timeout)."""
+        return bytes(self._call("compare_set", key, _PROBE, _PROBE))
 
     def _put_back(self) -> bytes:
         """The key answered as missing: put the last good state back (or the empty one, or
