@@ -136,13 +136,30 @@ def make_agent(backend: str, port: int, n: int, i: int, run_id: str) -> Agent:
         secret = from_env()
         counter = Counting(store)
         # keep-alive 5 s x 3: SignedBackend's defaults, the same as KEEP_ALIVE_S, KEEP_ALIVE_TRIES
-        signed = SignedBackend(counter, run_id, secret, LAUNCH_NONCE, say=_said)  # type: ignore[arg-type]
+        signed = SignedBackend(
+            counter,  # type: ignore[arg-type]
+            run_id,
+            secret,
+            LAUNCH_NONCE,
+            say=_said,
+            **_rounds(params),
+        )
         prefixed = PrefixStore(f"meshrun.{secret.tag(run_id)}", store)
         return Agent(_held(create_handler(prefixed, signed, params)), counter)
     c10d = C10dRendezvousBackend(store, run_id)
     counter = Counting(c10d._store)
     c10d._store = counter  # type: ignore[assignment]
     return Agent(create_handler(store, c10d, params), counter)
+
+
+def _rounds(params: RendezvousParameters) -> dict[str, Any]:
+    """The round settings for the signed backend; none on an older checkout (a "before"
+    figure), whose backend did not take them."""
+    try:
+        from meshrun.launch.trust.rendezvous import rounds_from
+    except ImportError:
+        return {}
+    return {"rounds": rounds_from(params)}
 
 
 def _said(line: str) -> None:
@@ -281,8 +298,23 @@ def idle(agents: list[Agent], seconds: float) -> float:
     return spent / seconds
 
 
+def cheap_event_names() -> None:
+    """torch's handler names each event it records (every join, keep-alive, leave) with two
+    calls of ``inspect.stack()``: 2.8 ms for a 25-frame thread here, each agent's own CPU on
+    a real host, but serialised across all N agents of this one process (124 of 256 agent
+    threads were in it at one stall report). The same name from one frame lookup."""
+    import torch.distributed.elastic.rendezvous.dynamic_rendezvous as dynamic
+
+    def get_method_name(depth: int = 2) -> str:
+        frame = sys._getframe(depth)  # 0: this function, 1: _record, 2: its caller
+        return frame.f_code.co_name
+
+    dynamic.get_method_name = get_method_name
+
+
 def measure(backend: str, n: int, stall_s: float = 0.0, idle_s: float = 0.0) -> dict[str, Any]:
     """One row of the table (see the module); raises if a round is not what it must be."""
+    cheap_event_names()
     os.environ.setdefault(SECRET_ENV, secrets.token_hex(32))
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as meshrun launch sets it
     server = StoreServer()

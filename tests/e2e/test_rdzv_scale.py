@@ -28,10 +28,14 @@ def _bench() -> ModuleType:
 
 def _check(row: dict[str, object], nodes: int) -> None:
     assert float(row["state_kb"]) * 1024 / nodes < 200, row  # bytes per node in the one value
-    # A join is a few tries and a poll a second, not one operation per peer each; the lost-write
-    # re-read merged beside the per-launch nonce made it 217 at 64 nodes (83.7 once fixed,
-    # tests/unit/test_secret.py counts a read and a lost write exactly).
-    assert float(row["ops_per_node"]) < 40 + 1.5 * nodes, row
+    # A node's join, wait and leave are entries of a few hundred bytes, each read once by every
+    # node, and the shared state is read in full about once a round: O(N) bytes per node.
+    # When every join was a compare-and-set of the whole state, a node moved O(N^2): 150 KiB
+    # at 32 nodes, 892 KiB at 64 (docs/scale.md); with the log, 62 and 99-120.
+    assert float(row["kb_per_node"]) * 1024 < 2500 * nodes, row
+    # The store operations per node grow with N too (each node reads N entries, in batches,
+    # and claims a slot past those written before it): 129 at 32 nodes, 190 at 64.
+    assert float(row["ops_per_node"]) < 100 + 3 * nodes, row
 
 
 @pytest.mark.timeout(300)

@@ -29,6 +29,7 @@ OTHER = JobSecret(b"fedcba9876543210fedcba9876543210", "other")
 NONCE = "0a1b2c3d4e5f6a7b"
 KEY = "meshrun.rdzv/job"
 A, B = _NodeDesc("10.0.0.1", 42, 0), _NodeDesc("10.0.0.2", 7, 1)
+C = _NodeDesc("10.0.0.4", 5, 0)
 A_KEY, B_KEY = (f"{KEY}/hb/{n.addr}_{n.pid}_{n.local_id}" for n in (A, B))
 KEEP_ALIVE, TRIES = timedelta(seconds=1), 3  # torch calls a node dead 3 s after its heartbeat
 
@@ -206,26 +207,53 @@ def test_a_keep_alive_hands_back_the_others_newest_heartbeats(store: Any) -> Non
 
 @pytest.mark.timeout(30)
 def test_a_lost_write_leaves_no_heartbeat_behind(store: Any) -> None:
-    """A's own heartbeat aged past the limit (its agent starved): torch's holder dropped A from
-    its view without a write. A then joins the wait list with a fresh heartbeat, but B wrote
-    first, so A's write is lost. What A reads back must still call A dead: a key written
-    before the lost write made A a live participant of the round it had already left. A
-    returned alone from a restart ('rank 8 of 1') while 126 agents waited for it forever
-    (128 simulated nodes, docs/scale.md)."""
+    """A's own heartbeat aged past the limit (its agent starved): torch's holder dropped A, and
+    the dead C, from its view without a write. A then joins the wait list with a fresh
+    heartbeat, but B wrote first, so A's write (of the shared state: two nodes changed) is
+    lost. What A reads back must still call A dead: a key written before the lost write made
+    A a live participant of the round it had already left. A returned alone from a restart
+    ('rank 8 of 1') while 126 agents waited for it forever (128 simulated nodes,
+    docs/scale.md)."""
+    mine, other = _backend(store), _backend(store)
+    three = _two_nodes(_ago(10), _ago(0))
+    three.participants[C] = 2
+    three.last_heartbeats[C] = _ago(10)
+    first = other.set_state(pickle.dumps(three))
+    assert first is not None
+    settings = RendezvousSettings("job", 1, 3, RendezvousTimeout(), KEEP_ALIVE, TRIES)
+    holder = _BackendRendezvousStateHolder(mine, settings, cache_duration=0)
+    holder.sync()
+    assert A not in holder.state.participants  # dead in its own view, nothing written
+    moved = pickle.loads(first[0])
+    # A write of the shared state after A's read (two nodes at once: not one node's entry).
+    moved.wait_list |= {_NodeDesc("10.0.0.3", 9, 0), _NodeDesc("10.0.0.5", 9, 0)}
+    assert other.set_state(pickle.dumps(moved), first[1]) is not None
+    holder.state.wait_list.add(A)  # torch's _add_to_wait_list: join, keep alive, write
+    holder.state.last_heartbeats[A] = datetime.now(timezone.utc)
+    holder.mark_dirty()
+    assert holder.sync() is False  # lost to that write
+    assert A not in holder.state.participants and A not in holder.state.wait_list
+    assert _beats(_backend(store))[A] < _ago(9)  # no one sees the lost write's heartbeat
+    assert holder.sync() is None and A not in holder.state.participants  # nor on a re-read
+
+
+@pytest.mark.timeout(60)
+def test_a_node_that_found_itself_dead_moves_to_the_wait_list_in_every_view(store: Any) -> None:
+    """The same starved A, alone dropped from its own view: its move to the wait list is its
+    own, one entry in the log (never lost), and every view then has A waiting, alive, and no
+    longer a participant of the round it left: never back in that round."""
     mine, other = _backend(store), _backend(store)
     first = other.set_state(pickle.dumps(_two_nodes(_ago(10), _ago(0))))
     assert first is not None
     settings = RendezvousSettings("job", 1, 2, RendezvousTimeout(), KEEP_ALIVE, TRIES)
     holder = _BackendRendezvousStateHolder(mine, settings, cache_duration=0)
     holder.sync()
-    assert A not in holder.state.participants  # dead in its own view, nothing written
-    moved = pickle.loads(first[0])
-    moved.wait_list.add(_NodeDesc("10.0.0.3", 9, 0))  # B's write, after A's read
-    assert other.set_state(pickle.dumps(moved), first[1]) is not None
-    holder.state.wait_list.add(A)  # torch's _add_to_wait_list: join, keep alive, write
+    assert A not in holder.state.participants
+    holder.state.wait_list.add(A)
     holder.state.last_heartbeats[A] = datetime.now(timezone.utc)
     holder.mark_dirty()
-    assert holder.sync() is False  # lost to B's write
-    assert A not in holder.state.participants and A not in holder.state.wait_list
-    assert _beats(_backend(store))[A] < _ago(9)  # no one sees the lost write's heartbeat
-    assert holder.sync() is None and A not in holder.state.participants  # nor on a re-read
+    assert holder.sync() is True
+    for view in (holder.state, pickle.loads(_backend(store).get_state()[0])):  # type: ignore[index]
+        assert A in view.wait_list and A not in view.participants, view
+        assert view.complete and list(view.participants) == [B]
+        assert view.last_heartbeats[A] > _ago(5)

@@ -32,6 +32,11 @@ NONCE = "0a1b2c3d4e5f6a7b"  # this launch's
 # --- where the secret comes from ----------------------------------------------------------
 
 
+def _stored(token: bytes) -> bytes:
+    """The sealed state a handler's token names (the token also names the log slots read)."""
+    return token.rpartition(b"\0")[0]
+
+
 def test_the_environment_wins_then_the_file_variable_then_the_run_dir(tmp_path: Path) -> None:
     env_secret = "e" * 32
     assert resolve(str(tmp_path), {SECRET_ENV: env_secret}, create=True).key == env_secret.encode()
@@ -151,7 +156,7 @@ def test_a_forged_pickle_is_refused_named_and_replaced_by_the_last_good_state(
     assert (
         len(said) == 1 and "refused rendezvous state not signed with this job's secret" in said[0]
     )
-    assert bytes(store.get("meshrun.rdzv/job")) == good[1]  # put back
+    assert bytes(store.get("meshrun.rdzv/job")) == _stored(good[1])  # put back
     # Another job's secret, valid JSON, claiming addresses: refused too, the claim sanitized.
     forged = OTHER.seal(
         "meshrun.rdzv/job",
@@ -178,12 +183,12 @@ def test_an_older_signed_state_written_back_is_refused(store: Any) -> None:
     assert first is not None
     second = backend.set_state(pickle.dumps(_state(2)), first[1])
     assert second is not None and second[2] is True
-    store.set("meshrun.rdzv/job", first[1])  # a replay of what anyone could read
+    store.set("meshrun.rdzv/job", _stored(first[1]))  # a replay of what anyone could read
     got = backend.get_state()
     assert got is not None and pickle.loads(got[0]).round == 2
     assert "an older state written back" in said[-1]
     # The same signed state moved under another job id (same secret) does not verify there.
-    store.set("meshrun.rdzv/job2", second[1])
+    store.set("meshrun.rdzv/job2", _stored(second[1]))
     said.clear()
     other = SignedBackend(store, "job2", SECRET, NONCE, say=said.append)
     assert other.get_state() is None and "not signed" in said[0]
@@ -203,7 +208,9 @@ def test_a_state_signed_in_an_earlier_launch_with_the_same_secret_is_refused(sto
     backend = SignedBackend(store, "job", SECRET, NONCE, say=said.append)
     mine = backend.set_state(pickle.dumps(_state(1)))
     assert mine is not None and mine[2] is True
-    store.set("meshrun.rdzv/job", recorded[1])  # the replay, seq far ahead of this launch's
+    store.set(
+        "meshrun.rdzv/job", _stored(recorded[1])
+    )  # the replay, seq far ahead of this launch's
     got = backend.get_state()
     assert got is not None and pickle.loads(got[0]).closed is False
     assert pickle.loads(got[0]).round == 1
@@ -211,7 +218,7 @@ def test_a_state_signed_in_an_earlier_launch_with_the_same_secret_is_refused(sto
         "refused rendezvous state signed in another launch (nonce 1111222233334444, this "
         f"launch's is {NONCE}" in said[-1]
     ), said
-    assert bytes(store.get("meshrun.rdzv/job")) == mine[1]  # put back
+    assert bytes(store.get("meshrun.rdzv/job")) == _stored(mine[1])  # put back
 
 
 @pytest.mark.timeout(60)
@@ -237,7 +244,7 @@ def test_a_deleted_state_is_put_back_at_once_and_said() -> None:
         got = backend.get_state()
         assert time.monotonic() - started < 2
         assert got is not None and _fields(pickle.loads(got[0])) == _fields(_state(3))
-        assert bytes(server.get("meshrun.rdzv/job")) == good[1]
+        assert bytes(server.get("meshrun.rdzv/job")) == _stored(good[1])
         assert said[:1] == [
             "the rendezvous state meshrun.rdzv/job was deleted from the store; put back the "
             "last good signed state this node holds, the job goes on (whoever can reach the "
@@ -248,7 +255,7 @@ def test_a_deleted_state_is_put_back_at_once_and_said() -> None:
         server.delete_key("meshrun.rdzv/job")
         result = backend.set_state(pickle.dumps(_state(4)), good[1])
         assert result is not None and result[2] is False and result[1] == good[1]
-        assert bytes(server.get("meshrun.rdzv/job")) == good[1] and len(said) == 2
+        assert bytes(server.get("meshrun.rdzv/job")) == _stored(good[1]) and len(said) == 2
         result = backend.set_state(pickle.dumps(_state(4)), result[1])
         assert result is not None and result[2] is True
         got = other.get_state()  # another node reads the state written

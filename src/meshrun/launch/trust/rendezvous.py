@@ -32,7 +32,8 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from datetime import timedelta
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
 from typing import Any
 
 from torch.distributed import PrefixStore, Store, TCPStore
@@ -45,6 +46,7 @@ from torch.distributed.elastic.rendezvous import (
 from torch.distributed.elastic.rendezvous.api import rendezvous_handler_registry
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
     RendezvousBackend,
+    RendezvousTimeout,
     Token,
     _RendezvousState,
     create_handler,
@@ -52,6 +54,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
 from meshrun.launch.trust.heartbeats import Heartbeats, only_heartbeats
+from meshrun.launch.trust.joinlog import JoinLog, copy_state, fold, own_move
 from meshrun.launch.trust.state_json import state_from_json, state_to_json
 from meshrun.runtime.logs import say_launch
 from meshrun.runtime.secret import NONCE_ENV, JobSecret, from_env, sanitize
@@ -59,7 +62,8 @@ from meshrun.runtime.secret import NONCE_ENV, JobSecret, from_env, sanitize
 BACKEND_NAME = "meshrun"
 _EMPTY = b"meshrun-rdzv-empty"  # the store's get blocks on a missing key: a sentinel instead
 _PROBE = b"meshrun-rdzv-probe"  # expected by a read, never written: see SignedBackend._read
-_FORMAT = 2  # 2: the launch nonce is part of the signed state
+_FORMAT = 3  # 2: the launch nonce is part of the signed state; 3: the log's first slot
+_PAST = datetime(1970, 1, 1, tzinfo=timezone.utc)  # a deadline already passed: complete now
 # How often an agent looks for a plain c10d agent's key: once per keep-alive, not per read
 # (a read per poll doubled the store operations of a 64-node rendezvous).
 _STRANGER_CHECK_S = 5.0
@@ -164,9 +168,18 @@ def create_signed_handler(params: RendezvousParameters) -> RendezvousHandler:
     store = _store_for(params)
     keep_alive = timedelta(seconds=params.get_as_int("keep_alive_interval", 5) or 5)
     tries = params.get_as_int("keep_alive_max_attempt", 3) or 3
-    backend = SignedBackend(store, params.run_id, secret, launch_nonce(), keep_alive, tries)
+    backend = SignedBackend(
+        store, params.run_id, secret, launch_nonce(), keep_alive, tries, rounds=rounds_from(params)
+    )
     prefixed = PrefixStore(f"meshrun.{secret.tag(params.run_id)}", store)
     return HeldPortHandler(create_handler(prefixed, backend, params))
+
+
+def rounds_from(params: RendezvousParameters) -> Rounds:
+    """The round settings torch's handler gets from the same parameters."""
+    last_call = params.get_as_int("last_call_timeout")
+    timeout = RendezvousTimeout(last_call=timedelta(seconds=last_call) if last_call else None)
+    return Rounds(params.min_nodes, params.max_nodes, timeout.last_call)
 
 
 def _store_for(params: RendezvousParameters) -> Store:
@@ -201,6 +214,21 @@ def _is_local(host: str) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class Rounds:
+    """torch's round settings, for the deadline the backend derives: a round whose joins
+    came as log entries may pass ``min_nodes`` without any node's own join making it exactly
+    ``min_nodes``, where torch sets the last call's deadline."""
+
+    min_nodes: int = 1
+    max_nodes: int = 2**31
+    last_call: timedelta = timedelta(seconds=30)
+
+
+# The shared state as decoded: the state, its sealed value, the first log slot not folded in.
+Decoded = tuple[_RendezvousState, bytes, int]
+
+
 class SignedBackend(RendezvousBackend):
     """The rendezvous state as HMAC-signed JSON under ``meshrun.rdzv/<run id>``.
 
@@ -229,6 +257,7 @@ class SignedBackend(RendezvousBackend):
         tries: int = 3,
         say: Callable[[str], None] | None = None,
         full_read_every: timedelta | None = None,
+        rounds: Rounds | None = None,
     ) -> None:
         if not run_id:
             raise ValueError("the rendezvous run id must not be empty")
@@ -239,8 +268,13 @@ class SignedBackend(RendezvousBackend):
         self._say = say or say_launch
         self._seq = 0  # the highest write this node has seen
         self._good: bytes | None = None  # the last value that verified
-        self._good_state: _RendezvousState | None = None  # its state: a poll re-reads it often
+        self._good_state: Decoded | None = None  # its state: a poll re-reads it often
         self._hb = Heartbeats(self._call, self._key, secret, nonce, keep_alive, tries, self._say)
+        self._log = JoinLog(self._call, self._key, secret, nonce, self._say)
+        self._rounds = rounds or Rounds()
+        self._min_since: dict[int, datetime] = {}  # round -> when this node saw min_nodes
+        # The last fold: (sealed state, log version) -> the state with entries and deadline.
+        self._folded: tuple[bytes, int, _RendezvousState] | None = None
         # What the handler was last handed: (token, state with heartbeats merged, its pickle).
         self._view: tuple[bytes, _RendezvousState, bytes] | None = None
         self._stranger_checked = -_STRANGER_CHECK_S
@@ -254,17 +288,32 @@ class SignedBackend(RendezvousBackend):
         every = keep_alive if full_read_every is None else full_read_every
         self._full_read_s = every.total_seconds()
         # The last full read: (the mark read before it, when, what it decoded to).
-        self._polled: tuple[bytes, float, tuple[_RendezvousState, bytes] | None] | None = None
+        self._polled: tuple[bytes, float, Decoded | None] | None = None
         self._call("compare_set", self._key, "", _EMPTY)
+        # torch's handler stops its keep-alive timer without waiting for a keep-alive already
+        # running, so a restart's first reads and writes can meet one: the log's read position
+        # and the view handed over are this node's, one call at a time.
+        self._lock = threading.Lock()
 
     @property
     def name(self) -> str:
         return BACKEND_NAME
 
     def get_state(self) -> tuple[bytes, Token] | None:
+        with self._lock:
+            return self._get_state()
+
+    def set_state(
+        self, state: bytes, token: Token | None = None
+    ) -> tuple[bytes, Token, bool] | None:
+        with self._lock:
+            return self._set_state(state, token)
+
+    def _get_state(self) -> tuple[bytes, Token] | None:
         self._note_plain_c10d()
         # The mark first: a write that wins after it is read changes it for the next poll.
         mark, polled = self._peek(self._mark_key), self._polled
+        self._log.read()
         if polled and polled[0] == mark and time.monotonic() - polled[1] < self._full_read_s:
             return self._hand(polled[2])  # heartbeats still merged anew
         decoded = self._decode(self._read())
@@ -279,19 +328,56 @@ class SignedBackend(RendezvousBackend):
         self._call("set", self._mark_key, f"{self._marker}.{self._marks}")
 
     def _hand(
-        self, decoded: tuple[_RendezvousState, bytes] | None, pickled: bytes | None = None
+        self, decoded: Decoded | None, pickled: bytes | None = None
     ) -> tuple[bytes, Token] | None:
-        """What the handler gets: the shared state with each node's newest heartbeat merged,
-        pickled once per change (a poll of an unchanged state costs no pickle)."""
+        """What the handler gets: the shared state with the log's newer entries applied, the
+        round's deadline derived and each node's newest heartbeat merged, pickled once per
+        change (a poll of an unchanged state costs no pickle). The token names the sealed
+        state and the log slots folded in."""
         if decoded is None:
             return None
-        base, token = decoded
+        shared, raw, log_from = decoded
+        base = self._fold(shared, raw, log_from)
         merged = self._hb.merge(base)
+        token = raw + b"\0" + str(self._log.next).encode()
         view = self._view
         if view is None or view[0] != token or view[1] is not merged:
-            bits = pickled if pickled is not None and merged is base else pickle.dumps(merged)
+            bits = pickled if pickled is not None and merged is shared else pickle.dumps(merged)
             self._view = view = (token, merged, bits)
         return view[2], token
+
+    def _fold(self, shared: _RendezvousState, raw: bytes, log_from: int) -> _RendezvousState:
+        held = self._folded
+        if held is not None and held[0] == raw and held[1] == self._log.version:
+            return held[2]
+        self._log.skip_to(log_from)
+        entries = [e for e in self._log.newest.values() if e.slot >= log_from]
+        state = self._with_deadline(fold(shared, entries), shared)
+        self._folded = (raw, self._log.version, state)
+        return state
+
+    def _with_deadline(self, state: _RendezvousState, shared: _RendezvousState) -> _RendezvousState:
+        """The round's deadline as this node derives it: none below ``min_nodes``; the last
+        call after it first saw ``min_nodes`` participants; passed at ``max_nodes``. torch sets
+        it in the write that makes the count exactly ``min_nodes``; joins applied from the log
+        can pass that count in one read, and a round without a deadline never completes."""
+        if state.complete:
+            return state
+        count, rounds = len(state.participants), self._rounds
+        want: datetime | None = None
+        if count >= rounds.max_nodes:
+            want = _PAST
+        elif count >= rounds.min_nodes:
+            now = datetime.now(timezone.utc)
+            want = self._min_since.setdefault(state.round, now) + rounds.last_call
+        else:
+            self._min_since.pop(state.round, None)
+        if state.deadline == want:
+            return state
+        if state is shared:
+            state = copy_state(shared)
+        state.deadline = want
+        return state
 
     def _read(self) -> bytes:
         """The stored value, never blocking: the store's ``get`` waits for a missing key until
@@ -331,27 +417,44 @@ class SignedBackend(RendezvousBackend):
         )
         return raw
 
-    def set_state(
+    def _set_state(
         self, state: bytes, token: Token | None = None
     ) -> tuple[bytes, Token, bool] | None:
         if token is not None and not isinstance(token, bytes):
-            current = self.get_state()  # not a token of ours: cannot match
+            current = self._get_state()  # not a token of ours: cannot match
             return (*current, False) if current is not None else None
         # The handler's own pickle, made in this process a moment ago.
         local: _RendezvousState = pickle.loads(state)
         view = self._view
-        if view is not None and token == view[0] and only_heartbeats(view[1], local):
-            # A keep-alive: the node's own key, one plain set; the shared state is untouched.
-            # The handler then calls nodes dead on what it gets back: the shared state merged
-            # anew (its own heartbeat, and the keys due), not its copy of an older view.
-            self._hb.write(local)
-            handed = self._hand(self._decode(view[0]))
-            if handed is not None:
-                return handed[0], handed[1], True
+        shared_raw, _, folded = (token or b"").rpartition(b"\0")
+        if view is not None and token == view[0]:
+            moved, keep_alive = None, only_heartbeats(view[1], local)
+            if keep_alive:
+                # A keep-alive: the node's own key, one plain set; the shared state is
+                # untouched. The handler then calls nodes dead on what it gets back: the
+                # shared state merged anew (its own heartbeat, and the keys due), not its
+                # copy of an older view.
+                self._hb.write(local)
+            elif moved := own_move(view[1], local):
+                # A join, a move to the wait list, a leave: one entry in the log, never lost,
+                # and what the handler gets back has it applied (and any entry read on the
+                # way to a free slot).
+                node, place = moved
+                t = local.last_heartbeats.get(node) or datetime.now(timezone.utc)
+                self._log.append(node, local.round, place, t)
+                # The node's heartbeat key too (a keep-alive would write it): never lost, like
+                # the entry, and readers find a key where they look for the node's newer time.
+                self._hb.write(local, joining=True)
+            if keep_alive or moved:
+                handed = self._hand(self._decode(shared_raw))
+                if handed is not None:
+                    return handed[0], handed[1], True
         self._polled = None  # what this write hands back is newer than the last poll's
         seq = self._seq + 1
-        sealed = self._seal(local, seq)
-        expected = token or _EMPTY
+        # Every entry below the view's first unread slot is folded into this state.
+        log_from = int(folded) if folded.isdigit() else self._log.next
+        sealed = self._seal(local, seq, log_from)
+        expected = shared_raw or _EMPTY
         raw = bytes(self._call("compare_set", self._key, expected, sealed))
         if raw == sealed:  # ours won: no need to verify and parse what we just wrote
             # The heartbeat keys only once the state is written: a lost write must leave no
@@ -360,10 +463,11 @@ class SignedBackend(RendezvousBackend):
             # participant again of the round it had left (docs/scale.md, 128 nodes).
             self._hb.write(local, joining=True)
             self._wrote()
-            self._seq, self._good, self._good_state = seq, sealed, local
-            handed = self._hand((local, sealed), state)
+            self._seq, self._good = seq, sealed
+            self._good_state = decoded = (local, sealed, log_from)
+            handed = self._hand(decoded, state)
             assert handed is not None
-            return handed[0], sealed, True
+            return handed[0], handed[1], True
         # Not written: the store answered with the value it holds (another node's write, the
         # common case under contention: decoded as it is, no second operation), or, on a
         # deleted key, with the expected value itself: the handler would retry that token
@@ -377,22 +481,23 @@ class SignedBackend(RendezvousBackend):
 
     # --- JSON <-> state ---------------------------------------------------------------
 
-    def _seal(self, state: _RendezvousState, seq: int) -> bytes:
+    def _seal(self, state: _RendezvousState, seq: int, log_from: int) -> bytes:
         doc = {
             "format": _FORMAT,
             "run_id": self._run_id,
             "launch": self._nonce,
             "seq": seq,
+            "log": log_from,
             **state_to_json(state),
         }
         return self._secret.seal(self._key, json.dumps(doc, sort_keys=True))
 
-    def _decode(self, raw: bytes) -> tuple[_RendezvousState, bytes] | None:
+    def _decode(self, raw: bytes) -> Decoded | None:
         raw = bytes(raw)
         if raw == _EMPTY:
             return None
         if raw == self._good and self._good_state is not None:  # verified already
-            return self._good_state, raw
+            return self._good_state
         text = self._secret.unseal(self._key, raw)
         doc = _parse(text) if text is not None else None
         if why := self._unfit(doc):
@@ -402,8 +507,9 @@ class SignedBackend(RendezvousBackend):
             state = state_from_json(doc)
         except (KeyError, TypeError, ValueError) as err:  # signed, so a bug: say so plainly
             raise RendezvousStateError(f"the signed rendezvous state is malformed: {err}") from err
-        self._seq, self._good, self._good_state = max(self._seq, doc["seq"]), raw, state
-        return state, raw
+        self._seq, self._good = max(self._seq, doc["seq"]), raw
+        self._good_state = decoded = (state, raw, doc["log"])
+        return decoded
 
     def _unfit(self, doc: dict[str, Any] | None) -> str:
         """Why a verified-or-not document is refused ('' when it is this launch's, current)."""
@@ -418,7 +524,7 @@ class SignedBackend(RendezvousBackend):
             return "an older state written back"
         return ""
 
-    def _refuse(self, raw: bytes, why: str) -> tuple[_RendezvousState, bytes] | None:
+    def _refuse(self, raw: bytes, why: str) -> Decoded | None:
         """Name the refused value once, put the last good state back over it, go on."""
         if raw not in self._refused:
             self._refused.add(raw)
@@ -467,7 +573,7 @@ def _parse(text: str) -> dict[str, Any] | None:
         return None
     if not isinstance(doc.get("seq"), int) or not isinstance(doc.get("run_id"), str):
         return None
-    if not isinstance(doc.get("launch"), str):
+    if not isinstance(doc.get("launch"), str) or not isinstance(doc.get("log"), int):
         return None
     return doc
 

@@ -1,0 +1,276 @@
+"""Joins and leaves in a log of small signed entries, beside the one shared state.
+
+torch's rendezvous handler makes every join, leave and move to the wait list a
+compare-and-set of the one state that holds all N nodes: a write by any node invalidates
+the others' copies, so a round costs each node O(N) tries of O(N) bytes (docs/scale.md).
+Here a node's own move is one entry in a log, ``<state key>/log/<slot>``: the node, the round,
+where it now is (``part``: a participant; ``wait``: the wait list; ``none``: gone) and its
+time, sealed with the job secret over the slot's key and bound to the launch's nonce. A slot is
+claimed with a compare-and-set of an empty key; a lost claim answers the entry that won it,
+which the writer had to read anyway, so claims cost no extra reads. Readers find the end of
+the log with ``check`` (slots are filled in order, never skipped) and read what is new in
+one ``multi_get``: each entry once per node, O(N) small values per node per round.
+
+What the handler is handed is the shared state with each node's newest entry applied
+(:func:`fold`), as torch's own operations would have applied them. Anything that is not one
+node's own move (completing a round, a new round, a node removed as dead) is still a
+compare-and-set of the shared state, which then names the first slot not folded into it:
+entries before it are never applied again.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+from meshrun.runtime.secret import JobSecret, sanitize
+
+PLACES = ("part", "wait", "none")
+SKEW = timedelta(seconds=30)  # an entry dated later than this ahead of our clock is refused
+_PROBE = b"meshrun-rdzv-probe"  # the state's probe value: never a slot's
+_BATCH = 512  # slots read in one multi_get
+
+
+@dataclass(frozen=True)
+class Entry:
+    slot: int
+    node: _NodeDesc
+    round: int
+    place: str
+    time: datetime
+
+
+class JoinLog:
+    """The entries this node has read, the newest per node, and the slot after the last."""
+
+    def __init__(
+        self,
+        call: Callable[..., Any],
+        state_key: str,
+        secret: JobSecret,
+        nonce: str,
+        say: Callable[[str], None],
+    ) -> None:
+        self._call, self._secret, self._nonce, self._say = call, secret, nonce, say
+        self._prefix = f"{state_key}/log/"
+        self.next = 0  # the first slot not read
+        self.newest: dict[_NodeDesc, Entry] = {}
+        self.version = 0  # bumped by every entry taken
+        self._said: set[int] = set()
+
+    def key(self, slot: int) -> str:
+        return f"{self._prefix}{slot}"
+
+    def skip_to(self, slot: int) -> None:
+        """Entries before ``slot`` are folded into the shared state just read: never read them
+        (a node that starts late reads only the round's entries, not the launch's)."""
+        self.next = max(self.next, slot)
+
+    def read(self) -> bool:
+        """Take the entries written since the last read; whether there were any. One
+        ``check`` when there are none."""
+        before = self.next
+        while True:
+            n = self._filled(_BATCH)
+            if n == 0:
+                return self.next != before
+            slots = range(self.next, self.next + n)
+            values = self._call("multi_get", [self.key(s) for s in slots])
+            for slot, raw in zip(slots, values, strict=True):
+                self._take(slot, bytes(raw))
+            self.next += n
+            if n < _BATCH:
+                return True
+
+    def append(self, node: _NodeDesc, round_: int, place: str, t: datetime) -> Entry:
+        """Claim the next free slot for this node's move: a compare-and-set of an empty key.
+        A slot another node claimed first answers its entry (taken as a read would); the
+        entries written since are then read in one batch, and the claim tried past them:
+        when every node moves at once (a restart), retrying slot after slot cost each node
+        one operation per node that moved before it."""
+        while True:
+            slot = self.next
+            sealed = self._seal(slot, node, round_, place, t)
+            raw = bytes(self._call("compare_set", self.key(slot), "", sealed))
+            self.next = slot + 1
+            if raw == sealed:
+                entry = Entry(slot, node, round_, place, t)
+                self._note(entry)
+                return entry
+            self._take(slot, raw)
+            self.read()
+
+    def _filled(self, limit: int) -> int:
+        """How many slots from ``next`` hold a value (at most ``limit``): slots are filled in
+        order, so a ``check`` of the first answers "none", and a gallop then a halving of
+        ``check``s finds the end (a ``multi_get`` of a missing key would block)."""
+        if not self._call("check", [self.key(self.next)]):
+            return 0
+        known, step = 1, 1  # slots next .. next+known-1 are filled
+        while known < limit:
+            probe = min(known + step, limit)
+            if not self._call("check", [self.key(self.next + probe - 1)]):
+                return self._halve(known, probe - 1)
+            known, step = probe, step * 2
+        return known
+
+    def _halve(self, low: int, high: int) -> int:
+        """The count of filled slots, knowing ``low`` are and the ``high``-th (1-based:
+        slot next+high) is not."""
+        while high - low > 1:
+            mid = (low + high) // 2
+            if self._call("check", [self.key(self.next + mid - 1)]):
+                low = mid
+            else:
+                high = mid
+        return low
+
+    def _take(self, slot: int, raw: bytes) -> None:
+        entry = self._verify(slot, raw)
+        if entry is not None:
+            self._note(entry)
+
+    def _note(self, entry: Entry) -> None:
+        held = self.newest.get(entry.node)
+        if held is None or held.slot < entry.slot:
+            self.newest[entry.node] = entry
+            self.version += 1
+
+    def _verify(self, slot: int, raw: bytes) -> Entry | None:
+        key = self.key(slot)
+        text = self._secret.unseal(key, raw)
+        doc = _parse(text) if text is not None else None
+        why = ""
+        if doc is None:
+            why = "not signed with this job's secret"
+        elif doc["launch"] != self._nonce:
+            why = f"signed in another launch (nonce {sanitize(str(doc['launch']), 32)})"
+        elif doc["time"] > datetime.now(timezone.utc) + SKEW:
+            why = f"dated in the future ({doc['time'].isoformat()})"
+        if why or doc is None:
+            if slot not in self._said:
+                self._said.add(slot)
+                self._say(f"ignored the rendezvous log entry {key}: {why}; the job goes on")
+            return None
+        addr, pid, local_id = doc["node"]
+        return Entry(slot, _NodeDesc(addr, pid, local_id), doc["round"], doc["in"], doc["time"])
+
+    def _seal(self, slot: int, node: _NodeDesc, round_: int, place: str, t: datetime) -> bytes:
+        doc = {
+            "node": [node.addr, node.pid, node.local_id],
+            "round": round_,
+            "in": place,
+            "time": t.isoformat(),
+            "launch": self._nonce,
+        }
+        return self._secret.seal(self.key(slot), json.dumps(doc))
+
+
+def fold(base: _RendezvousState, entries: list[Entry]) -> _RendezvousState:
+    """``base`` with each node's newest entry applied to the round it names, as torch's
+    handler applies a join, a move to the wait list and a leave; a completed round whose
+    participants all left becomes the next round, as torch's leave does, and the entries of
+    that round are applied to it. ``base`` itself when no entry changes anything."""
+    state: _RendezvousState | None = None
+    for _ in range(2):  # the base's round, then the next one if every participant left
+        mine = [e for e in entries if e.round == (state or base).round]
+        if not mine:
+            break
+        state = state or copy_state(base)
+        for entry in mine:
+            _apply(state, entry)
+        if not (state.complete and not state.participants):
+            break
+        state.complete = False
+        state.round += 1
+    return state or base
+
+
+def own_move(before: _RendezvousState, after: _RendezvousState) -> tuple[_NodeDesc, str] | None:
+    """The one node whose place changed and where it now is, when ``after`` differs from
+    ``before`` only by that node's place and heartbeat: a join, a move to the wait list, a
+    leave, or one dead node dropped. None for anything else (a completed round, a new round,
+    two nodes changed). The deadline is not compared: the backend derives it
+    (``rendezvous.py``)."""
+    if (before.round, before.complete, before.closed) != (
+        after.round,
+        after.complete,
+        after.closed,
+    ):
+        return None
+    if before.redundancy_list != after.redundancy_list:
+        return None
+    nodes = {*before.last_heartbeats, *after.last_heartbeats, *before.participants}
+    nodes |= {*after.participants, *before.wait_list, *after.wait_list}
+    moved = [n for n in nodes if _place(before, n) != _place(after, n)]
+    if len(moved) != 1:
+        return None
+    node = moved[0]
+    beats = {n: t for n, t in before.last_heartbeats.items() if n != node}
+    if beats != {n: t for n, t in after.last_heartbeats.items() if n != node}:
+        return None
+    place = _place(after, node)
+    if place[0] == "part" and place[1] != 0:
+        return None  # a rank: only a completed round gives one, and that is not a join
+    return node, place[0]
+
+
+def _place(state: _RendezvousState, node: _NodeDesc) -> tuple[str, int]:
+    if node in state.participants:
+        return "part", state.participants[node]
+    return ("wait", 0) if node in state.wait_list else ("none", 0)
+
+
+def _apply(state: _RendezvousState, entry: Entry) -> None:
+    node = entry.node
+    if entry.place == "none":
+        state.participants.pop(node, None)
+        state.wait_list.discard(node)
+        state.redundancy_list.discard(node)
+        state.last_heartbeats.pop(node, None)
+        return
+    if entry.place == "part":
+        if state.complete:
+            return  # too late for this round: the node finds itself out and waits
+        state.wait_list.discard(node)
+        state.participants[node] = 0
+    else:
+        state.participants.pop(node, None)
+        state.wait_list.add(node)
+    held = state.last_heartbeats.get(node)
+    state.last_heartbeats[node] = entry.time if held is None else max(held, entry.time)
+
+
+def copy_state(state: _RendezvousState) -> _RendezvousState:
+    out = copy.copy(state)
+    out.participants = dict(state.participants)
+    out.wait_list = set(state.wait_list)
+    out.redundancy_list = set(state.redundancy_list)
+    out.last_heartbeats = dict(state.last_heartbeats)
+    return out
+
+
+def _parse(text: str) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(text)
+        if not isinstance(doc, dict) or not isinstance(doc.get("launch"), str):
+            return None
+        node = doc["node"]
+        if not (isinstance(node, list) and len(node) == 3 and isinstance(node[0], str)):
+            return None
+        if not all(isinstance(v, int) for v in (node[1], node[2], doc["round"])):
+            return None
+        if doc["in"] not in PLACES:
+            return None
+        doc["time"] = datetime.fromisoformat(doc["time"])
+        if doc["time"].tzinfo is None:
+            return None
+    except (ValueError, TypeError, KeyError):
+        return None
+    return doc

@@ -1,0 +1,212 @@
+"""Joins and leaves as entries in a signed log (launch/trust/joinlog.py), over a real
+in-process TCPStore: each node's move is one entry in a slot of its own, readers take each
+entry once, a stranger's or another launch's entry is ignored with one line, and the state
+handed to torch's handler is the shared state with each node's newest entry applied to its
+round, as torch's own join and leave apply them."""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from datetime import datetime, timedelta, timezone
+from typing import Any
+
+import pytest
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
+
+from meshrun.launch.trust.joinlog import Entry, JoinLog, fold, own_move
+from meshrun.launch.trust.rendezvous import Rounds, SignedBackend, forget_store, listen_store
+from meshrun.runtime.secret import JobSecret
+
+SECRET = JobSecret(b"0123456789abcdef0123456789abcdef", "test")
+NONCE = "0a1b2c3d4e5f6a7b"
+KEY = "meshrun.rdzv/job"
+A, B, C = (_NodeDesc(f"10.0.0.{i}", 40 + i, 0) for i in (1, 2, 3))
+NOW = datetime.now(timezone.utc)
+
+
+@pytest.fixture
+def store() -> Any:
+    server = listen_store("127.0.0.1", 0, 60)
+    yield server
+    forget_store(server)
+
+
+class Ops:
+    """The store, recording each operation's name."""
+
+    def __init__(self, store: Any) -> None:
+        self.store = store
+        self.calls: list[str] = []
+
+    def __getattr__(self, op: str) -> Any:
+        call = getattr(self.store, op)
+
+        def counted(*args: Any) -> Any:
+            self.calls.append(op)
+            return call(*args)
+
+        return counted
+
+
+def _log(store: Any, said: list[str] | None = None, nonce: str = NONCE) -> JoinLog:
+    out = said if said is not None else []
+
+    def call(op: str, *args: Any) -> Any:
+        return getattr(store, op)(*args)
+
+    return JoinLog(call, KEY, SECRET, nonce, out.append)
+
+
+def _complete(*nodes: _NodeDesc) -> _RendezvousState:
+    state = _RendezvousState()
+    state.complete = True
+    state.participants = {n: rank for rank, n in enumerate(nodes)}
+    state.last_heartbeats = dict.fromkeys(nodes, NOW)
+    return state
+
+
+def test_every_move_gets_a_slot_of_its_own_and_readers_take_each_entry_once(store: Any) -> None:
+    a, b = _log(Ops(store)), _log(store)
+    first = a.append(A, 0, "part", NOW)
+    second = b.append(B, 0, "part", NOW)  # slot 0 taken: b reads it on the way, claims 1
+    assert (first.slot, second.slot) == (0, 1)
+    assert set(b.newest) == {A, B}
+    for i in range(40):
+        b.append(_NodeDesc(f"10.1.0.{i}", i, 0), 0, "part", NOW)
+    reader = _log(ops := Ops(store))
+    assert reader.read() is True and len(reader.newest) == 42 and reader.next == 42
+    # The end found by a gallop of checks, the entries in one multi_get: not one op each.
+    assert ops.calls.count("multi_get") == 1 and len(ops.calls) < 16, ops.calls
+    ops.calls.clear()
+    assert reader.read() is False and ops.calls == ["check"]  # nothing new: one check
+
+
+def test_a_nodes_newest_entry_wins(store: Any) -> None:
+    log = _log(store)
+    log.append(A, 0, "part", NOW)
+    log.append(A, 0, "none", NOW)
+    assert _log(store).read() and _newest(store)[A].place == "none"
+
+
+def test_a_strangers_entry_and_another_launchs_are_ignored_and_said_once(store: Any) -> None:
+    store.set(f"{KEY}/log/0", b"not signed")
+    _log(store, nonce="1111222233334444").append(B, 0, "part", NOW)  # slot 1, an earlier launch
+    said: list[str] = []
+    log = _log(store, said)
+    entry = log.append(A, 0, "part", NOW)  # past both
+    assert entry.slot == 2 and set(log.newest) == {A}
+    assert len(said) == 2 and "not signed with this job's secret" in said[0]
+    assert "signed in another launch (nonce 1111222233334444)" in said[1]
+    log.read()
+    assert len(said) == 2
+
+
+def test_an_entry_copied_to_another_slot_does_not_verify(store: Any) -> None:
+    _log(store).append(A, 0, "none", NOW)
+    store.set(f"{KEY}/log/1", store.get(f"{KEY}/log/0"))  # replayed later in the log
+    said: list[str] = []
+    log = _log(store, said)
+    log.read()
+    assert log.newest[A].slot == 0 and len(said) == 1
+
+
+def test_a_completed_round_whose_participants_all_left_is_the_next_round() -> None:
+    state = _complete(A, B)
+    entries = [
+        Entry(0, A, 0, "none", NOW),
+        Entry(1, B, 0, "wait", NOW),  # B left, then waits for the next round
+        Entry(2, C, 1, "part", NOW),  # C joined the next round
+    ]
+    got = fold(state, entries)
+    assert (got.round, got.complete) == (1, False)
+    assert got.participants == {C: 0} and got.wait_list == {B}
+    assert state.participants == {A: 0, B: 1}  # the shared state itself is not changed
+
+
+def test_a_join_too_late_for_a_completed_round_is_not_applied() -> None:
+    got = fold(_complete(A, B), [Entry(0, C, 0, "part", NOW)])
+    assert got.participants == {A: 0, B: 1}
+    # A node that left its round, or moved to the wait list, is out of it in every view.
+    got = fold(_complete(A, B), [Entry(0, A, 0, "wait", NOW), Entry(1, C, 3, "part", NOW)])
+    assert got.participants == {B: 1} and got.wait_list == {A}
+
+
+def test_only_one_nodes_own_move_is_an_entry() -> None:
+    before = _complete(A, B)
+    after = pickle.loads(pickle.dumps(before))
+    after.wait_list.add(C)
+    after.last_heartbeats[C] = NOW
+    assert own_move(before, after) == (C, "wait")
+    after.round = 1  # a new round: the shared state's
+    assert own_move(before, after) is None
+    two = pickle.loads(pickle.dumps(before))
+    del two.participants[A], two.participants[B]
+    assert own_move(before, two) is None
+    ranked = _RendezvousState()
+    ranked.participants = {A: 3}
+    assert own_move(_RendezvousState(), ranked) is None  # a rank: only a completion gives one
+
+
+def test_a_round_passed_min_nodes_by_entries_gets_a_deadline(store: Any) -> None:
+    """torch sets the last call's deadline in the write that makes the count exactly
+    min_nodes; joins read from the log can pass it in one read, and a round without a
+    deadline never completes."""
+    rounds = Rounds(min_nodes=2, max_nodes=4, last_call=timedelta(seconds=30))
+    backend = SignedBackend(store, "job", SECRET, NONCE, say=print, rounds=rounds)
+    start = _RendezvousState()
+    start.participants, start.last_heartbeats = {A: 0}, {A: NOW}
+    assert backend.set_state(pickle.dumps(start)) is not None
+    log = _log(store)
+    log.read()
+    log.append(B, 0, "part", NOW)
+    log.append(C, 0, "part", NOW)
+    got = backend.get_state()
+    assert got is not None
+    view = pickle.loads(got[0])
+    assert len(view.participants) == 3 and view.deadline is not None
+    assert view.deadline > datetime.now(timezone.utc) + timedelta(seconds=20)
+    log.append(_NodeDesc("10.0.0.9", 1, 0), 0, "part", NOW)  # max_nodes: complete at once
+    view = pickle.loads(backend.get_state()[0])  # type: ignore[index]
+    assert view.deadline is not None and view.deadline < datetime.now(timezone.utc)
+
+
+def test_a_nodes_calls_are_one_at_a_time(store: Any) -> None:
+    """torch stops the keep-alive timer without waiting for a keep-alive already running: a
+    restart's first calls can meet it in another thread. Two reads of the log at once moved
+    its read position past entries neither had read."""
+    entered, release = threading.Event(), threading.Event()
+    second_in = threading.Event()
+
+    class Blocking(Ops):
+        def __getattr__(self, op: str) -> Any:
+            call = super().__getattr__(op)
+
+            def blocked(*args: Any) -> Any:
+                if threading.current_thread().name == "first" and op == "check":
+                    entered.set()
+                    release.wait(30)
+                if threading.current_thread().name == "second":
+                    second_in.set()
+                return call(*args)
+
+            return blocked
+
+    backend = SignedBackend(Blocking(store), "job", SECRET, NONCE, say=print)  # type: ignore[arg-type]
+    first = threading.Thread(target=backend.get_state, name="first")
+    second = threading.Thread(target=backend.get_state, name="second")
+    first.start()
+    assert entered.wait(30)
+    second.start()
+    second.join(timeout=0.5)
+    assert not second_in.is_set()  # still waiting for the first call to end
+    release.set()
+    first.join(30)
+    second.join(30)
+    assert second_in.is_set()
+
+
+def _newest(store: Any) -> dict[_NodeDesc, Entry]:
+    log = _log(store)
+    log.read()
+    return log.newest
