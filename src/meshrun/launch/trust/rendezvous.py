@@ -441,10 +441,11 @@ class SignedBackend(RendezvousBackend):
                 # way to a free slot).
                 node, place = moved
                 t = local.last_heartbeats.get(node) or datetime.now(timezone.utc)
-                self._log.append(node, local.round, place, t)
-                # The node's heartbeat key too (a keep-alive would write it): never lost, like
-                # the entry, and readers find a key where they look for the node's newer time.
+                # The node's heartbeat key first: a reader that finds the entry then finds the
+                # key where it looks for a newer time (an entry is never lost, so neither is
+                # what the key says; a lost write of the shared state is another matter).
                 self._hb.write(local, joining=True)
+                self._log.append(node, local.round, place, t)
             if keep_alive or moved:
                 handed = self._hand(self._decode(shared_raw))
                 if handed is not None:
