@@ -22,9 +22,18 @@ Per N and backend:
 - ``idle_b_per_s``: between the rounds, every agent asks ``num_nodes_waiting`` once a second
   for ``--idle`` seconds, as torchrun's agent does while its workers train: the store bytes
   per node per second of that phase (not in the other columns);
-- ``store_cpu_s``: the store server process's CPU seconds over both rounds.
+- ``store_cpu_s``: the store server process's CPU seconds over both rounds;
+- ``dilate`` and ``wall_s``: the clock's dilation K (below) and the run's real seconds.
+
+``--dilate K`` runs the agents on a clock K times slower than the real one
+(``virtual_clock.py``): every clock the rendezvous code reads is virtual and every sleep K
+times longer, so each agent gets K times the CPU per virtual second, as on a machine with K
+times the cores; the protocol's waits (keep-alive, heartbeat expiry, last call, 1 s polls) keep
+their virtual length. Every time in the table is then virtual seconds, but ``wall_s``; the
+store server's CPU is real, and undilated.
 
     .venv/bin/python benchmarks/rdzv_scale.py --nodes 64,256,1024 [--backends meshrun,c10d]
+        [--dilate K]
 
 The agents' own Python (JSON or pickle, HMAC) shares this process's GIL: at large N the
 times measure the agents' work, serialised, more than the store's.
@@ -35,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import secrets
 import statistics
 import subprocess
@@ -42,7 +52,8 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from datetime import timedelta
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
 from typing import Any
 
 from torch.distributed import PrefixStore, TCPStore
@@ -52,6 +63,13 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handl
 
 from meshrun.launch.trust.rendezvous import SignedBackend
 from meshrun.runtime.secret import SECRET_ENV, from_env
+
+# The clock is a sibling file, not a package: tests load this script by its path (importlib),
+# where the script's folder is not on sys.path.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import virtual_clock
+from virtual_clock import VirtualTime
 
 KEEP_ALIVE_S, KEEP_ALIVE_TRIES, LAST_CALL_S = 5, 3, 1  # torch's defaults but the last call's 30
 LAUNCH_NONCE = "rdzv-scale-bench"  # one simulated launch: every agent signs with this nonce
@@ -142,7 +160,7 @@ def make_agent(backend: str, port: int, n: int, i: int, run_id: str) -> Agent:
             secret,
             LAUNCH_NONCE,
             say=_said,
-            **_rounds(params),
+            **_round_settings(params),
         )
         prefixed = PrefixStore(f"meshrun.{secret.tag(run_id)}", store)
         return Agent(_held(create_handler(prefixed, signed, params)), counter)
@@ -152,7 +170,7 @@ def make_agent(backend: str, port: int, n: int, i: int, run_id: str) -> Agent:
     return Agent(create_handler(store, c10d, params), counter)
 
 
-def _rounds(params: RendezvousParameters) -> dict[str, Any]:
+def _round_settings(params: RendezvousParameters) -> dict[str, Any]:
     """The round settings for the signed backend; none on an older checkout (a "before"
     figure), whose backend did not take them."""
     try:
@@ -167,9 +185,13 @@ def _said(line: str) -> None:
     print(f"an agent's backend said: {line}", file=sys.stderr, flush=True)
 
 
+def torch_handler(agent: Agent) -> Any:
+    """torch's handler, under HeldPortHandler where it is wrapped (its privates are read)."""
+    return getattr(agent.handler, "_inner", agent.handler)
+
+
 def stop_heartbeats(agent: Agent) -> None:
-    handler = getattr(agent.handler, "_inner", agent.handler)  # under HeldPortHandler
-    handler._stop_heartbeats()
+    torch_handler(agent)._stop_heartbeats()
 
 
 def _held(handler: RendezvousHandler) -> RendezvousHandler:
@@ -183,11 +205,11 @@ def _held(handler: RendezvousHandler) -> RendezvousHandler:
 
 
 def all_join(
-    agents: list[Agent], stall_s: float = 0.0, dead: Agent | None = None
+    agents: list[Agent], clock: VirtualTime, stall_s: float = 0.0, dead: Agent | None = None
 ) -> tuple[float, list[tuple[int, int]]]:
-    """Every agent's ``next_rendezvous`` at once; seconds until the last returned, and the
-    (rank, world size) each got. ``stall_s``: past it, print once where every agent is, and
-    say each agent's return as it comes."""
+    """Every agent's ``next_rendezvous`` at once; seconds on ``clock`` until the last
+    returned, and the (rank, world size) each got. ``stall_s`` (on ``clock`` too): past it,
+    print once where every agent is, and say each agent's return as it comes."""
     verbose = stall_s > 0
     errors: list[BaseException] = []
     got: list[tuple[int, int]] = []
@@ -199,8 +221,7 @@ def all_join(
             info = agent.handler.next_rendezvous()
             got.append((info.rank, info.world_size))
             if verbose:
-                inner = getattr(agent.handler, "_inner", agent.handler)
-                state = inner._state_holder.state
+                state = torch_handler(agent)._state_holder.state
                 print(
                     f"an agent returned: rank {info.rank} of {info.world_size}, round "
                     f"{state.round}, {len(state.participants)} participants",
@@ -215,24 +236,26 @@ def all_join(
     for t in threads:
         t.start()
     start.wait()
-    began = time.perf_counter()
+    began = clock.perf_counter()
     for t in threads:
         while t.is_alive():
             t.join(timeout=1.0)
-            if stall_s and time.perf_counter() - began > stall_s:
-                print(stall_report(agents, threads, dead), file=sys.stderr, flush=True)
+            if stall_s and clock.perf_counter() - began > stall_s:
+                print(stall_report(agents, threads, clock, dead), file=sys.stderr, flush=True)
                 stall_s = 0.0
     if errors:
         raise RuntimeError(f"{len(errors)} agents failed: {errors[0]!r}")
-    return time.perf_counter() - began, got
+    return clock.perf_counter() - began, got
 
 
-def stall_report(agents: list[Agent], threads: list[threading.Thread], dead: Agent | None) -> str:
+def stall_report(
+    agents: list[Agent], threads: list[threading.Thread], clock: VirtualTime, dead: Agent | None
+) -> str:
     """Where each agent's thread is (its innermost rendezvous or meshrun frame, counted), and
     what its handler holds: participants, wait list, and the age of the dead node's heartbeat
-    in its last synced state and in what its backend has seen."""
+    in its last synced state and in what its backend has seen (ages on ``clock``, the one the
+    handlers read)."""
     from collections import Counter
-    from datetime import datetime, timezone
 
     frames = sys._current_frames()
     where: Counter[str] = Counter()
@@ -245,15 +268,13 @@ def stall_report(agents: list[Agent], threads: list[threading.Thread], dead: Age
                 break
             frame = frame.f_back
         where[spot] += 1
-    now = datetime.now(timezone.utc)
+    now = datetime.fromtimestamp(clock.time(), timezone.utc)
     dead_node = None
     if dead is not None:
-        holder = getattr(dead.handler, "_inner", dead.handler)._state_holder
-        dead_node = getattr(dead.handler, "_inner", dead.handler)._this_node
+        dead_node = torch_handler(dead)._this_node
     views: Counter[str] = Counter()
     for agent in agents:
-        handler = getattr(agent.handler, "_inner", agent.handler)
-        holder = handler._state_holder
+        holder = torch_handler(agent)._state_holder
         st = holder.state
         age = "-"
         if dead_node is not None and dead_node in st.last_heartbeats:
@@ -262,7 +283,7 @@ def stall_report(agents: list[Agent], threads: list[threading.Thread], dead: Age
         hb = getattr(holder._backend, "_hb", None)
         if hb is not None and dead_node in hb._seen:
             seen = f"{(now - hb._seen[dead_node]).total_seconds():.0f}"
-        synced = time.monotonic() - holder._last_sync_time
+        synced = clock.monotonic() - holder._last_sync_time
         views[
             f"round {st.round} complete {st.complete} participants {len(st.participants)} "
             f"(dead in: {dead_node in st.participants}) wait {len(st.wait_list)} dead hb age "
@@ -275,17 +296,18 @@ def stall_report(agents: list[Agent], threads: list[threading.Thread], dead: Age
     return "\n".join(lines)
 
 
-def idle(agents: list[Agent], seconds: float) -> float:
+def idle(agents: list[Agent], seconds: float, clock: VirtualTime) -> float:
     """Every agent polls ``num_nodes_waiting`` once a second for ``seconds`` (torchrun's agent
-    asks it in its monitor loop while the workers train); the bytes per node per second."""
+    asks it in its monitor loop while the workers train); the bytes per node per second, both
+    on ``clock``."""
     before = [a.counter.bytes for a in agents]
     ops = [a.counter.ops for a in agents]
-    stop = time.monotonic() + seconds
+    stop = clock.monotonic() + seconds
 
     def poll(agent: Agent) -> None:
-        while time.monotonic() < stop:
+        while clock.monotonic() < stop:
             agent.handler.num_nodes_waiting()
-            time.sleep(1.0)
+            clock.sleep(1.0)
 
     threads = [threading.Thread(target=poll, args=(a,), daemon=True) for a in agents]
     for t in threads:
@@ -312,44 +334,79 @@ def cheap_event_names() -> None:
     dynamic.get_method_name = get_method_name
 
 
-def measure(backend: str, n: int, stall_s: float = 0.0, idle_s: float = 0.0) -> dict[str, Any]:
-    """One row of the table (see the module); raises if a round is not what it must be."""
+def measure(
+    backend: str, n: int, stall_s: float = 0.0, idle_s: float = 0.0, dilate: float = 1.0
+) -> dict[str, Any]:
+    """One row of the table (see the module); raises if a round is not what it must be.
+    ``dilate``: the agents' clock runs that many times slower than the real one; ``stall_s``,
+    ``idle_s`` and the row's times but ``wall_s`` are on that clock."""
     cheap_event_names()
     os.environ.setdefault(SECRET_ENV, secrets.token_hex(32))
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as meshrun launch sets it
+    began = time.perf_counter()  # the real clock: this module's own ``time`` is never dilated
+    raise_open_files(n)
     server = StoreServer()
     try:
-        run_id = f"scale{n}"
-        agents = [make_agent(backend, server.port, n, i, run_id) for i in range(n)]
+        with virtual_clock.dilate(dilate) as clock:
+            row = _rounds(backend, n, server, clock, stall_s, idle_s)
+        return Row(**row, dilate=dilate, wall_s=round(time.perf_counter() - began, 1)).__dict__
+    finally:
+        server.close()
+
+
+def _rounds(
+    backend: str, n: int, server: StoreServer, clock: VirtualTime, stall_s: float, idle_s: float
+) -> dict[str, Any]:
+    """The row's columns but ``dilate`` and ``wall_s``: both rounds, the idle phase between
+    them, every agent's heartbeats stopped at the end (their timers run on ``clock``)."""
+    run_id = f"scale{n}"
+    agents = [make_agent(backend, server.port, n, i, run_id) for i in range(n)]
+    try:
         cpu0 = server.cpu_s()
-        first, got = all_join(agents, stall_s)
+        first, got = all_join(agents, clock, stall_s)
         _check_round(got, n)
         state = agents[0].counter._store.get(
             f"meshrun.rdzv/{run_id}" if backend == "meshrun" else f"torch.rendezvous.{run_id}"
         )
-        idle_b = idle(agents, idle_s) if idle_s > 0 else 0.0
-        dead = agents.pop()
+        idle_b = idle(agents, idle_s, clock) if idle_s > 0 else 0.0
+        dead = agents[-1]
         stop_heartbeats(dead)  # the host is gone: no exit, no heartbeat
-        restart, got = all_join(agents, stall_s, dead)
+        live = agents[:-1]
+        restart, got = all_join(live, clock, stall_s, dead)
         _check_round(got, n - 1)
         cpu = server.cpu_s() - cpu0
+    finally:
         for agent in agents:
             stop_heartbeats(agent)
-        waits = KEEP_ALIVE_S * KEEP_ALIVE_TRIES + LAST_CALL_S
-        return Row(
-            backend=backend,
-            nodes=n,
-            first_s=round(first, 2),
-            restart_s=round(restart, 2),
-            restart_work_s=round(max(0.0, restart - waits), 2),
-            ops_per_node=round(statistics.mean(a.counter.ops for a in [*agents, dead]), 1),
-            kb_per_node=round(statistics.mean(a.counter.bytes for a in agents) / 1024, 1),
-            state_kb=round(len(state) / 1024, 1),
-            store_cpu_s=round(cpu, 2),
-            idle_b_per_s=round(idle_b),
-        ).__dict__
-    finally:
-        server.close()
+    waits = KEEP_ALIVE_S * KEEP_ALIVE_TRIES + LAST_CALL_S
+    return dict(
+        backend=backend,
+        nodes=n,
+        first_s=round(first, 2),
+        restart_s=round(restart, 2),
+        restart_work_s=round(max(0.0, restart - waits), 2),
+        ops_per_node=round(statistics.mean(a.counter.ops for a in agents), 1),
+        kb_per_node=round(statistics.mean(a.counter.bytes for a in live) / 1024, 1),
+        state_kb=round(len(state) / 1024, 1),
+        store_cpu_s=round(cpu, 2),
+        idle_b_per_s=round(idle_b),
+    )
+
+
+def raise_open_files(n: int) -> None:
+    """Each agent holds a store client socket and a held-port socket in this process, and the
+    store server (a child: it inherits the limit) one socket per agent: at 4,096 nodes that
+    nears a soft limit of 8,192 or less. Raise the soft limit to the hard one if needed, and
+    say so."""
+    need = 3 * n + 256
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < need:
+        new = hard if hard == resource.RLIM_INFINITY else max(soft, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+        print(f"open files: soft limit {soft} raised to {new} for {n} nodes", file=sys.stderr)
+        soft = new
+    if soft != resource.RLIM_INFINITY and soft < need:
+        print(f"open files: limit {soft} < about {need} needed", file=sys.stderr)
 
 
 def _check_round(got: list[tuple[int, int]], n: int) -> None:
@@ -370,6 +427,8 @@ class Row:
     state_kb: float
     store_cpu_s: float
     idle_b_per_s: float
+    dilate: float
+    wall_s: float
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -382,24 +441,34 @@ def main(argv: list[str] | None = None) -> None:
         type=float,
         default=0.0,
         metavar="S",
-        help="a round still running after S seconds prints where every agent is (once)",
+        help="a round still running after S seconds (virtual under --dilate) prints where every "
+        "agent is (once)",
     )
     p.add_argument(
         "--idle",
         type=float,
         default=10.0,
         metavar="S",
-        help="seconds of polling between the rounds, as while workers train (0: none)",
+        help="seconds of polling between the rounds, as while workers train (0: none; virtual "
+        "under --dilate)",
+    )
+    p.add_argument(
+        "--dilate",
+        type=float,
+        default=1.0,
+        metavar="K",
+        help="run the agents on a clock K times slower than the real one (1: real time); "
+        "every time but the wall seconds is then virtual",
     )
     a = p.parse_args(argv)
     print(
         "| backend | nodes | first round s | restart s | beyond fixed waits s | "
-        "ops/node | KiB/node | state KiB | store CPU s | idle B/s per node |"
+        "ops/node | KiB/node | state KiB | store CPU s | idle B/s per node | dilate | wall s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for n in [int(x) for x in a.nodes.split(",")]:
         for backend in a.backends.split(","):
-            row = measure(backend, n, a.stall_report, a.idle)
+            row = measure(backend, n, a.stall_report, a.idle, a.dilate)
             emit(row, [str(v) for v in row.values()], a.json)
 
 
