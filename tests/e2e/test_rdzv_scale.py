@@ -1,9 +1,8 @@
-"""benchmarks/rdzv_scale.py at CI size: 32 simulated agents (threads, no workers) through
-torch's rendezvous handler over meshrun's signed backend and a real TCPStore server. The
-benchmark itself checks each round (ranks 0..N-1, one world size); here also that the signed
-state grows linearly with the nodes and that each node's store operations stay within a few
-per peer. 64 nodes and more are the heavy variants: on 2 shared cores all agents' Python runs
-under one GIL, and a 256-node run took minutes here (docs/scale.md)."""
+"""benchmarks/rdzv_scale.py at CI size: 32 and 256 simulated agents (threads, no workers)
+through torch's rendezvous handler over meshrun's signed backend and a real TCPStore server.
+The benchmark itself checks each round (ranks 0..N-1, one world size); here also that the
+signed state grows linearly with the nodes and that each node's store operations and bytes
+grow at most linearly. 1,024 and 4,096 nodes are the heavy variants (docs/scale.md)."""
 
 from __future__ import annotations
 
@@ -48,22 +47,21 @@ def test_32_nodes_join_and_restart_with_one_gone() -> None:
     assert float(row["idle_b_per_s"]) < float(row["state_kb"]) * 1024 / 2, row
 
 
-# heavy: test_32_nodes_join_and_restart_with_one_gone shows the same join and restart; 64 agents
-# took 77 s on 2 shared cores (the restart's 16 s of torch's waits included), past one CI test.
-@pytest.mark.heavy
-@pytest.mark.timeout(300)
-def test_64_nodes_join_and_restart_with_one_gone() -> None:
-    _check(_bench().measure("meshrun", 64), 64)
+# 256 agents on a clock 4 times slower than the real one (benchmarks/virtual_clock.py): each
+# virtual second gets 4 real seconds of the machine's CPU, as hosts of their own would give
+# it; torch's waits (keep-alive, missed heartbeats, the last call) keep their virtual length.
+# In real time on 2 cores the agents starve each other: heartbeats age past the limit and
+# live nodes are removed as dead. Before joins went to the log, 256 nodes took 44 s for the
+# first round and 3.6 MiB per node (docs/scale.md); 250 s of wall time here.
+@pytest.mark.timeout(1200)
+def test_256_nodes_join_and_restart_with_one_gone() -> None:
+    _check(_bench().measure("meshrun", 256, dilate=4), 256)
 
 
-# heavy: test_32_nodes_join_and_restart_with_one_gone shows the same at 32 nodes. 128 nodes
-# take 45-80 s of rounds here (and stalled in 3 runs of 4 before a lost write stopped leaving
-# a heartbeat behind); 256 did not complete round 0 within torch's 600 s join timeout on 2
-# loaded cores (docs/scale.md): each join is still a compare-and-set of the one state, and
-# all agents share one GIL.
+# heavy: test_256_nodes_join_and_restart_with_one_gone shows the same join and restart at 256;
+# 1,024 and 4,096 agents take tens of minutes of wall time at the dilation they need here.
 @pytest.mark.heavy
 @pytest.mark.timeout(7200)
-@pytest.mark.parametrize("nodes", [128, 256, 1024, 4096])
-def test_large_rendezvous_completes(nodes: int) -> None:
-    row = _bench().measure("meshrun", nodes)
-    assert row["state_kb"] * 1024 / nodes < 200, row
+@pytest.mark.parametrize(("nodes", "dilate"), [(1024, 8), (4096, 32)])
+def test_large_rendezvous_completes(nodes: int, dilate: float) -> None:
+    _check(_bench().measure("meshrun", nodes, dilate=dilate), nodes)
