@@ -165,20 +165,12 @@ class Heartbeats:
                 self._note([(keys[k], t)])
 
     def _verify(self, key: str, node: _NodeDesc, raw: bytes) -> datetime | None:
-        text = self._secret.unseal(key, raw)
-        doc = _parse(text) if text is not None else None
-        why = ""
-        if doc is None:
-            why = "not signed with this job's secret"
-        elif doc.get("node") != [node.addr, node.pid, node.local_id]:
+        doc, why = unseal_timed(self._secret, key, raw, self._nonce)
+        if doc is not None and doc.get("node") != [node.addr, node.pid, node.local_id]:
             # Signed by this job, for another node: a node's own heartbeat copied onto
             # this key would keep this one alive.
             named = sanitize(str(doc.get("node")), 80)
             why = f"signed for another node ({named}), not {node.addr}:{node.pid}"
-        elif doc["launch"] != self._nonce:
-            why = f"signed in another launch (nonce {sanitize(str(doc['launch']), 32)})"
-        elif doc["time"] > datetime.now(timezone.utc) + SKEW:
-            why = f"dated in the future ({doc['time'].isoformat()})"
         if why or doc is None:
             self._ignore(key, why)
             return None
@@ -210,6 +202,23 @@ def only_heartbeats(before: _RendezvousState, after: _RendezvousState) -> bool:
     if rest(before) != rest(after):
         return False
     return all(t >= before.last_heartbeats[n] for n, t in after.last_heartbeats.items())
+
+
+def unseal_timed(
+    secret: JobSecret, key: str, raw: bytes, nonce: str
+) -> tuple[dict[str, Any] | None, str]:
+    """A sealed value carrying a time and the launch's nonce (a heartbeat, a log entry): its
+    document and '' when it is this job's, this launch's and not dated ahead of our clock by
+    more than :data:`SKEW`; else None and why, for the line that says it was ignored."""
+    text = secret.unseal(key, raw)
+    doc = _parse(text) if text is not None else None
+    if doc is None:
+        return None, "not signed with this job's secret"
+    if doc["launch"] != nonce:
+        return None, f"signed in another launch (nonce {sanitize(str(doc['launch']), 32)})"
+    if doc["time"] > datetime.now(timezone.utc) + SKEW:
+        return None, f"dated in the future ({doc['time'].isoformat()})"
+    return doc, ""
 
 
 def _parse(text: str) -> dict[str, Any] | None:

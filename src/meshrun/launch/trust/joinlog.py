@@ -24,15 +24,15 @@ import copy
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta, timezone
+from datetime import datetime
 from typing import Any
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-from meshrun.runtime.secret import JobSecret, sanitize
+from meshrun.launch.trust.heartbeats import unseal_timed
+from meshrun.runtime.secret import JobSecret
 
 PLACES = ("part", "wait", "none")
-SKEW = timedelta(seconds=30)  # an entry dated later than this ahead of our clock is refused
 _PROBE = b"meshrun-rdzv-probe"  # the state's probe value: never a slot's
 _BATCH = 512  # slots read in one multi_get
 
@@ -144,15 +144,9 @@ class JoinLog:
 
     def _verify(self, slot: int, raw: bytes) -> Entry | None:
         key = self.key(slot)
-        text = self._secret.unseal(key, raw)
-        doc = _parse(text) if text is not None else None
-        why = ""
-        if doc is None:
-            why = "not signed with this job's secret"
-        elif doc["launch"] != self._nonce:
-            why = f"signed in another launch (nonce {sanitize(str(doc['launch']), 32)})"
-        elif doc["time"] > datetime.now(timezone.utc) + SKEW:
-            why = f"dated in the future ({doc['time'].isoformat()})"
+        doc, why = unseal_timed(self._secret, key, raw, self._nonce)
+        if doc is not None and not _well_formed(doc):  # signed, so a bug: said, not used
+            doc, why = None, "signed but not an entry"
         if why or doc is None:
             if slot not in self._said:
                 self._said.add(slot)
@@ -256,21 +250,10 @@ def copy_state(state: _RendezvousState) -> _RendezvousState:
     return out
 
 
-def _parse(text: str) -> dict[str, Any] | None:
-    try:
-        doc = json.loads(text)
-        if not isinstance(doc, dict) or not isinstance(doc.get("launch"), str):
-            return None
-        node = doc["node"]
-        if not (isinstance(node, list) and len(node) == 3 and isinstance(node[0], str)):
-            return None
-        if not all(isinstance(v, int) for v in (node[1], node[2], doc["round"])):
-            return None
-        if doc["in"] not in PLACES:
-            return None
-        doc["time"] = datetime.fromisoformat(doc["time"])
-        if doc["time"].tzinfo is None:
-            return None
-    except (ValueError, TypeError, KeyError):
-        return None
-    return doc
+def _well_formed(doc: dict[str, Any]) -> bool:
+    node = doc.get("node")
+    if not (isinstance(node, list) and len(node) == 3 and isinstance(node[0], str)):
+        return False
+    if not all(isinstance(v, int) for v in (node[1], node[2], doc.get("round"))):
+        return False
+    return doc.get("in") in PLACES
