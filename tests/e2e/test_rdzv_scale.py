@@ -52,7 +52,10 @@ def test_32_nodes_join_and_restart_with_one_gone() -> None:
 # it; torch's waits (keep-alive, missed heartbeats, the last call) keep their virtual length.
 # In real time on 2 cores the agents starve each other: heartbeats age past the limit and
 # live nodes are removed as dead. Before joins went to the log, 256 nodes took 44 s for the
-# first round and 3.6 MiB per node (docs/scale.md); 250 s of wall time here.
+# first round and 3.6 MiB per node (docs/scale.md); 250 s of wall time here. alone: beside
+# another test's processes (or a 1,024-node run) the agents starved even at 4 times: nodes
+# were removed as dead and joined again, and the restart had not completed after 15 minutes.
+@pytest.mark.alone
 @pytest.mark.timeout(1200)
 def test_256_nodes_join_and_restart_with_one_gone() -> None:
     _check(_bench().measure("meshrun", 256, dilate=4), 256)
