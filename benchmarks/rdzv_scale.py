@@ -22,21 +22,29 @@ Per N and backend:
 - ``idle_b_per_s``: between the rounds, every agent asks ``num_nodes_waiting`` once a second
   for ``--idle`` seconds, as torchrun's agent does while its workers train: the store bytes
   per node per second of that phase (not in the other columns);
-- ``store_cpu_s``: the store server process's CPU seconds over both rounds;
-- ``dilate`` and ``wall_s``: the clock's dilation K (below) and the run's real seconds.
+- ``store_cpu_s``: the store server process's CPU seconds over both rounds; ``store_load``:
+  that over the rounds' (virtual) seconds, the share of one core the store needs to keep
+  their pace (over 1, a real store would fall behind);
+- ``agent_cpu_ms_per_s``: this process's CPU over both rounds and the idle phase, per agent
+  and per (virtual) second: what a host spends on its agent's rendezvous;
+- ``dilate`` and ``wall_s``: the clock's dilation K or "event" (below) and the run's real
+  seconds.
 
 ``--dilate K`` runs the agents on a clock K times slower than the real one
 (``virtual_clock.py``): every clock the rendezvous code reads is virtual and every sleep K
 times longer, so each agent gets K times the CPU per virtual second, as on a machine with K
 times the cores; the protocol's waits (keep-alive, heartbeat expiry, last call, 1 s polls) keep
 their virtual length. Every time in the table is then virtual seconds, but ``wall_s``; the
-store server's CPU is real, and undilated.
+store server's CPU is real, and undilated. The agents' own Python (JSON or pickle, HMAC)
+shares this process's GIL: at large N, or on a busy machine, they starve even so.
+
+``--dilate event`` runs them on an event clock (``event_clock.py``): virtual time stands still
+while any agent works and jumps to the next wake-up when all wait. Agents and store are
+infinitely fast as the protocol sees them: the times are the protocol's own waits, the same
+on any machine under any load, and nothing starves; the CPU columns say what the work costs.
 
     .venv/bin/python benchmarks/rdzv_scale.py --nodes 64,256,1024 [--backends meshrun,c10d]
-        [--dilate K]
-
-The agents' own Python (JSON or pickle, HMAC) shares this process's GIL: at large N the
-times measure the agents' work, serialised, more than the store's.
+        [--dilate K|event]
 """
 
 from __future__ import annotations
@@ -68,8 +76,12 @@ from meshrun.runtime.secret import SECRET_ENV, from_env
 # where the script's folder is not on sys.path.
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
+import event_clock
 import virtual_clock
+from event_clock import EventClock
 from virtual_clock import VirtualTime
+
+Clock = VirtualTime | EventClock
 
 KEEP_ALIVE_S, KEEP_ALIVE_TRIES, LAST_CALL_S = 5, 3, 1  # torch's defaults but the last call's 30
 LAUNCH_NONCE = "rdzv-scale-bench"  # one simulated launch: every agent signs with this nonce
@@ -136,7 +148,7 @@ class Agent:
     counter: Counting
 
 
-def make_agent(backend: str, port: int, n: int, i: int, run_id: str) -> Agent:
+def make_agent(backend: str, port: int, n: int, i: int, run_id: str, clock: Clock) -> Agent:
     params = RendezvousParameters(
         backend=backend,
         endpoint=f"127.0.0.1:{port}",
@@ -163,11 +175,17 @@ def make_agent(backend: str, port: int, n: int, i: int, run_id: str) -> Agent:
             **_round_settings(params),
         )
         prefixed = PrefixStore(f"meshrun.{secret.tag(run_id)}", store)
-        return Agent(_held(create_handler(prefixed, signed, params)), counter)
+        handler = create_handler(_clocked(prefixed, clock), signed, params)
+        return Agent(_held(handler), counter)
     c10d = C10dRendezvousBackend(store, run_id)
     counter = Counting(c10d._store)
     c10d._store = counter  # type: ignore[assignment]
-    return Agent(create_handler(store, c10d, params), counter)
+    return Agent(create_handler(_clocked(store, clock), c10d, params), counter)
+
+
+def _clocked(store: Any, clock: Clock) -> Any:
+    """The handler's store: on an event clock, one whose blocking ``get`` waits on it."""
+    return event_clock.ClockedStore(store, clock) if isinstance(clock, EventClock) else store
 
 
 def _round_settings(params: RendezvousParameters) -> dict[str, Any]:
@@ -205,7 +223,7 @@ def _held(handler: RendezvousHandler) -> RendezvousHandler:
 
 
 def all_join(
-    agents: list[Agent], clock: VirtualTime, stall_s: float = 0.0, dead: Agent | None = None
+    agents: list[Agent], clock: Clock, stall_s: float = 0.0, dead: Agent | None = None
 ) -> tuple[float, list[tuple[int, int]]]:
     """Every agent's ``next_rendezvous`` at once; seconds on ``clock`` until the last
     returned, and the (rank, world size) each got. ``stall_s`` (on ``clock`` too): past it,
@@ -249,7 +267,7 @@ def all_join(
 
 
 def stall_report(
-    agents: list[Agent], threads: list[threading.Thread], clock: VirtualTime, dead: Agent | None
+    agents: list[Agent], threads: list[threading.Thread], clock: Clock, dead: Agent | None
 ) -> str:
     """Where each agent's thread is (its innermost rendezvous or meshrun frame, counted), and
     what its handler holds: participants, wait list, and the age of the dead node's heartbeat
@@ -296,15 +314,17 @@ def stall_report(
     return "\n".join(lines)
 
 
-def idle(agents: list[Agent], seconds: float, clock: VirtualTime) -> float:
+def idle(agents: list[Agent], seconds: float, clock: Clock) -> float:
     """Every agent polls ``num_nodes_waiting`` once a second for ``seconds`` (torchrun's agent
     asks it in its monitor loop while the workers train); the bytes per node per second, both
     on ``clock``."""
     before = [a.counter.bytes for a in agents]
     ops = [a.counter.ops for a in agents]
     stop = clock.monotonic() + seconds
+    start = threading.Barrier(len(agents) + 1)  # on an event clock, none may wait before all run
 
     def poll(agent: Agent) -> None:
+        start.wait()
         while clock.monotonic() < stop:
             agent.handler.num_nodes_waiting()
             clock.sleep(1.0)
@@ -312,6 +332,7 @@ def idle(agents: list[Agent], seconds: float, clock: VirtualTime) -> float:
     threads = [threading.Thread(target=poll, args=(a,), daemon=True) for a in agents]
     for t in threads:
         t.start()
+    start.wait()
     for t in threads:
         t.join()
     spent = statistics.mean(a.counter.bytes - b for a, b in zip(agents, before, strict=True))
@@ -335,11 +356,12 @@ def cheap_event_names() -> None:
 
 
 def measure(
-    backend: str, n: int, stall_s: float = 0.0, idle_s: float = 0.0, dilate: float = 1.0
+    backend: str, n: int, stall_s: float = 0.0, idle_s: float = 0.0, dilate: float | str = 1.0
 ) -> dict[str, Any]:
     """One row of the table (see the module); raises if a round is not what it must be.
-    ``dilate``: the agents' clock runs that many times slower than the real one; ``stall_s``,
-    ``idle_s`` and the row's times but ``wall_s`` are on that clock."""
+    ``dilate``: the agents' clock runs that many times slower than the real one, or is an
+    event clock ("event"); ``stall_s``, ``idle_s`` and the row's times but ``wall_s`` are on
+    that clock."""
     cheap_event_names()
     os.environ.setdefault(SECRET_ENV, secrets.token_hex(32))
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as meshrun launch sets it
@@ -347,7 +369,8 @@ def measure(
     raise_open_files(n)
     server = StoreServer()
     try:
-        with virtual_clock.dilate(dilate) as clock:
+        clocked = event_clock.events() if dilate == "event" else virtual_clock.dilate(float(dilate))
+        with clocked as clock:
             row = _rounds(backend, n, server, clock, stall_s, idle_s)
         return Row(**row, dilate=dilate, wall_s=round(time.perf_counter() - began, 1)).__dict__
     finally:
@@ -355,14 +378,14 @@ def measure(
 
 
 def _rounds(
-    backend: str, n: int, server: StoreServer, clock: VirtualTime, stall_s: float, idle_s: float
+    backend: str, n: int, server: StoreServer, clock: Clock, stall_s: float, idle_s: float
 ) -> dict[str, Any]:
     """The row's columns but ``dilate`` and ``wall_s``: both rounds, the idle phase between
     them, every agent's heartbeats stopped at the end (their timers run on ``clock``)."""
     run_id = f"scale{n}"
-    agents = [make_agent(backend, server.port, n, i, run_id) for i in range(n)]
+    agents = [make_agent(backend, server.port, n, i, run_id, clock) for i in range(n)]
     try:
-        cpu0 = server.cpu_s()
+        cpu0, own0 = server.cpu_s(), time.process_time()
         first, got = all_join(agents, clock, stall_s)
         _check_round(got, n)
         state = agents[0].counter._store.get(
@@ -374,7 +397,7 @@ def _rounds(
         live = agents[:-1]
         restart, got = all_join(live, clock, stall_s, dead)
         _check_round(got, n - 1)
-        cpu = server.cpu_s() - cpu0
+        cpu, own = server.cpu_s() - cpu0, time.process_time() - own0
     finally:
         for agent in agents:
             stop_heartbeats(agent)
@@ -389,6 +412,12 @@ def _rounds(
         kb_per_node=round(statistics.mean(a.counter.bytes for a in live) / 1024, 1),
         state_kb=round(len(state) / 1024, 1),
         store_cpu_s=round(cpu, 2),
+        # The share of one core the store needs to keep the rounds' pace in real time; over 1
+        # the real store would fall behind (the event clock's rounds do not wait for it).
+        store_load=round(cpu / (first + restart), 3),
+        # A host's CPU for its agent, per second of the rounds (this process's CPU, the idle
+        # phase's included, over N agents).
+        agent_cpu_ms_per_s=round(1000 * own / n / (first + restart + idle_s), 2),
         idle_b_per_s=round(idle_b),
     )
 
@@ -426,8 +455,10 @@ class Row:
     kb_per_node: float
     state_kb: float
     store_cpu_s: float
+    store_load: float
+    agent_cpu_ms_per_s: float
     idle_b_per_s: float
-    dilate: float
+    dilate: float | str
     wall_s: float
 
 
@@ -454,22 +485,36 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--dilate",
-        type=float,
+        type=_dilation,
         default=1.0,
         metavar="K",
-        help="run the agents on a clock K times slower than the real one (1: real time); "
-        "every time but the wall seconds is then virtual",
+        help="run the agents on a clock K times slower than the real one (1: real time), or "
+        "on an event clock (event: time moves only when every agent waits); every time but "
+        "the wall seconds is then virtual",
     )
     a = p.parse_args(argv)
     print(
         "| backend | nodes | first round s | restart s | beyond fixed waits s | "
-        "ops/node | KiB/node | state KiB | store CPU s | idle B/s per node | dilate | wall s |"
+        "ops/node | KiB/node | state KiB | store CPU s | store load | agent CPU ms/s | "
+        "idle B/s per node | dilate | wall s |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---" * 14 + "|")
     for n in [int(x) for x in a.nodes.split(",")]:
         for backend in a.backends.split(","):
             row = measure(backend, n, a.stall_report, a.idle, a.dilate)
             emit(row, [str(v) for v in row.values()], a.json)
+
+
+def _dilation(text: str) -> float | str:
+    if text == "event":
+        return text
+    try:
+        k = float(text)
+    except ValueError:
+        k = 0.0
+    if k <= 0:
+        raise argparse.ArgumentTypeError(f"--dilate {text!r}: a number > 0, or event")
+    return k
 
 
 def emit(row: dict[str, Any], cells: list[str], json_path: str | None) -> None:

@@ -90,7 +90,7 @@ class _AnyDatetime(type):
         return isinstance(obj, _datetime)
 
 
-def virtual_datetime(clock: VirtualTime) -> type[_datetime]:
+def virtual_datetime(clock: Any) -> type[_datetime]:
     """A ``datetime`` subclass whose ``now`` and ``utcnow`` read ``clock``. They return plain
     ``datetime`` objects, and pickling an instance made otherwise (``fromisoformat``) gives a
     plain one too: states holding these times are pickled for, and by, torch's handler, and
@@ -111,8 +111,20 @@ def virtual_datetime(clock: VirtualTime) -> type[_datetime]:
     return VirtualDatetime
 
 
+def patch_modules(clock: Any, undo: list[Callable[[], None]]) -> None:
+    """Every imported module under ``PREFIXES`` (``PRELOAD`` imported first) reads ``clock``
+    (a ``VirtualTime`` or ``event_clock.EventClock``) for ``time`` and ``datetime``; ``undo``
+    gets how to put each name back."""
+    for name in PRELOAD:
+        import_module(name)
+    dt = virtual_datetime(clock)
+    for name, module in list(sys.modules.items()):
+        if module is not None and name.startswith(PREFIXES):
+            _patch_module(module, clock, dt, undo)
+
+
 def _patch_module(
-    module: ModuleType, clock: VirtualTime, dt: type[_datetime], undo: list[Callable[[], None]]
+    module: ModuleType, clock: Any, dt: type[_datetime], undo: list[Callable[[], None]]
 ) -> None:
     """Replace the clock names in one module's globals, noting how to put each back."""
     shim_of = {
@@ -176,14 +188,9 @@ def dilate(
     if k == 1:
         yield clock
         return
-    for name in PRELOAD:
-        import_module(name)
     undo: list[Callable[[], None]] = []
-    dt = virtual_datetime(clock)
     try:
-        for name, module in list(sys.modules.items()):
-            if module is not None and name.startswith(PREFIXES):
-                _patch_module(module, clock, dt, undo)
+        patch_modules(clock, undo)
         _patch_timer(clock, undo)
         yield clock
     finally:

@@ -1,0 +1,178 @@
+"""benchmarks/event_clock.py: the event clock on which ``rdzv_scale.py`` runs thousands of
+agents. Virtual time moves only when every simulated thread waits on it, so these tests read
+it without any timing window: a thread's own CPU (charged to its clock, a few ms at most
+here) is the only slack allowed."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+from datetime import timedelta
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from torch.distributed import HashStore
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous, utils
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
+CPU = 0.25  # virtual seconds a test thread's own Python may add before a wait
+
+
+def _clock_module() -> ModuleType:
+    spec = importlib.util.spec_from_file_location(
+        "_event_clock_under_test", BENCH / "event_clock.py"
+    )
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def _run(*targets: object) -> None:
+    """Every target in a thread of its own, all started before any runs: a thread that waits
+    on the clock while the others are still to start would let it move past their waits (a
+    thread not yet started does not hold time still)."""
+    go = threading.Barrier(len(targets) + 1)
+
+    def started(target: object) -> None:
+        go.wait()
+        target()  # type: ignore[operator]
+
+    threads = [threading.Thread(target=started, args=(t,), daemon=True) for t in targets]
+    for t in threads:
+        t.start()
+    go.wait()
+    for t in threads:
+        t.join(timeout=60)
+        assert not t.is_alive(), "a simulated thread never woke"
+
+
+def test_time_jumps_to_each_wake_up_in_order() -> None:
+    clock = _clock_module().EventClock()
+    woke: list[tuple[str, float]] = []
+
+    def sleeper(name: str, seconds: float) -> object:
+        return lambda: (clock.sleep(seconds), woke.append((name, clock.elapsed())))
+
+    try:
+        _run(sleeper("long", 600.0), sleeper("short", 30.0), sleeper("mid", 120.0))
+    finally:
+        clock.close()
+    assert [name for name, _ in woke] == ["short", "mid", "long"]
+    for (_, at), want in zip(woke, [30.0, 120.0, 600.0], strict=True):
+        assert want <= at < want + CPU
+
+
+def test_time_stands_still_while_a_thread_works() -> None:
+    clock = _clock_module().EventClock()
+    busy, release = threading.Event(), threading.Event()
+    seen: list[float] = []
+
+    def worker() -> None:  # blocks on something that is not the clock
+        busy.set()
+        release.wait()
+
+    def sleeper() -> None:
+        clock.sleep(5.0)
+        seen.append(clock.elapsed())
+
+    try:
+        threads = [threading.Thread(target=f, daemon=True) for f in (worker, sleeper)]
+        for t in threads:
+            t.start()
+        busy.wait()
+        # The sleeper waits on the clock, the worker does not: however long this real wait,
+        # the clock must not move.
+        threads[1].join(timeout=0.5)
+        assert clock.elapsed() == 0.0 and not seen
+        release.set()
+        for t in threads:
+            t.join(timeout=60)
+    finally:
+        clock.close()
+    assert seen and 5.0 <= seen[0] < 5.0 + CPU
+
+
+def test_a_set_event_wakes_its_waiter_before_the_timeout() -> None:
+    clock = _clock_module().EventClock()
+    event = clock.event()
+    got: list[tuple[bool, float]] = []
+
+    def waiter() -> None:
+        got.append((clock.wait_event(event, 100.0), clock.elapsed()))
+
+    def setter() -> None:
+        clock.sleep(3.0)
+        event.set()
+
+    try:
+        _run(waiter, setter)
+        _run(lambda: got.append((clock.wait_event(event, 50.0), clock.elapsed())))
+    finally:
+        clock.close()
+    (first, at), (again, at2) = got
+    assert first and 3.0 <= at < 3.0 + CPU  # woken by the set, not at 100
+    assert again and at2 == at  # already set: no wait at all
+
+
+def test_torchs_keep_alive_timer_runs_on_the_clock_and_stops_when_told() -> None:
+    module = _clock_module()
+    init, run = utils._PeriodicTimer.__init__, utils._PeriodicTimer.__dict__["_run"]
+    fired: list[float] = []
+    with module.events() as clock:
+        timer = utils._PeriodicTimer(timedelta(seconds=5), lambda: fired.append(clock.elapsed()))
+
+        def agent() -> None:
+            timer.start()
+            clock.sleep(12.0)
+            timer.cancel()  # joins the timer's thread: its wait must end on the stop event
+
+        _run(agent)
+        assert dynamic_rendezvous.time is clock  # torch's handler reads the clock
+    assert len(fired) == 2
+    assert 5.0 <= fired[0] < 5.0 + CPU and 10.0 <= fired[1] < 10.0 + 2 * CPU
+    # Every object replaced is back.
+    assert utils._PeriodicTimer.__init__ is init
+    assert utils._PeriodicTimer.__dict__["_run"] is run
+    assert dynamic_rendezvous.time is not clock
+
+
+def test_a_blocking_get_of_a_key_not_yet_set_waits_on_the_clock() -> None:
+    module = _clock_module()
+    clock = module.EventClock()
+    store = module.ClockedStore(HashStore(), clock)
+    got: list[tuple[bytes, float]] = []
+
+    def rank1() -> None:  # torch's handler: rank 1 reads the address rank 0 has yet to set
+        got.append((store.get("MASTER_ADDR"), clock.elapsed()))
+
+    def rank0() -> None:
+        clock.sleep(2.0)
+        store.set("MASTER_ADDR", b"10.0.0.1")
+
+    try:
+        _run(rank1, rank0)
+    finally:
+        clock.close()
+    assert got[0][0] == b"10.0.0.1"
+    assert 2.0 <= got[0][1] < 2.0 + CPU
+
+
+def test_rdzv_scale_takes_event_as_a_dilation_and_refuses_nonsense() -> None:
+    sys.path.insert(0, str(BENCH))
+    try:
+        spec = importlib.util.spec_from_file_location("_rdzv_scale_args", BENCH / "rdzv_scale.py")
+        assert spec and spec.loader
+        bench = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = bench
+        spec.loader.exec_module(bench)
+    finally:
+        sys.path.remove(str(BENCH))
+    assert bench._dilation("event") == "event"
+    assert bench._dilation("4") == 4.0
+    for bad in ("0", "-2", "fast"):
+        with pytest.raises(Exception, match="a number > 0, or event"):
+            bench._dilation(bad)
