@@ -28,9 +28,10 @@ DEADLINE_S = 60.0  # generous on a loaded 2-core machine: the grace is 10 s (2 s
 
 # A launcher of our own: its "workers" are sleeps in sessions of their own, as torch starts
 # them; one ignores SIGTERM (the guard must SIGKILL it). It prints the PIDs, then waits to be
-# killed ("hang") or stops its workers and returns through the guard ("normal"). SIGTERM is
-# ignored from before the exec (the disposition survives it), not by a shell's `trap`: a
-# SIGTERM that came before the shell ran its trap would end that worker at the first signal.
+# killed ("hang"), stops its workers and returns through the guard ("normal"), or returns
+# with them running ("leftover"). SIGTERM is ignored from before the exec (the disposition
+# survives it), not by a shell's `trap`: a SIGTERM that came before the shell ran its trap
+# would end that worker at the first signal.
 FAKE_LAUNCHER = """
 import os, signal, subprocess, sys, time
 from meshrun.launch.agent.orphans import TOKEN_ENV, orphan_guard
@@ -42,6 +43,8 @@ with orphan_guard(grace_s=2.0):
     print("token", os.environ[TOKEN_ENV], "pids", *[k.pid for k in kids], flush=True)
     if sys.argv[1] == "hang":
         time.sleep(300)
+    if sys.argv[1] == "leftover":  # return with both running: the guard's exit ends them
+        sys.exit(0)
     for k in kids:
         k.kill()
         k.wait()
@@ -122,6 +125,20 @@ def test_a_killed_launcher_takes_its_job_and_nothing_else(tmp_path: Path) -> Non
         for p in (bystander, other_job):
             p.kill()
             p.wait()
+
+
+@pytest.mark.timeout(60)
+def test_processes_that_outlive_the_workers_end_with_the_launch() -> None:
+    # A loader worker stuck since its rank exited kept the launch's stdout open: a test that
+    # captured it waited 400 s although the launch had ended.
+    proc, token, pids = _start_fake("leftover")
+    _, err = proc.communicate(timeout=DEADLINE_S)  # EOF: nothing holds the pipe any more
+    assert proc.returncode == 0, err
+    assert _wait_gone(pids) == []
+    assert "the job's processes outlived its workers" in err, err
+    assert "stopping its 2 remaining process(es)" in err, err
+    assert "1 process(es) still running after SIGTERM: SIGKILLed" in err, err  # ignores TERM
+    assert job_processes(token) == []
 
 
 @pytest.mark.timeout(60)
@@ -221,3 +238,24 @@ def test_a_meshrun_script_saves_and_ends_when_its_launcher_is_killed(tmp_path: P
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
         _kill(pids)
+
+
+@pytest.mark.timeout(240)
+def test_a_hung_rank_s_stuck_loader_workers_end_with_the_launch(tmp_path: Path) -> None:
+    # The watchdog ends each rank (exit 124); their loader workers, which never answer, are
+    # not the agent's and stayed, holding the captured output open: this run never returned.
+    script = SCRIPTS / "stuck_loader_worker.py"
+    args = ["--data.num_workers=1", "--data.micro_batch=2", "--monitor.phase_timeout_s=5"]
+    cmd = [sys.executable, "-m", "meshrun", "launch", "--nproc-per-node", "2", str(script)]
+    p = subprocess.run(
+        [*cmd, f"--job.run_dir={tmp_path / 'run'}", *args],
+        capture_output=True,
+        text=True,
+        timeout=180,  # a hang guard for a loaded machine (about 25 s here), not a timing
+        check=False,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
+    out = p.stdout + p.stderr
+    assert p.returncode == 124, out[-3000:]
+    assert "made no progress for 5 s (phase train, after step 0)" in out, out[-3000:]
+    assert "the job's processes outlived its workers" in out, out[-3000:]

@@ -167,9 +167,11 @@ def test_nanogpt_style_with_its_own_parser_under_zero1(tmp_path: Path) -> None:
 @pytest.mark.timeout(LAUNCH_S + 60)
 def test_cnn_classifier_with_loader_workers(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
-    # A fresh make test once saw rank 1 wait for ever for its eval loader's first batch (the
-    # forked workers alive, silent) until the test's timeout killed the launch: with a short
-    # phase limit the watchdog dumps every rank's stacks into the run dir and exits instead.
+    # Fresh make test runs saw a rank wait for ever for its eval loader's first batch: a worker
+    # forked from the multi-threaded rank was stuck inside os.fork() (CPython gh-112275), and
+    # its rank's exit left it holding the launch's output open. Workers now start from a fork
+    # server (docs/data.md); should a rank hang again, the short phase limit makes the
+    # watchdog dump every rank's stacks into the run dir and the launch end.
     args = ["--optim.steps=8", "--data.num_workers=2", "--data.micro_batch=16"]
     args += ["--monitor.phase_timeout_s=120"]
     out = launch("cnn_classifier.py", run_dir, *args)

@@ -136,3 +136,36 @@ def test_workers_persist_and_generator_is_seeded_per_rank() -> None:
     assert build(0).persistent_workers and not build(0, num_workers=0).persistent_workers
     seeds = [build(rank).generator.initial_seed() for rank in (0, 0, 1)]
     assert seeds[0] == seeds[1] != seeds[2]
+
+
+def test_workers_start_from_a_fork_server_and_keep_their_seeds() -> None:
+    # A worker forked from the multi-threaded training process once deadlocked as it started
+    # (inside os.fork(), CPython gh-112275): the default is a fork server, which has no threads.
+    loader = build_dataloader(Indices(4), SequentialSampler(range(4)), 1, num_workers=2)
+    context = loader.multiprocessing_context
+    assert context is not None and context.get_start_method() == "forkserver"
+    # Seeds per (seed, rank, worker) reach workers that unpickle their init function, and
+    # match a forked worker's draws.
+    forked = build_dataloader(
+        Noise(), SequentialSampler(range(8)), 1, num_workers=2, start_method="fork"
+    )
+    by_fork: dict[int, list[list[float]]] = {0: [], 1: []}
+    for batch in forked:
+        by_fork[int(batch[0, 0])].append(batch[0, 1:].tolist())
+    assert draws_by_worker(0) == by_fork
+
+
+def test_a_dataset_workers_cannot_receive_is_refused_naming_the_setting() -> None:
+    class Local(Dataset[int]):  # defined in a function: pickle cannot name it
+        def __len__(self) -> int:
+            return 4
+
+        def __getitem__(self, i: int) -> int:
+            return i
+
+    with pytest.raises(ValueError, match=r"data\.num_workers = 2 with data\.worker_start") as e:
+        build_dataloader(Local(), SequentialSampler(range(4)), 1, num_workers=2)
+    assert "--data.num_workers=0" in str(e.value) and "--data.worker_start=fork" in str(e.value)
+    build_dataloader(Local(), SequentialSampler(range(4)), 1)  # no workers: nothing to pickle
+    forked = build_dataloader(Local(), None, 1, num_workers=1, start_method="fork")
+    assert [int(b) for b in forked] == [0, 1, 2, 3]

@@ -1,6 +1,7 @@
 """The pure parts of issue 7's monitor: straggler comparison, guard packing, config keys,
 the hang report from watchdog files."""
 
+import json
 import math
 import time
 from pathlib import Path
@@ -97,6 +98,24 @@ def test_hang_report_names_silent_ranks_and_where_the_others_wait(tmp_path: Path
     assert "rank 0 (" in report and "in phase eval after step 12" in report
     assert "your code: test_monitor_health.py:" in report
     assert hang_report(tmp_path, since=time.time() + 60) is None  # older files are ignored
+
+
+def test_a_hang_in_a_phase_reports_the_phase_limit(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A hung eval under monitor.phase_timeout_s = 120 once reported "timeout_s": 300 (the step
+    # timeout) although its deadline had been 120 s.
+    dog = Watchdog(tmp_path, rank=0, world_size=2, timeout_s=300.0)
+    with dog.phase("eval", 120.0):
+        dog._dump("eval", 8)  # what the thread writes when the phase's deadline passes
+    header = json.loads((tmp_path / "hang" / "rank0.txt").read_text().partition("\n")[0])
+    assert (header["phase"], header["timeout_s"]) == ("eval", 120.0)
+    assert "made no progress for 120 s (phase eval, after step 8)" in capsys.readouterr().out
+    dog.beat(9)  # back in the step loop: the step timeout again
+    dog._dump("train", 9)
+    header = json.loads((tmp_path / "hang" / "rank0.txt").read_text().partition("\n")[0])
+    assert header["timeout_s"] == 300.0
+    dog.disarm()
 
 
 def test_a_disabled_watchdog_starts_no_thread(tmp_path: Path) -> None:

@@ -200,6 +200,11 @@ class DataConfig:
     micro_batch: int = setting(8, "Samples per forward/backward on one rank.", min=1)
     num_workers: int = setting(0, "DataLoader worker processes per rank.", min=0)
     shuffle: bool = setting(True, "Shuffle the order (a function of seed and epoch only).")
+    worker_start: Literal["forkserver", "spawn", "fork"] = setting(
+        "forkserver",
+        "How loader workers start: forkserver and spawn pickle the dataset to each worker; "
+        "fork copies this multi-threaded process and can deadlock a worker as it starts.",
+    )
 
 
 @dataclass

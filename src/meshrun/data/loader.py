@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from meshrun.data.checks import loader_resource_problems
 from meshrun.data.sampler import ResumableSampler, mix_seed
+from meshrun.data.workers import StartMethod, worker_context
 
 __all__ = ["WaitClock", "build_dataloader"]
 
@@ -33,17 +34,24 @@ def build_dataloader(
     collate_fn: Callable[[list[Any]], Any] | None = None,
     pin_memory: bool = False,
     prefetch_factor: int | None = None,
+    start_method: StartMethod = "forkserver",
 ) -> DataLoader[Any]:
     """Return a DataLoader over ``sampler``'s indices in batches of ``micro_batch``.
 
     Workers seed Python ``random``, NumPy and torch from (seed, rank, worker id),
     so augmentation differs between ranks and workers yet repeats run to run.
     Workers are persistent, so their random streams continue across epochs
-    instead of restarting (which would repeat every epoch's augmentation).
+    instead of restarting (which would repeat every epoch's augmentation). Workers start
+    from a fork server by default, not as forks of this multi-threaded process (see
+    data/workers.py); a dataset or ``collate_fn`` they cannot receive is refused here.
     """
     _validate(micro_batch, num_workers, prefetch_factor)
     _maybe_warn_straddle(sampler, micro_batch)
     _maybe_warn_resources(num_workers)
+    init_fn = functools.partial(seed_worker, seed=seed, rank=rank)
+    context = worker_context(
+        start_method, num_workers, dataset=dataset, collate_fn=collate_fn, worker_init_fn=init_fn
+    )
     return DataLoader(
         dataset,
         batch_size=micro_batch,
@@ -53,10 +61,11 @@ def build_dataloader(
         num_workers=num_workers,
         collate_fn=collate_fn,
         pin_memory=pin_memory,
-        worker_init_fn=functools.partial(seed_worker, seed=seed, rank=rank),
+        worker_init_fn=init_fn,
         generator=torch.Generator().manual_seed(mix_seed(seed, rank)),
         persistent_workers=num_workers > 0,
         prefetch_factor=prefetch_factor,
+        multiprocessing_context=context,
     )
 
 

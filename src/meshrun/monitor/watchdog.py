@@ -67,6 +67,7 @@ class Watchdog:
         self._born = time.time()  # a request older than this process is an earlier attempt's
         self._lock = threading.Lock()
         self._deadline: float | None = None  # None = disarmed
+        self._limit_s = timeout_s  # what the deadline allows: the step's, or a phase's
         self._phase = "train"
         self._step = 0
         self._thread: threading.Thread | None = None
@@ -84,7 +85,8 @@ class Watchdog:
         with self._lock:
             if step is not None:
                 self._step = step
-            self._deadline = time.monotonic() + (timeout_s or self.timeout_s)
+            self._limit_s = timeout_s or self.timeout_s
+            self._deadline = time.monotonic() + self._limit_s
         if self._thread is None:
             self._thread = threading.Thread(
                 target=self._watch, name="meshrun-watchdog", daemon=True
@@ -121,9 +123,9 @@ class Watchdog:
             time.sleep(_POLL_S)
             with self._lock:
                 late = self._deadline is not None and time.monotonic() > self._deadline
-                phase, step = self._phase, self._step
+                phase, step, limit_s = self._phase, self._step, self._limit_s
             if late or self._requested():
-                self._dump(phase, step, "deadline" if late else "request")
+                self._dump(phase, step, "deadline" if late else "request", limit_s)
                 time.sleep(HOLD_S)  # let the other ranks write theirs (see HOLD_S)
                 os._exit(EXIT_HANG)  # the main thread is stuck: no clean shutdown is possible
 
@@ -134,7 +136,14 @@ class Watchdog:
         except OSError:
             return False
 
-    def _dump(self, phase: str, step: int, trigger: str = "deadline") -> None:
+    def _dump(
+        self, phase: str, step: int, trigger: str = "deadline", limit_s: float | None = None
+    ) -> None:
+        # The limit of the deadline that passed: inside a phase (eval, a checkpoint save) that
+        # is monitor.phase_timeout_s (or the phase's own), not the step timeout.
+        if limit_s is None:
+            with self._lock:
+                limit_s = self._limit_s
         self.path.parent.mkdir(parents=True, exist_ok=True)
         header = {
             "rank": self.rank,
@@ -143,7 +152,7 @@ class Watchdog:
             "pid": os.getpid(),
             "phase": phase,
             "step": step,  # the last step this rank finished
-            "timeout_s": self.timeout_s,
+            "timeout_s": limit_s,
             "trigger": trigger,  # its own deadline, or the launcher's request
             "main_thread": threading.main_thread().ident,
             "time": time.time(),
@@ -155,7 +164,7 @@ class Watchdog:
             f.flush()
             faulthandler.dump_traceback(file=f, all_threads=True)
         why = (
-            f"made no progress for {self.timeout_s:g} s"
+            f"made no progress for {limit_s:g} s"
             if trigger == "deadline"
             else "was asked for its stacks (another rank reported a hang)"
         )

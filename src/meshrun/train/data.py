@@ -95,4 +95,5 @@ def rank_dataloader(
         rank=rank,
         collate_fn=collate_fn,
         pin_memory=device.type == "cuda",
+        start_method=cfg.data.worker_start,
     )

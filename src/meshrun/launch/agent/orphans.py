@@ -80,6 +80,7 @@ def orphan_guard(grace_s: float = GRACE_S) -> Iterator[None]:
     try:
         yield
     finally:
+        end_leftovers(token, grace_s)
         if previous is None:
             os.environ.pop(TOKEN_ENV, None)
         else:
@@ -188,15 +189,27 @@ def _pidfd(pid: int) -> int | None:
         return None  # an older kernel: os.kill after the check (a window of microseconds)
 
 
-def end_job(token: str, grace_s: float, launcher: int) -> int:
-    """SIGTERM the job's processes, SIGKILL what is left after ``grace_s``; how many there were."""
+def end_leftovers(token: str, grace_s: float = GRACE_S) -> int:
+    """In the launcher, once the agent has stopped its workers: end the job's processes that
+    outlived them, as :func:`end_job`. The agent stops only the workers it started; a loader
+    worker that never answers (stuck as it started) stays when its rank exits, and holds the
+    launch's stdout and stderr open, so whatever reads them (a pipe, ``| tee``, a test's
+    captured output) waited for it for ever although the launch had ended. None is left after
+    a clean run: the scan of /proc is all it costs then."""
+    why = "the job's processes outlived its workers (a loader worker that never answered?)"
+    return end_job(token, grace_s, os.getpid(), why)
+
+
+def end_job(token: str, grace_s: float, launcher: int, why: str | None = None) -> int:
+    """SIGTERM the job's processes, SIGKILL what is left after ``grace_s``; how many there were.
+    ``why``: what the message says of them (default: the launcher died without stopping them)."""
     termed = set(signal_job(token, job_processes(token), signal.SIGTERM))
     if not termed:
         return 0
+    why = why or f"the launcher (pid {launcher}) ended without stopping its workers (killed?)"
     _say(
-        f"meshrun launch: the launcher (pid {launcher}) ended without stopping its workers "
-        f"(killed?); stopping its {len(termed)} remaining process(es): SIGTERM now, SIGKILL "
-        f"after {grace_s:g} s"
+        f"meshrun launch: {why}; stopping its {len(termed)} remaining process(es): SIGTERM now, "
+        f"SIGKILL after {grace_s:g} s"
     )
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and (running := job_processes(token)):
