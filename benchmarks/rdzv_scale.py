@@ -356,12 +356,18 @@ def cheap_event_names() -> None:
 
 
 def measure(
-    backend: str, n: int, stall_s: float = 0.0, idle_s: float = 0.0, dilate: float | str = 1.0
+    backend: str,
+    n: int,
+    stall_s: float = 0.0,
+    idle_s: float = 0.0,
+    dilate: float | str = 1.0,
+    restart: bool = True,
 ) -> dict[str, Any]:
     """One row of the table (see the module); raises if a round is not what it must be.
     ``dilate``: the agents' clock runs that many times slower than the real one, or is an
     event clock ("event"); ``stall_s``, ``idle_s`` and the row's times but ``wall_s`` are on
-    that clock."""
+    that clock. ``restart`` False: the first round only (the restart's columns empty, the
+    others over that round)."""
     cheap_event_names()
     os.environ.setdefault(SECRET_ENV, secrets.token_hex(32))
     os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"  # as meshrun launch sets it
@@ -371,14 +377,20 @@ def measure(
     try:
         clocked = event_clock.events() if dilate == "event" else virtual_clock.dilate(float(dilate))
         with clocked as clock:
-            row = _rounds(backend, n, server, clock, stall_s, idle_s)
+            row = _rounds(backend, n, server, clock, stall_s, idle_s, restart)
         return Row(**row, dilate=dilate, wall_s=round(time.perf_counter() - began, 1)).__dict__
     finally:
         server.close()
 
 
 def _rounds(
-    backend: str, n: int, server: StoreServer, clock: Clock, stall_s: float, idle_s: float
+    backend: str,
+    n: int,
+    server: StoreServer,
+    clock: Clock,
+    stall_s: float,
+    idle_s: float,
+    restart: bool,
 ) -> dict[str, Any]:
     """The row's columns but ``dilate`` and ``wall_s``: both rounds, the idle phase between
     them, every agent's heartbeats stopped at the end (their timers run on ``clock``)."""
@@ -392,32 +404,35 @@ def _rounds(
             f"meshrun.rdzv/{run_id}" if backend == "meshrun" else f"torch.rendezvous.{run_id}"
         )
         idle_b = idle(agents, idle_s, clock) if idle_s > 0 else 0.0
-        dead = agents[-1]
-        stop_heartbeats(dead)  # the host is gone: no exit, no heartbeat
-        live = agents[:-1]
-        restart, got = all_join(live, clock, stall_s, dead)
-        _check_round(got, n - 1)
+        again, live = None, agents
+        if restart:
+            dead = agents[-1]
+            stop_heartbeats(dead)  # the host is gone: no exit, no heartbeat
+            live = agents[:-1]
+            again, got = all_join(live, clock, stall_s, dead)
+            _check_round(got, n - 1)
         cpu, own = server.cpu_s() - cpu0, time.process_time() - own0
     finally:
         for agent in agents:
             stop_heartbeats(agent)
     waits = KEEP_ALIVE_S * KEEP_ALIVE_TRIES + LAST_CALL_S
+    rounds_s = first + (again or 0.0)
     return dict(
         backend=backend,
         nodes=n,
         first_s=round(first, 2),
-        restart_s=round(restart, 2),
-        restart_work_s=round(max(0.0, restart - waits), 2),
+        restart_s=None if again is None else round(again, 2),
+        restart_work_s=None if again is None else round(max(0.0, again - waits), 2),
         ops_per_node=round(statistics.mean(a.counter.ops for a in agents), 1),
         kb_per_node=round(statistics.mean(a.counter.bytes for a in live) / 1024, 1),
         state_kb=round(len(state) / 1024, 1),
         store_cpu_s=round(cpu, 2),
         # The share of one core the store needs to keep the rounds' pace in real time; over 1
         # the real store would fall behind (the event clock's rounds do not wait for it).
-        store_load=round(cpu / (first + restart), 3),
+        store_load=round(cpu / rounds_s, 3),
         # A host's CPU for its agent, per second of the rounds (this process's CPU, the idle
         # phase's included, over N agents).
-        agent_cpu_ms_per_s=round(1000 * own / n / (first + restart + idle_s), 2),
+        agent_cpu_ms_per_s=round(1000 * own / n / (rounds_s + idle_s), 2),
         idle_b_per_s=round(idle_b),
     )
 
@@ -449,8 +464,8 @@ class Row:
     backend: str
     nodes: int
     first_s: float
-    restart_s: float
-    restart_work_s: float
+    restart_s: float | None
+    restart_work_s: float | None
     ops_per_node: float
     kb_per_node: float
     state_kb: float
@@ -484,6 +499,12 @@ def main(argv: list[str] | None = None) -> None:
         "under --dilate)",
     )
     p.add_argument(
+        "--first-only",
+        action="store_true",
+        help="the first round only, no restart (at 4,096 nodes the restart's 15 s of polls "
+        "cost hours of this machine's CPU)",
+    )
+    p.add_argument(
         "--dilate",
         type=_dilation,
         default=1.0,
@@ -501,8 +522,8 @@ def main(argv: list[str] | None = None) -> None:
     print("|---" * 14 + "|")
     for n in [int(x) for x in a.nodes.split(",")]:
         for backend in a.backends.split(","):
-            row = measure(backend, n, a.stall_report, a.idle, a.dilate)
-            emit(row, [str(v) for v in row.values()], a.json)
+            row = measure(backend, n, a.stall_report, a.idle, a.dilate, not a.first_only)
+            emit(row, ["-" if v is None else str(v) for v in row.values()], a.json)
 
 
 def _dilation(text: str) -> float | str:
