@@ -314,6 +314,40 @@ def stall_report(
     return "\n".join(lines)
 
 
+def odd_views(agents: list[Agent], clock: Clock) -> str:
+    """After a round whose nodes disagree on the world: for each agent whose world differs
+    from the most common one, the nodes its round lacks, and what its backend holds of them
+    (the newest log entry, the newest heartbeat seen) and of itself."""
+    from collections import Counter
+
+    states = [torch_handler(a)._state_holder.state for a in agents]
+    common = Counter(len(s.participants) for s in states).most_common(1)[0][0]
+    full = next(s for s in states if len(s.participants) == common)
+    now = datetime.fromtimestamp(clock.time(), timezone.utc)
+    lines = [f"ODD: {common} participants in most views, at {now.isoformat()}"]
+    for agent, state in zip(agents, states, strict=True):
+        if len(state.participants) == common:
+            continue
+        me = torch_handler(agent)._this_node
+        backend = torch_handler(agent)._state_holder._backend
+        log, hb = getattr(backend, "_log", None), getattr(backend, "_hb", None)
+
+        def held(node: Any, log: Any = log, hb: Any = hb) -> str:
+            entry = log.newest.get(node) if log is not None else None
+            seen = hb._seen.get(node) if hb is not None else None
+            age = f"{(now - seen).total_seconds():.1f}" if seen else "-"
+            return f"entry {entry and (entry.slot, entry.round, entry.place)} hb age {age}"
+
+        lines.append(
+            f"ODD: agent {me} world {len(state.participants)} round {state.round} "
+            f"complete {state.complete} wait {len(state.wait_list)} log next "
+            f"{log.next if log else '-'}; itself: {held(me)}"
+        )
+        for node in [n for n in full.participants if n not in state.participants][:10]:
+            lines.append(f"ODD:   lacks {node}: {held(node)}")
+    return "\n".join(lines)
+
+
 def idle(agents: list[Agent], seconds: float, clock: Clock) -> float:
     """Every agent polls ``num_nodes_waiting`` once a second for ``seconds`` (torchrun's agent
     asks it in its monitor loop while the workers train); the bytes per node per second, both
@@ -410,7 +444,11 @@ def _rounds(
             stop_heartbeats(dead)  # the host is gone: no exit, no heartbeat
             live = agents[:-1]
             again, got = all_join(live, clock, stall_s, dead)
-            _check_round(got, n - 1)
+            try:
+                _check_round(got, n - 1)
+            except RuntimeError:
+                print(odd_views(live, clock), file=sys.stderr, flush=True)
+                raise
         cpu, own = server.cpu_s() - cpu0, time.process_time() - own0
     finally:
         for agent in agents:

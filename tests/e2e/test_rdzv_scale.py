@@ -60,8 +60,9 @@ def test_256_nodes_join_and_restart_with_one_gone() -> None:
 
 
 # heavy: test_256_nodes_join_and_restart_with_one_gone shows the same join and restart at 256;
-# the agents' CPU grows as N^2 (each of N polls reads a state of N nodes), so 1,024 agents take
-# about 15 minutes of one core here and 4,096 hours (docs/scale.md).
+# the agents' CPU and memory grow as N^2 (each of N agents polls and holds a state of N
+# nodes): 1,024 agents take about 20 minutes of one core here, and 4,096 more than the 23 GB
+# this machine has (docs/scale.md).
 @pytest.mark.heavy
 @pytest.mark.timeout(4 * 3600)
 @pytest.mark.parametrize("nodes", [1024, 4096])
