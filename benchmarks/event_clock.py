@@ -46,20 +46,17 @@ class _Waiter:
         self.wake, self.done, self.go = wake, False, threading.Event()
 
 
-class EventClock:
+class EventClock(virtual_clock.AnchoredClock):
     """Virtual time that advances only when every simulated thread waits on it (see the
-    module). ``monotonic``, ``time`` and ``perf_counter`` read it, from the real clocks'
-    values when it was made; ``sleep`` waits on it; the rest is the real ``time`` module's.
+    module); ``sleep`` waits on it.
 
     ``poll_s``: how often (real seconds) a thread of the clock's own looks whether every
     simulated thread waits; needed where the last thread to move ended instead of waiting.
     ``steps`` counts the moves of time."""
 
-    k = "event"  # the row's "dilate" column
-
     def __init__(self, poll_s: float = 0.002) -> None:
+        super().__init__(_time.monotonic())
         self._now = 0.0
-        self._t0, self._wall0, self._perf0 = _time.monotonic(), _time.time(), _time.perf_counter()
         self._lock = threading.Lock()
         self._heap: list[tuple[float, int, _Waiter]] = []
         self._seq = itertools.count()
@@ -75,17 +72,7 @@ class EventClock:
         self._thread.start()
 
     def elapsed(self) -> float:
-        """Virtual seconds since this clock was made."""
         return self._now
-
-    def monotonic(self) -> float:
-        return self._t0 + self._now
-
-    def time(self) -> float:
-        return self._wall0 + self._now
-
-    def perf_counter(self) -> float:
-        return self._perf0 + self._now
 
     def sleep(self, seconds: float) -> None:
         self._wait(seconds, None)
@@ -102,9 +89,6 @@ class EventClock:
     def close(self) -> None:
         self._stop.set()
         self._thread.join()
-
-    def __getattr__(self, name: str) -> Any:  # struct_time, strftime, ...: the real ones
-        return getattr(_time, name)
 
     def _wait(self, seconds: float, event: _ClockEvent | None) -> bool:
         # The CPU this thread spent since its last wait is charged to it, as on a host of its

@@ -39,9 +39,10 @@ store server's CPU is real, and undilated. The agents' own Python (JSON or pickl
 shares this process's GIL: at large N, or on a busy machine, they starve even so.
 
 ``--dilate event`` runs them on an event clock (``event_clock.py``): virtual time stands still
-while any agent works and jumps to the next wake-up when all wait. Agents and store are
-infinitely fast as the protocol sees them: the times are the protocol's own waits, the same
-on any machine under any load, and nothing starves; the CPU columns say what the work costs.
+while any agent works and jumps to the next wake-up when all wait, each agent's own CPU
+charged to its clock as on a host of its own. The store and the network take no virtual
+time (the store's CPU is measured apart). The times are then the protocol's waits and each
+node's own work, the same under any load, and nothing starves.
 
     .venv/bin/python benchmarks/rdzv_scale.py --nodes 64,256,1024 [--backends meshrun,c10d]
         [--dilate K|event]
@@ -79,9 +80,7 @@ if str(Path(__file__).resolve().parent) not in sys.path:
 import event_clock
 import virtual_clock
 from event_clock import EventClock
-from virtual_clock import VirtualTime
-
-Clock = VirtualTime | EventClock
+from virtual_clock import AnchoredClock as Clock
 
 KEEP_ALIVE_S, KEEP_ALIVE_TRIES, LAST_CALL_S = 5, 3, 1  # torch's defaults but the last call's 30
 LAUNCH_NONCE = "rdzv-scale-bench"  # one simulated launch: every agent signs with this nonce

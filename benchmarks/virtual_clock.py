@@ -41,10 +41,39 @@ PRELOAD = (
 )
 
 
-class VirtualTime:
-    """Stands for the ``time`` module: ``monotonic``, ``time`` and ``perf_counter`` advance at
-    1/k of the real rate from the moment it was made (so they stay continuous with the real
-    clocks read before), ``sleep`` lasts k times longer; anything else is the real module's.
+class AnchoredClock:
+    """Stands for the ``time`` module: ``monotonic``, ``time`` and ``perf_counter`` are the real
+    clocks' values at ``t0`` (the monotonic one given) plus ``elapsed()`` virtual seconds, so
+    they stay continuous with the real clocks read before and advance together; anything but
+    ``sleep`` is the real module's. A subclass says how virtual time passes."""
+
+    def __init__(self, t0: float) -> None:
+        self._t0 = t0
+        self._wall0, self._perf0 = _time.time(), _time.perf_counter()
+
+    def elapsed(self) -> float:
+        """Virtual seconds since this clock was made."""
+        raise NotImplementedError
+
+    def sleep(self, seconds: float) -> None:
+        raise NotImplementedError
+
+    def monotonic(self) -> float:
+        return self._t0 + self.elapsed()
+
+    def time(self) -> float:
+        return self._wall0 + self.elapsed()
+
+    def perf_counter(self) -> float:
+        return self._perf0 + self.elapsed()
+
+    def __getattr__(self, name: str) -> Any:  # struct_time, strftime, ...: the real ones
+        return getattr(_time, name)
+
+
+class VirtualTime(AnchoredClock):
+    """A clock whose time advances at 1/k of the real rate from the moment it was made, and
+    whose ``sleep`` lasts k times longer.
 
     ``real`` and ``real_sleep`` are the real clock and sleep; a test passes fake ones so that
     the rate is checked without timing windows."""
@@ -58,28 +87,13 @@ class VirtualTime:
         if k <= 0:
             raise ValueError(f"dilation must be positive, got {k}")
         self.k, self._real, self._real_sleep = k, real, real_sleep
-        # One real anchor for all three clocks: they advance together, as the real ones do.
-        self._t0 = real()
-        self._wall0, self._perf0 = _time.time(), _time.perf_counter()
+        super().__init__(real())
 
     def elapsed(self) -> float:
-        """Virtual seconds since this clock was made."""
         return (self._real() - self._t0) / self.k
-
-    def monotonic(self) -> float:
-        return self._t0 + self.elapsed()
-
-    def time(self) -> float:
-        return self._wall0 + self.elapsed()
-
-    def perf_counter(self) -> float:
-        return self._perf0 + self.elapsed()
 
     def sleep(self, seconds: float) -> None:
         self._real_sleep(seconds * self.k)
-
-    def __getattr__(self, name: str) -> Any:  # struct_time, strftime, ...: the real ones
-        return getattr(_time, name)
 
 
 class _AnyDatetime(type):
@@ -90,7 +104,7 @@ class _AnyDatetime(type):
         return isinstance(obj, _datetime)
 
 
-def virtual_datetime(clock: Any) -> type[_datetime]:
+def virtual_datetime(clock: AnchoredClock) -> type[_datetime]:
     """A ``datetime`` subclass whose ``now`` and ``utcnow`` read ``clock``. They return plain
     ``datetime`` objects, and pickling an instance made otherwise (``fromisoformat``) gives a
     plain one too: states holding these times are pickled for, and by, torch's handler, and
@@ -111,9 +125,9 @@ def virtual_datetime(clock: Any) -> type[_datetime]:
     return VirtualDatetime
 
 
-def patch_modules(clock: Any, undo: list[Callable[[], None]]) -> None:
+def patch_modules(clock: AnchoredClock, undo: list[Callable[[], None]]) -> None:
     """Every imported module under ``PREFIXES`` (``PRELOAD`` imported first) reads ``clock``
-    (a ``VirtualTime`` or ``event_clock.EventClock``) for ``time`` and ``datetime``; ``undo``
+    (a ``VirtualTime`` or an ``event_clock.EventClock``) for ``time`` and ``datetime``; ``undo``
     gets how to put each name back."""
     for name in PRELOAD:
         import_module(name)
@@ -124,7 +138,7 @@ def patch_modules(clock: Any, undo: list[Callable[[], None]]) -> None:
 
 
 def _patch_module(
-    module: ModuleType, clock: Any, dt: type[_datetime], undo: list[Callable[[], None]]
+    module: ModuleType, clock: AnchoredClock, dt: type[_datetime], undo: list[Callable[[], None]]
 ) -> None:
     """Replace the clock names in one module's globals, noting how to put each back."""
     shim_of = {

@@ -20,15 +20,19 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 CPU = 0.25  # virtual seconds a test thread's own Python may add before a wait
 
 
-def _clock_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "_event_clock_under_test", BENCH / "event_clock.py"
-    )
+def _load(name: str, file: str) -> ModuleType:
+    """A benchmark script as a module, by its path (benchmarks/ is no package; each script
+    puts its own folder on sys.path for its siblings)."""
+    spec = importlib.util.spec_from_file_location(name, BENCH / file)
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
+    sys.modules[spec.name] = module  # its dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+def _clock_module() -> ModuleType:
+    return _load("_event_clock_under_test", "event_clock.py")
 
 
 def _run(*targets: object) -> None:
@@ -162,15 +166,7 @@ def test_a_blocking_get_of_a_key_not_yet_set_waits_on_the_clock() -> None:
 
 
 def test_rdzv_scale_takes_event_as_a_dilation_and_refuses_nonsense() -> None:
-    sys.path.insert(0, str(BENCH))
-    try:
-        spec = importlib.util.spec_from_file_location("_rdzv_scale_args", BENCH / "rdzv_scale.py")
-        assert spec and spec.loader
-        bench = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = bench
-        spec.loader.exec_module(bench)
-    finally:
-        sys.path.remove(str(BENCH))
+    bench = _load("_rdzv_scale_args", "rdzv_scale.py")
     assert bench._dilation("event") == "event"
     assert bench._dilation("4") == 4.0
     for bad in ("0", "-2", "fast"):
