@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset, Sampler
 
 from meshrun.data.checks import loader_resource_problems
 from meshrun.data.sampler import ResumableSampler, mix_seed
-from meshrun.data.workers import StartMethod, worker_context
+from meshrun.data.workers import StartMethod, warn_once, worker_context
 
 __all__ = ["WaitClock", "build_dataloader"]
 
@@ -93,16 +93,11 @@ def _validate(micro_batch: int, num_workers: int, prefetch_factor: int | None) -
         )
 
 
-_warned_resources: set[str] = set()
-
-
 def _maybe_warn_resources(num_workers: int) -> None:
     # torchrun (and meshrun launch) tell each process how many share its node.
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     for problem in loader_resource_problems(num_workers, local):
-        if problem not in _warned_resources:  # once per process, not once per loader
-            _warned_resources.add(problem)
-            warnings.warn(problem, stacklevel=3)
+        warn_once(problem)
 
 
 def _maybe_warn_straddle(sampler: Sampler[int] | None, micro_batch: int) -> None:

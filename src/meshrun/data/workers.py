@@ -31,7 +31,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-__all__ = ["START_METHODS", "StartMethod", "worker_context"]
+__all__ = ["START_METHODS", "StartMethod", "warn_once", "worker_context"]
 
 StartMethod = Literal["forkserver", "spawn", "fork"]
 START_METHODS: tuple[StartMethod, ...] = ("forkserver", "spawn", "fork")
@@ -54,7 +54,7 @@ def worker_context(
     if start_method != "fork":
         where = unguarded_main_line()
         if where is not None:
-            _warn_once(
+            warn_once(
                 f"data.num_workers = {num_workers}: loader workers are forked from this "
                 f"multi-threaded training process, because {where} runs outside "
                 f'`if __name__ == "__main__":` and data.worker_start = {start_method} would '
@@ -172,7 +172,9 @@ def _is_main_test(test: ast.expr) -> bool:
     return names == ["__name__"] and consts == ["__main__"]
 
 
-def _warn_once(text: str) -> None:
-    if text not in _warned:  # once per process, not once per loader
+def warn_once(text: str, stacklevel: int = 4) -> None:
+    """Warn with ``text`` once per process, not once per loader (``stacklevel`` counts this
+    function: the default points at build_dataloader's caller from a helper it calls)."""
+    if text not in _warned:
         _warned.add(text)
-        warnings.warn(text, stacklevel=4)
+        warnings.warn(text, stacklevel=stacklevel)
