@@ -51,6 +51,7 @@ node's own work, the same under any load, and nothing starves.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import resource
@@ -78,6 +79,8 @@ from meshrun.runtime.secret import SECRET_ENV, from_env
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import event_clock
+import rdzv_trace
+import shared_objects
 import virtual_clock
 from event_clock import EventClock
 from virtual_clock import AnchoredClock as Clock
@@ -395,6 +398,7 @@ def measure(
     idle_s: float = 0.0,
     dilate: float | str = 1.0,
     restart: bool = True,
+    trace_dead: bool = False,
 ) -> dict[str, Any]:
     """One row of the table (see the module); raises if a round is not what it must be.
     ``dilate``: the agents' clock runs that many times slower than the real one, or is an
@@ -409,8 +413,12 @@ def measure(
     server = StoreServer()
     try:
         clocked = event_clock.events() if dilate == "event" else virtual_clock.dilate(float(dilate))
-        with clocked as clock:
-            row = _rounds(backend, n, server, clock, stall_s, idle_s, restart)
+        # meshrun's pickles never leave this process: its agents share what they decode alike
+        # (shared_objects.py); c10d's go to the store, and their bytes are measured as torch
+        # makes them.
+        sharing = shared_objects.shared() if backend == "meshrun" else contextlib.nullcontext()
+        with clocked as clock, sharing:
+            row = _rounds(backend, n, server, clock, stall_s, idle_s, restart, trace_dead)
         return Row(**row, dilate=dilate, wall_s=round(time.perf_counter() - began, 1)).__dict__
     finally:
         server.close()
@@ -424,11 +432,17 @@ def _rounds(
     stall_s: float,
     idle_s: float,
     restart: bool,
+    trace_dead: bool = False,
 ) -> dict[str, Any]:
     """The row's columns but ``dilate`` and ``wall_s``: both rounds, the idle phase between
-    them, every agent's heartbeats stopped at the end (their timers run on ``clock``)."""
+    them, every agent's heartbeats stopped at the end (their timers run on ``clock``).
+    ``trace_dead``: say every live node a handler drops as dead (``rdzv_trace.py``)."""
     run_id = f"scale{n}"
     agents = [make_agent(backend, server.port, n, i, run_id, clock) for i in range(n)]
+    untrace = None
+    if trace_dead:
+        untrace = rdzv_trace.install(agents, torch_handler, server.port, clock, LAUNCH_NONCE)
+        rdzv_trace.expect_dead(torch_handler(agents[-1])._this_node)
     try:
         cpu0, own0 = server.cpu_s(), time.process_time()
         first, got = all_join(agents, clock, stall_s)
@@ -452,6 +466,8 @@ def _rounds(
     finally:
         for agent in agents:
             stop_heartbeats(agent)
+        if untrace is not None:
+            untrace()
     waits = KEEP_ALIVE_S * KEEP_ALIVE_TRIES + LAST_CALL_S
     rounds_s = first + (again or 0.0)
     return dict(
@@ -550,6 +566,12 @@ def main(argv: list[str] | None = None) -> None:
         "on an event clock (event: time moves only when every agent waits); every time but "
         "the wall seconds is then virtual",
     )
+    p.add_argument(
+        "--trace-dead",
+        action="store_true",
+        help="say every live node a handler drops as dead: what the dropping node held of it "
+        "and what the node had written (rdzv_trace.py)",
+    )
     a = p.parse_args(argv)
     print(
         "| backend | nodes | first round s | restart s | beyond fixed waits s | "
@@ -559,7 +581,9 @@ def main(argv: list[str] | None = None) -> None:
     print("|---" * 14 + "|")
     for n in [int(x) for x in a.nodes.split(",")]:
         for backend in a.backends.split(","):
-            row = measure(backend, n, a.stall_report, a.idle, a.dilate, not a.first_only)
+            row = measure(
+                backend, n, a.stall_report, a.idle, a.dilate, not a.first_only, a.trace_dead
+            )
             emit(row, ["-" if v is None else str(v) for v in row.values()], a.json)
 
 

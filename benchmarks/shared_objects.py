@@ -1,0 +1,124 @@
+"""One object per process for what every simulated agent decodes alike (``rdzv_scale.py``).
+
+On its own host an agent holds a few copies of the rendezvous state: O(N) objects, a few MB
+at 4,096 nodes. N agents in one process hold N times that: O(N^2), 23 GB at 4,096 nodes,
+this machine's memory (docs/scale.md). Most of it is the same immutable values decoded again
+by every agent: each node's ``_NodeDesc`` and its address, each heartbeat's ``datetime``, each
+log entry. Within :func:`shared` those are made once per process: the decoding itself (JSON,
+HMAC, pickle) still runs in every agent, as on its host, and is charged to it; only the
+result is swapped for the equal object made first, and the agent's copy is garbage at once.
+What an agent holds is then its own dicts, lists and bytes, which a real host holds too.
+
+Patched, and put back on leaving:
+- ``_NodeDesc`` pickles as a call of :func:`node` (torch's handler unpickles the state at
+  every change; meshrun's backend unpickles the handler's), and meshrun's JSON decoding
+  (``state_json``, ``joinlog``) builds nodes with it;
+- ``datetime`` pickles as a call of :func:`moment`, and ``fromisoformat`` in those modules
+  and in ``heartbeats`` answers the first equal time parsed;
+- a verified log entry (``JoinLog._verify``) is the first equal entry.
+"""
+
+from __future__ import annotations
+
+import copyreg
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from datetime import datetime as _datetime
+from typing import Any
+
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
+
+from meshrun.launch.trust import heartbeats, joinlog, state_json
+
+_NODES: dict[tuple[str, int, int], _NodeDesc] = {}
+_MOMENTS: dict[Any, _datetime] = {}
+_ENTRIES: dict[Any, Any] = {}
+
+
+def node(addr: str, pid: int, local_id: int) -> _NodeDesc:
+    """The process's one ``_NodeDesc`` equal to these fields."""
+    key = (addr, pid, local_id)
+    held = _NODES.get(key)
+    if held is None:
+        held = _NODES[key] = _new_node(addr, pid, local_id)
+    return held
+
+
+def moment(state: bytes, tz: Any = None) -> _datetime:
+    """The process's one ``datetime`` of this pickled state (what ``datetime.__reduce__``
+    gives)."""
+    key = (state, tz)
+    held = _MOMENTS.get(key)
+    if held is None:
+        held = _MOMENTS[key] = _datetime(state, tz)  # type: ignore[call-overload]
+    return held
+
+
+def _moment_key(t: _datetime) -> tuple[Any, Any]:
+    args = _datetime.__reduce__(t)[1]
+    return args[0], args[1] if len(args) > 1 else None
+
+
+_new_node: Callable[..., _NodeDesc] = _NodeDesc
+
+
+def _reduce_node(desc: _NodeDesc) -> tuple[Any, ...]:
+    return node, (desc.addr, desc.pid, desc.local_id)
+
+
+def _reduce_moment(t: _datetime) -> tuple[Any, ...]:
+    return moment, _datetime.__reduce__(t)[1]
+
+
+def _parsing(cls: type[_datetime]) -> type[_datetime]:
+    """``cls`` (the module's ``datetime``, the clock's subclass) whose ``fromisoformat``
+    answers the first equal time parsed."""
+    seen: dict[str, _datetime] = {}
+
+    class Parsed(cls):  # type: ignore[valid-type, misc]
+        @classmethod
+        def fromisoformat(cls_, text: str) -> _datetime:  # type: ignore[override]
+            held = seen.get(text)
+            if held is None:
+                # A plain datetime, as the clock's now() gives: it pickles through moment().
+                parsed = _datetime.fromisoformat(text)
+                held = seen[text] = _MOMENTS.setdefault(_moment_key(parsed), parsed)
+            return held
+
+    return Parsed
+
+
+@contextmanager
+def shared() -> Iterator[None]:
+    """Within the block, the patches of the module docstring. Enter it inside the clock's
+    block (it wraps the clock's ``datetime``)."""
+    undo: list[Callable[[], None]] = []
+    try:
+        _NodeDesc.__reduce__ = _reduce_node  # type: ignore[assignment, method-assign]
+        undo.append(lambda: delattr(_NodeDesc, "__reduce__"))
+        for cls in {_datetime, state_json.datetime}:  # the clock's datetime pickles as plain
+            copyreg.dispatch_table[cls] = _reduce_moment
+            undo.append(lambda cls=cls: copyreg.dispatch_table.pop(cls, None))
+        for module in (state_json, joinlog):
+            _swap(module, "_NodeDesc", node, undo)
+        for module in (state_json, heartbeats):
+            _swap(module, "datetime", _parsing(module.datetime), undo)
+        verify = joinlog.JoinLog._verify
+
+        def shared_verify(self: Any, slot: int, raw: bytes) -> Any:
+            entry = verify(self, slot, raw)
+            return entry if entry is None else _ENTRIES.setdefault(entry, entry)
+
+        joinlog.JoinLog._verify = shared_verify  # type: ignore[method-assign]
+        undo.append(lambda: setattr(joinlog.JoinLog, "_verify", verify))
+        yield
+    finally:
+        for put_back in reversed(undo):
+            put_back()
+        _NODES.clear(), _MOMENTS.clear(), _ENTRIES.clear()
+
+
+def _swap(module: Any, name: str, value: Any, undo: list[Callable[[], None]]) -> None:
+    old = getattr(module, name)
+    setattr(module, name, value)
+    undo.append(lambda: setattr(module, name, old))
