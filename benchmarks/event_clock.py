@@ -22,6 +22,7 @@ store calls and their own Python, never around a wait (and this clock adds none 
 
 from __future__ import annotations
 
+import gc
 import heapq
 import itertools
 import sys
@@ -37,6 +38,8 @@ from torch.distributed import Store
 if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path in tests
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import virtual_clock
+
+CHARGE_NOTED_S = 0.5  # a charge larger than this is kept in EventClock.charges
 
 
 class _Waiter:
@@ -63,6 +66,15 @@ class EventClock(virtual_clock.AnchoredClock):
         self._cpu = threading.local()  # each thread's CPU time at its last wait's end
         self._waiting = 0
         self.steps = 0
+        # The largest CPU charges (seconds, thread name, virtual time): a diagnostic. One
+        # thread's charge of seconds (time it spent, or the GIL's waits counted as its CPU)
+        # delays its next wake-up as much: a keep-alive late by 15 s is a node called dead.
+        self.charges: list[tuple[float, str, float]] = []
+        # The cyclic garbage collector's passes, in CPU seconds: a pass walks every agent's
+        # objects (a pause of seconds with 1,024 agents in one process, where a host's agent
+        # has a heap of its own of a few MB), so it is not charged to the thread that
+        # happened to trigger it (``gc_pass``).
+        self.gc_s, self.gc_max_s = 0.0, 0.0
         self._stop = threading.Event()
         # Not simulated: the threads alive now, and the clock's own thread started below.
         self._outside = threading.active_count() + 1
@@ -98,6 +110,8 @@ class EventClock(virtual_clock.AnchoredClock):
         cpu = _time.thread_time()
         spent = cpu - getattr(self._cpu, "mark", 0.0)
         with self._lock:
+            if spent > CHARGE_NOTED_S:
+                self.charges.append((spent, threading.current_thread().name, self._now))
             if event is not None and event.is_set():
                 self._cpu.mark = cpu
                 return True
@@ -110,6 +124,17 @@ class EventClock(virtual_clock.AnchoredClock):
         waiter.go.wait()
         self._cpu.mark = _time.thread_time()
         return event is not None and event.is_set()
+
+    def gc_pass(self, phase: str, info: dict[str, Any]) -> None:
+        """A ``gc.callbacks`` entry: the pass's CPU moves this thread's charge mark."""
+        now = _time.thread_time()
+        if phase == "start":
+            self._cpu.gc_from = now
+            return
+        took = now - getattr(self._cpu, "gc_from", now)
+        self._cpu.mark = getattr(self._cpu, "mark", 0.0) + took
+        self.gc_s += took
+        self.gc_max_s = max(self.gc_max_s, took)
 
     def _wake(self, waiter: _Waiter) -> None:
         """Under the lock: one waiter woken (its time came, or its event was set)."""
@@ -218,6 +243,8 @@ def events(poll_s: float = 0.002) -> Iterator[EventClock]:
     try:
         virtual_clock.patch_modules(clock, undo)
         _patch_timer(clock, undo)
+        gc.callbacks.append(clock.gc_pass)
+        undo.append(lambda: gc.callbacks.remove(clock.gc_pass))
         yield clock
     finally:
         for put_back in reversed(undo):

@@ -445,7 +445,11 @@ def _rounds(
         rdzv_trace.expect_dead(torch_handler(agents[-1])._this_node)
     try:
         cpu0, own0 = server.cpu_s(), time.process_time()
+        if isinstance(clock, EventClock):
+            clock.gc_s = 0.0
         first, got = all_join(agents, clock, stall_s)
+        if trace_dead:
+            rdzv_trace.say_charges(clock, "first round")
         _check_round(got, n)
         state = agents[0].counter._store.get(
             f"meshrun.rdzv/{run_id}" if backend == "meshrun" else f"torch.rendezvous.{run_id}"
@@ -457,12 +461,17 @@ def _rounds(
             stop_heartbeats(dead)  # the host is gone: no exit, no heartbeat
             live = agents[:-1]
             again, got = all_join(live, clock, stall_s, dead)
+            if trace_dead:
+                rdzv_trace.say_charges(clock, "restart")
             try:
                 _check_round(got, n - 1)
             except RuntimeError:
                 print(odd_views(live, clock), file=sys.stderr, flush=True)
                 raise
         cpu, own = server.cpu_s() - cpu0, time.process_time() - own0
+        # The garbage collector's passes over all agents' objects are this process's, not a
+        # host's (event_clock.EventClock.gc_pass); the dilated clock does not count them.
+        own -= getattr(clock, "gc_s", 0.0)
     finally:
         for agent in agents:
             stop_heartbeats(agent)

@@ -132,3 +132,22 @@ def _own_side(
         doc, why = unseal_timed(backend._secret, key, raw, nonce)
         stored = _age(now, doc["time"]) if doc else why
     return f"{own} key written {_age(now, hb._keyed.get(node))} key in store {stored}"
+
+
+def say_charges(clock: Any, phase: str) -> None:
+    """The event clock's largest CPU charges since the last call (``CHARGE:`` lines), then
+    forgets them: a thread charged seconds waits that much longer than its host would."""
+    charges = sorted(getattr(clock, "charges", []), reverse=True)
+    gc_note = f"; garbage collection {clock.gc_s:.1f} s CPU, longest pass {clock.gc_max_s:.2f} s"
+    gc_note = gc_note if hasattr(clock, "gc_s") else ""
+    if hasattr(clock, "charges"):
+        clock.charges.clear()
+    if not charges:
+        print(f"CHARGE: {phase}: none over 0.5 s{gc_note}", file=sys.stderr, flush=True)
+        return
+    top = ", ".join(f"{s:.2f} s ({name} at {t:.1f})" for s, name, t in charges[:5])
+    print(
+        f"CHARGE: {phase}: {len(charges)} charges over 0.5 s; largest {top}{gc_note}",
+        file=sys.stderr,
+        flush=True,
+    )
