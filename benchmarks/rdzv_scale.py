@@ -46,6 +46,9 @@ node's own work, the same under any load, and nothing starves.
 
     .venv/bin/python benchmarks/rdzv_scale.py --nodes 64,256,1024 [--backends meshrun,c10d]
         [--dilate K|event]
+
+An older checkout's ``src`` first on PYTHONPATH gives its "before" row: its agent is composed
+as that checkout did (``rdzv_before.py``).
 """
 
 from __future__ import annotations
