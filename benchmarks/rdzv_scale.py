@@ -46,6 +46,9 @@ node's own work, the same under any load, and nothing starves.
 
     .venv/bin/python benchmarks/rdzv_scale.py --nodes 64,256,1024 [--backends meshrun,c10d]
         [--dilate K|event]
+
+An older checkout's ``src`` first on PYTHONPATH gives its "before" row: its agent is composed
+as that checkout did (``rdzv_before.py``).
 """
 
 from __future__ import annotations
@@ -71,18 +74,16 @@ from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousPa
 from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-from meshrun.launch.trust.rendezvous import SignedBackend
-from meshrun.runtime.secret import SECRET_ENV, from_env
-
 # The clock is a sibling file, not a package: tests load this script by its path (importlib),
 # where the script's folder is not on sys.path.
 if str(Path(__file__).resolve().parent) not in sys.path:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
 import event_clock
-import rdzv_trace
+import rdzv_before
 import shared_objects
 import virtual_clock
 from event_clock import EventClock
+from rdzv_before import SECRET_ENV, from_env
 from virtual_clock import AnchoredClock as Clock
 
 KEEP_ALIVE_S, KEEP_ALIVE_TRIES, LAST_CALL_S = 5, 3, 1  # torch's defaults but the last call's 30
@@ -168,17 +169,11 @@ def make_agent(backend: str, port: int, n: int, i: int, run_id: str, clock: Cloc
         secret = from_env()
         counter = Counting(store)
         # keep-alive 5 s x 3: SignedBackend's defaults, the same as KEEP_ALIVE_S, KEEP_ALIVE_TRIES
-        signed = SignedBackend(
-            counter,  # type: ignore[arg-type]
-            run_id,
-            secret,
-            LAUNCH_NONCE,
-            say=_said,
-            **_round_settings(params),
-        )
+        # (an older checkout's backend: rdzv_before.py)
+        signed = rdzv_before.signed_backend(counter, run_id, secret, LAUNCH_NONCE, _said, params)
         prefixed = PrefixStore(f"meshrun.{secret.tag(run_id)}", store)
         handler = create_handler(_clocked(prefixed, clock), signed, params)
-        return Agent(_held(handler), counter)
+        return Agent(rdzv_before.held(handler), counter)
     c10d = C10dRendezvousBackend(store, run_id)
     counter = Counting(c10d._store)
     c10d._store = counter  # type: ignore[assignment]
@@ -188,16 +183,6 @@ def make_agent(backend: str, port: int, n: int, i: int, run_id: str, clock: Cloc
 def _clocked(store: Any, clock: Clock) -> Any:
     """The handler's store: on an event clock, one whose blocking ``get`` waits on it."""
     return event_clock.ClockedStore(store, clock) if isinstance(clock, EventClock) else store
-
-
-def _round_settings(params: RendezvousParameters) -> dict[str, Any]:
-    """The round settings for the signed backend; none on an older checkout (a "before"
-    figure), whose backend did not take them."""
-    try:
-        from meshrun.launch.trust.rendezvous import rounds_from
-    except ImportError:
-        return {}
-    return {"rounds": rounds_from(params)}
 
 
 def _said(line: str) -> None:
@@ -212,16 +197,6 @@ def torch_handler(agent: Agent) -> Any:
 
 def stop_heartbeats(agent: Agent) -> None:
     torch_handler(agent)._stop_heartbeats()
-
-
-def _held(handler: RendezvousHandler) -> RendezvousHandler:
-    """As ``create_signed_handler`` wraps it; an older checkout (a "before" figure) has no
-    wrapper."""
-    try:
-        from meshrun.launch.agent.store_port import HeldPortHandler
-    except ImportError:
-        return handler
-    return HeldPortHandler(handler)
 
 
 def all_join(
@@ -441,6 +416,8 @@ def _rounds(
     agents = [make_agent(backend, server.port, n, i, run_id, clock) for i in range(n)]
     untrace = None
     if trace_dead:
+        import rdzv_trace  # here: it reads the current checkout's heartbeat keys
+
         untrace = rdzv_trace.install(agents, torch_handler, server.port, clock, LAUNCH_NONCE)
         rdzv_trace.expect_dead(torch_handler(agents[-1])._this_node)
     try:

@@ -16,6 +16,8 @@ Patched, and put back on leaving:
 - ``datetime`` pickles as a call of :func:`moment`, and ``fromisoformat`` in those modules
   and in ``heartbeats`` answers the first equal time parsed;
 - a verified log entry (``JoinLog._verify``) is the first equal entry.
+On an older checkout, without those modules, only the pickles are patched: safe, as meshrun's
+pickles never leave the process.
 """
 
 from __future__ import annotations
@@ -28,7 +30,10 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
-from meshrun.launch.trust import heartbeats, joinlog, state_json
+try:
+    from meshrun.launch.trust import heartbeats, joinlog, state_json
+except ImportError:  # an older checkout (a "before" row, rdzv_before.py): only the pickles
+    heartbeats = joinlog = state_json = None  # type: ignore[assignment]
 
 _NODES: dict[tuple[str, int, int], _NodeDesc] = {}
 _MOMENTS: dict[Any, _datetime] = {}
@@ -96,26 +101,34 @@ def shared() -> Iterator[None]:
     try:
         _NodeDesc.__reduce__ = _reduce_node  # type: ignore[assignment, method-assign]
         undo.append(lambda: delattr(_NodeDesc, "__reduce__"))
-        for cls in {_datetime, state_json.datetime}:  # the clock's datetime pickles as plain
+        clock_datetime = _datetime if state_json is None else state_json.datetime
+        for cls in {_datetime, clock_datetime}:  # the clock's datetime pickles as plain
             copyreg.dispatch_table[cls] = _reduce_moment
             undo.append(lambda cls=cls: copyreg.dispatch_table.pop(cls, None))
-        for module in (state_json, joinlog):
-            _swap(module, "_NodeDesc", node, undo)
-        for module in (state_json, heartbeats):
-            _swap(module, "datetime", _parsing(module.datetime), undo)
-        verify = joinlog.JoinLog._verify
-
-        def shared_verify(self: Any, slot: int, raw: bytes) -> Any:
-            entry = verify(self, slot, raw)
-            return entry if entry is None else _ENTRIES.setdefault(entry, entry)
-
-        joinlog.JoinLog._verify = shared_verify  # type: ignore[method-assign]
-        undo.append(lambda: setattr(joinlog.JoinLog, "_verify", verify))
+        if state_json is not None:
+            _share_decoded(undo)
         yield
     finally:
         for put_back in reversed(undo):
             put_back()
         _NODES.clear(), _MOMENTS.clear(), _ENTRIES.clear()
+
+
+def _share_decoded(undo: list[Callable[[], None]]) -> None:
+    """meshrun's JSON decoding builds nodes and times with the shared ones; a verified log
+    entry is the first equal one."""
+    for module in (state_json, joinlog):
+        _swap(module, "_NodeDesc", node, undo)
+    for module in (state_json, heartbeats):
+        _swap(module, "datetime", _parsing(module.datetime), undo)
+    verify = joinlog.JoinLog._verify
+
+    def shared_verify(self: Any, slot: int, raw: bytes) -> Any:
+        entry = verify(self, slot, raw)
+        return entry if entry is None else _ENTRIES.setdefault(entry, entry)
+
+    joinlog.JoinLog._verify = shared_verify  # type: ignore[method-assign]
+    undo.append(lambda: setattr(joinlog.JoinLog, "_verify", verify))
 
 
 def _swap(module: Any, name: str, value: Any, undo: list[Callable[[], None]]) -> None:
