@@ -5,7 +5,6 @@ Also the benchmark's pure parts: which runs it plans, and its refusal of unknown
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -14,16 +13,13 @@ from types import ModuleType
 
 import pytest
 
+import scripts
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "chaos.py"
 
 
 def load_chaos() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("_chaos_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return scripts.load(SCRIPT, "_chaos_bench", register=True)  # for its dataclasses
 
 
 def test_plan_covers_every_fault_and_config_pair() -> None:

@@ -4,7 +4,6 @@ recorded without stopping the others."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -15,6 +14,8 @@ from types import ModuleType
 
 import pytest
 
+import scripts
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmarks" / "gpu_check.py"
 # On CPU: plan_vs_fsdp2 compares the one-GPU prediction on world 1 only (the smoke run has
@@ -23,12 +24,7 @@ SKIPPED_ON_CPU = {"plan_vs_fsdp2", "nvml_metrics"}
 
 
 def load_script() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while building
-    spec.loader.exec_module(module)
-    return module
+    return scripts.load(SCRIPT, "gpu_check", register=True)  # for its dataclasses
 
 
 @pytest.mark.timeout(900)

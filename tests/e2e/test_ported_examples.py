@@ -15,7 +15,6 @@ its own strict argparse flags among meshrun's overrides; cnn_classifier with 2 l
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -26,6 +25,8 @@ from types import ModuleType
 
 import pytest
 import torch
+
+import scripts
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
@@ -55,11 +56,7 @@ def steps_of(run_dir: Path) -> list[dict[str, float]]:
 
 
 def example(name: str) -> ModuleType:
-    spec = importlib.util.spec_from_file_location(name, EXAMPLES / f"{name}.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return scripts.load(EXAMPLES / f"{name}.py", name)
 
 
 def one_process_loss(model: torch.nn.Module, dp: int) -> float:

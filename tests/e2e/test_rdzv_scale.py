@@ -6,23 +6,18 @@ grow at most linearly. 1,024 and 4,096 nodes are the heavy variants (docs/scale.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 from types import ModuleType
 
 import pytest
 
+import scripts
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "rdzv_scale.py"
 
 
 def _bench() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("_rdzv_scale_bench", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return scripts.load(SCRIPT, "_rdzv_scale_bench", register=True)  # for its dataclasses
 
 
 def _check(row: dict[str, object], nodes: int) -> None:

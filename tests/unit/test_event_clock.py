@@ -5,8 +5,6 @@ here) is the only slack allowed."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import threading
 from datetime import timedelta
 from pathlib import Path
@@ -16,6 +14,8 @@ import pytest
 from torch.distributed import HashStore
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous, utils
 
+import scripts
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 CPU = 0.25  # virtual seconds a test thread's own Python may add before a wait
 
@@ -23,12 +23,7 @@ CPU = 0.25  # virtual seconds a test thread's own Python may add before a wait
 def _load(name: str, file: str) -> ModuleType:
     """A benchmark script as a module, by its path (benchmarks/ is no package; each script
     puts its own folder on sys.path for its siblings)."""
-    spec = importlib.util.spec_from_file_location(name, BENCH / file)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+    return scripts.load(BENCH / file, name, register=True)  # for its dataclasses
 
 
 def _clock_module() -> ModuleType:

@@ -4,7 +4,6 @@ old reason fails too, checked against the commit before when git can read it).""
 
 from __future__ import annotations
 
-import importlib.util
 import subprocess
 from collections import Counter
 from pathlib import Path
@@ -12,17 +11,15 @@ from types import ModuleType
 
 import pytest
 
+import scripts
+
 pytestmark = pytest.mark.timeout(60)
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def _line_count() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("line_count", ROOT / ".ci" / "line_count.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return scripts.load(ROOT / ".ci" / "line_count.py", "line_count")
 
 
 def test_every_package_is_within_its_budget() -> None:

@@ -13,15 +13,13 @@ from types import ModuleType
 
 import pytest
 
+import scripts
+
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "peers.py"
 
 
 def load_peers() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("_peers_bench", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return scripts.load(SCRIPT, "_peers_bench")
 
 
 def test_help_runs_without_torch_imports() -> None:

@@ -4,29 +4,22 @@ else changes: the states decoded are equal, and leaving the block puts every pat
 
 from __future__ import annotations
 
-import importlib.util
 import pickle
-import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from types import ModuleType
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
+import scripts
 from meshrun.launch.trust import state_json
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def _module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location(
-        "_shared_objects_under_test", BENCH / "shared_objects.py"
-    )
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # pickles name its functions by this module's name
-    spec.loader.exec_module(module)
-    return module
+    # Registered: pickles name its functions by this module's name.
+    return scripts.load(BENCH / "shared_objects.py", "_shared_objects_under_test", register=True)
 
 
 def _state(n: int) -> _RendezvousState:

@@ -5,7 +5,6 @@ object it replaced (torch's and meshrun's, and a module it was never told about)
 
 from __future__ import annotations
 
-import importlib.util
 import pickle
 import sys
 import time
@@ -16,17 +15,14 @@ from types import ModuleType
 import pytest
 from torch.distributed.elastic.rendezvous import dynamic_rendezvous, utils
 
+import scripts
 from meshrun.launch.trust import heartbeats
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "virtual_clock.py"
 
 
 def _clock_module() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("_virtual_clock_under_test", SCRIPT)
-    assert spec and spec.loader
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return scripts.load(SCRIPT, "_virtual_clock_under_test")
 
 
 class FakeReal:
