@@ -224,7 +224,8 @@ def all_join(
 ) -> tuple[float, list[tuple[int, int]]]:
     """Every agent's ``next_rendezvous`` at once; seconds on ``clock`` until the last
     returned, and the (rank, world size) each got. ``stall_s`` (on ``clock`` too): past it,
-    print once where every agent is, and say each agent's return as it comes."""
+    print once where every agent is; with any ``stall_s``, each agent's return is said as it
+    comes."""
     verbose = stall_s > 0
     errors: list[BaseException] = []
     got: list[tuple[int, int]] = []
