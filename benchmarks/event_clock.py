@@ -75,6 +75,7 @@ class EventClock(virtual_clock.AnchoredClock):
         # has a heap of its own of a few MB), so it is not charged to the thread that
         # happened to trigger it (``gc_pass``).
         self.gc_s, self.gc_max_s = 0.0, 0.0
+        self._gc_taken = 0.0  # gc_s at the last take_charges()
         self._stop = threading.Event()
         # Not simulated: the threads alive now, and the clock's own thread started below.
         self._outside = threading.active_count() + 1
@@ -124,6 +125,15 @@ class EventClock(virtual_clock.AnchoredClock):
         waiter.go.wait()
         self._cpu.mark = _time.thread_time()
         return event is not None and event.is_set()
+
+    def take_charges(self) -> tuple[list[tuple[float, str, float]], float, float]:
+        """Since the last call: the charges over ``CHARGE_NOTED_S``, the collector's CPU and
+        its longest pass; then forgets them (``gc_s`` keeps the total)."""
+        with self._lock:
+            charges, self.charges = self.charges, []
+        took, self._gc_taken = self.gc_s - self._gc_taken, self.gc_s
+        longest, self.gc_max_s = self.gc_max_s, 0.0
+        return charges, took, longest
 
     def gc_pass(self, phase: str, info: dict[str, Any]) -> None:
         """A ``gc.callbacks`` entry: the pass's CPU moves this thread's charge mark."""

@@ -236,9 +236,8 @@ def all_join(
         start.wait()
         try:
             info = agent.handler.next_rendezvous()
-            returned.append(
-                clock.perf_counter()
-            )  # here: the clock may jump before the caller's read
+            # Read here: the clock may move on before the caller reads it (``began`` below).
+            returned.append(clock.perf_counter())
             got.append((info.rank, info.world_size))
             if verbose:
                 state = torch_handler(agent)._state_holder.state
@@ -459,8 +458,7 @@ def _rounds(
         rdzv_trace.expect_dead(torch_handler(agents[-1])._this_node)
     try:
         cpu0, own0 = server.cpu_s(), time.process_time()
-        if isinstance(clock, EventClock):
-            clock.gc_s = 0.0
+        gc0 = getattr(clock, "gc_s", 0.0)
         first, got = all_join(agents, clock, stall_s)
         if trace_dead:
             rdzv_trace.say_charges(clock, "first round")
@@ -486,7 +484,7 @@ def _rounds(
         cpu, own = server.cpu_s() - cpu0, time.process_time() - own0
         # The garbage collector's passes over all agents' objects are this process's, not a
         # host's (event_clock.EventClock.gc_pass); the dilated clock does not count them.
-        own -= getattr(clock, "gc_s", 0.0)
+        own -= getattr(clock, "gc_s", 0.0) - gc0
     finally:
         for agent in agents:
             stop_heartbeats(agent)

@@ -135,17 +135,16 @@ def _own_side(
 
 
 def say_charges(clock: Any, phase: str) -> None:
-    """The event clock's largest CPU charges since the last call (``CHARGE:`` lines), then
-    forgets them: a thread charged seconds waits that much longer than its host would."""
-    charges = sorted(getattr(clock, "charges", []), reverse=True)
-    gc_note = f"; garbage collection {clock.gc_s:.1f} s CPU, longest pass {clock.gc_max_s:.2f} s"
-    gc_note = gc_note if hasattr(clock, "gc_s") else ""
-    if hasattr(clock, "charges"):
-        clock.charges.clear()
+    """The event clock's largest CPU charges and the collector's passes since the last call
+    (``CHARGE:`` lines): a thread charged seconds waits that much longer than its host would."""
+    if not hasattr(clock, "take_charges"):  # a dilated clock charges nothing
+        return
+    charges, gc_s, longest = clock.take_charges()
+    gc_note = f"; garbage collection {gc_s:.1f} s CPU, longest pass {longest:.2f} s"
     if not charges:
         print(f"CHARGE: {phase}: none over 0.5 s{gc_note}", file=sys.stderr, flush=True)
         return
-    top = ", ".join(f"{s:.2f} s ({name} at {t:.1f})" for s, name, t in charges[:5])
+    top = ", ".join(f"{s:.2f} s ({name} at {t:.1f})" for s, name, t in sorted(charges)[::-1][:5])
     print(
         f"CHARGE: {phase}: {len(charges)} charges over 0.5 s; largest {top}{gc_note}",
         file=sys.stderr,

@@ -45,7 +45,7 @@ def node(addr: str, pid: int, local_id: int) -> _NodeDesc:
     key = (addr, pid, local_id)
     held = _NODES.get(key)
     if held is None:
-        held = _NODES[key] = _new_node(addr, pid, local_id)
+        held = _NODES[key] = _NodeDesc(addr, pid, local_id)  # torch's class: never swapped
     return held
 
 
@@ -62,9 +62,6 @@ def moment(state: bytes, tz: Any = None) -> _datetime:
 def _moment_key(t: _datetime) -> tuple[Any, Any]:
     args = _datetime.__reduce__(t)[1]
     return args[0], args[1] if len(args) > 1 else None
-
-
-_new_node: Callable[..., _NodeDesc] = _NodeDesc
 
 
 def _reduce_node(desc: _NodeDesc) -> tuple[Any, ...]:
