@@ -54,6 +54,7 @@ as that checkout did (``rdzv_before.py``).
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import os
@@ -102,6 +103,7 @@ class Counting:
 
     def __init__(self, store: Any) -> None:
         self._store, self.ops, self.bytes = store, 0, 0
+        self.kinds: collections.Counter[str] = collections.Counter()  # "op:key family"
 
     def __getattr__(self, op: str) -> Any:
         call = getattr(self._store, op)
@@ -109,10 +111,22 @@ class Counting:
         def counted(*args: Any) -> Any:
             result = call(*args)
             self.ops += 1
+            self.kinds[f"{op}:{_family(args[0] if args else '')}"] += 1
             self.bytes += sum(_size(a) for a in args) + _size(result)
             return result
 
         return counted
+
+
+def _family(key: Any) -> str:
+    """What a key is, without the run and the node: ``log`` for ``meshrun.rdzv/<run>/log/17``,
+    ``state`` for the state key itself (a list of keys: its first)."""
+    if isinstance(key, list):
+        key = key[0] if key else ""
+    parts = str(key).split("/")
+    if len(parts) <= 2:
+        return "state"
+    return parts[2]
 
 
 def _size(value: Any) -> int:
@@ -360,7 +374,7 @@ def idle(agents: list[Agent], seconds: float, clock: Clock) -> float:
     is fresh, and no node reads a heartbeat key before one is 12.5 s old (a 10 s window
     measured 763 B/s or 2,942 B/s at 64 nodes, depending on where it fell)."""
     before = [a.counter.bytes for a in agents]
-    ops = [a.counter.ops for a in agents]
+    ops = [(a.counter.ops, collections.Counter(a.counter.kinds)) for a in agents]
     settled = clock.monotonic() + IDLE_SETTLE_S
     stop = settled + seconds
     start = threading.Barrier(len(agents) + 1)  # on an event clock, none may wait before all run
@@ -383,8 +397,8 @@ def idle(agents: list[Agent], seconds: float, clock: Clock) -> float:
     start.wait()
     for t in threads:
         t.join()
-    for a, b, o in zip(agents, before, ops, strict=True):  # the round columns leave it out
-        a.counter.bytes, a.counter.ops = b, o
+    for a, b, (o, k) in zip(agents, before, ops, strict=True):  # the round columns leave it out
+        a.counter.bytes, a.counter.ops, a.counter.kinds = b, o, k
     return statistics.mean(rates)
 
 
@@ -466,7 +480,11 @@ def _rounds(
         state = agents[0].counter._store.get(
             f"meshrun.rdzv/{run_id}" if backend == "meshrun" else f"torch.rendezvous.{run_id}"
         )
+        # The idle phase's store CPU is its own column: over the rounds' seconds it made the
+        # store load of both-round rows about 2.5x too high (until 2026-12-07).
+        idle_cpu0 = server.cpu_s()
         idle_b = idle(agents, idle_s, clock) if idle_s > 0 else 0.0
+        idle_cpu = server.cpu_s() - idle_cpu0
         idle_total = IDLE_SETTLE_S + idle_s if idle_s > 0 else 0.0
         again, live = None, agents
         if restart:
@@ -481,7 +499,7 @@ def _rounds(
             except RuntimeError:
                 print(odd_views(live, clock), file=sys.stderr, flush=True)
                 raise
-        cpu, own = server.cpu_s() - cpu0, time.process_time() - own0
+        cpu, own = server.cpu_s() - cpu0 - idle_cpu, time.process_time() - own0
         # The garbage collector's passes over all agents' objects are this process's, not a
         # host's (event_clock.EventClock.gc_pass); the dilated clock does not count them.
         own -= getattr(clock, "gc_s", 0.0) - gc0
@@ -509,7 +527,18 @@ def _rounds(
         # phase's included, over N agents).
         agent_cpu_ms_per_s=round(1000 * own / n / (rounds_s + idle_total), 2),
         idle_b_per_s=round(idle_b),
+        idle_store_load=round(idle_cpu / idle_total, 3) if idle_total else None,
+        ops_by_kind=_per_node(agents),
     )
+
+
+def _per_node(agents: list[Agent]) -> dict[str, float]:
+    """Each kind of store operation (``op:key family``) per node, most first: where the
+    ``ops/node`` column's operations go."""
+    total: collections.Counter[str] = collections.Counter()
+    for a in agents:
+        total.update(a.counter.kinds)
+    return {k: round(v / len(agents), 1) for k, v in total.most_common()}
 
 
 def raise_open_files(n: int) -> None:
@@ -548,6 +577,8 @@ class Row:
     store_load: float
     agent_cpu_ms_per_s: float
     idle_b_per_s: float
+    idle_store_load: float | None
+    ops_by_kind: dict[str, float]
     dilate: float | str
     wall_s: float
 
@@ -598,15 +629,16 @@ def main(argv: list[str] | None = None) -> None:
     print(
         "| backend | nodes | first round s | restart s | beyond fixed waits s | "
         "ops/node | KiB/node | state KiB | store CPU s | store load | agent CPU ms/s | "
-        "idle B/s per node | dilate | wall s |"
+        "idle B/s per node | idle store load | dilate | wall s |"
     )
-    print("|---" * 14 + "|")
+    print("|---" * 15 + "|")
     for n in [int(x) for x in a.nodes.split(",")]:
         for backend in a.backends.split(","):
             row = measure(
                 backend, n, a.stall_report, a.idle, a.dilate, not a.first_only, a.trace_dead
             )
-            emit(row, ["-" if v is None else str(v) for v in row.values()], a.json)
+            cells = ["-" if v is None else str(v) for k, v in row.items() if k != "ops_by_kind"]
+            emit(row, cells, a.json)
 
 
 def _dilation(text: str) -> float | str:

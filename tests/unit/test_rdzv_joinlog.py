@@ -210,3 +210,38 @@ def _newest(store: Any) -> dict[_NodeDesc, Entry]:
     log = _log(store)
     log.read()
     return log.newest
+
+
+def _filled(store: Any, count: int) -> None:
+    writer = _log(store)
+    for i in range(count):
+        writer.append(_NodeDesc(f"10.2.0.{i}", i, 0), 0, "part", NOW)
+
+
+@pytest.mark.parametrize("count", [1, 2, 3, 4, 5, 7, 8, 9, 42, 63, 64, 65])
+def test_a_reader_takes_every_new_entry_in_one_read_whatever_their_count(
+    store: Any, count: int
+) -> None:
+    _filled(store, count)
+    hinted = _log(store)
+    assert hinted.read() is True and hinted.next == count
+    store.delete_key(f"{KEY}/end")  # no hint: the gallop alone (a count one short of a
+    galloping = _log(store)  # probe was read one short until 2026-12-07)
+    assert galloping.read() is True and galloping.next == count
+
+
+def test_the_writers_hint_finds_the_end_in_a_few_checks(store: Any) -> None:
+    _filled(store, 300)
+    reader = _log(ops := Ops(store))
+    assert reader.read() is True and reader.next == 300 and len(reader.newest) == 300
+    # check next, check next+1, the hint, check its slot before, check its slot: 5 and the read
+    assert ops.calls.count("multi_get") == 1 and len(ops.calls) == 6, ops.calls
+
+
+@pytest.mark.parametrize("hint", [b"3", b"299", b"301", b"100000", b"-4", b"x" * 20, b"1" * 40])
+def test_a_wrong_hint_costs_checks_never_a_wrong_read(store: Any, hint: bytes) -> None:
+    _filled(store, 300)
+    store.set(f"{KEY}/end", hint)  # behind the end, past it, or a stranger's nonsense
+    reader = _log(ops := Ops(store))
+    assert reader.read() is True and reader.next == 300 and len(reader.newest) == 300
+    assert ops.calls.count("multi_get") == 1 and len(ops.calls) < 26, ops.calls
