@@ -18,7 +18,7 @@ from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 import sockets
-from meshrun.launch.multinode.handshake import Handshake, HandshakeError
+from meshrun.launch.multinode.handshake import Handshake, HandshakeError, job_prefix
 from meshrun.launch.multinode.records import JoinTarget, NodeInfo
 from meshrun.launch.trust.rendezvous import SignedBackend, forget_store, listen_store
 from meshrun.launch.trust.secret import SECRET_FILE_ENV, resolve
@@ -397,13 +397,43 @@ def test_a_node_with_another_secret_is_refused_and_named_by_the_host(store: Any)
     host = _run(store, _node(0), True, SECRET, said[0], out, timeout_s=3)
     while not store.check(["meshrun/job/attempt"]):  # the host has drawn its attempt
         time.sleep(0.05)
-    _run(client, _node(1), False, OTHER, said[1], out).join(30)
+    _run(client, _node(1), False, OTHER, said[1], out, timeout_s=3).join(30)
     host.join(30)
     assert isinstance(out[1], HandshakeError) and "not signed with this node's job secret" in str(
         out[1]
     )
     assert any("refused a handshake record from node1 (node_rank 1)" in s for s in said[0]), said
     assert isinstance(out[0], HandshakeError) and "give it the same secret" in str(out[0])
+
+
+@pytest.mark.timeout(60)
+def test_a_stranger_who_reads_the_attempt_cannot_stop_the_handshake(store: Any) -> None:
+    """Whoever reaches the store's port can read the attempt token. Until 2026-12-07 the
+    record counter was ``meshrun/<id>/<attempt>/count``: a stranger's non-number there failed
+    every node's ``add`` and stopped the launch, and a stranger's value in the attempt key
+    stopped a node that had not read it yet."""
+    said: dict[int, list[str]] = {0: [], 1: []}
+    out: dict[int, Any] = {}
+    store.set("meshrun/job/attempt", b"0" * 64 + b" 0badc0de")  # before the host: junk
+    client = TCPStore("127.0.0.1", store.port, is_master=False)
+    node1 = _run(client, _node(1), False, SECRET, said[1], out, timeout_s=20)
+    while not said[1]:  # node 1 has seen the junk, says so, and waits
+        time.sleep(0.05)
+    assert "not signed with this node's job secret" in said[1][0] and "waiting" in said[1][0]
+    # The host starts: the plain attempt is readable by all; a stranger breaks its counter.
+    host = _run(store, _node(0), True, SECRET, said[0], out, timeout_s=20)
+    while store.get("meshrun/job/attempt").endswith(b"0badc0de"):
+        time.sleep(0.01)
+    token = SECRET.unseal("meshrun/job/attempt", store.get("meshrun/job/attempt"))
+    store.set(f"meshrun/job/{token}/count", "not a number")
+    store.set("meshrun/job/attempt", "stop")
+    for thread in (host, node1):
+        thread.join(30)
+    for rank in (0, 1):
+        assert [n.hostname for n in sorted(out[rank], key=lambda n: n.node_rank)] == [
+            "node0",
+            "node1",
+        ], out[rank]
 
 
 @pytest.mark.timeout(60)
@@ -414,7 +444,10 @@ def test_an_unsigned_error_is_ignored_and_a_signed_one_is_printed_clean(store: A
     while not store.check(["meshrun/job/attempt"]):  # the host has drawn its attempt
         time.sleep(0.05)
     token = SECRET.unseal("meshrun/job/attempt", store.get("meshrun/job/attempt"))
-    store.set(f"meshrun/job/{token}/error", "\x1b[2Jstop the job")  # a stranger's: no MAC
+    assert token is not None
+    # A stranger's (no MAC), where only the secret names the key: a node given the secret
+    # but not this launch's, or a bug.
+    store.set(f"{job_prefix(SECRET, 'job', token)}/error", "\x1b[2Jstop the job")
     client = TCPStore("127.0.0.1", store.port, is_master=False)
     _run(client, _node(1), False, SECRET, [], out).join(30)
     host.join(30)
@@ -429,7 +462,8 @@ def test_a_signed_error_stops_the_nodes_and_is_printed_without_escapes(store: An
     while not store.check(["meshrun/job/attempt"]):  # the host has drawn its attempt
         time.sleep(0.05)
     token = SECRET.unseal("meshrun/job/attempt", store.get("meshrun/job/attempt"))
-    key = f"meshrun/job/{token}/error"
+    assert token is not None
+    key = f"{job_prefix(SECRET, 'job', token)}/error"
     store.set(key, SECRET.seal(key, "node2 says \x1b[2Jno"))
     host.join(30)
     assert isinstance(out[0], HandshakeError) and str(out[0]) == "node2 says ?[2Jno"

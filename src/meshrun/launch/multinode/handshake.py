@@ -14,8 +14,16 @@ at 256 simulated nodes took minutes; docs/scale.md).
 The store is the one the agent's rendezvous uses: on the endpoint's node meshrun creates it
 before the agent, listening on the endpoint's address only, and the agent's ``meshrun``
 rendezvous (``launch/trust/rendezvous.py``) uses that very store in-process. Keys live under
-``meshrun/<rdzv_id>/<attempt>/``, where the attempt is a token the host draws when it starts,
-so records of an earlier launch on a long-lived store never count.
+``meshrun/<rdzv_id>/<attempt>/<tag>/``, where the attempt is a token the host draws when it
+starts, so records of an earlier launch on a long-lived store never count, and the tag is
+derived from the job secret (:func:`job_prefix`): whoever can reach the store's port can read
+the attempt, but cannot name the keys of the job's records, so cannot set the record counter
+to something that is not a number (the store's ``add`` then fails and the launch with it).
+The host writes its attempt twice: under a tagged key its nodes look for, and under the plain
+``meshrun/<rdzv_id>/attempt`` only for a node with another secret, which leaves its record in
+a plain corner (``.../<attempt>/strangers/<n>``, at most :data:`MAX_STRANGERS`) so that the host
+names it. A node never stops on what the plain key holds: a stranger could have put it there,
+so the node says so at once and waits for its own host until the join timeout.
 
 Every value written (the attempt token, the records, the error, the done mark) is sealed with
 an HMAC of the job secret (runtime/secret.py) bound to its key: a value that does not verify is
@@ -53,7 +61,8 @@ REPORT_EVERY_S = 5.0
 CONNECT_TRY_S = 3.0
 # How long the host keeps the store up after an error, so every node reads the error.
 LINGER_S = 2.0
-MAX_RECORDS = 4096  # the count is a plain counter anyone can add to: read at most this many
+MAX_RECORDS = 4096  # read at most this many records, whatever the count says
+MAX_STRANGERS = 16  # records left by nodes with another secret that the host names
 
 
 class HandshakeError(RuntimeError):
@@ -151,7 +160,7 @@ class Handshake:
     def _run(self) -> list[Joined]:
         deadline = time.monotonic() + self.timeout_s
         self.attempt = self._attempt(deadline)  # this launch's: its rendezvous nonce too
-        prefix = f"meshrun/{self.rdzv_id}/{self.attempt}"
+        prefix = job_prefix(self.secret, self.rdzv_id, self.attempt)
         late = self._read(f"{prefix}/done") is not None
         slot = self.store.add(f"{prefix}/count", 1)
         self._write(f"{prefix}/node/{slot}", self.info.to_json())
@@ -164,43 +173,54 @@ class Handshake:
         return self._await_host(prefix, deadline)
 
     def _attempt(self, deadline: float) -> str:
-        key = f"meshrun/{self.rdzv_id}/attempt"
+        plain = f"meshrun/{self.rdzv_id}/attempt"
+        mine = attempt_key(self.secret, self.rdzv_id)
         if self.is_host:
             token = uuid.uuid4().hex[:8]
-            self._write(key, token)
+            self._write(mine, token)  # first: a node that finds the plain key finds this too
+            self._write(plain, token)
             return token
-        while not self.store.check([key]):
+        foreign = False
+        while True:
+            found = self._read(mine)
+            if found is not None:
+                return found
+            if not foreign and self.store.check([plain]):
+                raw = bytes(self.store.get(plain))
+                foreign = self.secret.unseal(plain, raw) is None
+                if foreign:
+                    self._leave_record(raw)
+                    self.say(f"{self._foreign_text()}; waiting for a handshake signed with it")
             if time.monotonic() > deadline:
+                if foreign:
+                    raise HandshakeError(self._foreign_text())
                 raise HandshakeError(
                     f"the rendezvous store answers but holds no meshrun handshake for rdzv_id "
                     f"{self.rdzv_id!r}; is the endpoint's node running meshrun launch with the "
                     "same --rdzv-id?"
                 )
             time.sleep(POLL_S)
-        return self._signed_attempt(key)
 
-    def _signed_attempt(self, key: str) -> str:
-        raw = bytes(self.store.get(key))
-        signed = self.secret.unseal(key, raw)
-        if signed is None:
-            self._leave_record(raw)
-            raise HandshakeError(
-                f"refused by the rendezvous store: its meshrun handshake for rdzv_id "
-                f"{self.rdzv_id!r} is not signed with this node's job secret ({self.secret.source}). "
-                "Every node of a job needs the same secret: the same MESHRUN_JOB_SECRET, the same "
-                "MESHRUN_JOB_SECRET_FILE, or a run directory shared with the hosting node"
-            )
-        return signed
+    def _foreign_text(self) -> str:
+        return (
+            f"refused by the rendezvous store: its meshrun handshake for rdzv_id "
+            f"{self.rdzv_id!r} is not signed with this node's job secret ({self.secret.source}). "
+            "Every node of a job needs the same secret: the same MESHRUN_JOB_SECRET, the same "
+            "MESHRUN_JOB_SECRET_FILE, or a run directory shared with the hosting node"
+        )
 
     def _leave_record(self, raw: bytes) -> None:
-        """Before stopping on a foreign attempt token, leave this node's record under it
-        (signed with this node's secret), so the hosting node names who it refused."""
+        """On a foreign attempt token, leave this node's record in its plain corner (signed
+        with this node's secret), so the hosting node names who it refused: a slot claimed
+        with a compare-and-set of an empty key (never ``add``: a stranger's value there would
+        fail it and close this node's connection)."""
         token = raw.partition(b" ")[2].decode(errors="replace")
         if len(token) == 8 and all(c in "0123456789abcdef" for c in token):
-            prefix = f"meshrun/{self.rdzv_id}/{token}"
-            self._write(
-                f"{prefix}/node/{self.store.add(f'{prefix}/count', 1)}", self.info.to_json()
-            )
+            for n in range(MAX_STRANGERS):
+                key = f"meshrun/{self.rdzv_id}/{token}/strangers/{n}"
+                sealed = self.secret.seal(key, self.info.to_json())
+                if bytes(self.store.compare_set(key, "", sealed)) == sealed:
+                    return
 
     def _write(self, key: str, text: str) -> None:
         self.store.set(key, self.secret.seal(key, text))
@@ -218,7 +238,7 @@ class Handshake:
             self.refused[key] = _claimed_host(raw)
             what = (
                 "a handshake record"
-                if "/node/" in key
+                if "/node/" in key or "/strangers/" in key
                 else f"the handshake's {key.rsplit('/')[-1]}"
             )
             self.say(
@@ -247,11 +267,12 @@ class Handshake:
         nodes, or ``error``) and, while waiting, the progress line the others print."""
         records: dict[int, NodeInfo] = {}
         pending: list[int] = []  # slots counted but not read yet (written just after the count)
-        counted, last_report, last_text = 0, 0.0, ""
+        counted, last_report, last_text, strangers = 0, 0.0, "", 0
         while True:
             error = self._read(f"{prefix}/error")  # a node that gave up first
             if error is not None:
                 raise HandshakeError(sanitize(error, 4000))
+            strangers = self._name_strangers(strangers)
             count = min(int(self.store.add(f"{prefix}/count", 0)), MAX_RECORDS)
             pending += range(counted + 1, count + 1)
             counted = max(counted, count)
@@ -278,6 +299,17 @@ class Handshake:
                     self._write(f"{prefix}/progress", text)
                 last_report, last_text = now, text
             time.sleep(POLL_S)
+
+    def _name_strangers(self, read: int) -> int:
+        """The host: name each record a node with another secret left since the last poll
+        (one ``check`` a poll when there is none); how many are read now."""
+        while read < MAX_STRANGERS:
+            key = f"meshrun/{self.rdzv_id}/{self.attempt}/strangers/{read}"
+            if not self.store.check([key]):
+                break
+            self._verified(key, bytes(self.store.get(key)))  # names it unless it is ours
+            read += 1
+        return read
 
     def _read_new(self, prefix: str, slots: list[int], records: dict[int, NodeInfo]) -> list[int]:
         """Read the records of ``slots`` that are there (one ``check`` and one ``multi_get``
@@ -358,10 +390,24 @@ def _claimed_host(raw: bytes) -> str:
         return f"({len(raw)} bytes)"
 
 
+def attempt_key(secret: JobSecret, rdzv_id: str) -> str:
+    """Where the host writes its attempt for the nodes of its job (derived from the secret)."""
+    plain = f"meshrun/{rdzv_id}/attempt"
+    return f"{plain}/{secret.tag(plain)}"
+
+
+def job_prefix(secret: JobSecret, rdzv_id: str, attempt: str) -> str:
+    """The keys of one attempt's records, count, decision and progress: a name derived from
+    the job secret, so that a stranger who reads the attempt cannot name them."""
+    plain = f"meshrun/{rdzv_id}/{attempt}"
+    return f"{plain}/{secret.tag(plain)}"
+
+
 def publish_attempt(store: Any, rdzv_id: str, secret: JobSecret) -> None:
     """A one-node job's store: a signed attempt, marked done, so that a ``meshrun launch``
     pointed at it with another secret is refused by the handshake, naming why."""
-    prefix = f"meshrun/{rdzv_id}"
     token = uuid.uuid4().hex[:8]
-    store.set(f"{prefix}/attempt", secret.seal(f"{prefix}/attempt", token))
-    store.set(f"{prefix}/{token}/done", secret.seal(f"{prefix}/{token}/done", "1"))
+    for key in (attempt_key(secret, rdzv_id), f"meshrun/{rdzv_id}/attempt"):
+        store.set(key, secret.seal(key, token))
+    done = f"{job_prefix(secret, rdzv_id, token)}/done"
+    store.set(done, secret.seal(done, "1"))
