@@ -167,7 +167,7 @@ class SignedBackend(RendezvousBackend):
         shared, raw, log_from = decoded
         base = self._fold(shared, raw, log_from)
         merged = self._hb.merge(base)
-        token = raw + b"\0" + str(self._log.next).encode()
+        token = _make_token(raw, self._log.next)
         view = self._view
         if view is None or view[0] != token or view[1] is not merged:
             bits = pickled if pickled is not None and merged is shared else pickle.dumps(merged)
@@ -253,35 +253,48 @@ class SignedBackend(RendezvousBackend):
             return (*current, False) if current is not None else None
         # The handler's own pickle, made in this process a moment ago.
         local: _RendezvousState = pickle.loads(state)
+        shared_raw, log_from = _split_token(token)
         view = self._view
-        shared_raw, _, folded = (token or b"").rpartition(b"\0")
-        if view is not None and token == view[0]:
-            moved, keep_alive = None, only_heartbeats(view[1], local)
-            if keep_alive:
-                # A keep-alive: the node's own key, one plain set; the shared state is
-                # untouched. The handler then calls nodes dead on what it gets back: the
-                # shared state merged anew (its own heartbeat, and the keys due), not its
-                # copy of an older view.
-                self._hb.write(local)
-            elif moved := own_move(view[1], local):
-                # A join, a move to the wait list, a leave: one entry in the log, never lost,
-                # and what the handler gets back has it applied (and any entry read on the
-                # way to a free slot).
-                node, place = moved
-                t = local.last_heartbeats.get(node) or datetime.now(timezone.utc)
-                # The node's heartbeat key first: a reader that finds the entry then finds the
-                # key where it looks for a newer time (an entry is never lost, so neither is
-                # what the key says; a lost write of the shared state is another matter).
-                self._hb.write(local, joining=True)
-                self._log.append(node, local.round, place, t)
-            if keep_alive or moved:
-                handed = self._hand(self._decode(shared_raw))
-                if handed is not None:
-                    return handed[0], handed[1], True
+        if view is not None and token == view[0] and self._own_write(view[1], local):
+            handed = self._hand(self._decode(shared_raw))
+            if handed is not None:
+                return handed[0], handed[1], True
+        return self._write_shared(local, state, shared_raw, log_from)
+
+    def _own_write(self, view: _RendezvousState, local: _RendezvousState) -> bool:
+        """Whether ``local`` differs from the view it was made from only by this node's own
+        keep-alive or by one node's own move; if so, written where it goes (never to the
+        shared state)."""
+        if only_heartbeats(view, local):
+            # A keep-alive: the node's own key, one plain set; the shared state is untouched.
+            # The handler then calls nodes dead on what it gets back: the shared state merged
+            # anew (its own heartbeat, and the keys due), not its copy of an older view.
+            self._hb.write(local)
+            return True
+        moved = own_move(view, local)
+        if moved is None:
+            return False
+        # A join, a move to the wait list, a leave: one entry in the log, never lost, and what
+        # the handler gets back has it applied (and any entry read on the way to a free slot).
+        node, place = moved
+        t = local.last_heartbeats.get(node) or datetime.now(timezone.utc)
+        # The node's heartbeat key first: a reader that finds the entry then finds the key
+        # where it looks for a newer time (an entry is never lost, so neither is what the key
+        # says; a lost write of the shared state is another matter).
+        self._hb.write(local, joining=True)
+        self._log.append(node, local.round, place, t)
+        return True
+
+    def _write_shared(
+        self, local: _RendezvousState, pickled: bytes, shared_raw: bytes, log_from: int | None
+    ) -> tuple[bytes, Token, bool] | None:
+        """A compare-and-set of the shared state (a completed round, a new round, a node
+        removed as dead): ``local`` replaces ``shared_raw`` if that is still what the store
+        holds; else what it holds is handed back."""
         self._polled = None  # what this write hands back is newer than the last poll's
         seq = self._seq + 1
         # Every entry below the view's first unread slot is folded into this state.
-        log_from = int(folded) if folded.isdigit() else self._log.next
+        log_from = self._log.next if log_from is None else log_from
         sealed = self._seal(local, seq, log_from)
         expected = shared_raw or _EMPTY
         raw = bytes(self._call("compare_set", self._key, expected, sealed))
@@ -294,7 +307,7 @@ class SignedBackend(RendezvousBackend):
             self._wrote()
             self._seq, self._good = seq, sealed
             self._good_state = decoded = (local, sealed, log_from)
-            handed = self._hand(decoded, state)
+            handed = self._hand(decoded, pickled)
             assert handed is not None
             return handed[0], handed[1], True
         # Not written: the store answered with the value it holds (another node's write, the
@@ -417,3 +430,15 @@ def _claimed_by(raw: bytes) -> str:
         return f"claims to be from {', '.join(addrs) or 'no node'}"
     except (ValueError, TypeError, AttributeError, IndexError):
         return f"{len(raw)} bytes, not meshrun's format"
+
+
+def _make_token(raw: bytes, log_next: int) -> bytes:
+    """The token handed with a state: the sealed shared state, and the first log slot not
+    folded into the view (what a write of that view folds in)."""
+    return raw + b"\0" + str(log_next).encode()
+
+
+def _split_token(token: Token | None) -> tuple[bytes, int | None]:
+    """:func:`_make_token`'s parts; ``(b"", None)`` for no token (the first write)."""
+    shared_raw, _, folded = (token or b"").rpartition(b"\0")
+    return shared_raw, int(folded) if folded.isdigit() else None
