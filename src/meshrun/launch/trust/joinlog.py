@@ -40,7 +40,7 @@ from meshrun.launch.trust.heartbeats import unseal_timed
 from meshrun.runtime.secret import JobSecret
 
 PLACES = ("part", "wait", "none")
-_PROBE = b"meshrun-rdzv-probe"  # the state's probe value: never a slot's
+PROBE = b"meshrun-rdzv-probe"  # expected by a read (peek), never written: never a slot's
 # Slots read in one multi_get (about 1.3 MB at most): with 512, readers in a 1,024-node round
 # found the end twice.
 _BATCH = 4096
@@ -146,8 +146,8 @@ class JoinLog:
     def _hint(self) -> int:
         """The writers' hint of the log's end; 0 when it is missing or not a number (read
         without blocking: a compare-and-set expecting a value never written)."""
-        raw = bytes(self._call("compare_set", self._end_key, _PROBE, _PROBE))
-        if raw == _PROBE or not raw.isdigit() or len(raw) > _HINT_DIGITS:
+        raw = peek(self._call, self._end_key)
+        if raw == PROBE or not raw.isdigit() or len(raw) > _HINT_DIGITS:
             return 0
         return int(raw)
 
@@ -207,6 +207,13 @@ class JoinLog:
             "launch": self._nonce,
         }
         return self._secret.seal(self.key(slot), json.dumps(doc))
+
+
+def peek(call: Callable[..., Any], key: str) -> bytes:
+    """``key``'s value in one store operation that never blocks: a compare-and-set expecting a
+    value never written changes nothing and answers the value, or :data:`PROBE` itself when
+    the key is missing (a ``get`` would wait until the store's timeout)."""
+    return bytes(call("compare_set", key, PROBE, PROBE))
 
 
 def fold(base: _RendezvousState, entries: list[Entry]) -> _RendezvousState:

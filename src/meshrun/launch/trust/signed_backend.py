@@ -27,14 +27,13 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from meshrun.launch.trust.heartbeats import Heartbeats, only_heartbeats
-from meshrun.launch.trust.joinlog import JoinLog, copy_state, fold, own_move
+from meshrun.launch.trust.joinlog import PROBE, JoinLog, copy_state, fold, own_move, peek
 from meshrun.launch.trust.state_json import state_from_json, state_to_json
 from meshrun.runtime.logs import say_launch
 from meshrun.runtime.secret import JobSecret, sanitize
 
 BACKEND_NAME = "meshrun"
 _EMPTY = b"meshrun-rdzv-empty"  # the store's get blocks on a missing key: a sentinel instead
-_PROBE = b"meshrun-rdzv-probe"  # expected by a read, never written: see SignedBackend._read
 _FORMAT = 3  # 2: the launch nonce is part of the signed state; 3: the log's first slot
 _PAST = datetime(1970, 1, 1, tzinfo=timezone.utc)  # a deadline already passed: complete now
 # How often an agent looks for a plain c10d agent's key: once per keep-alive, not per read
@@ -140,13 +139,13 @@ class SignedBackend(RendezvousBackend):
     def _get_state(self) -> tuple[bytes, Token] | None:
         self._note_plain_c10d()
         # The mark first: a write that wins after it is read changes it for the next poll.
-        mark, polled = self._peek(self._mark_key), self._polled
+        mark, polled = peek(self._call, self._mark_key), self._polled
         self._log.read()
         if polled and polled[0] == mark and time.monotonic() - polled[1] < self._full_read_s:
             return self._hand(polled[2])  # heartbeats still merged anew
         decoded = self._decode(self._read())
         # No mark (none written yet, or deleted): every poll reads the state until one is.
-        self._polled = (mark, time.monotonic(), decoded) if mark != _PROBE else None
+        self._polled = (mark, time.monotonic(), decoded) if mark != PROBE else None
         return self._hand(decoded)
 
     def _wrote(self) -> None:
@@ -214,26 +213,20 @@ class SignedBackend(RendezvousBackend):
         another node is refused by those who hold newer), and said in one line.
 
         One store operation when the state is there, as a ``get`` would be: a compare-and-set
-        expecting a value never written (:data:`_PROBE`) changes nothing and answers the stored
+        expecting a value never written (:data:`PROBE`) changes nothing and answers the stored
         value, or, on a missing key, the expected value itself. Only then a second one puts
         the state back (a check before every read tripled a 64-node rendezvous's operations)."""
-        raw = self._peek(self._key)
-        if raw != _PROBE:
+        raw = peek(self._call, self._key)
+        if raw != PROBE:
             return raw
         return self._put_back()
-
-    def _peek(self, key: str) -> bytes:
-        """``key``'s value in one operation that never blocks: a compare-and-set expecting a
-        value never written changes nothing and answers the value, or :data:`_PROBE` itself
-        when the key is missing (a ``get`` would wait until the store's timeout)."""
-        return bytes(self._call("compare_set", key, _PROBE, _PROBE))
 
     def _put_back(self) -> bytes:
         """The key answered as missing: put the last good state back (or the empty one, or
         whatever another node put back first) and say so."""
         restore = self._good if self._good is not None else _EMPTY
         raw = bytes(self._call("compare_set", self._key, "", restore))
-        if raw == _PROBE:  # not missing: someone stored the probe itself, refused as unsigned
+        if raw == PROBE:  # not missing: someone stored the probe itself, refused as unsigned
             return raw
         self._deleted_seen += 1
         self._wrote()
