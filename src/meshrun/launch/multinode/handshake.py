@@ -173,7 +173,7 @@ class Handshake:
         return self._await_host(prefix, deadline)
 
     def _attempt(self, deadline: float) -> str:
-        plain = f"meshrun/{self.rdzv_id}/attempt"
+        plain = _plain_attempt_key(self.rdzv_id)
         mine = attempt_key(self.secret, self.rdzv_id)
         if self.is_host:
             token = uuid.uuid4().hex[:8]
@@ -217,7 +217,7 @@ class Handshake:
         token = raw.partition(b" ")[2].decode(errors="replace")
         if len(token) == 8 and all(c in "0123456789abcdef" for c in token):
             for n in range(MAX_STRANGERS):
-                key = f"meshrun/{self.rdzv_id}/{token}/strangers/{n}"
+                key = _stranger_key(self.rdzv_id, token, n)
                 sealed = self.secret.seal(key, self.info.to_json())
                 if bytes(self.store.compare_set(key, "", sealed)) == sealed:
                     return
@@ -304,7 +304,7 @@ class Handshake:
         """The host: name each record a node with another secret left since the last poll
         (one ``check`` a poll when there is none); how many are read now."""
         while read < MAX_STRANGERS:
-            key = f"meshrun/{self.rdzv_id}/{self.attempt}/strangers/{read}"
+            key = _stranger_key(self.rdzv_id, self.attempt, read)
             if not self.store.check([key]):
                 break
             self._verified(key, bytes(self.store.get(key)))  # names it unless it is ours
@@ -390,24 +390,37 @@ def _claimed_host(raw: bytes) -> str:
         return f"({len(raw)} bytes)"
 
 
+def _plain_attempt_key(rdzv_id: str) -> str:
+    """Where the host writes its attempt for any reader (a node with another secret)."""
+    return f"meshrun/{rdzv_id}/attempt"
+
+
+def _stranger_key(rdzv_id: str, attempt: str, n: int) -> str:
+    """The ``n``-th record left by a node with another secret, for the host to name."""
+    return f"meshrun/{rdzv_id}/{attempt}/strangers/{n}"
+
+
+def _tagged(secret: JobSecret, plain: str) -> str:
+    """``plain`` with a name derived from the job secret: a stranger cannot name it."""
+    return f"{plain}/{secret.tag(plain)}"
+
+
 def attempt_key(secret: JobSecret, rdzv_id: str) -> str:
     """Where the host writes its attempt for the nodes of its job (derived from the secret)."""
-    plain = f"meshrun/{rdzv_id}/attempt"
-    return f"{plain}/{secret.tag(plain)}"
+    return _tagged(secret, _plain_attempt_key(rdzv_id))
 
 
 def job_prefix(secret: JobSecret, rdzv_id: str, attempt: str) -> str:
     """The keys of one attempt's records, count, decision and progress: a name derived from
     the job secret, so that a stranger who reads the attempt cannot name them."""
-    plain = f"meshrun/{rdzv_id}/{attempt}"
-    return f"{plain}/{secret.tag(plain)}"
+    return _tagged(secret, f"meshrun/{rdzv_id}/{attempt}")
 
 
 def publish_attempt(store: Any, rdzv_id: str, secret: JobSecret) -> None:
     """A one-node job's store: a signed attempt, marked done, so that a ``meshrun launch``
     pointed at it with another secret is refused by the handshake, naming why."""
     token = uuid.uuid4().hex[:8]
-    for key in (attempt_key(secret, rdzv_id), f"meshrun/{rdzv_id}/attempt"):
+    for key in (attempt_key(secret, rdzv_id), _plain_attempt_key(rdzv_id)):
         store.set(key, secret.seal(key, token))
     done = f"{job_prefix(secret, rdzv_id, token)}/done"
     store.set(done, secret.seal(done, "1"))
