@@ -481,7 +481,8 @@ def _rounds(
             f"meshrun.rdzv/{run_id}" if backend == "meshrun" else f"torch.rendezvous.{run_id}"
         )
         # The idle phase's store CPU is its own column: over the rounds' seconds it made the
-        # store load of both-round rows about 2.5x too high (until 2026-12-07).
+        # store load of both-round rows about 2x too high for meshrun and 2.6x for c10d at
+        # 1,024 nodes (until 2026-12-07).
         idle_cpu0 = server.cpu_s()
         idle_b = idle(agents, idle_s, clock) if idle_s > 0 else 0.0
         idle_cpu = server.cpu_s() - idle_cpu0
