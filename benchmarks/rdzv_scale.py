@@ -104,6 +104,8 @@ class Counting:
     def __init__(self, store: Any) -> None:
         self._store, self.ops, self.bytes = store, 0, 0
         self.kinds: collections.Counter[str] = collections.Counter()  # "op:key family"
+        # The keys each kind carries (a multi_get of N keys: N): the store's CPU goes by key.
+        self.keys: collections.Counter[str] = collections.Counter()
 
     def __getattr__(self, op: str) -> Any:
         call = getattr(self._store, op)
@@ -111,7 +113,9 @@ class Counting:
         def counted(*args: Any) -> Any:
             result = call(*args)
             self.ops += 1
-            self.kinds[f"{op}:{_family(args[0] if args else '')}"] += 1
+            kind = f"{op}:{_family(args[0] if args else '')}"
+            self.kinds[kind] += 1
+            self.keys[kind] += len(args[0]) if args and isinstance(args[0], list) else 1
             self.bytes += sum(_size(a) for a in args) + _size(result)
             return result
 
@@ -374,7 +378,9 @@ def idle(agents: list[Agent], seconds: float, clock: Clock) -> float:
     is fresh, and no node reads a heartbeat key before one is 12.5 s old (a 10 s window
     measured 763 B/s or 2,942 B/s at 64 nodes, depending on where it fell)."""
     before = [a.counter.bytes for a in agents]
-    ops = [(a.counter.ops, collections.Counter(a.counter.kinds)) for a in agents]
+    ops = [
+        (a.counter.ops, collections.Counter(a.counter.kinds), a.counter.keys.copy()) for a in agents
+    ]
     settled = clock.monotonic() + IDLE_SETTLE_S
     stop = settled + seconds
     start = threading.Barrier(len(agents) + 1)  # on an event clock, none may wait before all run
@@ -397,8 +403,10 @@ def idle(agents: list[Agent], seconds: float, clock: Clock) -> float:
     start.wait()
     for t in threads:
         t.join()
-    for a, b, (o, k) in zip(agents, before, ops, strict=True):  # the round columns leave it out
-        a.counter.bytes, a.counter.ops, a.counter.kinds = b, o, k
+    for a, b, (o, k, keys) in zip(
+        agents, before, ops, strict=True
+    ):  # the rounds' columns leave it out
+        a.counter.bytes, a.counter.ops, a.counter.kinds, a.counter.keys = b, o, k, keys
     return statistics.mean(rates)
 
 
@@ -530,15 +538,16 @@ def _rounds(
         idle_b_per_s=round(idle_b),
         idle_store_load=round(idle_cpu / idle_total, 3) if idle_total else None,
         ops_by_kind=_per_node(agents),
+        keys_by_kind=_per_node(agents, keys=True),
     )
 
 
-def _per_node(agents: list[Agent]) -> dict[str, float]:
+def _per_node(agents: list[Agent], keys: bool = False) -> dict[str, float]:
     """Each kind of store operation (``op:key family``) per node, most first: where the
-    ``ops/node`` column's operations go."""
+    ``ops/node`` column's operations go; ``keys``: the keys they carried instead."""
     total: collections.Counter[str] = collections.Counter()
     for a in agents:
-        total.update(a.counter.kinds)
+        total.update(a.counter.keys if keys else a.counter.kinds)
     return {k: round(v / len(agents), 1) for k, v in total.most_common()}
 
 
@@ -580,6 +589,7 @@ class Row:
     idle_b_per_s: float
     idle_store_load: float | None
     ops_by_kind: dict[str, float]
+    keys_by_kind: dict[str, float]
     dilate: float | str
     wall_s: float
 
@@ -638,7 +648,9 @@ def main(argv: list[str] | None = None) -> None:
             row = measure(
                 backend, n, a.stall_report, a.idle, a.dilate, not a.first_only, a.trace_dead
             )
-            cells = ["-" if v is None else str(v) for k, v in row.items() if k != "ops_by_kind"]
+            cells = [
+                "-" if v is None else str(v) for k, v in row.items() if not k.endswith("_by_kind")
+            ]
             emit(row, cells, a.json)
 
 

@@ -20,7 +20,7 @@ from typing import Any
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _BackendRendezvousStateHolder
 
-from meshrun.launch.trust.heartbeats import unseal_timed
+from meshrun.launch.trust.sealed import unseal_timed
 
 
 def install(

@@ -31,6 +31,7 @@ KEY = "meshrun.rdzv/job"
 A, B = _NodeDesc("10.0.0.1", 42, 0), _NodeDesc("10.0.0.2", 7, 1)
 C = _NodeDesc("10.0.0.4", 5, 0)
 A_KEY, B_KEY = (f"{KEY}/hb/{n.addr}_{n.pid}_{n.local_id}" for n in (A, B))
+DIGEST, CLAIM = f"{KEY}/hbd", f"{KEY}/hbd.claim"
 KEEP_ALIVE, TRIES = timedelta(seconds=1), 3  # torch calls a node dead 3 s after its heartbeat
 
 
@@ -87,6 +88,13 @@ def _sealed(
     return secret.seal(key, json.dumps(doc))
 
 
+def _no_digest(store: Any) -> None:
+    """Forget the digest a test's first writer made (it read the keys before the test wrote
+    them) and its claim: the next reader makes the first."""
+    for key in (DIGEST, CLAIM):
+        store.delete_key(key)
+
+
 def _beats(backend: SignedBackend) -> dict[_NodeDesc, datetime]:
     got = backend.get_state()
     assert got is not None
@@ -141,6 +149,7 @@ def test_a_stopped_heartbeat_is_still_found_dead_by_torchs_handler(store: Any) -
     store.set(B_KEY, _sealed(B_KEY, B, _ago(0.5)))
     assert _survivors(_backend(store)) == {A, B}
     store.set(B_KEY, _sealed(B_KEY, B, _ago(4)))
+    store.delete_key(DIGEST)  # it holds the 0.5 s time the first reader verified
     assert _survivors(_backend(store)) == {A}
 
 
@@ -178,13 +187,18 @@ def test_a_deleted_heartbeat_key_neither_blocks_nor_kills(store: Any) -> None:
     assert _backend(store).set_state(pickle.dumps(_two_nodes(_ago(0), _ago(40)))) is not None
     signed = _ago(26)
     store.set(B_KEY, _sealed(B_KEY, B, signed))
+    _no_digest(store)
     said: list[str] = []
     reader = _backend(store, said, keep_alive)
     assert _beats(reader)[B] == signed
     store.delete_key(B_KEY)
     assert _beats(reader)[B] == signed and _survivors(reader, keep_alive) == {A, B}
     assert len(said) == 1 and f"{B_KEY}: deleted from the store" in said[0], said
-    # A node that never saw B's key keeps the shared state's time for B: dead.
+    # A node that never saw B's key holds the time the reader verified, from its digest...
+    held = _beats(_backend(store, None, keep_alive))[B]
+    assert signed - timedelta(milliseconds=1) < held <= signed  # to the millisecond, not later
+    # ...and, with no digest either, the shared state's time for B: dead.
+    store.delete_key(DIGEST)
     assert _survivors(_backend(store, None, keep_alive), keep_alive) == {A}
 
 
@@ -257,3 +271,100 @@ def test_a_node_that_found_itself_dead_moves_to_the_wait_list_in_every_view(stor
         assert A in view.wait_list and A not in view.participants, view
         assert view.complete and list(view.participants) == [B]
         assert view.last_heartbeats[A] > _ago(5)
+
+
+def _many(n: int, shared_age: float) -> tuple[_RendezvousState, list[_NodeDesc]]:
+    """A completed round of ``n`` nodes whose shared heartbeats are ``shared_age`` s old."""
+    nodes = [_NodeDesc(f"10.0.1.{i}", 100 + i, 0) for i in range(n)]
+    state = _RendezvousState()
+    state.round, state.complete = 1, True
+    state.participants = {node: i for i, node in enumerate(nodes)}
+    state.last_heartbeats = dict.fromkeys(nodes, _ago(shared_age))
+    return state, nodes
+
+
+def _hb_key(node: _NodeDesc) -> str:
+    return f"{KEY}/hb/{node.addr}_{node.pid}_{node.local_id}"
+
+
+def _key_reads(ops: Ops) -> int:
+    """The heartbeat keys one backend read (the multi_gets of ``<key>/hb/...``)."""
+    return sum(len(k) for op, k in ops.calls if op == "multi_get" and k[0].startswith(f"{KEY}/hb/"))
+
+
+@pytest.mark.timeout(30)
+def test_one_node_reads_every_key_and_the_others_read_its_digest(store: Any) -> None:
+    """Every node read every stale peer's key: N keys per node, N^2 per refresh, at 1.5 us of
+    the store's CPU a key (docs/scale.md). Now one node reads them and signs what it verified
+    as one value; the others read that, and keep every node alive on it."""
+    state, nodes = _many(8, shared_age=10)  # past the dead-node limit but for the keys
+    assert _backend(store).set_state(pickle.dumps(state)) is not None
+    for node in nodes:
+        store.set(_hb_key(node), _sealed(_hb_key(node), node, _ago(0.5)))
+    _no_digest(store)
+    readers = [Ops(store) for _ in range(5)]
+    for ops in readers:
+        assert _survivors(_backend(ops)) == set(nodes)
+    assert [_key_reads(ops) for ops in readers] == [8, 0, 0, 0, 0]
+    assert [op for op, k in readers[0].calls if k == CLAIM] == ["compare_set"]
+    assert ("set", DIGEST) in readers[0].calls
+    assert all((op, CLAIM) not in r.calls for r in readers[1:] for op in ("compare_set", "set"))
+    assert len(bytes(store.get(DIGEST))) < 100 * 8 + 300  # O(1) bytes a node
+
+
+@pytest.mark.timeout(30)
+def test_a_node_whose_digest_never_came_is_taken_over_and_nobody_dies_meanwhile(
+    store: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A node won the claim and died before writing the digest (or a stranger wrote the claim
+    key): the others read the keys near the limit themselves, and one takes the claim over
+    once it is a keep-alive interval old."""
+    from meshrun.launch.trust import beat_digest
+
+    clock = [1000.0]
+    monkeypatch.setattr(beat_digest.time, "monotonic", lambda: clock[0])
+    keep_alive = timedelta(seconds=10)  # dead 30 s after a heartbeat, keys read from 25 s
+    state, nodes = _many(4, shared_age=40)
+    assert _backend(store).set_state(pickle.dumps(state)) is not None
+    for node in nodes:
+        store.set(_hb_key(node), _sealed(_hb_key(node), node, _ago(26)))
+    _no_digest(store)
+    store.set(CLAIM, "a-dead-node.1")
+    ops = Ops(store)
+    mine = _backend(ops, None, keep_alive)
+    assert _survivors(mine, keep_alive) == set(nodes)  # read the keys itself: none dead
+    assert _key_reads(ops) == 4 and ("set", DIGEST) not in ops.calls
+    clock[0] += keep_alive.total_seconds()  # the same claim an interval later: taken over
+    ops.calls.clear()
+    assert _survivors(mine, keep_alive) == set(nodes)
+    assert ("set", DIGEST) in ops.calls
+    assert not bytes(store.get(CLAIM)).startswith(b"a-dead-node")
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize(
+    "forged",
+    ["junk", "stranger", "other-launch"],
+)
+def test_a_forged_digest_is_ignored_once_and_the_node_still_dies(store: Any, forged: str) -> None:
+    """A digest that says B is alive, but not signed by this job or this launch: ignored,
+    one line; B's own key (old) decides."""
+    assert _backend(store).set_state(pickle.dumps(_two_nodes(_ago(0), _ago(10)))) is not None
+    store.set(B_KEY, _sealed(B_KEY, B, _ago(4)))
+    now_ms = int(datetime.now(timezone.utc).timestamp() * 1e3)
+    doc: dict[str, Any] = {"launch": NONCE, "time": _ago(0).isoformat(), "claim": "x.1"}
+    doc["beats"] = [[B.addr, B.pid, B.local_id, now_ms]]
+    if forged == "other-launch":
+        doc["launch"] = "1111222233334444"
+    raw = {
+        "junk": b"not a digest",
+        "stranger": OTHER.seal(DIGEST, json.dumps(doc)),
+        "other-launch": SECRET.seal(DIGEST, json.dumps(doc)),
+    }[forged]
+    store.set(DIGEST, raw)
+    said: list[str] = []
+    reader = _backend(store, said)
+    assert _survivors(reader) == {A}
+    _beats(reader)
+    lines = [line for line in said if DIGEST in line]
+    assert len(lines) == 1 and "heartbeat digest" in lines[0], said

@@ -30,9 +30,10 @@ from typing import Any
 from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
+from meshrun.launch.trust.beat_digest import BeatDigest
+from meshrun.launch.trust.sealed import unseal_timed
 from meshrun.runtime.secret import JobSecret, sanitize
 
-SKEW = timedelta(seconds=30)  # a heartbeat dated later than this ahead of our clock is refused
 # The keys are read at most once per this share of the keep-alive interval: a live node's key
 # is then read at least once between "near the limit" and the limit itself.
 REFRESH_SHARE = 0.5
@@ -57,6 +58,11 @@ class Heartbeats:
         # Read the keys once a heartbeat is this old: the handler calls a node dead at
         # keep_alive x tries, and a live node writes at least once per two intervals.
         self._stale_after = keep_alive * tries - keep_alive / 2
+        # The digest is looked at half an interval before that: a refresh claimed then, or
+        # the winner's digest, comes before any node's key must be read.
+        self._digest_after = max(self._stale_after - keep_alive / 2, keep_alive / 2)
+        self._fresh = keep_alive / 2  # a digest younger than this is not refreshed
+        self._digest = BeatDigest(call, state_key, secret, nonce, keep_alive, say)
         self._keep_alive = keep_alive
         self._keyed: dict[_NodeDesc, datetime] = {}  # the time this backend last wrote each key
         self._seen: dict[_NodeDesc, datetime] = {}
@@ -103,14 +109,7 @@ class Heartbeats:
             self._base, self._built = base, -1
             self._oldest = min((self._seen[n] for n in base.last_heartbeats), default=None)
         if self._due():
-            # Only the stale nodes' keys: a node read fresh is due again in about one
-            # write interval, not at every read (a quarter of the bytes at steady state).
-            limit = datetime.now(timezone.utc) - self._stale_after
-            stale = [n for n in base.last_heartbeats if self._seen[n] <= limit]
-            if stale:
-                self._read(stale)
-            else:  # held times newer than _oldest (this node's own write): none stale yet
-                self._oldest = min(self._seen[n] for n in base.last_heartbeats)
+            self._refresh(list(base.last_heartbeats))
         if self._version != self._built:
             newer = {n: self._seen[n] for n, t in base.last_heartbeats.items() if self._seen[n] > t}
             self._merged = base
@@ -123,12 +122,40 @@ class Heartbeats:
         return self._merged
 
     def _due(self) -> bool:
-        """Whether to read the keys: a heartbeat held is near the handler's dead-node limit
-        (the key may hold a newer one), and the last read is a second old."""
+        """Whether to look for newer heartbeats: one held is near the handler's dead-node
+        limit (the digest, or the node's key, may hold a newer one), and the last look is
+        ``REFRESH_SHARE`` of an interval old."""
         every = self._keep_alive.total_seconds() * REFRESH_SHARE
         if self._oldest is None or time.monotonic() - self._read_at < every:
             return False
-        return datetime.now(timezone.utc) - self._oldest >= self._stale_after
+        return datetime.now(timezone.utc) - self._oldest >= self._digest_after
+
+    def _refresh(self, nodes: list[_NodeDesc]) -> None:
+        """The digest first (one read). If it leaves a node near the limit and is itself half
+        an interval old, this node claims the next refresh: the winner reads every node's key
+        and writes the digest, the others read it again (the winner's, if it came already).
+        A node still past ``_stale_after`` has its key read by this node itself (a dead node,
+        a digest that does not come)."""
+        self._read_at = time.monotonic()
+        if self._older(nodes, self._digest_after):  # else only the view was older: none to read
+            self._note(self._digest.read().items())
+            # A digest younger than half an interval is the newest there is: a node it leaves
+            # near the limit wrote nothing since (a refresh per stale node, each reader's due
+            # time its own, made every node read every key in turn).
+            if self._older(nodes, self._digest_after) and self._digest.age() >= self._fresh:
+                if self._digest.claim():
+                    self._read(nodes)
+                    self._digest.publish((n, self._seen[n]) for n in nodes)
+                else:
+                    self._note(self._digest.read().items())
+            if urgent := self._older(nodes, self._stale_after):
+                self._read(urgent)
+        # Held times newer than the merged view's (this node's own write, the digest's).
+        self._oldest = min((self._seen[n] for n in nodes), default=None)
+
+    def _older(self, nodes: list[_NodeDesc], age: timedelta) -> list[_NodeDesc]:
+        limit = datetime.now(timezone.utc) - age
+        return [n for n in nodes if self._seen[n] <= limit]
 
     def _note(self, items: Iterable[tuple[_NodeDesc, datetime]]) -> None:
         for node, t in items:
@@ -202,33 +229,3 @@ def only_heartbeats(before: _RendezvousState, after: _RendezvousState) -> bool:
     if rest(before) != rest(after):
         return False
     return all(t >= before.last_heartbeats[n] for n, t in after.last_heartbeats.items())
-
-
-def unseal_timed(
-    secret: JobSecret, key: str, raw: bytes, nonce: str
-) -> tuple[dict[str, Any] | None, str]:
-    """A sealed value carrying a time and the launch's nonce (a heartbeat, a log entry): its
-    document and '' when it is this job's, this launch's and not dated ahead of our clock by
-    more than :data:`SKEW`; else None and why, for the line that says it was ignored."""
-    text = secret.unseal(key, raw)
-    doc = _parse(text) if text is not None else None
-    if doc is None:
-        return None, "not signed with this job's secret"
-    if doc["launch"] != nonce:
-        return None, f"signed in another launch (nonce {sanitize(str(doc['launch']), 32)})"
-    if doc["time"] > datetime.now(timezone.utc) + SKEW:
-        return None, f"dated in the future ({doc['time'].isoformat()})"
-    return doc, ""
-
-
-def _parse(text: str) -> dict[str, Any] | None:
-    try:
-        doc = json.loads(text)
-        if not isinstance(doc, dict) or not isinstance(doc.get("launch"), str):
-            return None
-        doc["time"] = datetime.fromisoformat(doc["time"])
-        if doc["time"].tzinfo is None:
-            return None
-    except (ValueError, TypeError, KeyError):
-        return None
-    return doc

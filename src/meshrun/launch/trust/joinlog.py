@@ -36,11 +36,10 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-from meshrun.launch.trust.heartbeats import unseal_timed
+from meshrun.launch.trust.sealed import PROBE, peek, unseal_timed
 from meshrun.runtime.secret import JobSecret
 
 PLACES = ("part", "wait", "none")
-PROBE = b"meshrun-rdzv-probe"  # expected by a read (peek), never written: never a slot's
 # Slots read in one multi_get (about 1.3 MB at most): with 512, readers in a 1,024-node round
 # found the end twice.
 _BATCH = 4096
@@ -207,13 +206,6 @@ class JoinLog:
             "launch": self._nonce,
         }
         return self._secret.seal(self.key(slot), json.dumps(doc))
-
-
-def peek(call: Callable[..., Any], key: str) -> bytes:
-    """``key``'s value in one store operation that never blocks: a compare-and-set expecting a
-    value never written changes nothing and answers the value, or :data:`PROBE` itself when
-    the key is missing (a ``get`` would wait until the store's timeout)."""
-    return bytes(call("compare_set", key, PROBE, PROBE))
 
 
 def fold(base: _RendezvousState, entries: list[Entry]) -> _RendezvousState:

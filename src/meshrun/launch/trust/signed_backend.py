@@ -27,7 +27,8 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 )
 
 from meshrun.launch.trust.heartbeats import Heartbeats, only_heartbeats
-from meshrun.launch.trust.joinlog import PROBE, JoinLog, copy_state, fold, own_move, peek
+from meshrun.launch.trust.joinlog import JoinLog, copy_state, fold, own_move
+from meshrun.launch.trust.sealed import PROBE, peek
 from meshrun.launch.trust.state_json import state_from_json, state_to_json
 from meshrun.runtime.logs import say_launch
 from meshrun.runtime.secret import JobSecret, sanitize
