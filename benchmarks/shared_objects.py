@@ -14,7 +14,7 @@ Patched, and put back on leaving:
   every change; meshrun's backend unpickles the handler's), and meshrun's JSON decoding
   (``state_json``, ``joinlog``) builds nodes with it;
 - ``datetime`` pickles as a call of :func:`moment`, and ``fromisoformat`` in those modules
-  and in ``heartbeats`` answers the first equal time parsed;
+  and in ``sealed`` (heartbeats, log entries) answers the first equal time parsed;
 - a verified log entry (``JoinLog._verify``) is the first equal entry.
 On an older checkout, without those modules, only the pickles are patched: safe, as meshrun's
 pickles never leave the process.
@@ -31,9 +31,9 @@ from typing import Any
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
 try:
-    from meshrun.launch.trust import heartbeats, joinlog, state_json
+    from meshrun.launch.trust import joinlog, sealed, state_json
 except ImportError:  # an older checkout (a "before" row, rdzv_before.py): only the pickles
-    heartbeats = joinlog = state_json = None  # type: ignore[assignment]
+    sealed = joinlog = state_json = None  # type: ignore[assignment]
 
 _NODES: dict[tuple[str, int, int], _NodeDesc] = {}
 _MOMENTS: dict[Any, _datetime] = {}
@@ -116,12 +116,12 @@ def _share_decoded(undo: list[Callable[[], None]]) -> None:
     entry is the first equal one."""
     for module in (state_json, joinlog):
         _swap(module, "_NodeDesc", node, undo)
-    for module in (state_json, heartbeats):
+    for module in (state_json, sealed):
         _swap(module, "datetime", _parsing(module.datetime), undo)
     verify = joinlog.JoinLog._verify
 
-    def shared_verify(self: Any, slot: int, raw: bytes) -> Any:
-        entry = verify(self, slot, raw)
+    def shared_verify(self: Any, slot: int, raw: bytes, quiet: bool = False) -> Any:
+        entry = verify(self, slot, raw, quiet)
         return entry if entry is None else _ENTRIES.setdefault(entry, entry)
 
     joinlog.JoinLog._verify = shared_verify  # type: ignore[method-assign]

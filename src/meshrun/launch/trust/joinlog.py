@@ -18,6 +18,15 @@ doubling. The hint is a plain ``set``, unsigned: writers racing can leave it beh
 and a stranger can set anything, so it is only ever a place to check first; a hint that
 does not check out costs the reader two checks more than the gallop it falls back to.
 
+Every node reads every entry: N keys a node and N^2 a round, and the store's ``multi_get``
+costs it about 1.5 us a key (docs/scale.md). So the node that wins the last slot of a chunk
+of 64 (``<state key>/log/c<i>``: slots 64i to 64i+63) writes the chunk's values as one, if
+it read them all (it read every slot before its own to claim it), and a reader whose new
+entries cover whole chunks reads those keys instead (a ``check`` that every one is there,
+then one ``multi_get``). A chunk is not sealed as a whole: each entry in it
+still verifies against its own slot's key, and a chunk with any entry that does not (a
+stranger's) is ignored with one line and its slots read one by one.
+
 What the handler is handed is the shared state with each node's newest entry applied
 (:func:`fold`), as torch's own operations would have applied them. Anything that is not one
 node's own move (completing a round, a new round, a node removed as dead) is still a
@@ -45,6 +54,10 @@ PLACES = ("part", "wait", "none")
 _BATCH = 4096
 _HINT_DIGITS = 12  # a hint longer than this is not a slot number of this log
 _HELP_GAP = 4  # a reader that finds the end this far past the hint sets the hint
+# Slots per chunk: a node that read a chunk's slots writes them as one value for the others
+# (the store's multi_get costs about 1.5 us a key: every node reading every entry was
+# N^2 keys a round).
+CHUNK = 64
 
 
 @dataclass(frozen=True)
@@ -74,6 +87,7 @@ class JoinLog:
         self.newest: dict[_NodeDesc, Entry] = {}
         self.version = 0  # bumped by every entry taken
         self._said: set[int] = set()
+        self._raws: dict[int, bytes] = {}  # the chunk being filled: its values held (_keep)
 
     def key(self, slot: int) -> str:
         return f"{self._prefix}{slot}"
@@ -91,11 +105,7 @@ class JoinLog:
             n = self._filled(_BATCH)
             if n == 0:
                 return self.next != before
-            slots = range(self.next, self.next + n)
-            values = self._call("multi_get", [self.key(s) for s in slots])
-            for slot, raw in zip(slots, values, strict=True):
-                self._take(slot, bytes(raw))
-            self.next += n
+            self._take_range(self.next + n)
             if n < _BATCH:
                 return True
 
@@ -112,6 +122,8 @@ class JoinLog:
             self.next = slot + 1
             if raw == sealed:
                 self._call("set", self._end_key, str(slot + 1))
+                self._keep(slot, sealed)
+                self._write_chunk(slot)
                 entry = Entry(slot, node, round_, place, t)
                 self._note(entry)
                 return entry
@@ -173,10 +185,71 @@ class JoinLog:
                 high = mid
         return low
 
+    def _take_range(self, end: int) -> None:
+        """Take slots ``next`` to ``end`` (all filled): the whole chunks among them from their
+        chunk keys when every one is there (a ``check``, then one ``multi_get`` with the slots
+        outside them), else every slot."""
+        start = self.next
+        chunks = range(start // CHUNK, end // CHUNK)  # chunk i: slots i*CHUNK to (i+1)*CHUNK
+        slots: list[int] = list(range(start, end))
+        if chunks and self._call("check", [self._chunk_key(i) for i in chunks]):
+            tail = range(max(start, chunks.stop * CHUNK), end)
+            keys = [self._chunk_key(i) for i in chunks] + [self.key(s) for s in tail]
+            values = [bytes(v) for v in self._call("multi_get", keys)]
+            unread = [i for i, raw in zip(chunks, values, strict=False) if not self._chunk(i, raw)]
+            for slot, raw in zip(tail, values[len(chunks) :], strict=True):
+                self._take(slot, raw)
+            slots = [s for i in unread for s in range(max(start, i * CHUNK), (i + 1) * CHUNK)]
+        if slots:
+            values = self._call("multi_get", [self.key(s) for s in slots])
+            for slot, raw in zip(slots, values, strict=True):
+                self._take(slot, bytes(raw))
+        self.next = end
+
+    def _keep(self, slot: int, raw: bytes) -> None:
+        """Hold a verified value of the chunk being filled: the writer of its last slot writes
+        the chunk (one ``set``) if it holds every value of it (one writer per chunk, right
+        when it is full; readers racing it read the slots)."""
+        first = slot - slot % CHUNK
+        if any(s < first for s in self._raws):
+            self._raws = {s: r for s, r in self._raws.items() if s >= first}
+        self._raws[slot] = raw
+
+    def _write_chunk(self, slot: int) -> None:
+        first = slot + 1 - CHUNK
+        if (slot + 1) % CHUNK or any(s not in self._raws for s in range(first, slot + 1)):
+            return
+        joined = b"\n".join(self._raws[s] for s in range(first, slot + 1))
+        self._call("set", self._chunk_key(slot // CHUNK), joined)
+
+    def _chunk(self, i: int, raw: bytes) -> bool:
+        """Take chunk ``i``'s entries from ``next`` on; False, with one line, when it is not
+        this log's (then its slots are read one by one)."""
+        parts = raw.split(b"\n")
+        first = i * CHUNK
+        entries = [self._verify(first + k, part, quiet=True) for k, part in enumerate(parts)]
+        if len(parts) != CHUNK or None in entries:
+            if -1 - i not in self._said:  # chunks' lines under negative numbers, slots' not
+                self._said.add(-1 - i)
+                self._say(
+                    f"ignored the rendezvous log chunk {self._chunk_key(i)}: not {CHUNK} "
+                    "entries of this log; its slots are read one by one"
+                )
+            return False
+        for entry in entries[max(0, self.next - first) :]:
+            assert entry is not None
+            self._note(entry)
+        return True
+
+    def _chunk_key(self, i: int) -> str:
+        return f"{self._prefix}c{i}"
+
     def _take(self, slot: int, raw: bytes) -> None:
         entry = self._verify(slot, raw)
         if entry is not None:
             self._note(entry)
+            if b"\n" not in raw:  # the chunk's separator (a sealed entry never has one)
+                self._keep(slot, raw)
 
     def _note(self, entry: Entry) -> None:
         held = self.newest.get(entry.node)
@@ -184,13 +257,13 @@ class JoinLog:
             self.newest[entry.node] = entry
             self.version += 1
 
-    def _verify(self, slot: int, raw: bytes) -> Entry | None:
+    def _verify(self, slot: int, raw: bytes, quiet: bool = False) -> Entry | None:
         key = self.key(slot)
         doc, why = unseal_timed(self._secret, key, raw, self._nonce)
         if doc is not None and not _well_formed(doc):  # signed, so a bug: said, not used
             doc, why = None, "signed but not an entry"
         if why or doc is None:
-            if slot not in self._said:
+            if not quiet and slot not in self._said:
                 self._said.add(slot)
                 self._say(f"ignored the rendezvous log entry {key}: {why}; the job goes on")
             return None
