@@ -10,9 +10,10 @@ with the job secret over the key's name), and a reader merges the newest verifie
 node into the state it hands to torch's handler, whose dead-node rule (``_sanitize``) is
 unchanged.
 
-The keys are read in one ``multi_get``, and only those whose heartbeat the reader holds is
-old enough to matter: half a keep-alive interval before the handler would call the node dead,
-at most once per half interval. A key that does not verify (a stranger's, another launch's,
+A node reads the digest of every node's heartbeat (``beat_digest.py``) once a heartbeat it
+holds is an interval from the handler's dead-node limit, and the keys themselves (in
+``multi_get``s of 256) when it won the digest's next refresh, or for the nodes still half an
+interval from the limit after the digest: at most once per half interval. A key that does not verify (a stranger's, another launch's,
 dated in the future) is ignored with one line; a deleted key is never waited on (the store's ``get`` would
 block until its timeout): the node keeps the newest time already seen, or the shared state's.
 """
@@ -31,7 +32,7 @@ from torch.distributed.elastic.rendezvous import RendezvousConnectionError
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from meshrun.launch.trust.beat_digest import BeatDigest
-from meshrun.launch.trust.sealed import unseal_timed
+from meshrun.launch.trust.sealed import read_many, unseal_timed
 from meshrun.runtime.secret import JobSecret, sanitize
 
 # The keys are read at most once per this share of the keep-alive interval: a live node's key
@@ -182,12 +183,12 @@ class Heartbeats:
                 for k in set(keys) - set(present):
                     self._absent[k] = now
                     self._ignore(k, "deleted from the store")
-            values = self._call("multi_get", present) if present else []
+            values = read_many(self._call, present)
         except RendezvousConnectionError as err:  # deleted between check and read: go on
             self._ignore(self._prefix + "*", f"unreadable ({sanitize(str(err), 160)})")
             return
         for k, raw in zip(present, values, strict=True):
-            t = self._verify(k, keys[k], bytes(raw))
+            t = self._verify(k, keys[k], raw)
             if t is not None:
                 self._note([(keys[k], t)])
 

@@ -19,7 +19,7 @@ and a stranger can set anything, so it is only ever a place to check first; a hi
 does not check out costs the reader two checks more than the gallop it falls back to.
 
 Every node reads every entry: N keys a node and N^2 a round, and the store's ``multi_get``
-costs it about 1.5 us a key (docs/scale.md). So the node that wins the last slot of a chunk
+costs it 0.5 to 1.9 us a key, more the more keys one read asks for (docs/scale.md). So the node that wins the last slot of a chunk
 of 64 (``<state key>/log/c<i>``: slots 64i to 64i+63) writes the chunk's values as one, if
 it read them all (it read every slot before its own to claim it), and a reader whose new
 entries cover whole chunks reads those keys instead (a ``check`` that every one is there,
@@ -45,7 +45,7 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-from meshrun.launch.trust.sealed import PROBE, peek, unseal_timed
+from meshrun.launch.trust.sealed import PROBE, peek, read_many, unseal_timed
 from meshrun.runtime.secret import JobSecret
 
 PLACES = ("part", "wait", "none")
@@ -55,8 +55,8 @@ _BATCH = 4096
 _HINT_DIGITS = 12  # a hint longer than this is not a slot number of this log
 _HELP_GAP = 4  # a reader that finds the end this far past the hint sets the hint
 # Slots per chunk: a node that read a chunk's slots writes them as one value for the others
-# (the store's multi_get costs about 1.5 us a key: every node reading every entry was
-# N^2 keys a round).
+# (every node reading every entry was N^2 keys a round; a chunk of 64 entries costs the
+# store about a fifth of their 64 keys, benchmarks/store_cost.py).
 CHUNK = 64
 
 
@@ -195,15 +195,15 @@ class JoinLog:
         if chunks and self._call("check", [self._chunk_key(i) for i in chunks]):
             tail = range(max(start, chunks.stop * CHUNK), end)
             keys = [self._chunk_key(i) for i in chunks] + [self.key(s) for s in tail]
-            values = [bytes(v) for v in self._call("multi_get", keys)]
+            values = read_many(self._call, keys)
             unread = [i for i, raw in zip(chunks, values, strict=False) if not self._chunk(i, raw)]
             for slot, raw in zip(tail, values[len(chunks) :], strict=True):
                 self._take(slot, raw)
             slots = [s for i in unread for s in range(max(start, i * CHUNK), (i + 1) * CHUNK)]
         if slots:
-            values = self._call("multi_get", [self.key(s) for s in slots])
+            values = read_many(self._call, [self.key(s) for s in slots])
             for slot, raw in zip(slots, values, strict=True):
-                self._take(slot, bytes(raw))
+                self._take(slot, raw)
         self.next = end
 
     def _keep(self, slot: int, raw: bytes) -> None:

@@ -12,6 +12,9 @@ from meshrun.runtime.secret import JobSecret, sanitize
 
 SKEW = timedelta(seconds=30)  # a value dated later than this ahead of our clock is refused
 PROBE = b"meshrun-rdzv-probe"  # expected by a read (peek), never written: never a value's
+# Keys per multi_get: the store's CPU per key grows with the keys of one multi_get (0.5 us a
+# key at 64, 0.6 at 256, 0.9 at 1,024, 1.9 at 4,096: benchmarks/store_cost.py).
+KEYS_PER_READ = 256
 
 
 def peek(call: Callable[..., Any], key: str) -> bytes:
@@ -19,6 +22,15 @@ def peek(call: Callable[..., Any], key: str) -> bytes:
     value never written changes nothing and answers the value, or :data:`PROBE` itself when
     the key is missing (a ``get`` would wait until the store's timeout)."""
     return bytes(call("compare_set", key, PROBE, PROBE))
+
+
+def read_many(call: Callable[..., Any], keys: list[str]) -> list[bytes]:
+    """The values of ``keys`` (every one present: a missing key blocks the read), in
+    ``multi_get``s of at most :data:`KEYS_PER_READ` keys."""
+    values: list[bytes] = []
+    for i in range(0, len(keys), KEYS_PER_READ):
+        values += [bytes(v) for v in call("multi_get", keys[i : i + KEYS_PER_READ])]
+    return values
 
 
 def unseal_timed(
