@@ -136,8 +136,9 @@ def test_a_join_writes_the_shared_state_then_the_keys(store: Any) -> None:
     ops = Ops(store)
     first = _backend(ops).set_state(pickle.dumps(_two_nodes(_ago(0), _ago(0))))
     assert first is not None and first[2] is True
-    assert [op for op, _ in ops.calls[-3:]] == ["compare_set", "multi_set", "set"]
-    assert ops.calls[-3][1] == KEY and ops.calls[-1][1] == f"{KEY}/v"  # then the pollers' mark
+    assert [op for op, _ in ops.calls[-4:]] == ["compare_set", "multi_set", "compare_set", "set"]
+    assert ops.calls[-4][1] == KEY  # then the keys, then the pollers' mark: a log entry
+    assert ops.calls[-2][1] == f"{KEY}/log/0" and ops.calls[-1][1] == f"{KEY}/end"
 
 
 @pytest.mark.timeout(30)

@@ -254,7 +254,7 @@ def test_a_deleted_state_is_put_back_at_once_and_said() -> None:
         # with the token itself, and the handler would retry it forever; put back instead.
         server.delete_key("meshrun.rdzv/job")
         result = backend.set_state(pickle.dumps(_state(4)), good[1])
-        assert result is not None and result[2] is False and result[1] == good[1]
+        assert result is not None and result[2] is False and _stored(result[1]) == _stored(good[1])
         assert bytes(server.get("meshrun.rdzv/job")) == _stored(good[1]) and len(said) == 2
         result = backend.set_state(pickle.dumps(_state(4)), result[1])
         assert result is not None and result[2] is True
@@ -306,17 +306,18 @@ def test_a_read_and_a_lost_write_are_one_store_operation_each(store: Any) -> Non
     assert second is not None and second[2] is True and mine.ops == 1
     theirs.ops = 0
     lost = other.set_state(pickle.dumps(_state(3)), first[1])  # a stale token: it loses
-    assert lost is not None and lost[2] is False and lost[1] == second[1]
+    assert lost is not None and lost[2] is False and _stored(lost[1]) == _stored(second[1])
     assert pickle.loads(lost[0]).round == 2 and theirs.ops == 1
 
 
 @pytest.mark.timeout(60)
-def test_a_poll_reads_the_state_only_once_its_mark_changed(store: Any) -> None:
+def test_a_poll_reads_the_state_only_once_the_log_holds_a_new_mark(store: Any) -> None:
     """Every waiting node polls about once a second: reading the whole state each time moved
-    O(N) bytes a poll, O(N^2) a second through the store. A poll reads the mark that each
-    won write replaces; the state only when it changed, or once per full-read interval, so a
-    mark set back by someone else delays a node by that interval at most, and a mark that is
-    not a number breaks nothing (the store's add on it closes the caller's connection)."""
+    O(N) bytes a poll, O(N^2) a second through the store. A won write of the state appends a
+    signed mark to the join log; a poll reads the log (one check when nothing is new) and the
+    state only when a new mark came, or once per full-read interval: a mark deleted before
+    anyone read it delays a node by that interval at most, and a stranger's value in a slot
+    is not a mark (until 2026-12-07 the mark was a plain key read at every poll)."""
     ops = StateOps(store)
     slow = SignedBackend(ops, "job", SECRET, NONCE, full_read_every=timedelta(seconds=60))
     quick = SignedBackend(store, "job", SECRET, NONCE, full_read_every=timedelta(seconds=0.2))
@@ -325,33 +326,32 @@ def test_a_poll_reads_the_state_only_once_its_mark_changed(store: Any) -> None:
     assert first is not None
     ops.ops = 0
     rounds = [pickle.loads(got[0]).round for got in [slow.get_state() for _ in range(4)] if got]
-    assert rounds == [1, 1, 1, 1] and ops.ops == 1  # one read of the state, three marks
+    assert rounds == [1, 1, 1, 1] and ops.ops == 1  # one read of the state, three of the log
     second = writer.set_state(pickle.dumps(_state(2)), first[1])
     assert second is not None and second[2] is True
     got = slow.get_state()
     assert got is not None and pickle.loads(got[0]).round == 2 and ops.ops == 2
     got = quick.get_state()
     assert got is not None and pickle.loads(got[0]).round == 2
-    # A write whose mark someone puts back: the nodes see it by the next full read.
-    mark = bytes(store.get("meshrun.rdzv/job/v"))
+    # A write whose mark is deleted before the nodes read it: seen by the next full read.
     third = writer.set_state(pickle.dumps(_state(3)), second[1])
     assert third is not None and third[2] is True
-    store.set("meshrun.rdzv/job/v", mark)
-    assert bytes(store.get("meshrun.rdzv/job/v")) == mark  # set does not wait: read it back
+    mark_slot = writer._log.next - 1
+    store.delete_key(f"meshrun.rdzv/job/log/{mark_slot}")
     got = slow.get_state()
     assert got is not None and pickle.loads(got[0]).round == 2  # within its 60 s
     time.sleep(0.25)
     got = quick.get_state()
     assert got is not None and pickle.loads(got[0]).round == 3  # past its 0.2 s: read in full
-    # Not a number, then deleted: a changed mark, then none; each poll reads the state.
-    store.set("meshrun.rdzv/job/v", b"\x00garbage")
+    # A stranger's value in the log's next slot: no mark, no read of the state; the next
+    # write's mark comes after it.
+    store.set(f"meshrun.rdzv/job/log/{mark_slot}", b"\x00garbage")
     got = slow.get_state()
-    assert got is not None and pickle.loads(got[0]).round == 3 and ops.ops == 3
-    store.delete_key("meshrun.rdzv/job/v")
-    for _ in range(2):
-        got = slow.get_state()
-        assert got is not None and pickle.loads(got[0]).round == 3
-    assert ops.ops == 5
+    assert got is not None and pickle.loads(got[0]).round == 2 and ops.ops == 2
+    fourth = writer.set_state(pickle.dumps(_state(4)), third[1])
+    assert fourth is not None and fourth[2] is True
+    got = slow.get_state()
+    assert got is not None and pickle.loads(got[0]).round == 4 and ops.ops == 3
 
 
 @pytest.mark.timeout(60)

@@ -40,7 +40,7 @@ import copy
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import datetime, timezone
 from typing import Any
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
@@ -49,6 +49,8 @@ from meshrun.launch.trust.sealed import PROBE, peek, read_many, unseal_timed
 from meshrun.runtime.secret import JobSecret
 
 PLACES = ("part", "wait", "none")
+# Whose a mark entry is (``append_mark``): no node's; folded into no state.
+MARK_NODE = _NodeDesc("", 0, 0)
 # Slots read in one multi_get (about 1.3 MB at most): with 512, readers in a 1,024-node round
 # found the end twice.
 _BATCH = 4096
@@ -86,6 +88,7 @@ class JoinLog:
         self.next = 0  # the first slot not read
         self.newest: dict[_NodeDesc, Entry] = {}
         self.version = 0  # bumped by every entry taken
+        self.marks = 0  # the writes of the shared state read of (append_mark)
         self._said: set[int] = set()
         self._raws: dict[int, bytes] = {}  # the chunk being filled: its values held (_keep)
 
@@ -129,6 +132,12 @@ class JoinLog:
                 return entry
             self._take(slot, raw)
             self.read()
+
+    def append_mark(self) -> None:
+        """An entry that says the shared state was written: readers read the state when they
+        read one (:attr:`marks` grew), so a poll with nothing new is the one ``check`` of the
+        log's next slot."""
+        self.append(MARK_NODE, -1, "mark", datetime.now(timezone.utc))
 
     def _filled(self, limit: int) -> int:
         """How many slots from ``next`` hold a value (at most ``limit``): slots are filled in
@@ -252,6 +261,9 @@ class JoinLog:
                 self._keep(slot, raw)
 
     def _note(self, entry: Entry) -> None:
+        if entry.place == "mark":
+            self.marks += 1
+            return
         held = self.newest.get(entry.node)
         if held is None or held.slot < entry.slot:
             self.newest[entry.node] = entry
@@ -371,4 +383,4 @@ def _well_formed(doc: dict[str, Any]) -> bool:
         return False
     if not all(isinstance(v, int) for v in (node[1], node[2], doc.get("round"))):
         return False
-    return doc.get("in") in PLACES
+    return doc.get("in") in PLACES or (doc.get("in") == "mark" and node == ["", 0, 0])

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import pickle
-import secrets
 import threading
 import time
 from collections.abc import Callable
@@ -66,14 +65,13 @@ class SignedBackend(RendezvousBackend):
     keep-alive goes to a signed key of its own (``heartbeats.py``), merged into the state
     handed to the handler; ``keep_alive`` and ``tries`` are the handler's settings.
 
-    A poll reads a mark (``<key>/v``: a few bytes) that every write of the state replaces
-    once it won, and reads the state itself only when the mark changed or ``full_read_every``
-    (the keep-alive interval) passed: every waiting node polls about once a second, and
-    reading the whole state each time moved O(N) bytes per poll, O(N^2) a second through the
-    store. The mark is not signed: whoever sets it can delay what a node sees by
-    ``full_read_every`` at most, and a state deleted or replaced under the job is still found
-    by the next full read or the next write. It is read as bytes, never as a number: the
-    store's ``add`` on a value that is not one closes the caller's connection."""
+    A poll reads the log (one ``check`` when nothing is new) and the state itself only when
+    the log holds a new mark, an entry every write of the state appends once it won, or
+    ``full_read_every`` (the keep-alive interval) passed: every waiting node polls about once a
+    second, and reading the whole state each time moved O(N) bytes per poll, O(N^2) a second
+    through the store. A mark is signed like every entry (until 2026-12-07 it was a plain key,
+    ``<key>/v``, read at every poll: two operations a poll). A state deleted or replaced under
+    the job is still found by the next full read or the next write."""
 
     def __init__(
         self,
@@ -109,14 +107,10 @@ class SignedBackend(RendezvousBackend):
         self._refused: set[bytes] = set()
         self._stranger_seen = False
         self._deleted_seen = 0  # deletions this node has put back (one line each)
-        self._mark_key = f"{self._key}/v"
-        # Each mark this node writes is its own (a random name and a count): a mark never comes
-        # back to a value a reader holds from an older state.
-        self._marker, self._marks = secrets.token_hex(6), 0
         every = keep_alive if full_read_every is None else full_read_every
         self._full_read_s = every.total_seconds()
-        # The last full read: (the mark read before it, when, what it decoded to).
-        self._polled: tuple[bytes, float, Decoded | None] | None = None
+        # The last full read: (the log's marks read before it, when, what it decoded to).
+        self._polled: tuple[int, float, Decoded | None] | None = None
         self._call("compare_set", self._key, "", _EMPTY)
         # torch's handler stops its keep-alive timer without waiting for a keep-alive already
         # running, so a restart's first reads and writes can meet one: the log's read position
@@ -139,21 +133,20 @@ class SignedBackend(RendezvousBackend):
 
     def _get_state(self) -> tuple[bytes, Token] | None:
         self._note_plain_c10d()
-        # The mark first: a write that wins after it is read changes it for the next poll.
-        mark, polled = peek(self._call, self._mark_key), self._polled
+        # The log first: a write that wins after it is read marks the log for the next poll.
         self._log.read()
-        if polled and polled[0] == mark and time.monotonic() - polled[1] < self._full_read_s:
+        marks, polled = self._log.marks, self._polled
+        if polled and polled[0] == marks and time.monotonic() - polled[1] < self._full_read_s:
             return self._hand(polled[2])  # heartbeats still merged anew
         decoded = self._decode(self._read())
-        # No mark (none written yet, or deleted): every poll reads the state until one is.
-        self._polled = (mark, time.monotonic(), decoded) if mark != PROBE else None
+        self._polled = (marks, time.monotonic(), decoded)
         return self._hand(decoded)
 
     def _wrote(self) -> None:
-        """A write of the state won (ours, or a state put back): a new mark for the pollers."""
+        """A write of the state won (ours, or a state put back): a mark in the log for the
+        pollers (signed, like every entry)."""
         self._polled = None
-        self._marks += 1
-        self._call("set", self._mark_key, f"{self._marker}.{self._marks}")
+        self._log.append_mark()
 
     def _hand(
         self, decoded: Decoded | None, pickled: bytes | None = None
