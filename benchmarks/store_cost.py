@@ -6,8 +6,8 @@ of its own; one client makes each kind of operation ``--ops`` times; the server'
 from ``/proc/<pid>/task/*/schedstat`` (nanoseconds, every thread of the server) around each
 batch. Each kind is answered by the store, so a batch is one operation after another, as an
 agent makes them (a ``set`` is not answered: a batch of them would be pipelined, cheaper per
-operation than an agent's one at a time). The kinds are interleaved, ``--reps`` times, and the median of each is printed in
-microseconds of the server's CPU per operation.
+operation than an agent's one at a time). The kinds are interleaved, ``--reps`` times, and
+the median of each is printed in microseconds of the server's CPU per operation.
 
     .venv/bin/python benchmarks/store_cost.py [--ops 400] [--reps 7]
 """

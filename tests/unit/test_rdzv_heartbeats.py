@@ -343,6 +343,25 @@ def test_a_node_whose_digest_never_came_is_taken_over_and_nobody_dies_meanwhile(
 
 
 @pytest.mark.timeout(30)
+def test_a_deleted_claim_key_does_not_stop_the_refreshes(store: Any) -> None:
+    """A claim expects the claim the newest digest names; on a deleted key the store answers
+    that expected value itself, which read as another node's claim stopped every refresh."""
+    keep_alive = timedelta(seconds=10)  # dead 30 s after a heartbeat, digest read from 20 s
+    state, nodes = _many(4, shared_age=40)
+    assert _backend(store).set_state(pickle.dumps(state)) is not None
+    for node in nodes:
+        store.set(_hb_key(node), _sealed(_hb_key(node), node, _ago(22)))
+    _no_digest(store)
+    assert _survivors(_backend(store, None, keep_alive), keep_alive) == set(nodes)
+    assert store.check([DIGEST, CLAIM])  # the first reader's refresh
+    store.delete_key(CLAIM)
+    second = _backend(ops := Ops(store), None, keep_alive)
+    second._hb._fresh = timedelta(0)  # the digest just written counts as old: claim the next
+    assert _survivors(second, keep_alive) == set(nodes)
+    assert ("set", DIGEST) in ops.calls and store.check([CLAIM])
+
+
+@pytest.mark.timeout(30)
 @pytest.mark.parametrize(
     "forged",
     ["junk", "stranger", "other-launch"],

@@ -91,6 +91,9 @@ class BeatDigest:
         self._claims += 1
         want = f"{self._me}.{self._claims}".encode()
         got = bytes(self._call("compare_set", self._claim_key, self._claimed, want))
+        if self._claimed and got == self._claimed.encode():
+            # A missing key answers the value expected: the claim key was deleted. Made anew.
+            got = bytes(self._call("compare_set", self._claim_key, "", want))
         if got == want:
             self._blocked = None
             return True

@@ -13,9 +13,10 @@ unchanged.
 A node reads the digest of every node's heartbeat (``beat_digest.py``) once a heartbeat it
 holds is an interval from the handler's dead-node limit, and the keys themselves (in
 ``multi_get``s of 256) when it won the digest's next refresh, or for the nodes still half an
-interval from the limit after the digest: at most once per half interval. A key that does not verify (a stranger's, another launch's,
-dated in the future) is ignored with one line; a deleted key is never waited on (the store's ``get`` would
-block until its timeout): the node keeps the newest time already seen, or the shared state's.
+interval from the limit after the digest: at most once per half interval. A key that does
+not verify (a stranger's, another launch's, dated in the future) is ignored with one line; a
+deleted key is never waited on (the store's ``get`` would block until its timeout): the node
+keeps the newest time already seen, or the shared state's.
 """
 
 from __future__ import annotations

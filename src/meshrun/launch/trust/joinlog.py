@@ -19,13 +19,16 @@ and a stranger can set anything, so it is only ever a place to check first; a hi
 does not check out costs the reader two checks more than the gallop it falls back to.
 
 Every node reads every entry: N keys a node and N^2 a round, and the store's ``multi_get``
-costs it 0.5 to 1.9 us a key, more the more keys one read asks for (docs/scale.md). So the node that wins the last slot of a chunk
-of 64 (``<state key>/log/c<i>``: slots 64i to 64i+63) writes the chunk's values as one, if
-it read them all (it read every slot before its own to claim it), and a reader whose new
-entries cover whole chunks reads those keys instead (a ``check`` that every one is there,
-then one ``multi_get``). A chunk is not sealed as a whole: each entry in it
-still verifies against its own slot's key, and a chunk with any entry that does not (a
-stranger's) is ignored with one line and its slots read one by one.
+costs it 0.5 to 1.9 us a key, more the more keys one read asks for (docs/scale.md). So the
+node that wins the last slot of a chunk of 64 (``<state key>/log/c<i>``: slots 64i to
+64i+63) writes the chunk's values as one, if it read them all (it read every slot before its
+own to claim it), and a reader whose new entries cover whole chunks reads those keys instead
+(a ``check`` that every one is there, then one ``multi_get``). A chunk is not sealed as a
+whole: each entry in it still verifies against its own slot's key, and a chunk with any entry
+that does not (a stranger's) is ignored with one line and its slots read one by one.
+
+A won write of the shared state appends a mark (``append_mark``): an entry of no node, which
+tells the pollers to read the state; a poll with nothing new is one ``check``.
 
 What the handler is handed is the shared state with each node's newest entry applied
 (:func:`fold`), as torch's own operations would have applied them. Anything that is not one
@@ -56,9 +59,9 @@ MARK_NODE = _NodeDesc("", 0, 0)
 _BATCH = 4096
 _HINT_DIGITS = 12  # a hint longer than this is not a slot number of this log
 _HELP_GAP = 4  # a reader that finds the end this far past the hint sets the hint
-# Slots per chunk: a node that read a chunk's slots writes them as one value for the others
-# (every node reading every entry was N^2 keys a round; a chunk of 64 entries costs the
-# store about a fifth of their 64 keys, benchmarks/store_cost.py).
+# Slots per chunk: the writer of a chunk's last slot writes the chunk as one value for the
+# readers (every node reading every entry was N^2 keys a round; 16 chunks cost the store 58 us
+# where their 1,024 keys cost 906, benchmarks/store_cost.py).
 CHUNK = 64
 
 
