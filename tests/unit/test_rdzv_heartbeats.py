@@ -284,6 +284,17 @@ def _many(n: int, shared_age: float) -> tuple[_RendezvousState, list[_NodeDesc]]
     return state, nodes
 
 
+def _written(store: Any, n: int, shared_age: float, key_age: float) -> list[_NodeDesc]:
+    """A completed round of ``n`` nodes in the store, each node's key signed ``key_age`` s
+    ago, and no digest yet (the writer's, made before the keys, forgotten)."""
+    state, nodes = _many(n, shared_age)
+    assert _backend(store).set_state(pickle.dumps(state)) is not None
+    for node in nodes:
+        store.set(_hb_key(node), _sealed(_hb_key(node), node, _ago(key_age)))
+    _no_digest(store)
+    return nodes
+
+
 def _hb_key(node: _NodeDesc) -> str:
     return f"{KEY}/hb/{node.addr}_{node.pid}_{node.local_id}"
 
@@ -298,11 +309,7 @@ def test_one_node_reads_every_key_and_the_others_read_its_digest(store: Any) -> 
     """Every node read every stale peer's key: N keys per node, N^2 per refresh, at 1.5 us of
     the store's CPU a key (docs/scale.md). Now one node reads them and signs what it verified
     as one value; the others read that, and keep every node alive on it."""
-    state, nodes = _many(8, shared_age=10)  # past the dead-node limit but for the keys
-    assert _backend(store).set_state(pickle.dumps(state)) is not None
-    for node in nodes:
-        store.set(_hb_key(node), _sealed(_hb_key(node), node, _ago(0.5)))
-    _no_digest(store)
+    nodes = _written(store, 8, shared_age=10, key_age=0.5)  # dead but for the keys
     readers = [Ops(store) for _ in range(5)]
     for ops in readers:
         assert _survivors(_backend(ops)) == set(nodes)
@@ -325,11 +332,7 @@ def test_a_node_whose_digest_never_came_is_taken_over_and_nobody_dies_meanwhile(
     clock = [1000.0]
     monkeypatch.setattr(beat_digest.time, "monotonic", lambda: clock[0])
     keep_alive = timedelta(seconds=10)  # dead 30 s after a heartbeat, keys read from 25 s
-    state, nodes = _many(4, shared_age=40)
-    assert _backend(store).set_state(pickle.dumps(state)) is not None
-    for node in nodes:
-        store.set(_hb_key(node), _sealed(_hb_key(node), node, _ago(26)))
-    _no_digest(store)
+    nodes = _written(store, 4, shared_age=40, key_age=26)
     store.set(CLAIM, "a-dead-node.1")
     ops = Ops(store)
     mine = _backend(ops, None, keep_alive)
@@ -339,6 +342,7 @@ def test_a_node_whose_digest_never_came_is_taken_over_and_nobody_dies_meanwhile(
     ops.calls.clear()
     assert _survivors(mine, keep_alive) == set(nodes)
     assert ("set", DIGEST) in ops.calls
+    assert _key_reads(ops) == 4  # every key once: none read again after the refresh
     assert not bytes(store.get(CLAIM)).startswith(b"a-dead-node")
 
 
@@ -347,11 +351,7 @@ def test_a_deleted_claim_key_does_not_stop_the_refreshes(store: Any) -> None:
     """A claim expects the claim the newest digest names; on a deleted key the store answers
     that expected value itself, which read as another node's claim stopped every refresh."""
     keep_alive = timedelta(seconds=10)  # dead 30 s after a heartbeat, digest read from 20 s
-    state, nodes = _many(4, shared_age=40)
-    assert _backend(store).set_state(pickle.dumps(state)) is not None
-    for node in nodes:
-        store.set(_hb_key(node), _sealed(_hb_key(node), node, _ago(22)))
-    _no_digest(store)
+    nodes = _written(store, 4, shared_age=40, key_age=22)
     assert _survivors(_backend(store, None, keep_alive), keep_alive) == set(nodes)
     assert store.check([DIGEST, CLAIM])  # the first reader's refresh
     store.delete_key(CLAIM)

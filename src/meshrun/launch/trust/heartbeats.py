@@ -141,19 +141,26 @@ class Heartbeats:
         self._read_at = time.monotonic()
         if self._older(nodes, self._digest_after):  # else only the view was older: none to read
             self._note(self._digest.read().items())
-            # A digest younger than half an interval is the newest there is: a node it leaves
-            # near the limit wrote nothing since (a refresh per stale node, each reader's due
-            # time its own, made every node read every key in turn).
-            if self._older(nodes, self._digest_after) and self._digest.age() >= self._fresh:
-                if self._digest.claim():
-                    self._read(nodes)
-                    self._digest.publish((n, self._seen[n]) for n in nodes)
-                else:
-                    self._note(self._digest.read().items())
-            if urgent := self._older(nodes, self._stale_after):
+            if not self._refreshed(nodes) and (urgent := self._older(nodes, self._stale_after)):
                 self._read(urgent)
         # Held times newer than the merged view's (this node's own write, the digest's).
         self._oldest = min((self._seen[n] for n in nodes), default=None)
+
+    def _refreshed(self, nodes: list[_NodeDesc]) -> bool:
+        """Whether this node just read every node's key and wrote the digest: it claims the
+        refresh when the digest leaves a node near the limit and is half an interval old; a
+        claim lost, it reads the digest again (the winner's, if it came already)."""
+        # A digest younger than half an interval is the newest there is: a node it leaves
+        # near the limit wrote nothing since (a refresh per stale node, each reader's due
+        # time its own, made every node read every key in turn).
+        if not self._older(nodes, self._digest_after) or self._digest.age() < self._fresh:
+            return False
+        if not self._digest.claim():
+            self._note(self._digest.read().items())
+            return False
+        self._read(nodes)  # every key: none is left for this node to read after
+        self._digest.publish((n, self._seen[n]) for n in nodes)
+        return True
 
     def _older(self, nodes: list[_NodeDesc], age: timedelta) -> list[_NodeDesc]:
         limit = datetime.now(timezone.utc) - age
@@ -168,7 +175,7 @@ class Heartbeats:
     # --- reading the keys ---------------------------------------------------------------
 
     def _read(self, nodes: list[_NodeDesc]) -> None:
-        """The nodes' keys in one ``multi_get`` (after one ``check``: a missing key would
+        """The nodes' keys in ``multi_get``s of 256 (after one ``check``: a missing key would
         block the read until the store's timeout); verified times noted, others said."""
         now = self._read_at = time.monotonic()
         # A key found missing is left out for one keep-alive interval: looking for each key

@@ -386,4 +386,5 @@ def _well_formed(doc: dict[str, Any]) -> bool:
         return False
     if not all(isinstance(v, int) for v in (node[1], node[2], doc.get("round"))):
         return False
-    return doc.get("in") in PLACES or (doc.get("in") == "mark" and node == ["", 0, 0])
+    mark = [MARK_NODE.addr, MARK_NODE.pid, MARK_NODE.local_id]
+    return doc.get("in") in PLACES or (doc.get("in") == "mark" and node == mark)
