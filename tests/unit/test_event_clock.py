@@ -167,3 +167,67 @@ def test_rdzv_scale_takes_event_as_a_dilation_and_refuses_nonsense() -> None:
     for bad in ("0", "-2", "fast"):
         with pytest.raises(Exception, match="a number > 0, or event"):
             bench._dilation(bad)
+
+
+def test_a_wait_for_a_key_ends_with_the_set_of_another_agents_store_without_polls() -> None:
+    module = _clock_module()
+    clock = module.EventClock()
+    shared = HashStore()
+    checks: list[str] = []
+
+    class Counted:  # each agent's own client of the one store, its checks counted
+        def check(self, keys: list[str]) -> bool:
+            checks.extend(keys)
+            return shared.check(keys)
+
+        def get(self, key: str) -> bytes:
+            return shared.get(key)
+
+        def set(self, key: str, value: bytes) -> None:
+            shared.set(key, value)
+
+    waiting = module.ClockedStore(Counted(), clock)
+    setting = module.ClockedStore(Counted(), clock)
+    got: list[tuple[bytes, float]] = []
+
+    def rank1() -> None:
+        got.append((waiting.get("MASTER_PORT"), clock.elapsed()))
+
+    def rank0() -> None:
+        clock.sleep(7.5)  # longer than the fallback poll's 1 s
+        setting.set("MASTER_PORT", b"29500")
+
+    try:
+        _run(rank1, rank0)
+    finally:
+        clock.close()
+    assert got[0][0] == b"29500"
+    assert 7.5 <= got[0][1] < 7.5 + CPU
+    # A real store holds a get until the key is set: one request. Here a check, one more
+    # once the wait is registered, one per fallback poll (1 s) and the last: 10 over 7.5 s,
+    # where the 10 ms polls made 751.
+    assert len(checks) == 10, len(checks)
+    assert clock.missed_sets == 0
+
+
+def test_a_key_set_past_the_clocked_stores_is_found_by_the_fallback_poll_and_counted() -> None:
+    module = _clock_module()
+    clock = module.EventClock()
+    shared = HashStore()
+    store = module.ClockedStore(shared, clock)
+    got: list[float] = []
+
+    def rank1() -> None:
+        store.get("MASTER_PORT")
+        got.append(clock.elapsed())
+
+    def elsewhere() -> None:  # not through a ClockedStore: no wake-up
+        clock.sleep(2.5)
+        shared.set("MASTER_PORT", b"29500")
+
+    try:
+        _run(rank1, elsewhere)
+    finally:
+        clock.close()
+    assert 3.0 <= got[0] < 3.0 + CPU  # the poll after the set (1 s each)
+    assert clock.missed_sets == 1
