@@ -225,6 +225,10 @@ class ClockedStore(Store):
 
     def set(self, key: str, value: str | bytes) -> None:
         self._store.set(key, value)
+        # A TCPStore client's set is not answered: a waiter woken now could check before the
+        # server has it (a wait then ran to the fallback poll, 1 to 5 times a run). A request
+        # answered on this connection comes after it.
+        self._store.check([key])
         self._clock.key_set(key)
 
     def check(self, keys: list[str]) -> bool:

@@ -87,6 +87,7 @@ from event_clock import EventClock
 from rdzv_before import SECRET_ENV, from_env
 from virtual_clock import AnchoredClock as Clock
 
+BACKENDS = ("meshrun", "c10d")
 IDLE_SETTLE_S = 10.0  # idle polling before the idle bytes are counted (``idle``)
 KEEP_ALIVE_S, KEEP_ALIVE_TRIES, LAST_CALL_S = 5, 3, 1  # torch's defaults but the last call's 30
 LAUNCH_NONCE = "rdzv-scale-bench"  # one simulated launch: every agent signs with this nonce
@@ -604,7 +605,12 @@ class Row:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--nodes", default="64,256,1024,4096", help="simulated node counts")
-    p.add_argument("--backends", default="meshrun,c10d", help="meshrun (signed), c10d or both")
+    p.add_argument(
+        "--backends",
+        default="meshrun,c10d",
+        type=_backends,
+        help="meshrun (signed), c10d, or both as meshrun,c10d",
+    )
     p.add_argument("--json", help="append each row to this file as a JSON line")
     p.add_argument(
         "--stall-report",
@@ -651,7 +657,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     print("|---" * 15 + "|")
     for n in [int(x) for x in a.nodes.split(",")]:
-        for backend in a.backends.split(","):
+        for backend in a.backends:
             row = measure(
                 backend, n, a.stall_report, a.idle, a.dilate, not a.first_only, a.trace_dead
             )
@@ -659,6 +665,19 @@ def main(argv: list[str] | None = None) -> None:
                 "-" if v is None else str(v) for k, v in row.items() if not k.endswith("_by_kind")
             ]
             emit(row, cells, a.json)
+
+
+def _backends(text: str) -> list[str]:
+    """``--backends``: names from meshrun and c10d, comma-separated ("both" once ran torch's
+    backend under that name)."""
+    names = [b.strip() for b in text.split(",")]
+    bad = [b for b in names if b not in BACKENDS]
+    if bad or not names:
+        raise argparse.ArgumentTypeError(
+            f"--backends {text!r}: {', '.join(map(repr, bad)) or 'none'} not a backend; "
+            f"use {' or '.join(BACKENDS)}, or both as meshrun,c10d"
+        )
+    return names
 
 
 def _dilation(text: str) -> float | str:

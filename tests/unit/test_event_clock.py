@@ -162,6 +162,10 @@ def test_a_blocking_get_of_a_key_not_yet_set_waits_on_the_clock() -> None:
 
 def test_rdzv_scale_takes_event_as_a_dilation_and_refuses_nonsense() -> None:
     bench = _load("_rdzv_scale_args", "rdzv_scale.py")
+    assert bench._backends("meshrun,c10d") == ["meshrun", "c10d"]
+    for bad in ("both", "meshrun,etcd", ""):
+        with pytest.raises(Exception, match="not a backend; use meshrun or c10d"):
+            bench._backends(bad)
     assert bench._dilation("event") == "event"
     assert bench._dilation("4") == 4.0
     for bad in ("0", "-2", "fast"):
@@ -204,9 +208,9 @@ def test_a_wait_for_a_key_ends_with_the_set_of_another_agents_store_without_poll
     assert got[0][0] == b"29500"
     assert 7.5 <= got[0][1] < 7.5 + CPU
     # A real store holds a get until the key is set: one request. Here a check, one more
-    # once the wait is registered, one per fallback poll (1 s) and the last: 10 over 7.5 s,
-    # where the 10 ms polls made 751.
-    assert len(checks) == 10, len(checks)
+    # once the wait is registered, one per fallback poll (1 s), the setter's own (its set is
+    # not answered) and the last: 11 over 7.5 s, where the 10 ms polls made 751.
+    assert len(checks) == 11, len(checks)
     assert clock.missed_sets == 0
 
 
