@@ -26,7 +26,9 @@ Per N and backend:
   that over the rounds' (virtual) seconds, the share of one core the store needs to keep
   their pace (over 1, a real store would fall behind);
 - ``agent_cpu_ms_per_s``: this process's CPU over both rounds and the idle phase, per agent
-  and per (virtual) second: what a host spends on its agent's rendezvous;
+  and per (virtual) second: what a host spends on its agent's rendezvous; the JSON row's
+  ``agent_cpu_s_by_phase`` gives this process's CPU seconds in each phase (first round, idle,
+  restart), which is where a simulation's wall time goes;
 - ``dilate`` and ``wall_s``: the clock's dilation K or "event" (below) and the run's real
   seconds.
 
@@ -489,7 +491,10 @@ def _rounds(
     try:
         cpu0, own0 = server.cpu_s(), time.process_time()
         gc0 = getattr(clock, "gc_s", 0.0)
+        # This process's CPU at the phases' ends, the collector's passes left out (below).
+        marks = {"start": time.process_time() - gc0}
         first, got = all_join(agents, clock, stall_s)
+        marks["first"] = time.process_time() - getattr(clock, "gc_s", 0.0)
         if trace_dead:
             rdzv_trace.say_charges(clock, "first round")
         _check_round(got, n)
@@ -502,6 +507,7 @@ def _rounds(
         idle_cpu0 = server.cpu_s()
         idle_b = idle(agents, idle_s, clock) if idle_s > 0 else 0.0
         idle_cpu = server.cpu_s() - idle_cpu0
+        marks["idle"] = time.process_time() - getattr(clock, "gc_s", 0.0)
         idle_total = IDLE_SETTLE_S + idle_s if idle_s > 0 else 0.0
         again, live = None, agents
         if restart:
@@ -517,6 +523,7 @@ def _rounds(
                 print(odd_views(live, clock), file=sys.stderr, flush=True)
                 raise
         cpu, own = server.cpu_s() - cpu0 - idle_cpu, time.process_time() - own0
+        marks["restart"] = time.process_time() - getattr(clock, "gc_s", 0.0)
         # The garbage collector's passes over all agents' objects are this process's, not a
         # host's (event_clock.EventClock.gc_pass); the dilated clock does not count them.
         own -= getattr(clock, "gc_s", 0.0) - gc0
@@ -547,7 +554,19 @@ def _rounds(
         idle_store_load=round(idle_cpu / idle_total, 3) if idle_total else None,
         ops_by_kind=_per_node(agents),
         keys_by_kind=_per_node(agents, keys=True),
+        agent_cpu_s_by_phase=_phases(marks, restart),
     )
+
+
+def _phases(marks: dict[str, float], restart: bool) -> dict[str, float | None]:
+    """This process's CPU seconds in each phase (all agents, the event clock's own work in,
+    the collector's passes out): where a simulation's time goes, and each phase's growth
+    with N (docs/scale.md: at 512 nodes first round 12.1 s, idle 54.4 s, restart 68.6 s)."""
+    return {
+        "first": round(marks["first"] - marks["start"], 1),
+        "idle": round(marks["idle"] - marks["first"], 1),
+        "restart": round(marks["restart"] - marks["idle"], 1) if restart else None,
+    }
 
 
 def _per_node(agents: list[Agent], keys: bool = False) -> dict[str, float]:
@@ -598,6 +617,7 @@ class Row:
     idle_store_load: float | None
     ops_by_kind: dict[str, float]
     keys_by_kind: dict[str, float]
+    agent_cpu_s_by_phase: dict[str, float | None]
     dilate: float | str
     wall_s: float
 
@@ -661,9 +681,7 @@ def main(argv: list[str] | None = None) -> None:
             row = measure(
                 backend, n, a.stall_report, a.idle, a.dilate, not a.first_only, a.trace_dead
             )
-            cells = [
-                "-" if v is None else str(v) for k, v in row.items() if not k.endswith("_by_kind")
-            ]
+            cells = ["-" if v is None else str(v) for v in row.values() if not isinstance(v, dict)]
             emit(row, cells, a.json)
 
 

@@ -43,6 +43,10 @@ def test_32_nodes_join_and_restart_with_one_gone() -> None:
     # about 1.6 KB/s, half of one state read a second. (30 s counted: a 10 s window held one
     # or two rounds of key reads, 834 or 1,575 B/s.)
     assert float(row["idle_b_per_s"]) < float(row["state_kb"]) * 1024, row
+    # The process's CPU by phase: each phase ran agents' Python (the idle one 40 s of polls).
+    phases = row["agent_cpu_s_by_phase"]
+    assert isinstance(phases, dict) and set(phases) == {"first", "idle", "restart"}, row
+    assert all(phases[p] > 0 for p in phases), phases
 
 
 # Every test here runs the agents on an event clock (benchmarks/event_clock.py): time moves
