@@ -488,13 +488,18 @@ def _rounds(
 
         untrace = rdzv_trace.install(agents, torch_handler, server.port, clock, LAUNCH_NONCE)
         rdzv_trace.expect_dead(torch_handler(agents[-1])._this_node)
+
+    def own_cpu() -> float:
+        """This process's CPU so far, the garbage collector's passes left out: they walk all
+        agents' objects, this process's work, not a host's (event_clock.EventClock.gc_pass;
+        the dilated clock does not count them)."""
+        return time.process_time() - getattr(clock, "gc_s", 0.0)
+
     try:
-        cpu0, own0 = server.cpu_s(), time.process_time()
-        gc0 = getattr(clock, "gc_s", 0.0)
-        # This process's CPU at the phases' ends, the collector's passes left out (below).
-        marks = {"start": time.process_time() - gc0}
+        cpu0 = server.cpu_s()
+        marks = {"start": own_cpu()}  # own_cpu() at the start and at each phase's end
         first, got = all_join(agents, clock, stall_s)
-        marks["first"] = time.process_time() - getattr(clock, "gc_s", 0.0)
+        marks["first"] = own_cpu()
         if trace_dead:
             rdzv_trace.say_charges(clock, "first round")
         _check_round(got, n)
@@ -507,7 +512,7 @@ def _rounds(
         idle_cpu0 = server.cpu_s()
         idle_b = idle(agents, idle_s, clock) if idle_s > 0 else 0.0
         idle_cpu = server.cpu_s() - idle_cpu0
-        marks["idle"] = time.process_time() - getattr(clock, "gc_s", 0.0)
+        marks["idle"] = own_cpu()
         idle_total = IDLE_SETTLE_S + idle_s if idle_s > 0 else 0.0
         again, live = None, agents
         if restart:
@@ -522,11 +527,9 @@ def _rounds(
             except RuntimeError:
                 print(odd_views(live, clock), file=sys.stderr, flush=True)
                 raise
-        cpu, own = server.cpu_s() - cpu0 - idle_cpu, time.process_time() - own0
-        marks["restart"] = time.process_time() - getattr(clock, "gc_s", 0.0)
-        # The garbage collector's passes over all agents' objects are this process's, not a
-        # host's (event_clock.EventClock.gc_pass); the dilated clock does not count them.
-        own -= getattr(clock, "gc_s", 0.0) - gc0
+        cpu = server.cpu_s() - cpu0 - idle_cpu
+        marks["restart"] = own_cpu()
+        own = marks["restart"] - marks["start"]
     finally:
         for agent in agents:
             stop_heartbeats(agent)
