@@ -26,6 +26,7 @@ import os
 import re
 import signal
 import socket
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -40,6 +41,7 @@ from meshrun.monitor.collectives import (
     parse_positions,
 )
 from meshrun.monitor.p2p import P2PState, p2p_lines, p2p_snapshot, parse_p2p, record_pipeline_p2p
+from meshrun.runtime.logs import say_line
 
 __all__ = ["EXIT_HANG", "HANG_DIR", "Watchdog", "hang_report", "watch_for_hangs"]
 
@@ -168,10 +170,10 @@ class Watchdog:
             if trigger == "deadline"
             else "was asked for its stacks (another rank reported a hang)"
         )
-        print(
+        say_line(
             f"meshrun watchdog: rank {self.rank} {why} (phase {phase}, after step {step}); "
             f"stacks in {self.path}; exiting {EXIT_HANG}",
-            flush=True,
+            sys.stdout,
         )
 
 
@@ -398,12 +400,12 @@ def watch_for_hangs(
         late = clock.overdue(bound_of)
         if late is not None:
             bound = bound_of()
-            print(
+            say_line(
                 f"meshrun launch: rank {late.rank} (pid {late.pid}) has been stopped (process "
                 f"state T) for {bound:g} s (monitor.step_timeout_s + {STOPPED_GRACE_S:g} s): "
                 "a hang, though no rank's deadline has passed (its peers may wait in a longer "
                 "phase, a checkpoint save)",
-                flush=True,
+                sys.stdout,
             )
         if late is not None or _fresh_dumps(folder, since):
             end_hung_workers(folder, since, stop)
@@ -469,11 +471,11 @@ def end_hung_workers(folder: Path, since: float, stop: threading.Event) -> dict[
         merged = read_ended(folder.parent, since) | ended
         (folder / ENDED_FILE).write_text(json.dumps({str(r): w for r, w in merged.items()}))
     for rank, w in sorted(doomed.items()):
-        print(
+        say_line(
             f"meshrun launch: rank {rank} (pid {w.pid}) is {ended[rank]}"
             f"{' (process state ' + w.state + ')' if w.stopped else ''} in a hang; ending it "
             "with SIGKILL",
-            flush=True,
+            sys.stdout,
         )
     # Kill once the reporting ranks have left (HOLD_S): a killed peer breaks their
     # collectives, and they should exit through their watchdog, not a Gloo error.

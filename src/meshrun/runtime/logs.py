@@ -151,11 +151,9 @@ def report_uncaught(
         show(tp, exc, tb)
         return
     log.error("a peer rank went away during a collective", exc_info=(tp, exc, tb), extra=FILE_ONLY)
-    print(
+    say_line(
         f"{tp.__name__}: {short}: a peer rank ended during a collective (the launcher names the "
-        f"first rank to fail); this rank's traceback is in {files[0]}",
-        file=sys.stderr,
-        flush=True,
+        f"first rank to fail); this rank's traceback is in {files[0]}"
     )
 
 
@@ -175,10 +173,22 @@ class _ConsoleFormatter(logging.Formatter):
         return f"{self.who}: {msg}"
 
 
+def say_line(text: str, stream: TextIO | None = None) -> None:
+    """``text`` and its newline in one ``write`` (stderr unless ``stream``), then a flush.
+
+    A node's ranks and its agent share one stdout pipe and one stderr pipe. Under
+    ``PYTHONUNBUFFERED=1`` (common in containers and batch scripts) ``print`` writes the text
+    and its newline separately, so another process's line can land between them and two lines
+    fuse into one; a single write of a line shorter than the pipe's buffer is atomic."""
+    out = stream or sys.stderr
+    out.write(text + "\n")
+    out.flush()
+
+
 def say_error(command: str, message: object, stream: TextIO | None = None) -> None:
     """The one line every meshrun command stops with: ``meshrun COMMAND: error: MESSAGE``, on
     stderr unless the command reports on ``stream`` (``ckpt`` writes its verdicts to stdout)."""
-    print(f"meshrun {command}: error: {message}", file=stream or sys.stderr, flush=True)
+    say_line(f"meshrun {command}: error: {message}", stream)
 
 
 def say_rank_error(message: object) -> None:
@@ -189,7 +199,7 @@ def say_rank_error(message: object) -> None:
 def say_launch(text: str) -> None:
     """One line of ``meshrun launch`` on stderr (the handshake, the agent's rendezvous,
     replica groups): ``meshrun launch: TEXT``."""
-    print(f"meshrun launch: {text}", file=sys.stderr, flush=True)
+    say_line(f"meshrun launch: {text}")
 
 
 def one_line(err: BaseException) -> str:

@@ -26,6 +26,7 @@ from collections.abc import Mapping, MutableMapping
 from dataclasses import dataclass
 from types import ModuleType
 
+from meshrun.runtime.logs import say_line
 from meshrun.runtime.ports import free_port
 
 _SIOCGIFADDR = 0x8915
@@ -110,7 +111,7 @@ def _announce(
 
 
 def _say(text: str) -> None:
-    print(f"meshrun: mpi: {text}", file=sys.stderr, flush=True)
+    say_line(f"meshrun: mpi: {text}")
 
 
 def exchange(

@@ -25,7 +25,6 @@ import json
 import os
 import secrets
 import socket
-import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
@@ -33,6 +32,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from meshrun.config import ConfigError
+from meshrun.runtime.logs import say_line
 
 __all__ = [
     "LOCK_NAME",
@@ -99,7 +99,7 @@ def job_token(multinode: bool, rdzv_id: str = "", rdzv_endpoint: str = "") -> st
 
 
 def _say_stderr(text: str) -> None:
-    print(f"meshrun: {text}", file=sys.stderr, flush=True)
+    say_line(f"meshrun: {text}")
 
 
 def _busy(run_dir: Path, holder: Holder | None) -> RunDirBusy:

@@ -16,5 +16,8 @@ parser.add_argument("--model.n_layer", dest="n_layer", type=int, default=0)
 args = parser.parse_args()  # strict: a `--` left in argv would make the flags positional
 seen = {"argv": argv_after_init, "batch_size": args.batch_size, "n_layer": args.n_layer}
 seen |= {"lr": run.config.optim.lr, "steps": run.config.optim.steps, "rank": run.rank}
-print(json.dumps(seen), flush=True)
+# One write of the whole line: both ranks share the launcher's stdout pipe, and print() under
+# PYTHONUNBUFFERED writes the text and its newline separately (two lines could fuse).
+sys.stdout.write(json.dumps(seen) + "\n")
+sys.stdout.flush()
 run.close()

@@ -15,7 +15,6 @@ import os
 import secrets
 import signal
 import socket
-import sys
 import threading
 import time
 from collections.abc import Iterator, Mapping
@@ -34,7 +33,7 @@ from meshrun.launch.spec import LaunchSpec, Rendezvous
 from meshrun.launch.torchrun_flags import FLAGS
 from meshrun.launch.trust.secret import resolve
 from meshrun.monitor.watchdog import hang_report, hang_states, watch_for_hangs
-from meshrun.runtime.logs import one_line, say_error, say_launch
+from meshrun.runtime.logs import one_line, say_error, say_launch, say_line
 from meshrun.runtime.ports import LOCAL_HOST, free_port
 from meshrun.runtime.secret import NONCE_ENV, SECRET_ENV, JobSecret, SecretError, from_env
 
@@ -161,11 +160,11 @@ def _launch(spec: LaunchSpec) -> int:
     with _claim(spec, rdzv, network), launch_environment(spec, network, secret) as omp_threads:
         if network is not None:
             argv = build_torchrun_args(spec, 0, network)
-            print(start_line(spec, 0, omp_threads, network), file=sys.stderr, flush=True)
+            say_line(start_line(spec, 0, omp_threads, network))
             return _run_multinode(argv, spec, network, known_runs, rdzv)
         with _local_store(spec) as port:
             argv = build_torchrun_args(spec, port, network)
-            print(start_line(spec, port, omp_threads, network), file=sys.stderr, flush=True)
+            say_line(start_line(spec, port, omp_threads, network))
             return _run_agent(argv, spec, known_runs, None)
 
 
@@ -379,7 +378,7 @@ def _run_agent(
     except KeyboardInterrupt:
         return _interrupted(signal.SIGINT)
     except Exception as err:  # the agent itself failed: rendezvous timeout, bad endpoint...
-        print(_agent_failed(err, network is not None), file=sys.stderr, flush=True)
+        say_line(_agent_failed(err, network is not None))
         return 1
     finally:
         stop_watch.set()
@@ -396,10 +395,10 @@ def _report_failure(
     ended, waiting = hang_states(spec.run_dir, started)
     states = HangStates(ended=ended, waiting=waiting)
     report = summarize_failures(failures, attempt_dir, socket.gethostname(), states)
-    print(report.text, file=sys.stderr, flush=True)
+    say_line(report.text)
     hang = hang_report(spec.run_dir, started)
     if hang is not None:  # the watchdog's stacks: who did not report, where the others wait
-        print(hang, file=sys.stderr, flush=True)
+        say_line(hang)
     return report.exit_code
 
 
@@ -412,5 +411,5 @@ def _agent_failed(err: BaseException, multinode: bool) -> str:
 
 
 def _interrupted(sig: signal.Signals) -> int:
-    print(f"meshrun launch: stopped by {sig.name}; workers shut down", file=sys.stderr)
+    say_line(f"meshrun launch: stopped by {sig.name}; workers shut down")
     return EXIT_INTERRUPTED if sig == signal.SIGINT else 128 + int(sig)
