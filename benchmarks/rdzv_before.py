@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
+from datetime import timedelta
 from typing import Any
 
 from torch.distributed.elastic.rendezvous import RendezvousHandler, RendezvousParameters
@@ -36,12 +37,22 @@ def signed_backend(
     say: Callable[[str], None],
     params: RendezvousParameters,
 ) -> Any:
-    """The checkout's signed backend as its ``create_signed_handler`` makes it (keep-alive
-    5 s x 3, the defaults), with the launch's ``nonce`` and the round settings where it takes
-    them."""
-    if "nonce" not in inspect.signature(SignedBackend).parameters:
+    """The checkout's signed backend as its ``create_signed_handler`` makes it: the launch's
+    ``nonce``, the round settings and the handler's keep-alive where it takes them. A checkout
+    whose backend has no keep-alive setting ran with 5 s x 3 only: another is refused."""
+    taken = inspect.signature(SignedBackend).parameters
+    every = params.get_as_int("keep_alive_interval", 5) or 5
+    tries = params.get_as_int("keep_alive_max_attempt", 3) or 3
+    if "keep_alive" not in taken and (every, tries) != (5, 3):
+        raise ValueError(
+            f"keep-alive {every} s x {tries}: this checkout's signed backend has 5 s x 3 only"
+        )
+    if "nonce" not in taken:
         return SignedBackend(store, run_id, secret, say=say)  # type: ignore[call-arg]
-    return SignedBackend(store, run_id, secret, nonce, say=say, **_round_settings(params))
+    kept: dict[str, Any] = {}
+    if "keep_alive" in taken:
+        kept = {"keep_alive": timedelta(seconds=every), "tries": tries}
+    return SignedBackend(store, run_id, secret, nonce, say=say, **kept, **_round_settings(params))
 
 
 def _round_settings(params: RendezvousParameters) -> dict[str, Any]:

@@ -173,7 +173,9 @@ class Agent:
     counter: Counting
 
 
-def make_agent(backend: str, port: int, n: int, i: int, run_id: str, clock: Clock) -> Agent:
+def make_agent(
+    backend: str, port: int, n: int, i: int, run_id: str, clock: Clock, keep_alive_s: int
+) -> Agent:
     params = RendezvousParameters(
         backend=backend,
         endpoint=f"127.0.0.1:{port}",
@@ -183,15 +185,15 @@ def make_agent(backend: str, port: int, n: int, i: int, run_id: str, clock: Cloc
         local_addr=f"10.{i // 65536}.{i // 256 % 256}.{i % 256}",
         join_timeout=900,
         last_call_timeout=LAST_CALL_S,
-        keep_alive_interval=KEEP_ALIVE_S,
+        keep_alive_interval=keep_alive_s,
         keep_alive_max_attempt=KEEP_ALIVE_TRIES,
     )
     store = TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=900))
     if backend == "meshrun":  # as create_signed_handler composes it, the store counted
         secret = from_env()
         counter = Counting(store)
-        # keep-alive 5 s x 3: SignedBackend's defaults, the same as KEEP_ALIVE_S, KEEP_ALIVE_TRIES
-        # (an older checkout's backend: rdzv_before.py)
+        # The handler's keep-alive settings, as create_signed_handler passes them (an older
+        # checkout's backend: rdzv_before.py)
         signed = rdzv_before.signed_backend(counter, run_id, secret, LAUNCH_NONCE, _said, params)
         prefixed = PrefixStore(f"meshrun.{secret.tag(run_id)}", store)
         handler = create_handler(_clocked(prefixed, clock), signed, params)
@@ -435,6 +437,7 @@ def measure(
     dilate: float | str = 1.0,
     restart: bool = True,
     trace_dead: bool = False,
+    keep_alive_s: int = KEEP_ALIVE_S,
 ) -> dict[str, Any]:
     """One row of the table (see the module); raises if a round is not what it must be.
     ``dilate``: the agents' clock runs that many times slower than the real one, or is an
@@ -454,7 +457,9 @@ def measure(
         # makes them.
         sharing = shared_objects.shared() if backend == "meshrun" else contextlib.nullcontext()
         with clocked as clock, sharing:
-            row = _rounds(backend, n, server, clock, stall_s, idle_s, restart, trace_dead)
+            row = _rounds(
+                backend, n, server, clock, stall_s, idle_s, restart, trace_dead, keep_alive_s
+            )
         if missed := getattr(clock, "missed_sets", 0):  # event_clock.ClockedStore
             print(
                 f"{missed} wait(s) for a key ended by the fallback poll, not by the set: "
@@ -476,12 +481,13 @@ def _rounds(
     idle_s: float,
     restart: bool,
     trace_dead: bool = False,
+    keep_alive_s: int = KEEP_ALIVE_S,
 ) -> dict[str, Any]:
     """The row's columns but ``dilate`` and ``wall_s``: both rounds, the idle phase between
     them, every agent's heartbeats stopped at the end (their timers run on ``clock``).
     ``trace_dead``: say every live node a handler drops as dead (``rdzv_trace.py``)."""
     run_id = f"scale{n}"
-    agents = [make_agent(backend, server.port, n, i, run_id, clock) for i in range(n)]
+    agents = [make_agent(backend, server.port, n, i, run_id, clock, keep_alive_s) for i in range(n)]
     untrace = None
     if trace_dead:
         import rdzv_trace  # here: it reads the current checkout's heartbeat keys
@@ -535,7 +541,7 @@ def _rounds(
             stop_heartbeats(agent)
         if untrace is not None:
             untrace()
-    waits = KEEP_ALIVE_S * KEEP_ALIVE_TRIES + LAST_CALL_S
+    waits = keep_alive_s * KEEP_ALIVE_TRIES + LAST_CALL_S
     rounds_s = first + (again or 0.0)
     return dict(
         backend=backend,
@@ -558,6 +564,7 @@ def _rounds(
         ops_by_kind=_per_node(agents),
         keys_by_kind=_per_node(agents, keys=True),
         agent_cpu_s_by_phase=_phases(marks, restart),
+        keep_alive_s=keep_alive_s,
     )
 
 
@@ -621,6 +628,7 @@ class Row:
     ops_by_kind: dict[str, float]
     keys_by_kind: dict[str, float]
     agent_cpu_s_by_phase: dict[str, float | None]
+    keep_alive_s: int
     dilate: float | str
     wall_s: float
 
@@ -672,17 +680,33 @@ def main(argv: list[str] | None = None) -> None:
         help="say every live node a handler drops as dead: what the dropping node held of it "
         "and what the node had written (rdzv_trace.py)",
     )
+    p.add_argument(
+        "--keep-alive",
+        type=_keep_alive,
+        default=KEEP_ALIVE_S,
+        metavar="S",
+        help=f"the handler's keep-alive interval, whole seconds (default {KEEP_ALIVE_S}, "
+        f"torch's): a dead node is dropped after {KEEP_ALIVE_TRIES} intervals, the restart's "
+        "longest wait (a shorter one makes a 4,096-node restart affordable here)",
+    )
     a = p.parse_args(argv)
     print(
         "| backend | nodes | first round s | restart s | beyond fixed waits s | "
         "ops/node | KiB/node | state KiB | store CPU s | store load | agent CPU ms/s | "
-        "idle B/s per node | idle store load | dilate | wall s |"
+        "idle B/s per node | idle store load | keep-alive s | dilate | wall s |"
     )
-    print("|---" * 15 + "|")
+    print("|---" * 16 + "|")
     for n in [int(x) for x in a.nodes.split(",")]:
         for backend in a.backends:
             row = measure(
-                backend, n, a.stall_report, a.idle, a.dilate, not a.first_only, a.trace_dead
+                backend,
+                n,
+                a.stall_report,
+                a.idle,
+                a.dilate,
+                not a.first_only,
+                a.trace_dead,
+                a.keep_alive,
             )
             cells = ["-" if v is None else str(v) for v in row.values() if not isinstance(v, dict)]
             emit(row, cells, a.json)
@@ -699,6 +723,15 @@ def _backends(text: str) -> list[str]:
             f"use {' or '.join(BACKENDS)}, or both as meshrun,c10d"
         )
     return names
+
+
+def _keep_alive(text: str) -> int:
+    """``--keep-alive``: whole seconds, as torch's ``keep_alive_interval`` parameter is read."""
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(
+            f"--keep-alive {text!r}: whole seconds >= 1 (torch reads the interval as an integer)"
+        )
+    return int(text)
 
 
 def _dilation(text: str) -> float | str:

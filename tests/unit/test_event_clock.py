@@ -171,6 +171,10 @@ def test_rdzv_scale_takes_event_as_a_dilation_and_refuses_nonsense() -> None:
     for bad in ("0", "-2", "fast"):
         with pytest.raises(Exception, match="a number > 0, or event"):
             bench._dilation(bad)
+    assert bench._keep_alive("1") == 1
+    for bad in ("0", "0.5", "-1", "x"):
+        with pytest.raises(Exception, match="whole seconds >= 1"):
+            bench._keep_alive(bad)
 
 
 def test_a_wait_for_a_key_ends_with_the_set_of_another_agents_store_without_polls() -> None:
