@@ -35,6 +35,7 @@ from typing import Any
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
 
 from meshrun.launch.trust.sealed import PROBE, SKEW, peek, unseal_timed
+from meshrun.launch.trust.state_json import Nodes, node_of
 from meshrun.runtime.secret import JobSecret, sanitize
 
 
@@ -49,8 +50,10 @@ class BeatDigest:
         nonce: str,
         keep_alive: timedelta,
         say: Callable[[str], None],
+        nodes: Nodes | None = None,
     ) -> None:
         self._call, self._secret, self._nonce, self._say = call, secret, nonce, say
+        self._nodes: Nodes = {} if nodes is None else nodes  # the backend's (state_json.py)
         self.key, self._claim_key = f"{state_key}/hbd", f"{state_key}/hbd.claim"
         self._keep_alive_s = keep_alive.total_seconds()
         self._me, self._claims = secrets.token_hex(6), 0
@@ -72,7 +75,7 @@ class BeatDigest:
         if doc is None or not isinstance(doc.get("claim"), str):
             self._ignore(why or "not a heartbeat digest")
             return {}
-        beats = _beats(doc.get("beats"))
+        beats = _beats(doc.get("beats"), self._nodes)
         if beats is None:
             self._ignore("not a heartbeat digest")
             return {}
@@ -135,7 +138,7 @@ class BeatDigest:
             )
 
 
-def _beats(raw: Any) -> dict[_NodeDesc, datetime] | None:
+def _beats(raw: Any, nodes: Nodes) -> dict[_NodeDesc, datetime] | None:
     """The digest's ``[addr, pid, local id, ms]`` rows as times, or None if malformed; a time
     ahead of our clock by more than the skew allowed is left out."""
     if not isinstance(raw, list):
@@ -155,5 +158,5 @@ def _beats(raw: Any) -> dict[_NodeDesc, datetime] | None:
         except (TypeError, ValueError, OverflowError, OSError):  # not a time in range
             return None
         if t <= latest:
-            out[_NodeDesc(addr, pid, local_id)] = t
+            out[node_of(nodes, addr, pid, local_id)] = t
     return out

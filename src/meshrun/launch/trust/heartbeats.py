@@ -34,6 +34,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _
 
 from meshrun.launch.trust.beat_digest import BeatDigest
 from meshrun.launch.trust.sealed import read_many, unseal_timed
+from meshrun.launch.trust.state_json import Nodes
 from meshrun.runtime.secret import JobSecret, sanitize
 
 # The keys are read at most once per this share of the keep-alive interval: a live node's key
@@ -54,6 +55,7 @@ class Heartbeats:
         keep_alive: timedelta,
         tries: int,
         say: Callable[[str], None],
+        nodes: Nodes | None = None,
     ) -> None:
         self._call, self._secret, self._nonce, self._say = call, secret, nonce, say
         self._prefix = f"{state_key}/hb/"
@@ -64,16 +66,20 @@ class Heartbeats:
         # the winner's digest, comes before any node's key must be read.
         self._digest_after = max(self._stale_after - keep_alive / 2, keep_alive / 2)
         self._fresh = keep_alive / 2  # a digest younger than this is not refreshed
-        self._digest = BeatDigest(call, state_key, secret, nonce, keep_alive, say)
+        self._digest = BeatDigest(call, state_key, secret, nonce, keep_alive, say, nodes)
         self._keep_alive = keep_alive
         self._keyed: dict[_NodeDesc, datetime] = {}  # the time this backend last wrote each key
         self._seen: dict[_NodeDesc, datetime] = {}
-        self._version = 0  # bumped whenever a time in _seen grows
         self._read_at = -math.inf
         self._absent: dict[str, float] = {}  # a key found missing -> when
         self._said: set[tuple[str, str]] = set()
-        self._base: _RendezvousState | None = None  # the last shared state merged...
-        self._built = -1  # ...at this version of _seen
+        # The last shared state merged, its nodes' held times newer than its own, and the
+        # nodes whose held time grew since (merged in at the next call). torch's node type
+        # hashes in Python: a pass over every node at each poll was most of an agent's CPU
+        # (docs/scale.md), so only a new state costs one.
+        self._base: _RendezvousState | None = None
+        self._newer: dict[_NodeDesc, datetime] = {}
+        self._grown: list[_NodeDesc] = []
         self._merged: _RendezvousState | None = None
         self._oldest: datetime | None = None
 
@@ -107,21 +113,43 @@ class Heartbeats:
         """``base`` (the verified shared state) with each node's heartbeat the newest of its
         own and its key's; ``base`` itself when no key is newer. Not changed in place."""
         if base is not self._base:
-            self._note(base.last_heartbeats.items())
-            self._base, self._built = base, -1
-            self._oldest = min((self._seen[n] for n in base.last_heartbeats), default=None)
+            self._absorb(base)
+        self._build()
         if self._due():
-            self._refresh(list(base.last_heartbeats))
-        if self._version != self._built:
-            newer = {n: self._seen[n] for n, t in base.last_heartbeats.items() if self._seen[n] > t}
-            self._merged = base
-            if newer:
-                self._merged = copy.copy(base)
-                self._merged.last_heartbeats = {**base.last_heartbeats, **newer}
-            self._built = self._version
-            self._oldest = min(self._merged.last_heartbeats.values(), default=None)
+            self._refresh()
+            self._build()
         assert self._merged is not None
         return self._merged
+
+    def _absorb(self, base: _RendezvousState) -> None:
+        """A new shared state: its times noted, and the held times newer than its own, in one
+        pass over its nodes (one lookup each)."""
+        seen, newer = self._seen, {}
+        for node, t in base.last_heartbeats.items():
+            held = seen.get(node)
+            if held is None or t > held:
+                seen[node] = t
+            elif held > t:
+                newer[node] = held
+        self._base, self._newer, self._grown, self._merged = base, newer, [], None
+
+    def _build(self) -> None:
+        """The merged view, made anew when the shared state or a held time changed."""
+        base = self._base
+        assert base is not None
+        if self._merged is not None and not self._grown:
+            return
+        beats = base.last_heartbeats
+        for node in self._grown:
+            t = beats.get(node)
+            if t is not None and self._seen[node] > t:
+                self._newer[node] = self._seen[node]
+        self._grown = []
+        self._merged = base
+        if self._newer:
+            self._merged = copy.copy(base)
+            self._merged.last_heartbeats = {**beats, **self._newer}
+        self._oldest = min(self._merged.last_heartbeats.values(), default=None)
 
     def _due(self) -> bool:
         """Whether to look for newer heartbeats: one held is near the handler's dead-node
@@ -132,45 +160,51 @@ class Heartbeats:
             return False
         return datetime.now(timezone.utc) - self._oldest >= self._digest_after
 
-    def _refresh(self, nodes: list[_NodeDesc]) -> None:
+    def _refresh(self) -> None:
         """The digest first (one read). If it leaves a node near the limit and is itself half
         an interval old, this node claims the next refresh: the winner reads every node's key
         and writes the digest, the others read it again (the winner's, if it came already).
         A node still past ``_stale_after`` has its key read by this node itself (a dead node,
         a digest that does not come)."""
         self._read_at = time.monotonic()
-        if self._older(nodes, self._digest_after):  # else only the view was older: none to read
+        if self._older(self._digest_after):  # else only the view was older: none to read
             self._note(self._digest.read().items())
-            if not self._refreshed(nodes) and (urgent := self._older(nodes, self._stale_after)):
+            if not self._refreshed() and (urgent := self._older(self._stale_after)):
                 self._read(urgent)
-        # Held times newer than the merged view's (this node's own write, the digest's).
-        self._oldest = min((self._seen[n] for n in nodes), default=None)
 
-    def _refreshed(self, nodes: list[_NodeDesc]) -> bool:
+    def _refreshed(self) -> bool:
         """Whether this node just read every node's key and wrote the digest: it claims the
         refresh when the digest leaves a node near the limit and is half an interval old; a
         claim lost, it reads the digest again (the winner's, if it came already)."""
         # A digest younger than half an interval is the newest there is: a node it leaves
         # near the limit wrote nothing since (a refresh per stale node, each reader's due
         # time its own, made every node read every key in turn).
-        if not self._older(nodes, self._digest_after) or self._digest.age() < self._fresh:
+        if not self._older(self._digest_after) or self._digest.age() < self._fresh:
             return False
         if not self._digest.claim():
             self._note(self._digest.read().items())
             return False
+        assert self._base is not None
+        nodes = list(self._base.last_heartbeats)
         self._read(nodes)  # every key: none is left for this node to read after
         self._digest.publish((n, self._seen[n]) for n in nodes)
         return True
 
-    def _older(self, nodes: list[_NodeDesc], age: timedelta) -> list[_NodeDesc]:
+    def _older(self, age: timedelta) -> list[_NodeDesc]:
+        """The shared state's nodes whose newest held time is ``age`` old: those of the merged
+        view, checked against the times held since it was built."""
+        assert self._merged is not None
         limit = datetime.now(timezone.utc) - age
-        return [n for n in nodes if self._seen[n] <= limit]
+        beats = self._merged.last_heartbeats.items()
+        return [n for n, t in beats if t <= limit and self._seen[n] <= limit]
 
     def _note(self, items: Iterable[tuple[_NodeDesc, datetime]]) -> None:
+        seen, grown = self._seen, self._grown
         for node, t in items:
-            if t > self._seen.get(node, _NEVER):
-                self._seen[node] = t
-                self._version += 1
+            held = seen.get(node)
+            if held is None or t > held:
+                seen[node] = t
+                grown.append(node)
 
     # --- reading the keys ---------------------------------------------------------------
 

@@ -42,13 +42,13 @@ from __future__ import annotations
 import copy
 import json
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import datetime, timezone
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 from meshrun.launch.trust.sealed import PROBE, peek, read_many, unseal_timed
+from meshrun.launch.trust.state_json import Nodes, node_of
 from meshrun.runtime.secret import JobSecret
 
 PLACES = ("part", "wait", "none")
@@ -65,8 +65,9 @@ _HELP_GAP = 4  # a reader that finds the end this far past the hint sets the hin
 CHUNK = 64
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
+    """One verified log entry (a tuple: an agent makes one per entry it reads, N a round)."""
+
     slot: int
     node: _NodeDesc
     round: int
@@ -84,6 +85,7 @@ class JoinLog:
         secret: JobSecret,
         nonce: str,
         say: Callable[[str], None],
+        nodes: Nodes | None = None,
     ) -> None:
         self._call, self._secret, self._nonce, self._say = call, secret, nonce, say
         self._prefix = f"{state_key}/log/"
@@ -94,6 +96,7 @@ class JoinLog:
         self.marks = 0  # the writes of the shared state read of (append_mark)
         self._said: set[int] = set()
         self._raws: dict[int, bytes] = {}  # the chunk being filled: its values held (_keep)
+        self._nodes: Nodes = {} if nodes is None else nodes  # the backend's (state_json.py)
 
     def key(self, slot: int) -> str:
         return f"{self._prefix}{slot}"
@@ -282,8 +285,8 @@ class JoinLog:
                 self._said.add(slot)
                 self._say(f"ignored the rendezvous log entry {key}: {why}; the job goes on")
             return None
-        addr, pid, local_id = doc["node"]
-        return Entry(slot, _NodeDesc(addr, pid, local_id), doc["round"], doc["in"], doc["time"])
+        node = node_of(self._nodes, *doc["node"])
+        return Entry(slot, node, doc["round"], doc["in"], doc["time"])
 
     def _seal(self, slot: int, node: _NodeDesc, round_: int, place: str, t: datetime) -> bytes:
         doc = {
@@ -380,11 +383,17 @@ def copy_state(state: _RendezvousState) -> _RendezvousState:
     return out
 
 
+_MARK = [MARK_NODE.addr, MARK_NODE.pid, MARK_NODE.local_id]
+
+
 def _well_formed(doc: dict[str, Any]) -> bool:
     node = doc.get("node")
-    if not (isinstance(node, list) and len(node) == 3 and isinstance(node[0], str)):
+    if not (isinstance(node, list) and len(node) == 3):
         return False
-    if not all(isinstance(v, int) for v in (node[1], node[2], doc.get("round"))):
+    addr, pid, local_id = node
+    if not (type(addr) is str and type(pid) is int and type(local_id) is int):
         return False
-    mark = [MARK_NODE.addr, MARK_NODE.pid, MARK_NODE.local_id]
-    return doc.get("in") in PLACES or (doc.get("in") == "mark" and node == mark)
+    if type(doc.get("round")) is not int:  # not isinstance: True is not a round
+        return False
+    place = doc.get("in")
+    return place in PLACES or (place == "mark" and node == _MARK)

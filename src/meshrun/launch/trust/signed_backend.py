@@ -28,7 +28,7 @@ from torch.distributed.elastic.rendezvous.dynamic_rendezvous import (
 from meshrun.launch.trust.heartbeats import Heartbeats, only_heartbeats
 from meshrun.launch.trust.joinlog import JoinLog, copy_state, fold, own_move
 from meshrun.launch.trust.sealed import PROBE, peek
-from meshrun.launch.trust.state_json import state_from_json, state_to_json
+from meshrun.launch.trust.state_json import Nodes, state_from_json, state_to_json
 from meshrun.runtime.logs import say_launch
 from meshrun.runtime.secret import JobSecret, sanitize
 
@@ -95,8 +95,10 @@ class SignedBackend(RendezvousBackend):
         self._seq = 0  # the highest write this node has seen
         self._good: bytes | None = None  # the last value that verified
         self._good_state: Decoded | None = None  # its state: a poll re-reads it often
-        self._hb = Heartbeats(self._call, self._key, secret, nonce, keep_alive, tries, self._say)
-        self._log = JoinLog(self._call, self._key, secret, nonce, self._say)
+        self._nodes: Nodes = {}  # one object per node, for every value decoded (state_json.py)
+        hb = (self._call, self._key, secret, nonce, keep_alive, tries, self._say, self._nodes)
+        self._hb = Heartbeats(*hb)
+        self._log = JoinLog(self._call, self._key, secret, nonce, self._say, self._nodes)
         self._rounds = rounds or Rounds()
         self._min_since: dict[int, datetime] = {}  # round -> when this node saw min_nodes
         # The last fold: (sealed state, log version) -> the state with entries and deadline.
@@ -333,7 +335,7 @@ class SignedBackend(RendezvousBackend):
             return self._refuse(raw, why)
         assert doc is not None
         try:
-            state = state_from_json(doc)
+            state = state_from_json(doc, self._nodes)
         except (KeyError, TypeError, ValueError) as err:  # signed, so a bug: say so plainly
             raise RendezvousStateError(f"the signed rendezvous state is malformed: {err}") from err
         self._seq, self._good = max(self._seq, doc["seq"]), raw

@@ -9,6 +9,21 @@ from typing import Any
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
+# A backend's one object per node, by its fields: the states it decodes, its log entries and
+# heartbeat digests name the same objects. torch's node type hashes and compares in Python;
+# a lookup of the very object a map holds skips the comparison, and a node is made once, not
+# once per value read (each of N agents reads every node's entries and times).
+Nodes = dict[tuple[str, int, int], _NodeDesc]
+
+
+def node_of(nodes: Nodes, addr: str, pid: int, local_id: int) -> _NodeDesc:
+    """The object for this node in ``nodes``, made and kept on first sight."""
+    key = (addr, pid, local_id)
+    held = nodes.get(key)
+    if held is None:
+        held = nodes[key] = _NodeDesc(addr, pid, local_id)
+    return held
+
 
 def state_to_json(state: _RendezvousState) -> dict[str, Any]:
     """The fields of torch's rendezvous state as JSON values (nodes as [addr, pid, id]),
@@ -27,7 +42,8 @@ def state_to_json(state: _RendezvousState) -> dict[str, Any]:
     }
 
 
-def state_from_json(doc: dict[str, Any]) -> _RendezvousState:
+def state_from_json(doc: dict[str, Any], nodes: Nodes | None = None) -> _RendezvousState:
+    """The state of :func:`state_to_json`'s document; its nodes from ``nodes`` (kept there)."""
     state = _RendezvousState()
     state.round = int(doc["round"])
     state.complete = bool(doc["complete"])
@@ -35,7 +51,7 @@ def state_from_json(doc: dict[str, Any]) -> _RendezvousState:
     state.closed = bool(doc["closed"])
     # One object per node, shared by the fields: the pickle handed to torch's handler then
     # holds each node once (it halved the pickle's time at 1,024 nodes).
-    nodes: dict[tuple[Any, ...], _NodeDesc] = {}
+    nodes = {} if nodes is None else nodes
     state.participants = {_desc(p[:3], nodes): int(p[3]) for p in doc["participants"]}
     state.wait_list = {_desc(n, nodes) for n in doc["wait_list"]}
     state.redundancy_list = {_desc(n, nodes) for n in doc["redundancy_list"]}
@@ -49,12 +65,8 @@ def _node(node: _NodeDesc) -> list[Any]:
     return [node.addr, node.pid, node.local_id]
 
 
-def _desc(item: list[Any], nodes: dict[tuple[Any, ...], _NodeDesc]) -> _NodeDesc:
-    key = tuple(item)
-    if key in nodes:
-        return nodes[key]
+def _desc(item: list[Any], nodes: Nodes) -> _NodeDesc:
     addr, pid, local_id = item
     if not isinstance(addr, str):
         raise TypeError(f"a node address must be a string, got {addr!r}")
-    nodes[key] = desc = _NodeDesc(addr, int(pid), int(local_id))
-    return desc
+    return node_of(nodes, addr, int(pid), int(local_id))
