@@ -15,7 +15,7 @@ Patched, and put back on leaving:
   (``state_json``, ``joinlog``) builds nodes with it;
 - ``datetime`` pickles as a call of :func:`moment`, and ``fromisoformat`` in those modules
   and in ``sealed`` (heartbeats, log entries) answers the first equal time parsed;
-- a verified log entry (``JoinLog._verify``) is the first equal entry.
+- a verified log entry (``JoinLog._entry``, from a slot or a chunk) is the first equal entry.
 On an older checkout, without those modules, only the pickles are patched: safe, as meshrun's
 pickles never leave the process.
 """
@@ -116,8 +116,22 @@ def _share_decoded(undo: list[Callable[[], None]]) -> None:
     entry is the first equal one."""
     for module in (state_json, joinlog):
         _swap(module, "_NodeDesc", node, undo)
-    for module in (state_json, sealed):
+    for module in (state_json, sealed, joinlog):
         _swap(module, "datetime", _parsing(module.datetime), undo)
+    make = getattr(joinlog.JoinLog, "_entry", None)
+    if make is None:  # a checkout before chunks of entries: its _verify makes them
+        _share_verified(undo)
+        return
+
+    def shared_entry(self: Any, *fields: Any) -> Any:
+        entry = make(self, *fields)
+        return _ENTRIES.setdefault(entry, entry)
+
+    joinlog.JoinLog._entry = shared_entry  # type: ignore[method-assign]
+    undo.append(lambda: setattr(joinlog.JoinLog, "_entry", make))
+
+
+def _share_verified(undo: list[Callable[[], None]]) -> None:
     verify = joinlog.JoinLog._verify
 
     def shared_verify(self: Any, slot: int, raw: bytes, quiet: bool = False) -> Any:

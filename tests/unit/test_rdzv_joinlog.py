@@ -6,6 +6,7 @@ round, as torch's own join and leave apply them."""
 
 from __future__ import annotations
 
+import json
 import pickle
 import threading
 from datetime import datetime, timedelta, timezone
@@ -295,26 +296,62 @@ def test_a_reader_takes_the_chunks_their_last_writers_wrote_in_one_read(store: A
     assert reader.newest == behind.newest == _newest(store) and len(reader.newest) == 300
 
 
-@pytest.mark.parametrize("forged", ["junk", "shifted", "short"])
+def _chunk_doc(store: Any, i: int) -> dict[str, Any]:
+    raw = bytes(store.get(_chunk_key(i)))
+    text = SECRET.unseal(_chunk_key(i), raw)
+    assert text is not None
+    doc: dict[str, Any] = json.loads(text)
+    return doc
+
+
+@pytest.mark.parametrize("forged", ["junk", "chunk 1's", "another launch's", "short", "future"])
 def test_a_chunk_that_is_not_the_logs_is_ignored_once_and_its_slots_read(
     store: Any, forged: str
 ) -> None:
-    """Each entry in a chunk verifies against its own slot's key: a stranger cannot hide,
-    reorder or replace an entry by writing a chunk."""
-    _filled(store, 64)
-    raws = [bytes(v) for v in store.multi_get([f"{KEY}/log/{s}" for s in range(64)])]
+    """A chunk is sealed over its own key and bound to the launch: a stranger cannot hide,
+    reorder or replace entries by writing one, nor move a chunk to another's key; one that is
+    not 64 entries or names a time ahead of the clock is not taken either."""
+    _filled(store, 128)
+    doc = _chunk_doc(store, 0)
+    future = [*doc["entries"][5][:5], (NOW + timedelta(hours=1)).isoformat()]
+
+    def sealed(d: dict[str, Any]) -> bytes:
+        return SECRET.seal(_chunk_key(0), json.dumps(d))
+
     store.set(
         _chunk_key(0),
         {
             "junk": b"not a chunk",
-            "shifted": b"\n".join(raws[1:] + raws[:1]),
-            "short": b"\n".join(raws[:63]),
+            "chunk 1's": bytes(store.get(_chunk_key(1))),
+            "another launch's": sealed({**doc, "launch": "another-launch"}),
+            "short": sealed({**doc, "entries": doc["entries"][:63]}),
+            "future": sealed(
+                {**doc, "entries": [*doc["entries"][:5], future, *doc["entries"][6:]]}
+            ),
         }[forged],
     )
     said: list[str] = []
     reader = _log(store, said)
-    assert reader.read() is True and reader.next == 64 and len(reader.newest) == 64
+    assert reader.read() is True and reader.next == 128 and len(reader.newest) == 128
+    assert reader.newest == _newest_by_slots(store, 128)
     assert len(said) == 1 and _chunk_key(0) in said[0] and "read one by one" in said[0], said
+
+
+def _newest_by_slots(store: Any, count: int) -> dict[_NodeDesc, Entry]:
+    """Every slot's entry, verified one by one (no chunk read)."""
+    log = _log(store)
+    for slot, raw in enumerate(store.multi_get([f"{KEY}/log/{s}" for s in range(count)])):
+        log._take(slot, bytes(raw))
+    return log.newest
+
+
+def test_a_chunk_holds_what_its_slots_hold(store: Any) -> None:
+    _filled(store, 64)
+    reader = _log(keys := Keys(store))
+    assert reader.read() is True and keys.read == [[_chunk_key(0)]], keys.read
+    assert reader.newest == _newest_by_slots(store, 64)
+    rows = _chunk_doc(store, 0)["entries"]
+    assert rows[3] == ["10.2.0.3", 3, 0, 0, "part", NOW.isoformat()]
 
 
 def test_a_chunk_with_a_strangers_entry_is_not_written(store: Any) -> None:

@@ -144,19 +144,19 @@ def _beats(raw: Any, nodes: Nodes) -> dict[_NodeDesc, datetime] | None:
     if not isinstance(raw, list):
         return None
     out: dict[_NodeDesc, datetime] = {}
-    latest = datetime.now(timezone.utc) + SKEW
+    # Every node's row at each read, N a read: plain type checks, no call per field.
+    latest_ms = (datetime.now(timezone.utc) + SKEW).timestamp() * 1e3
+    utc = timezone.utc
     for row in raw:
-        if not (isinstance(row, list) and len(row) == 4):
+        if type(row) is not list or len(row) != 4:
             return None
         addr, pid, local_id, ms = row
-        if not all(isinstance(v, w) for v, w in ((addr, str), (pid, int), (local_id, int))):
+        if type(addr) is not str or type(pid) is not int or type(local_id) is not int:
             return None
-        if not isinstance(ms, int):
+        if type(ms) is not int or ms < 0:
             return None
-        try:
-            t = datetime.fromtimestamp(ms / 1e3, timezone.utc)
-        except (TypeError, ValueError, OverflowError, OSError):  # not a time in range
-            return None
-        if t <= latest:
-            out[node_of(nodes, addr, pid, local_id)] = t
+        if ms > latest_ms:
+            continue
+        node = nodes.get((addr, pid, local_id)) or node_of(nodes, addr, pid, local_id)
+        out[node] = datetime.fromtimestamp(ms / 1e3, utc)
     return out

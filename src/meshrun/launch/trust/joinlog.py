@@ -21,11 +21,14 @@ does not check out costs the reader two checks more than the gallop it falls bac
 Every node reads every entry: N keys a node and N^2 a round, and the store's ``multi_get``
 costs it 0.5 to 1.9 us a key, more the more keys one read asks for (docs/scale.md). So the
 node that wins the last slot of a chunk of 64 (``<state key>/log/c<i>``: slots 64i to
-64i+63) writes the chunk's values as one, if it read them all (it read every slot before its
-own to claim it), and a reader whose new entries cover whole chunks reads those keys instead
-(a ``check`` that every one is there, then one ``multi_get``). A chunk is not sealed as a
-whole: each entry in it still verifies against its own slot's key, and a chunk with any entry
-that does not (a stranger's) is ignored with one line and its slots read one by one.
+64i+63) writes the chunk's entries as one value, if it verified them all (it read every slot
+before its own to claim it), and a reader whose new entries cover whole chunks reads those
+keys instead (a ``check`` that every one is there, then one ``multi_get``). A chunk is one
+JSON document sealed over its own key and bound to the launch's nonce, its entries in slot
+order: one MAC and one parse for 64 entries (an entry's own verification was most of an
+agent's CPU in a restart, docs/scale.md). A chunk that does not verify, is not 64 entries or
+holds one that is not well formed is ignored with one line and its slots read one by one;
+a writer holds a slot a stranger filled as unverified, so it writes no chunk over it.
 
 A won write of the shared state appends a mark (``append_mark``): an entry of no node, which
 tells the pollers to read the state; a poll with nothing new is one ``check``.
@@ -47,7 +50,7 @@ from typing import Any, NamedTuple
 
 from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
-from meshrun.launch.trust.sealed import PROBE, peek, read_many, unseal_timed
+from meshrun.launch.trust.sealed import PROBE, SKEW, peek, read_many, unseal_timed
 from meshrun.launch.trust.state_json import Nodes, node_of
 from meshrun.runtime.secret import JobSecret
 
@@ -95,7 +98,7 @@ class JoinLog:
         self.version = 0  # bumped by every entry taken
         self.marks = 0  # the writes of the shared state read of (append_mark)
         self._said: set[int] = set()
-        self._raws: dict[int, bytes] = {}  # the chunk being filled: its values held (_keep)
+        self._held: dict[int, Entry] = {}  # the chunk being filled: its entries (_keep)
         self._nodes: Nodes = {} if nodes is None else nodes  # the backend's (state_json.py)
 
     def key(self, slot: int) -> str:
@@ -131,9 +134,9 @@ class JoinLog:
             self.next = slot + 1
             if raw == sealed:
                 self._call("set", self._end_key, str(slot + 1))
-                self._keep(slot, sealed)
-                self._write_chunk(slot)
                 entry = Entry(slot, node, round_, place, t)
+                self._keep(entry)
+                self._write_chunk(slot)
                 self._note(entry)
                 return entry
             self._take(slot, raw)
@@ -221,29 +224,30 @@ class JoinLog:
                 self._take(slot, raw)
         self.next = end
 
-    def _keep(self, slot: int, raw: bytes) -> None:
-        """Hold a verified value of the chunk being filled: the writer of its last slot writes
-        the chunk (one ``set``) if it holds every value of it (one writer per chunk, right
+    def _keep(self, entry: Entry) -> None:
+        """Hold a verified entry of the chunk being filled: the writer of its last slot writes
+        the chunk (one ``set``) if it holds every entry of it (one writer per chunk, right
         when it is full; readers racing it read the slots)."""
-        first = slot - slot % CHUNK
-        if any(s < first for s in self._raws):
-            self._raws = {s: r for s, r in self._raws.items() if s >= first}
-        self._raws[slot] = raw
+        first = entry.slot - entry.slot % CHUNK
+        if any(s < first for s in self._held):
+            self._held = {s: e for s, e in self._held.items() if s >= first}
+        self._held[entry.slot] = entry
 
     def _write_chunk(self, slot: int) -> None:
         first = slot + 1 - CHUNK
-        if (slot + 1) % CHUNK or any(s not in self._raws for s in range(first, slot + 1)):
+        if (slot + 1) % CHUNK or any(s not in self._held for s in range(first, slot + 1)):
             return
-        joined = b"\n".join(self._raws[s] for s in range(first, slot + 1))
-        self._call("set", self._chunk_key(slot // CHUNK), joined)
+        rows = [_row(self._held[s]) for s in range(first, slot + 1)]
+        key = self._chunk_key(slot // CHUNK)
+        doc = json.dumps({"launch": self._nonce, "entries": rows}, separators=(",", ":"))
+        self._call("set", key, self._secret.seal(key, doc))
 
     def _chunk(self, i: int, raw: bytes) -> bool:
         """Take chunk ``i``'s entries from ``next`` on; False, with one line, when it is not
         this log's (then its slots are read one by one)."""
-        parts = raw.split(b"\n")
         first = i * CHUNK
-        entries = [self._verify(first + k, part, quiet=True) for k, part in enumerate(parts)]
-        if len(parts) != CHUNK or None in entries:
+        entries = self._chunk_entries(i, raw)
+        if entries is None:
             if -1 - i not in self._said:  # chunks' lines under negative numbers, slots' not
                 self._said.add(-1 - i)
                 self._say(
@@ -252,9 +256,50 @@ class JoinLog:
                 )
             return False
         for entry in entries[max(0, self.next - first) :]:
-            assert entry is not None
             self._note(entry)
         return True
+
+    def _chunk_entries(self, i: int, raw: bytes) -> list[Entry] | None:
+        """Chunk ``i``'s entries when it is sealed by this job over its key, in this launch,
+        64 well-formed entries none dated ahead of our clock; else None."""
+        text = self._secret.unseal(self._chunk_key(i), raw)
+        try:
+            doc = json.loads(text) if text is not None else None
+        except ValueError:
+            return None
+        if not isinstance(doc, dict) or doc.get("launch") != self._nonce:
+            return None
+        rows = doc.get("entries")
+        if not isinstance(rows, list) or len(rows) != CHUNK:
+            return None
+        latest = datetime.now(timezone.utc) + SKEW
+        entries = []
+        for k, row in enumerate(rows):
+            entry = self._from_row(i * CHUNK + k, row)
+            if entry is None or entry.time > latest:
+                return None
+            entries.append(entry)
+        return entries
+
+    def _from_row(self, slot: int, row: Any) -> Entry | None:
+        """A chunk's ``[addr, pid, local id, round, place, time]`` row as the slot's entry."""
+        if type(row) is not list or len(row) != 6:
+            return None
+        addr, pid, local_id, round_, place, when = row
+        doc = {"node": [addr, pid, local_id], "round": round_, "in": place}
+        if type(when) is not str or not _well_formed(doc):
+            return None
+        try:
+            t = datetime.fromisoformat(when)
+        except ValueError:
+            return None
+        if t.tzinfo is None:
+            return None
+        return self._entry(slot, node_of(self._nodes, addr, pid, local_id), round_, place, t)
+
+    def _entry(self, slot: int, node: _NodeDesc, round_: int, place: str, t: datetime) -> Entry:
+        """A verified entry (the benchmark's agents share equal ones: shared_objects.py)."""
+        return Entry(slot, node, round_, place, t)
 
     def _chunk_key(self, i: int) -> str:
         return f"{self._prefix}c{i}"
@@ -263,8 +308,7 @@ class JoinLog:
         entry = self._verify(slot, raw)
         if entry is not None:
             self._note(entry)
-            if b"\n" not in raw:  # the chunk's separator (a sealed entry never has one)
-                self._keep(slot, raw)
+            self._keep(entry)
 
     def _note(self, entry: Entry) -> None:
         if entry.place == "mark":
@@ -275,18 +319,18 @@ class JoinLog:
             self.newest[entry.node] = entry
             self.version += 1
 
-    def _verify(self, slot: int, raw: bytes, quiet: bool = False) -> Entry | None:
+    def _verify(self, slot: int, raw: bytes) -> Entry | None:
         key = self.key(slot)
         doc, why = unseal_timed(self._secret, key, raw, self._nonce)
         if doc is not None and not _well_formed(doc):  # signed, so a bug: said, not used
             doc, why = None, "signed but not an entry"
         if why or doc is None:
-            if not quiet and slot not in self._said:
+            if slot not in self._said:
                 self._said.add(slot)
                 self._say(f"ignored the rendezvous log entry {key}: {why}; the job goes on")
             return None
         node = node_of(self._nodes, *doc["node"])
-        return Entry(slot, node, doc["round"], doc["in"], doc["time"])
+        return self._entry(slot, node, doc["round"], doc["in"], doc["time"])
 
     def _seal(self, slot: int, node: _NodeDesc, round_: int, place: str, t: datetime) -> bytes:
         doc = {
@@ -384,6 +428,12 @@ def copy_state(state: _RendezvousState) -> _RendezvousState:
 
 
 _MARK = [MARK_NODE.addr, MARK_NODE.pid, MARK_NODE.local_id]
+
+
+def _row(entry: Entry) -> list[Any]:
+    """An entry as a chunk's row (its slot is its place in the chunk)."""
+    node = entry.node
+    return [node.addr, node.pid, node.local_id, entry.round, entry.place, entry.time.isoformat()]
 
 
 def _well_formed(doc: dict[str, Any]) -> bool:
