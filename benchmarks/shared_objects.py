@@ -12,7 +12,9 @@ What an agent holds is then its own dicts, lists and bytes, which a real host ho
 Patched, and put back on leaving:
 - ``_NodeDesc`` pickles as a call of :func:`node` (torch's handler unpickles the state at
   every change; meshrun's backend unpickles the handler's), and meshrun's JSON decoding
-  (``state_json``, ``joinlog``) builds nodes with it;
+  (``state_json``, ``joinlog``) builds nodes with it; a backend's own table of nodes
+  (``state_json.node_of``) is this process's one (a table per agent held N keys: 4,096 x
+  4,096 of them);
 - ``datetime`` pickles as a call of :func:`moment`, and ``fromisoformat`` in those modules
   and in ``sealed`` (heartbeats, log entries) answers the first equal time parsed;
 - a verified log entry (``JoinLog._entry``, from a slot or a chunk) is the first equal entry.
@@ -34,6 +36,10 @@ try:
     from meshrun.launch.trust import joinlog, sealed, state_json
 except ImportError:  # an older checkout (a "before" row, rdzv_before.py): only the pickles
     sealed = joinlog = state_json = None  # type: ignore[assignment]
+try:
+    from meshrun.launch.trust import beat_digest
+except ImportError:  # a checkout before the heartbeat digest
+    beat_digest = None  # type: ignore[assignment]
 
 _NODES: dict[tuple[str, int, int], _NodeDesc] = {}
 _MOMENTS: dict[Any, _datetime] = {}
@@ -62,6 +68,11 @@ def moment(state: bytes, tz: Any = None) -> _datetime:
 def _moment_key(t: _datetime) -> tuple[Any, Any]:
     args = _datetime.__reduce__(t)[1]
     return args[0], args[1] if len(args) > 1 else None
+
+
+def _node_of(nodes: Any, addr: str, pid: int, local_id: int) -> _NodeDesc:
+    """``state_json.node_of`` with this process's table for every agent's."""
+    return node(addr, pid, local_id)
 
 
 def _reduce_node(desc: _NodeDesc) -> tuple[Any, ...]:
@@ -116,6 +127,9 @@ def _share_decoded(undo: list[Callable[[], None]]) -> None:
     entry is the first equal one."""
     for module in (state_json, joinlog):
         _swap(module, "_NodeDesc", node, undo)
+    for module in (state_json, joinlog, beat_digest):
+        if module is not None and hasattr(module, "node_of"):
+            _swap(module, "node_of", _node_of, undo)
     for module in (state_json, sealed, joinlog):
         _swap(module, "datetime", _parsing(module.datetime), undo)
     make = getattr(joinlog.JoinLog, "_entry", None)

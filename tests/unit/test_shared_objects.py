@@ -39,7 +39,9 @@ def test_agents_decoding_the_same_state_share_its_nodes_and_times() -> None:
         bits = pickle.dumps(state)
         a, b = pickle.loads(bits), pickle.loads(bits)  # two agents' handlers
         doc = state_json.state_to_json(state)
-        c = state_json.state_from_json(doc)  # a third agent's backend, from the JSON
+        table: dict[tuple[str, int, int], _NodeDesc] = {}  # a fourth agent's own table
+        c = state_json.state_from_json(doc, table)  # a third agent's backend, from the JSON
+        assert not table  # the process's table serves every agent
     for got in (a, b, c):
         assert got.participants == state.participants
         assert got.last_heartbeats == state.last_heartbeats
@@ -56,6 +58,7 @@ def test_leaving_puts_every_patch_back() -> None:
     with shared.shared():
         pass
     assert state_json._NodeDesc is _NodeDesc
+    assert state_json.node_of.__module__ == state_json.__name__
     assert b"shared_objects" not in pickle.dumps(_state(2))
     a, b = pickle.loads(pickle.dumps(_state(2))), pickle.loads(pickle.dumps(_state(2)))
     assert all(x is not y for x, y in zip(a.participants, b.participants, strict=True))
