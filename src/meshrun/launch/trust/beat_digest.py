@@ -157,6 +157,5 @@ def _beats(raw: Any, nodes: Nodes) -> dict[_NodeDesc, datetime] | None:
             return None
         if ms > latest_ms:
             continue
-        node = nodes.get((addr, pid, local_id)) or node_of(nodes, addr, pid, local_id)
-        out[node] = datetime.fromtimestamp(ms / 1e3, utc)
+        out[node_of(nodes, addr, pid, local_id)] = datetime.fromtimestamp(ms / 1e3, utc)
     return out

@@ -286,8 +286,7 @@ class JoinLog:
         if type(row) is not list or len(row) != 6:
             return None
         addr, pid, local_id, round_, place, when = row
-        doc = {"node": [addr, pid, local_id], "round": round_, "in": place}
-        if type(when) is not str or not _well_formed(doc):
+        if type(when) is not str or not _fields_fit([addr, pid, local_id], round_, place):
             return None
         try:
             t = datetime.fromisoformat(when)
@@ -437,13 +436,17 @@ def _row(entry: Entry) -> list[Any]:
 
 
 def _well_formed(doc: dict[str, Any]) -> bool:
-    node = doc.get("node")
+    return _fields_fit(doc.get("node"), doc.get("round"), doc.get("in"))
+
+
+def _fields_fit(node: Any, round_: Any, place: Any) -> bool:
+    """An entry's node ``[addr, pid, local id]``, round and place, as a slot's entry or a
+    chunk's row carries them."""
     if not (isinstance(node, list) and len(node) == 3):
         return False
     addr, pid, local_id = node
     if not (type(addr) is str and type(pid) is int and type(local_id) is int):
         return False
-    if type(doc.get("round")) is not int:  # not isinstance: True is not a round
+    if type(round_) is not int:  # not isinstance: True is not a round
         return False
-    place = doc.get("in")
     return place in PLACES or (place == "mark" and node == _MARK)

@@ -96,8 +96,9 @@ class SignedBackend(RendezvousBackend):
         self._good: bytes | None = None  # the last value that verified
         self._good_state: Decoded | None = None  # its state: a poll re-reads it often
         self._nodes: Nodes = {}  # one object per node, for every value decoded (state_json.py)
-        hb = (self._call, self._key, secret, nonce, keep_alive, tries, self._say, self._nodes)
-        self._hb = Heartbeats(*hb)
+        self._hb = Heartbeats(
+            self._call, self._key, secret, nonce, keep_alive, tries, self._say, self._nodes
+        )
         self._log = JoinLog(self._call, self._key, secret, nonce, self._say, self._nodes)
         self._rounds = rounds or Rounds()
         self._min_since: dict[int, datetime] = {}  # round -> when this node saw min_nodes
