@@ -506,6 +506,7 @@ def _rounds(
         marks = {"start": own_cpu()}  # own_cpu() at the start and at each phase's end
         first, got = all_join(agents, clock, stall_s)
         marks["first"] = own_cpu()
+        say_phase(f"{backend} {n}: first round", marks, clock)
         if trace_dead:
             rdzv_trace.say_charges(clock, "first round")
         _check_round(got, n)
@@ -519,6 +520,8 @@ def _rounds(
         idle_b = idle(agents, idle_s, clock) if idle_s > 0 else 0.0
         idle_cpu = server.cpu_s() - idle_cpu0
         marks["idle"] = own_cpu()
+        if idle_s > 0:
+            say_phase(f"{backend} {n}: idle", marks, clock)
         idle_total = IDLE_SETTLE_S + idle_s if idle_s > 0 else 0.0
         again, live = None, agents
         if restart:
@@ -535,6 +538,8 @@ def _rounds(
                 raise
         cpu = server.cpu_s() - cpu0 - idle_cpu
         marks["restart"] = own_cpu()
+        if restart:
+            say_phase(f"{backend} {n}: restart", marks, clock)
         own = marks["restart"] - marks["start"]
     finally:
         for agent in agents:
@@ -565,6 +570,21 @@ def _rounds(
         keys_by_kind=_per_node(agents, keys=True),
         agent_cpu_s_by_phase=_phases(marks, restart),
         keep_alive_s=keep_alive_s,
+    )
+
+
+def say_phase(what: str, marks: dict[str, float], clock: Any) -> None:
+    """One line on stderr as a phase ends: a run of hours that is stopped still leaves its
+    finished phases' figures (the process's CPU in it, the collector's so far, the memory)."""
+    last = list(marks.values())
+    gc_s = getattr(clock, "gc_s", None)
+    rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024
+    print(
+        f"{what} done: {last[-1] - last[-2]:.1f} s of this process's CPU"
+        + ("" if gc_s is None else f", the collector's {gc_s:.1f} s so far")
+        + f", peak RSS {rss_mb} MB, at {time.strftime('%H:%M:%S')}",
+        file=sys.stderr,
+        flush=True,
     )
 
 
