@@ -76,6 +76,9 @@ class EventClock(virtual_clock.AnchoredClock):
         # happened to trigger it (``gc_pass``).
         self.gc_s, self.gc_max_s = 0.0, 0.0
         self._gc_taken = 0.0  # gc_s at the last take_charges()
+        # The simulation's own bookkeeping run inside an agent's thread (``uncharged``).
+        self.uncharged_s = 0.0
+        self._uncharged_lock = threading.Lock()
         # ClockedStore's waits for a key to be set: key -> the event its setter sets.
         self._keys_lock = threading.Lock()
         self._keyed: dict[str, threading.Event] = {}
@@ -161,8 +164,26 @@ class EventClock(virtual_clock.AnchoredClock):
             return
         took = now - getattr(self._cpu, "gc_from", now)
         self._cpu.mark = getattr(self._cpu, "mark", 0.0) + took
+        self._cpu.gc_in = getattr(self._cpu, "gc_in", 0.0) + took  # for ``uncharged``
         self.gc_s += took
         self.gc_max_s = max(self.gc_max_s, took)
+
+    @contextmanager
+    def uncharged(self) -> Iterator[None]:
+        """The CPU of the block is the simulation's, not the agent's (``shared_objects``
+        swapping what an agent decoded for the process's one copy): it moves this thread's
+        charge mark, as a collector's pass does, and adds to ``uncharged_s``."""
+        began, gc_before = _time.thread_time(), getattr(self._cpu, "gc_in", 0.0)
+        try:
+            yield
+        finally:
+            # A collector's pass inside the block has moved the mark already: moved twice,
+            # the mark would run ahead of the thread's CPU and its next wait begin early.
+            gc_inside = getattr(self._cpu, "gc_in", 0.0) - gc_before
+            took = _time.thread_time() - began - gc_inside
+            self._cpu.mark = getattr(self._cpu, "mark", 0.0) + took
+            with self._uncharged_lock:
+                self.uncharged_s += took
 
     def _wake(self, waiter: _Waiter) -> None:
         """Under the lock: one waiter woken (its time came, or its event was set)."""

@@ -20,17 +20,26 @@ Patched, and put back on leaving:
 - a verified log entry (``JoinLog._entry``, from a slot or a chunk) is the first equal entry.
 On an older checkout, without those modules, only the pickles are patched: safe, as meshrun's
 pickles never leave the process.
+
+torch's c10d backend's pickles go to the store and their bytes are measured, so
+:func:`shared_loads` patches no pickle: after torch's handler has unpickled a state (charged
+to its agent), the state's nodes and times are swapped for the process's ones, uncharged,
+each distinct object of the state for a distinct one (a pickle's bytes depend on which
+equal values are one object).
 """
 
 from __future__ import annotations
 
 import copyreg
+import pickle
+import types
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import datetime as _datetime
 from typing import Any
 
-from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc
+from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+from torch.distributed.elastic.rendezvous.dynamic_rendezvous import _NodeDesc, _RendezvousState
 
 try:
     from meshrun.launch.trust import joinlog, sealed, state_json
@@ -44,6 +53,8 @@ except ImportError:  # a checkout before the heartbeat digest
 _NODES: dict[tuple[str, int, int], _NodeDesc] = {}
 _MOMENTS: dict[Any, _datetime] = {}
 _ENTRIES: dict[Any, Any] = {}
+# shared_loads: (value, n) -> the process's n-th object of that value (_share_nodes).
+_COPIES: dict[tuple[Any, int], Any] = {}
 
 
 def node(addr: str, pid: int, local_id: int) -> _NodeDesc:
@@ -120,6 +131,60 @@ def shared() -> Iterator[None]:
         for put_back in reversed(undo):
             put_back()
         _NODES.clear(), _MOMENTS.clear(), _ENTRIES.clear()
+
+
+@contextmanager
+def shared_loads(uncharged: Callable[[], Any]) -> Iterator[None]:
+    """Within the block, every state torch's handler unpickles holds the process's one node
+    for each node; ``uncharged()``: a context whose CPU is not the agent's (the event
+    clock's ``uncharged``)."""
+
+    def loads(bits: bytes) -> Any:
+        state = pickle.loads(bits)  # the agent's own work, as on its host
+        if isinstance(state, _RendezvousState):
+            with uncharged():
+                _share_nodes(state)
+        return state
+
+    shim = types.ModuleType("pickle")
+    shim.__dict__.update(pickle.__dict__)
+    shim.loads = loads  # type: ignore[attr-defined]
+    real = dynamic_rendezvous.pickle
+    dynamic_rendezvous.pickle = shim
+    try:
+        yield
+    finally:
+        dynamic_rendezvous.pickle = real
+        _COPIES.clear()
+
+
+def _share_nodes(state: _RendezvousState) -> None:
+    """``state``'s nodes and heartbeat times swapped for the process's equal ones, the
+    state's own identities kept: equal values that were two objects in it stay two (a
+    handler adds its own node object beside a loaded copy; many nodes' heartbeats fall on
+    one virtual instant), as a pickle writes each object out once and its repeats as
+    references: made one, every state pickled after would be smaller than torch's on a
+    host."""
+    mine: dict[int, Any] = {}  # id of a loaded object -> its shared one
+    copies: dict[Any, int] = {}  # distinct objects seen of equal value
+
+    def one(obj: Any, value: Any) -> Any:
+        held = mine.get(id(obj))  # the state holds every loaded object: ids stay unique
+        if held is None:
+            nth = copies.get(value, 0)
+            copies[value] = nth + 1
+            held = mine[id(obj)] = _COPIES.setdefault((value, nth), obj)
+        return held
+
+    def node(d: _NodeDesc) -> _NodeDesc:
+        return one(d, (d.addr, d.pid, d.local_id))  # type: ignore[no-any-return]
+
+    state.participants = {node(d): rank for d, rank in state.participants.items()}
+    state.wait_list = {node(d) for d in state.wait_list}
+    state.redundancy_list = {node(d) for d in state.redundancy_list}
+    state.last_heartbeats = {
+        node(d): one(t, (t, t.tzinfo)) for d, t in state.last_heartbeats.items()
+    }
 
 
 def _share_decoded(undo: list[Callable[[], None]]) -> None:
