@@ -239,3 +239,34 @@ def test_a_key_set_past_the_clocked_stores_is_found_by_the_fallback_poll_and_cou
         clock.close()
     assert 3.0 <= got[0] < 3.0 + CPU  # the poll after the set (1 s each)
     assert clock.missed_sets == 1
+
+
+def test_uncharged_work_with_a_collectors_pass_inside_never_puts_the_mark_ahead() -> None:
+    """The CPU of an ``uncharged()`` block moves the thread's charge mark, and so does a
+    collector's pass (``gc_pass``); a pass inside the block counted by both put the mark
+    ahead of the thread's CPU, and its next wait began early (a 512-node round took 2.0
+    virtual seconds instead of 1.3)."""
+    import gc
+    import time
+
+    clock = _clock_module().EventClock()
+    seen: list[tuple[float, float, float]] = []
+    garbage = [[i] for i in range(200_000)]  # a pass over them costs ms, more than the start
+
+    def agent() -> None:
+        with clock.uncharged():
+            gc.collect()
+        seen.append((clock._cpu.mark, time.thread_time(), clock._cpu.gc_in))
+
+    gc.callbacks.append(clock.gc_pass)
+    try:
+        thread = threading.Thread(target=agent, daemon=True)
+        thread.start()
+        thread.join(timeout=60)
+    finally:
+        gc.callbacks.remove(clock.gc_pass)
+        clock.close()
+    del garbage
+    ((mark, cpu, gc_in),) = seen
+    assert gc_in > 0.0 and mark <= cpu
+    assert clock.uncharged_s <= cpu - gc_in + 1e-6

@@ -62,3 +62,48 @@ def test_leaving_puts_every_patch_back() -> None:
     assert b"shared_objects" not in pickle.dumps(_state(2))
     a, b = pickle.loads(pickle.dumps(_state(2))), pickle.loads(pickle.dumps(_state(2)))
     assert all(x is not y for x, y in zip(a.participants, b.participants, strict=True))
+
+
+def test_c10d_states_share_their_nodes_and_times_yet_pickle_to_torchs_own_bytes() -> None:
+    """c10d's pickles go to the store and are measured: shared_loads swaps what torch's
+    handler unpickled, and each distinct object of a state stays distinct. A handler's own
+    node beside a loaded copy of it, and two heartbeats on one instant, pickle in full twice;
+    made one object, they would pickle as a reference (fewer bytes than a host sends)."""
+    from torch.distributed.elastic.rendezvous import dynamic_rendezvous
+
+    shared = _module()
+    state = _state(4)
+    mine = _NodeDesc("10.0.0.1", 101, 0)  # equal to a participant, another object
+    state.wait_list.add(mine)
+    first = next(iter(state.participants))
+    same = state.last_heartbeats[first]
+    state.last_heartbeats[_NodeDesc("10.0.0.9", 109, 0)] = datetime.fromtimestamp(
+        same.timestamp(), timezone.utc
+    )  # the same instant, another object
+    bits = pickle.dumps(state)
+    loaded = pickle.loads(bits)
+    took: list[int] = []
+
+    class Uncharged:  # the event clock's uncharged(): here, only that it is entered
+        def __enter__(self) -> None:
+            took.append(1)
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    with shared.shared_loads(Uncharged):
+        a = dynamic_rendezvous.pickle.loads(bits)  # two agents' handlers
+        b = dynamic_rendezvous.pickle.loads(bits)
+        assert dynamic_rendezvous.pickle.dumps(a) == bits == pickle.dumps(loaded)
+    assert took == [1, 1]
+    assert dynamic_rendezvous.pickle is pickle
+    assert a.participants == state.participants and a.wait_list == state.wait_list
+    assert a.last_heartbeats == state.last_heartbeats
+    for x, y in zip(a.participants, b.participants, strict=True):
+        assert x is y
+        assert a.last_heartbeats[x] is b.last_heartbeats[y]
+    (waiting,) = a.wait_list
+    copy = next(n for n in a.participants if n == waiting)
+    assert waiting is not copy  # two objects in the state, two after the swap
+    t0, t9 = a.last_heartbeats[first], a.last_heartbeats[_NodeDesc("10.0.0.9", 109, 0)]
+    assert t0 == t9 and t0 is not t9
