@@ -53,7 +53,7 @@ except ImportError:  # a checkout before the heartbeat digest
 _NODES: dict[tuple[str, int, int], _NodeDesc] = {}
 _MOMENTS: dict[Any, _datetime] = {}
 _ENTRIES: dict[Any, Any] = {}
-# shared_loads: (value, n) -> the process's n-th object of that value (_share_nodes).
+# shared_loads: (value, n) -> the process's n-th object of that value (_share_state).
 _COPIES: dict[tuple[Any, int], Any] = {}
 
 
@@ -135,15 +135,15 @@ def shared() -> Iterator[None]:
 
 @contextmanager
 def shared_loads(uncharged: Callable[[], Any]) -> Iterator[None]:
-    """Within the block, every state torch's handler unpickles holds the process's one node
-    for each node; ``uncharged()``: a context whose CPU is not the agent's (the event
-    clock's ``uncharged``)."""
+    """Within the block, every state torch's handler unpickles holds the process's nodes and
+    times (:func:`_share_state`); ``uncharged()``: a context whose CPU is not the agent's
+    (the event clock's ``uncharged``)."""
 
     def loads(bits: bytes) -> Any:
         state = pickle.loads(bits)  # the agent's own work, as on its host
         if isinstance(state, _RendezvousState):
             with uncharged():
-                _share_nodes(state)
+                _share_state(state)
         return state
 
     shim = types.ModuleType("pickle")
@@ -158,7 +158,7 @@ def shared_loads(uncharged: Callable[[], Any]) -> Iterator[None]:
         _COPIES.clear()
 
 
-def _share_nodes(state: _RendezvousState) -> None:
+def _share_state(state: _RendezvousState) -> None:
     """``state``'s nodes and heartbeat times swapped for the process's equal ones, the
     state's own identities kept: equal values that were two objects in it stay two (a
     handler adds its own node object beside a loaded copy; many nodes' heartbeats fall on
@@ -176,14 +176,14 @@ def _share_nodes(state: _RendezvousState) -> None:
             held = mine[id(obj)] = _COPIES.setdefault((value, nth), obj)
         return held
 
-    def node(d: _NodeDesc) -> _NodeDesc:
+    def desc(d: _NodeDesc) -> _NodeDesc:
         return one(d, (d.addr, d.pid, d.local_id))  # type: ignore[no-any-return]
 
-    state.participants = {node(d): rank for d, rank in state.participants.items()}
-    state.wait_list = {node(d) for d in state.wait_list}
-    state.redundancy_list = {node(d) for d in state.redundancy_list}
+    state.participants = {desc(d): rank for d, rank in state.participants.items()}
+    state.wait_list = {desc(d) for d in state.wait_list}
+    state.redundancy_list = {desc(d) for d in state.redundancy_list}
     state.last_heartbeats = {
-        node(d): one(t, (t, t.tzinfo)) for d, t in state.last_heartbeats.items()
+        desc(d): one(t, (t, t.tzinfo)) for d, t in state.last_heartbeats.items()
     }
 
 
